@@ -1,0 +1,258 @@
+/*
+ * libpipe — pipelined inference for TorchScript models, behind a stable C ABI.
+ *
+ * The flow is:  pipe_model_load  ->  pipe_plan_create  ->  pipe_session_create  ->  pipe_session_run.
+ *
+ *   model    a loaded TorchScript archive (torch.jit.trace or torch.jit.script output)
+ *   plan     the model cut into stages (today: at pipe::split() markers in the model code)
+ *   session  one worker thread per stage; a call is cut into micro-batches along dimension 0 that
+ *            stream through the stages, and the outputs are concatenated back along dimension 0
+ *
+ * Rules that hold for every function in this header:
+ *   - Every fallible function returns a pipe_status; PIPE_OK (0) is success.
+ *   - Output parameters are written only on success; on failure they are left untouched.
+ *   - On failure, pipe_last_error() returns a message saying what was wrong and what to do.
+ *     The message is per thread and stays valid until that thread's next libpipe call.
+ *   - No C++ exception ever crosses this boundary.
+ *   - Every pipe_x_destroy accepts NULL and does nothing with it.
+ *   - Tensors cross as DLPack DLManagedTensor. Inputs are borrowed for the duration of the call
+ *     (libpipe never calls their deleter); outputs belong to the caller, who frees them by calling
+ *     their deleter.
+ *   - Strings returned as `const char *` are owned by libpipe; their lifetime is stated per function.
+ *
+ * Thread-safety notes use three words:
+ *   global     safe from any thread at any time; touches no handle.
+ *   thread-safe  safe to call concurrently on the same handle.
+ *   exclusive  the caller must not call another function on the same handle concurrently.
+ */
+#ifndef PIPE_PIPE_H
+#define PIPE_PIPE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <dlpack/dlpack.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PIPE_API __attribute__((visibility("default")))
+#else
+#define PIPE_API
+#endif
+
+/* ---- Version ------------------------------------------------------------------------------- */
+
+#define PIPE_VERSION_MAJOR 0
+#define PIPE_VERSION_MINOR 1
+#define PIPE_VERSION_PATCH 0
+
+/* "MAJOR.MINOR.PATCH" of the loaded library; equals the PIPE_VERSION_* it was built with.
+ * Global. Never fails; the string lives as long as the library is loaded. */
+PIPE_API const char *pipe_version(void);
+
+/* ---- Status codes --------------------------------------------------------------------------- */
+
+typedef int32_t pipe_status;
+
+#define PIPE_OK 0
+/* An argument is NULL, out of range, or otherwise not acceptable. */
+#define PIPE_ERR_INVALID_ARGUMENT 1
+/* A file named by the caller does not exist or cannot be opened. */
+#define PIPE_ERR_NOT_FOUND 2
+/* A file exists but is not in the expected format (not TorchScript, corrupt safetensors, ...). */
+#define PIPE_ERR_INVALID_FORMAT 3
+/* The model cannot be split as asked (no markers where required, marker inside a block, ...). */
+#define PIPE_ERR_SPLIT 4
+/* Inputs do not fit the model: wrong count, dtype, device or shape. */
+#define PIPE_ERR_INPUT 5
+/* A stage failed while running (the model's own code raised an error). */
+#define PIPE_ERR_EXECUTION 6
+/* Reading or writing a file failed after it was opened. */
+#define PIPE_ERR_IO 7
+/* Memory could not be allocated. */
+#define PIPE_ERR_OUT_OF_MEMORY 8
+/* The request is valid but this build or device cannot do it. */
+#define PIPE_ERR_UNSUPPORTED 9
+/* A bug in libpipe; the message says where. Please report it. */
+#define PIPE_ERR_INTERNAL 10
+
+/* The name of a status code ("PIPE_OK", "PIPE_ERR_INPUT", ...), or "PIPE_ERR_UNKNOWN" for a code
+ * this version does not define. Global. Never fails; the string is static. */
+PIPE_API const char *pipe_status_string(pipe_status status);
+
+/* The message of the last failed call on this thread ("" if none). Global. Valid until this
+ * thread's next libpipe call. */
+PIPE_API const char *pipe_last_error(void);
+
+/* ---- Logging ---------------------------------------------------------------------------------- */
+
+#define PIPE_LOG_DEBUG 0
+#define PIPE_LOG_INFO 1
+#define PIPE_LOG_WARNING 2
+#define PIPE_LOG_ERROR 3
+
+/* A log sink. `message` is valid only during the call. It may be called from libpipe's worker
+ * threads, concurrently; it must not call back into libpipe. */
+typedef void (*pipe_log_fn)(void *user_data, int32_t level, const char *message);
+
+/* Replace the default logger (warnings and errors to stderr). `fn` NULL restores the default.
+ * Messages below `min_level` (a PIPE_LOG_* value) are dropped.
+ * Global: safe from any thread; takes effect for messages emitted after it returns. */
+PIPE_API pipe_status pipe_set_log_callback(pipe_log_fn fn, void *user_data, int32_t min_level);
+
+/* ---- Named tensor lists ---------------------------------------------------------------------- */
+
+/* An ordered list of named tensors owned by libpipe: the outputs of a run, or the contents of a
+ * safetensors file. */
+typedef struct pipe_tensor_list pipe_tensor_list;
+
+/* Number of entries. Thread-safe. */
+PIPE_API pipe_status pipe_tensor_list_size(const pipe_tensor_list *list, size_t *size);
+
+/* Name of entry `index`; valid until the list is destroyed. Thread-safe. */
+PIPE_API pipe_status pipe_tensor_list_name(const pipe_tensor_list *list, size_t index,
+                                           const char **name);
+
+/* Index of the entry called `name`; PIPE_ERR_NOT_FOUND if there is none. Thread-safe. */
+PIPE_API pipe_status pipe_tensor_list_find(const pipe_tensor_list *list, const char *name,
+                                           size_t *index);
+
+/* Borrow entry `index` as DLPack. The tensor stays owned by the list: do not call its deleter;
+ * it is valid until the entry is taken or the list is destroyed. Exclusive. */
+PIPE_API pipe_status pipe_tensor_list_get(pipe_tensor_list *list, size_t index,
+                                          const DLManagedTensor **tensor);
+
+/* Take entry `index` out of the list: the caller owns `*tensor` and frees it with its deleter.
+ * The entry keeps its name but holds no tensor afterwards (get/take on it then fail).
+ * Exclusive. */
+PIPE_API pipe_status pipe_tensor_list_take(pipe_tensor_list *list, size_t index,
+                                           DLManagedTensor **tensor);
+
+/* Free the list and every tensor still in it. NULL is ignored. Exclusive. */
+PIPE_API void pipe_tensor_list_destroy(pipe_tensor_list *list);
+
+/* ---- safetensors files ------------------------------------------------------------------------ */
+
+/* Read every tensor of a safetensors file into a new list (CPU tensors, file order).
+ * PIPE_ERR_NOT_FOUND if the file cannot be opened; PIPE_ERR_INVALID_FORMAT if its header or data
+ * is malformed (the message says which entry and why). Global. */
+PIPE_API pipe_status pipe_safetensors_read(const char *path, pipe_tensor_list **list);
+
+/* Write every tensor of `list` to a safetensors file (tensors are copied to CPU and made
+ * contiguous as needed). Entries already taken are an error. The file is written to a temporary
+ * name and renamed, so a failed write never leaves a truncated file at `path`.
+ * Thread-safe on `list`. */
+PIPE_API pipe_status pipe_safetensors_write(const pipe_tensor_list *list, const char *path);
+
+/* ---- Model ------------------------------------------------------------------------------------- */
+
+typedef struct pipe_model pipe_model;
+
+/* Load a TorchScript archive. A TorchScript archive is code: load only models you trust.
+ * PIPE_ERR_NOT_FOUND if the file is missing; PIPE_ERR_INVALID_FORMAT if it is not a TorchScript
+ * archive or has no forward method. Global. */
+PIPE_API pipe_status pipe_model_load(const char *path, pipe_model **model);
+
+/* Number of forward inputs (not counting `self`). Thread-safe. */
+PIPE_API pipe_status pipe_model_num_inputs(const pipe_model *model, size_t *count);
+
+/* Name of forward input `index` as written in the model code (x, y, input_ids, ...); valid until
+ * the model is destroyed. Thread-safe. */
+PIPE_API pipe_status pipe_model_input_name(const pipe_model *model, size_t index,
+                                           const char **name);
+
+/* Free the model. Plans and sessions made from it keep what they need and stay valid.
+ * NULL is ignored. Exclusive. */
+PIPE_API void pipe_model_destroy(pipe_model *model);
+
+/* ---- Plan ---------------------------------------------------------------------------------------- */
+
+typedef struct pipe_plan pipe_plan;
+
+/* Split options. Reserved: no way to build one exists in this version, so pass NULL. */
+typedef struct pipe_plan_options pipe_plan_options;
+
+/* Cut `model` into stages. With `options` NULL the cuts are the pipe::split() markers in the
+ * model's forward code (top level only); a model without markers gives a single stage.
+ * PIPE_ERR_SPLIT if a marker sits inside an if/loop block or a cut would leave a stage empty.
+ * Thread-safe on `model`. */
+PIPE_API pipe_status pipe_plan_create(const pipe_model *model, const pipe_plan_options *options,
+                                      pipe_plan **plan);
+
+/* Number of stages. Thread-safe. */
+PIPE_API pipe_status pipe_plan_num_stages(const pipe_plan *plan, size_t *count);
+
+/* What pipe_plan_stage_count_names / pipe_plan_stage_name enumerate. */
+#define PIPE_NAMES_PARAMETERS 0 /* parameters the stage reads, original dotted names */
+#define PIPE_NAMES_BUFFERS 1    /* buffers the stage reads, original dotted names */
+
+/* Number of names of `kind` (a PIPE_NAMES_* value) in stage `stage`. Thread-safe. */
+PIPE_API pipe_status pipe_plan_stage_count_names(const pipe_plan *plan, size_t stage, int32_t kind,
+                                                 size_t *count);
+
+/* Name `index` of `kind` in stage `stage`; valid until the plan is destroyed. Thread-safe. */
+PIPE_API pipe_status pipe_plan_stage_name(const pipe_plan *plan, size_t stage, int32_t kind,
+                                          size_t index, const char **name);
+
+/* Bytes of parameters and buffers stage `stage` holds. Thread-safe. */
+PIPE_API pipe_status pipe_plan_stage_param_bytes(const pipe_plan *plan, size_t stage,
+                                                 uint64_t *bytes);
+
+/* The whole plan as JSON:
+ *   {"num_stages": N, "stages": [{"index": i, "parameters": [...], "buffers": [...],
+ *    "param_bytes": n, "num_nodes": k, "inputs": [{"name": ..., "from": <stage index> or "input"}],
+ *    "outputs": [{"name": ..., "to": [stage indices] or "caller"}]}]}
+ * ("input" is a forward argument of the model; "caller" is the model's result.)
+ * Valid until the plan is destroyed. Thread-safe. */
+PIPE_API pipe_status pipe_plan_describe(const pipe_plan *plan, const char **json);
+
+/* Free the plan. Sessions made from it stay valid. NULL is ignored. Exclusive. */
+PIPE_API void pipe_plan_destroy(pipe_plan *plan);
+
+/* ---- Session ------------------------------------------------------------------------------------ */
+
+typedef struct pipe_session pipe_session;
+
+/* Session options. Always start from PIPE_SESSION_OPTIONS_INIT: fields are only ever added at the
+ * end, and `struct_size` tells the library which ones the caller knows about. */
+typedef struct pipe_session_options {
+  uint32_t struct_size;
+  /* Micro-batches per call (>= 1). Tensor inputs are cut along dimension 0 into this many
+   * micro-batches (torch.tensor_split sizes; a batch smaller than this runs as that many
+   * micro-batches, with a logged warning); non-tensor inputs go to every micro-batch.
+   * Tensor outputs are concatenated along dimension 0. Default 1. */
+  int32_t num_microbatches;
+  /* Intra-op threads per stage worker; 0 picks max(1, cores / stages) so that stages do not
+   * oversubscribe the machine. Default 0. */
+  int32_t threads_per_stage;
+} pipe_session_options;
+
+#define PIPE_SESSION_OPTIONS_INIT {(uint32_t)sizeof(pipe_session_options), 1, 0}
+
+/* Build every stage of `plan` on the CPU and start one worker thread per stage. `options` NULL
+ * means PIPE_SESSION_OPTIONS_INIT. Thread-safe on `plan`. */
+PIPE_API pipe_status pipe_session_create(const pipe_plan *plan, const pipe_session_options *options,
+                                         pipe_session **session);
+
+/* Run one call through the pipeline and block until it is done. `inputs` are the forward
+ * arguments in order (pipe_model_input_name names them), borrowed for the call. On success
+ * `*outputs` is a new list the caller destroys: one entry "output" for a tensor result, "output.0",
+ * "output.1", ... for a tuple or list, "output.<key>" for a dict (nested containers join with '.').
+ * PIPE_ERR_INPUT for a wrong input count or inputs that do not split; PIPE_ERR_EXECUTION if a
+ * stage raised (the message names the stage). The session stays usable after a failed call.
+ * Thread-safe: many threads may run on one session at once; their micro-batches interleave. */
+PIPE_API pipe_status pipe_session_run(pipe_session *session, const DLManagedTensor *const *inputs,
+                                      size_t num_inputs, pipe_tensor_list **outputs);
+
+/* Stop the workers and free the session. The caller must not destroy a session while a call on
+ * it is still running. NULL is ignored. Exclusive. */
+PIPE_API void pipe_session_destroy(pipe_session *session);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* PIPE_PIPE_H */

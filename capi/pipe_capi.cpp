@@ -1,0 +1,413 @@
+// The extern "C" layer: every exported function validates its arguments, calls the C++ runtime,
+// and turns any exception into a status code plus a per-thread message. Nothing else lives here.
+#include "pipe/pipe.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstddef>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "capi/dlpack_bridge.h"
+#include "runtime/error.h"
+#include "runtime/graph/model.h"
+#include "runtime/graph/plan.h"
+#include "runtime/io/safetensors.h"
+#include "runtime/log.h"
+#include "runtime/schedule/session.h"
+
+// The DLPack layout the bridge assumes (see capi/dlpack_bridge.h).
+static_assert(sizeof(DLTensor) == 48 && offsetof(DLTensor, shape) == 24 &&
+                  offsetof(DLTensor, byte_offset) == 40,
+              "DLTensor layout differs from LibTorch's");
+static_assert(sizeof(DLManagedTensor) == 64 && offsetof(DLManagedTensor, deleter) == 56,
+              "DLManagedTensor layout differs from LibTorch's");
+
+#define PIPE_CHECK_STATUS(code, name) \
+  static_assert(code == static_cast<int32_t>(pipe::Status::name), #code " mismatch")
+PIPE_CHECK_STATUS(PIPE_OK, Ok);
+PIPE_CHECK_STATUS(PIPE_ERR_INVALID_ARGUMENT, InvalidArgument);
+PIPE_CHECK_STATUS(PIPE_ERR_NOT_FOUND, NotFound);
+PIPE_CHECK_STATUS(PIPE_ERR_INVALID_FORMAT, InvalidFormat);
+PIPE_CHECK_STATUS(PIPE_ERR_SPLIT, Split);
+PIPE_CHECK_STATUS(PIPE_ERR_INPUT, Input);
+PIPE_CHECK_STATUS(PIPE_ERR_EXECUTION, Execution);
+PIPE_CHECK_STATUS(PIPE_ERR_IO, Io);
+PIPE_CHECK_STATUS(PIPE_ERR_OUT_OF_MEMORY, OutOfMemory);
+PIPE_CHECK_STATUS(PIPE_ERR_UNSUPPORTED, Unsupported);
+PIPE_CHECK_STATUS(PIPE_ERR_INTERNAL, Internal);
+static_assert(PIPE_LOG_DEBUG == pipe::log::Debug && PIPE_LOG_ERROR == pipe::log::Error,
+              "log level mismatch");
+
+struct pipe_model {
+  std::shared_ptr<const pipe::graph::Model> impl;
+};
+
+struct pipe_plan {
+  std::shared_ptr<const pipe::graph::Plan> impl;
+  std::string json;
+};
+
+struct pipe_session {
+  std::unique_ptr<pipe::schedule::Session> impl;
+};
+
+struct pipe_tensor_list {
+  struct Entry {
+    std::string name;
+    at::Tensor tensor;
+    DLManagedTensor* view = nullptr;  // made by get(), freed with the list or handed out by take()
+    bool taken = false;
+  };
+  std::vector<Entry> entries;
+
+  ~pipe_tensor_list() {
+    for (auto& e : entries)
+      if (e.view && e.view->deleter) e.view->deleter(e.view);
+  }
+};
+
+namespace {
+
+using pipe::Error;
+using pipe::Status;
+
+thread_local std::string t_last_error;
+
+pipe_status fail(pipe_status code, const std::string& message) {
+  try {
+    t_last_error = message;
+  } catch (...) {
+    // Out of memory while storing the message: the status still says what happened.
+  }
+  return code;
+}
+
+// Runs `body`, translating every exception into a status and this thread's last error.
+// `function` is the exported function's name, handed to `body` for its messages.
+template <typename F>
+pipe_status guarded(const char* function, F&& body) noexcept {
+  t_last_error.clear();
+  try {
+    body(function);
+    return PIPE_OK;
+  } catch (const Error& e) {
+    return fail(static_cast<pipe_status>(e.status()), e.what());
+  } catch (const std::bad_alloc&) {
+    return fail(PIPE_ERR_OUT_OF_MEMORY, "out of memory");
+  } catch (const c10::Error& e) {
+    return fail(PIPE_ERR_INTERNAL, std::string("unexpected LibTorch error: ") +
+                                       e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return fail(PIPE_ERR_INTERNAL, std::string("unexpected error: ") + e.what());
+  } catch (...) {
+    return fail(PIPE_ERR_INTERNAL, "unexpected non-standard exception");
+  }
+}
+
+void require(const void* arg, const char* function, const char* name) {
+  if (!arg)
+    throw Error(Status::InvalidArgument, std::string(function) + ": " + name + " is NULL");
+}
+
+void require_index(size_t index, size_t size, const char* function, const char* what) {
+  if (index >= size)
+    throw Error(Status::InvalidArgument, std::string(function) + ": " + what + " " +
+                                             std::to_string(index) + " is out of range (there are " +
+                                             std::to_string(size) + ")");
+}
+
+pipe_tensor_list::Entry& live_entry(pipe_tensor_list* list, size_t index, const char* function) {
+  require_index(index, list->entries.size(), function, "index");
+  auto& e = list->entries[index];
+  if (e.taken)
+    throw Error(Status::InvalidArgument, std::string(function) + ": entry '" + e.name +
+                                             "' was already taken out of the list");
+  return e;
+}
+
+std::unique_ptr<pipe_tensor_list> make_list(std::vector<pipe::NamedTensor> tensors) {
+  auto list = std::make_unique<pipe_tensor_list>();
+  for (auto& t : tensors) list->entries.push_back({std::move(t.name), std::move(t.tensor)});
+  return list;
+}
+
+const std::vector<std::string>& stage_names(const pipe_plan* plan, size_t stage, int32_t kind,
+                                            const char* function) {
+  require(plan, function, "plan");
+  require_index(stage, plan->impl->num_stages(), function, "stage");
+  const auto& sp = plan->impl->stage(stage);
+  if (kind == PIPE_NAMES_PARAMETERS) return sp.parameters;
+  if (kind == PIPE_NAMES_BUFFERS) return sp.buffers;
+  throw Error(Status::InvalidArgument, std::string(function) + ": kind " + std::to_string(kind) +
+                                           " is not a PIPE_NAMES_* value");
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* pipe_version(void) {
+#define PIPE_STR2(x) #x
+#define PIPE_STR(x) PIPE_STR2(x)
+  return PIPE_STR(PIPE_VERSION_MAJOR) "." PIPE_STR(PIPE_VERSION_MINOR) "." PIPE_STR(PIPE_VERSION_PATCH);
+}
+
+const char* pipe_status_string(pipe_status status) {
+  switch (status) {
+    case PIPE_OK: return "PIPE_OK";
+    case PIPE_ERR_INVALID_ARGUMENT: return "PIPE_ERR_INVALID_ARGUMENT";
+    case PIPE_ERR_NOT_FOUND: return "PIPE_ERR_NOT_FOUND";
+    case PIPE_ERR_INVALID_FORMAT: return "PIPE_ERR_INVALID_FORMAT";
+    case PIPE_ERR_SPLIT: return "PIPE_ERR_SPLIT";
+    case PIPE_ERR_INPUT: return "PIPE_ERR_INPUT";
+    case PIPE_ERR_EXECUTION: return "PIPE_ERR_EXECUTION";
+    case PIPE_ERR_IO: return "PIPE_ERR_IO";
+    case PIPE_ERR_OUT_OF_MEMORY: return "PIPE_ERR_OUT_OF_MEMORY";
+    case PIPE_ERR_UNSUPPORTED: return "PIPE_ERR_UNSUPPORTED";
+    case PIPE_ERR_INTERNAL: return "PIPE_ERR_INTERNAL";
+    default: return "PIPE_ERR_UNKNOWN";
+  }
+}
+
+const char* pipe_last_error(void) { return t_last_error.c_str(); }
+
+pipe_status pipe_set_log_callback(pipe_log_fn callback, void* user_data, int32_t min_level) {
+  return guarded(__func__, [&](const char* fn) {
+    if (min_level < PIPE_LOG_DEBUG || min_level > PIPE_LOG_ERROR)
+      throw Error(Status::InvalidArgument, std::string(fn) + ": min_level " +
+                                               std::to_string(min_level) + " is not a PIPE_LOG_* value");
+    pipe::log::set_sink(callback, user_data, min_level);
+  });
+}
+
+/* ---- tensor lists ---- */
+
+pipe_status pipe_tensor_list_size(const pipe_tensor_list* list, size_t* size) {
+  return guarded(__func__, [&](const char* fn) {
+    require(list, fn, "list");
+    require(size, fn, "size");
+    *size = list->entries.size();
+  });
+}
+
+pipe_status pipe_tensor_list_name(const pipe_tensor_list* list, size_t index, const char** name) {
+  return guarded(__func__, [&](const char* fn) {
+    require(list, fn, "list");
+    require(name, fn, "name");
+    require_index(index, list->entries.size(), fn, "index");
+    *name = list->entries[index].name.c_str();
+  });
+}
+
+pipe_status pipe_tensor_list_find(const pipe_tensor_list* list, const char* name, size_t* index) {
+  return guarded(__func__, [&](const char* fn) {
+    require(list, fn, "list");
+    require(name, fn, "name");
+    require(index, fn, "index");
+    for (size_t i = 0; i < list->entries.size(); ++i)
+      if (list->entries[i].name == name) {
+        *index = i;
+        return;
+      }
+    throw Error(Status::NotFound, std::string(fn) + ": no entry named '" + name + "'");
+  });
+}
+
+pipe_status pipe_tensor_list_get(pipe_tensor_list* list, size_t index, const DLManagedTensor** tensor) {
+  return guarded(__func__, [&](const char* fn) {
+    require(list, fn, "list");
+    require(tensor, fn, "tensor");
+    auto& e = live_entry(list, index, fn);
+    if (!e.view) e.view = static_cast<DLManagedTensor*>(pipe::capi::tensor_to_dlpack(e.tensor));
+    *tensor = e.view;
+  });
+}
+
+pipe_status pipe_tensor_list_take(pipe_tensor_list* list, size_t index, DLManagedTensor** tensor) {
+  return guarded(__func__, [&](const char* fn) {
+    require(list, fn, "list");
+    require(tensor, fn, "tensor");
+    auto& e = live_entry(list, index, fn);
+    DLManagedTensor* out =
+        e.view ? e.view : static_cast<DLManagedTensor*>(pipe::capi::tensor_to_dlpack(e.tensor));
+    e.view = nullptr;
+    e.tensor.reset();
+    e.taken = true;
+    *tensor = out;
+  });
+}
+
+void pipe_tensor_list_destroy(pipe_tensor_list* list) { delete list; }
+
+/* ---- safetensors ---- */
+
+pipe_status pipe_safetensors_read(const char* path, pipe_tensor_list** list) {
+  return guarded(__func__, [&](const char* fn) {
+    require(path, fn, "path");
+    require(list, fn, "list");
+    *list = make_list(pipe::io::read_safetensors(path)).release();
+  });
+}
+
+pipe_status pipe_safetensors_write(const pipe_tensor_list* list, const char* path) {
+  return guarded(__func__, [&](const char* fn) {
+    require(list, fn, "list");
+    require(path, fn, "path");
+    std::vector<pipe::NamedTensor> tensors;
+    for (const auto& e : list->entries) {
+      if (e.taken)
+        throw Error(Status::InvalidArgument, std::string(fn) + ": entry '" + e.name +
+                                                 "' was taken out of the list and cannot be written");
+      tensors.push_back({e.name, e.tensor});
+    }
+    pipe::io::write_safetensors(path, tensors);
+  });
+}
+
+/* ---- model ---- */
+
+pipe_status pipe_model_load(const char* path, pipe_model** model) {
+  return guarded(__func__, [&](const char* fn) {
+    require(path, fn, "path");
+    require(model, fn, "model");
+    auto m = std::make_unique<pipe_model>();
+    m->impl = pipe::graph::Model::load(path);
+    *model = m.release();
+  });
+}
+
+pipe_status pipe_model_num_inputs(const pipe_model* model, size_t* count) {
+  return guarded(__func__, [&](const char* fn) {
+    require(model, fn, "model");
+    require(count, fn, "count");
+    *count = model->impl->input_names().size();
+  });
+}
+
+pipe_status pipe_model_input_name(const pipe_model* model, size_t index, const char** name) {
+  return guarded(__func__, [&](const char* fn) {
+    require(model, fn, "model");
+    require(name, fn, "name");
+    const auto& names = model->impl->input_names();
+    require_index(index, names.size(), fn, "input");
+    *name = names[index].c_str();
+  });
+}
+
+void pipe_model_destroy(pipe_model* model) { delete model; }
+
+/* ---- plan ---- */
+
+pipe_status pipe_plan_create(const pipe_model* model, const pipe_plan_options* options, pipe_plan** plan) {
+  return guarded(__func__, [&](const char* fn) {
+    require(model, fn, "model");
+    require(plan, fn, "plan");
+    if (options)
+      throw Error(Status::InvalidArgument,
+                  "pipe_plan_create: options must be NULL in this version (cuts come from pipe::split() markers)");
+    auto p = std::make_unique<pipe_plan>();
+    p->impl = pipe::graph::Plan::from_markers(model->impl);
+    p->json = p->impl->describe_json();
+    *plan = p.release();
+  });
+}
+
+pipe_status pipe_plan_num_stages(const pipe_plan* plan, size_t* count) {
+  return guarded(__func__, [&](const char* fn) {
+    require(plan, fn, "plan");
+    require(count, fn, "count");
+    *count = plan->impl->num_stages();
+  });
+}
+
+pipe_status pipe_plan_stage_count_names(const pipe_plan* plan, size_t stage, int32_t kind, size_t* count) {
+  return guarded(__func__, [&](const char* fn) {
+    const auto& names = stage_names(plan, stage, kind, fn);
+    require(count, fn, "count");
+    *count = names.size();
+  });
+}
+
+pipe_status pipe_plan_stage_name(const pipe_plan* plan, size_t stage, int32_t kind, size_t index,
+                                 const char** name) {
+  return guarded(__func__, [&](const char* fn) {
+    const auto& names = stage_names(plan, stage, kind, fn);
+    require(name, fn, "name");
+    require_index(index, names.size(), fn, "index");
+    *name = names[index].c_str();
+  });
+}
+
+pipe_status pipe_plan_stage_param_bytes(const pipe_plan* plan, size_t stage, uint64_t* bytes) {
+  return guarded(__func__, [&](const char* fn) {
+    require(plan, fn, "plan");
+    require(bytes, fn, "bytes");
+    require_index(stage, plan->impl->num_stages(), fn, "stage");
+    *bytes = plan->impl->stage(stage).param_bytes;
+  });
+}
+
+pipe_status pipe_plan_describe(const pipe_plan* plan, const char** json) {
+  return guarded(__func__, [&](const char* fn) {
+    require(plan, fn, "plan");
+    require(json, fn, "json");
+    *json = plan->json.c_str();
+  });
+}
+
+void pipe_plan_destroy(pipe_plan* plan) { delete plan; }
+
+/* ---- session ---- */
+
+pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_options* options,
+                                pipe_session** session) {
+  return guarded(__func__, [&](const char* fn) {
+    require(plan, fn, "plan");
+    require(session, fn, "session");
+    const pipe_session_options defaults = PIPE_SESSION_OPTIONS_INIT;
+    const pipe_session_options* o = options ? options : &defaults;
+    if (o->struct_size < offsetof(pipe_session_options, num_microbatches))
+      throw Error(Status::InvalidArgument,
+                  "pipe_session_create: options->struct_size is " + std::to_string(o->struct_size) +
+                      "; initialise the options with PIPE_SESSION_OPTIONS_INIT");
+    // Fields beyond what the caller's struct_size covers keep their defaults.
+    auto has = [&](size_t offset, size_t size) { return o->struct_size >= offset + size; };
+    pipe::schedule::SessionOptions opts;
+    if (has(offsetof(pipe_session_options, num_microbatches), sizeof(int32_t)))
+      opts.num_microbatches = o->num_microbatches;
+    if (has(offsetof(pipe_session_options, threads_per_stage), sizeof(int32_t)))
+      opts.threads_per_stage = o->threads_per_stage;
+    auto s = std::make_unique<pipe_session>();
+    s->impl = std::make_unique<pipe::schedule::Session>(plan->impl, opts);
+    *session = s.release();
+  });
+}
+
+pipe_status pipe_session_run(pipe_session* session, const DLManagedTensor* const* inputs,
+                             size_t num_inputs, pipe_tensor_list** outputs) {
+  return guarded(__func__, [&](const char* fn) {
+    require(session, fn, "session");
+    require(outputs, fn, "outputs");
+    if (num_inputs > 0) require(inputs, fn, "inputs");
+    std::vector<c10::IValue> args;
+    args.reserve(num_inputs);
+    for (size_t i = 0; i < num_inputs; ++i) {
+      if (!inputs[i])
+        throw Error(Status::InvalidArgument, "pipe_session_run: inputs[" + std::to_string(i) + "] is NULL");
+      try {
+        args.emplace_back(pipe::capi::tensor_from_borrowed_dlpack(inputs[i]));
+      } catch (const c10::Error& e) {
+        throw Error(Status::Input, "pipe_session_run: inputs[" + std::to_string(i) +
+                                       "] is not a tensor LibTorch can read: " + e.what_without_backtrace());
+      }
+    }
+    *outputs = make_list(session->impl->run(args)).release();
+  });
+}
+
+void pipe_session_destroy(pipe_session* session) { delete session; }
+
+}  // extern "C"

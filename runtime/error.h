@@ -1,0 +1,36 @@
+// The one exception type the runtime throws. It carries the C ABI status code that describes the
+// failure, so the capi layer can translate any failure into a status and a message without
+// guessing from exception text.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace pipe {
+
+// Mirrors the PIPE_* status codes of capi/include/pipe/pipe.h (checked there by static_assert).
+enum class Status : int32_t {
+  Ok = 0,
+  InvalidArgument = 1,
+  NotFound = 2,
+  InvalidFormat = 3,
+  Split = 4,
+  Input = 5,
+  Execution = 6,
+  Io = 7,
+  OutOfMemory = 8,
+  Unsupported = 9,
+  Internal = 10,
+};
+
+class Error : public std::runtime_error {
+ public:
+  Error(Status status, const std::string& message) : std::runtime_error(message), status_(status) {}
+  Status status() const noexcept { return status_; }
+
+ private:
+  Status status_;
+};
+
+}  // namespace pipe

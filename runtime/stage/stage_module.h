@@ -1,0 +1,15 @@
+// Builds one stage of a plan as a standalone TorchScript module: forward(self, <stage inputs>)
+// runs the stage's nodes; it returns a tuple of the values later stages read, or, for the last
+// stage, the model's own result. The module holds only the attributes the stage reads, under a
+// tree of submodules that mirrors the original, so its state_dict keys are the original names.
+#pragma once
+
+#include <torch/csrc/jit/api/module.h>
+
+#include "runtime/graph/plan.h"
+
+namespace pipe::stage {
+
+torch::jit::Module build_stage_module(const graph::Plan& plan, size_t stage_index);
+
+}  // namespace pipe::stage

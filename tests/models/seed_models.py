@@ -1,0 +1,137 @@
+"""Generates the seed models of the test suite as TorchScript files, with inputs and eager
+PyTorch reference outputs, using the project's own PyTorch (so the archive format always matches
+the LibTorch that loads it).
+
+The models are the ones PyTorch's own pipelining tests use: ExampleCode (4 stages, a parameter
+read by two stages, a skip connection from stage 0 to stage 2), MultiMLP (4 stages, an input read
+by the last stage only) and ModelWithParamAlias (2 stages, a parameter and a module aliased
+under two names).
+
+    python seed_models.py OUT_DIR
+
+writes, for each model NAME and form (traced / scripted):
+    OUT_DIR/NAME.<form>.pt            the TorchScript model
+    OUT_DIR/NAME.inputs.safetensors   one tensor per forward argument, named as in forward
+    OUT_DIR/NAME.expected.safetensors "output": eager PyTorch's result
+    OUT_DIR/NAME.state_dict.txt       the eager model's state_dict keys, one per line
+"""
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+from split_marker import pipe_split
+
+D = 512
+BATCH = 16
+
+
+class ExampleCode(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mm_param1 = torch.nn.Parameter(torch.randn(D, D) / D**0.5)
+        self.mm_param2 = torch.nn.Parameter(torch.randn(D, D) / D**0.5)
+        self.lin1 = torch.nn.Linear(D, D)
+        self.lin2 = torch.nn.Linear(D, D)
+
+    def forward(self, x, y):
+        x = torch.mm(x, self.mm_param1)
+        skip = x
+        x = x + y
+        x = torch.relu(x)
+        pipe_split()
+        x = torch.mm(x, self.mm_param1)
+        x = self.lin1(x)
+        pipe_split()
+        x = torch.relu(x)
+        x = x + skip
+        x = torch.mm(x, self.mm_param2)
+        pipe_split()
+        x = self.lin2(x)
+        x = torch.relu(x)
+        return x
+
+
+class MLPBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin0 = torch.nn.Linear(D, D)
+        self.lin1 = torch.nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.lin1(torch.relu(self.lin0(x)))
+
+
+class MultiMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block0 = MLPBlock()
+        self.block1 = MLPBlock()
+        self.block2 = MLPBlock()
+        self.block3 = MLPBlock()
+
+    def forward(self, x, y):
+        x = self.block0(x)
+        pipe_split()
+        x = self.block1(x)
+        pipe_split()
+        x = self.block2(x)
+        pipe_split()
+        x = self.block3(x)
+        return x - y
+
+
+class ModelWithParamAlias(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mm_param0 = torch.nn.Parameter(torch.randn(D, D) / D**0.5)
+        self.mm_param1 = self.mm_param0
+        self.lin0 = torch.nn.Linear(D, D)
+        self.lin1 = self.lin0
+
+    def forward(self, x, y):
+        x = torch.mm(x, self.mm_param0)
+        x = x + y
+        x = self.lin0(x)
+        x = torch.relu(x)
+        pipe_split()
+        x = torch.mm(x, self.mm_param1)
+        x = self.lin1(x)
+        x = torch.relu(x)
+        return x
+
+
+# name -> (class, forms). Tracing refuses modules shared under two names, so the alias model is
+# scripted only.
+MODELS = {
+    "example_code": (ExampleCode, ("traced", "scripted")),
+    "multi_mlp": (MultiMLP, ("traced",)),
+    "param_alias": (ModelWithParamAlias, ("scripted",)),
+}
+
+
+def generate(out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(0)
+    for name, (cls, forms) in MODELS.items():
+        model = cls().eval()
+        inputs = {"x": torch.randn(BATCH, D), "y": torch.randn(BATCH, D)}
+        with torch.no_grad():
+            expected = model(**inputs)
+        for form in forms:
+            if form == "traced":
+                ts = torch.jit.trace(model, tuple(inputs.values()))
+            else:
+                ts = torch.jit.script(model)
+            ts.save(os.path.join(out_dir, f"{name}.{form}.pt"))
+        save_file(inputs, os.path.join(out_dir, f"{name}.inputs.safetensors"))
+        save_file({"output": expected.contiguous()}, os.path.join(out_dir, f"{name}.expected.safetensors"))
+        with open(os.path.join(out_dir, f"{name}.state_dict.txt"), "w") as f:
+            f.write("\n".join(model.state_dict().keys()) + "\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: seed_models.py OUT_DIR")
+    generate(sys.argv[1])
