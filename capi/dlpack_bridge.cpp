@@ -4,7 +4,7 @@
 
 #include <cstddef>
 
-namespace pipe::capi {
+namespace libpipe::capi {
 
 // The layout pipe.h's DLManagedTensor has on LP64 (checked by the same asserts in pipe_capi.cpp).
 static_assert(sizeof(DLTensor) == 48 && offsetof(DLTensor, shape) == 24 &&
@@ -20,4 +20,4 @@ at::Tensor tensor_from_borrowed_dlpack(const void* managed_tensor) {
 
 void* tensor_to_dlpack(const at::Tensor& tensor) { return at::toDLPack(tensor); }
 
-}  // namespace pipe::capi
+}  // namespace libpipe::capi

@@ -9,7 +9,7 @@
 
 #include <ATen/Tensor.h>
 
-namespace pipe::capi {
+namespace libpipe::capi {
 
 // A tensor viewing the caller's memory; the DLPack deleter is never called (the caller keeps
 // ownership). Throws c10::Error for a DLPack tensor ATen cannot represent.
@@ -18,4 +18,4 @@ at::Tensor tensor_from_borrowed_dlpack(const void* managed_tensor);
 // A new DLManagedTensor owning a reference to `tensor`; freed by calling its deleter.
 void* tensor_to_dlpack(const at::Tensor& tensor);
 
-}  // namespace pipe::capi
+}  // namespace libpipe::capi

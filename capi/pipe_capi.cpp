@@ -26,7 +26,7 @@ static_assert(sizeof(DLManagedTensor) == 64 && offsetof(DLManagedTensor, deleter
               "DLManagedTensor layout differs from LibTorch's");
 
 #define PIPE_CHECK_STATUS(code, name) \
-  static_assert(code == static_cast<int32_t>(pipe::Status::name), #code " mismatch")
+  static_assert(code == static_cast<int32_t>(libpipe::Status::name), #code " mismatch")
 PIPE_CHECK_STATUS(PIPE_OK, Ok);
 PIPE_CHECK_STATUS(PIPE_ERR_INVALID_ARGUMENT, InvalidArgument);
 PIPE_CHECK_STATUS(PIPE_ERR_NOT_FOUND, NotFound);
@@ -38,20 +38,20 @@ PIPE_CHECK_STATUS(PIPE_ERR_IO, Io);
 PIPE_CHECK_STATUS(PIPE_ERR_OUT_OF_MEMORY, OutOfMemory);
 PIPE_CHECK_STATUS(PIPE_ERR_UNSUPPORTED, Unsupported);
 PIPE_CHECK_STATUS(PIPE_ERR_INTERNAL, Internal);
-static_assert(PIPE_LOG_DEBUG == pipe::log::Debug && PIPE_LOG_ERROR == pipe::log::Error,
+static_assert(PIPE_LOG_DEBUG == libpipe::log::Debug && PIPE_LOG_ERROR == libpipe::log::Error,
               "log level mismatch");
 
 struct pipe_model {
-  std::shared_ptr<const pipe::graph::Model> impl;
+  std::shared_ptr<const libpipe::graph::Model> impl;
 };
 
 struct pipe_plan {
-  std::shared_ptr<const pipe::graph::Plan> impl;
+  std::shared_ptr<const libpipe::graph::Plan> impl;
   std::string json;
 };
 
 struct pipe_session {
-  std::unique_ptr<pipe::schedule::Session> impl;
+  std::unique_ptr<libpipe::schedule::Session> impl;
 };
 
 struct pipe_tensor_list {
@@ -71,8 +71,8 @@ struct pipe_tensor_list {
 
 namespace {
 
-using pipe::Error;
-using pipe::Status;
+using libpipe::Error;
+using libpipe::Status;
 
 thread_local std::string t_last_error;
 
@@ -128,7 +128,7 @@ pipe_tensor_list::Entry& live_entry(pipe_tensor_list* list, size_t index, const 
   return e;
 }
 
-std::unique_ptr<pipe_tensor_list> make_list(std::vector<pipe::NamedTensor> tensors) {
+std::unique_ptr<pipe_tensor_list> make_list(std::vector<libpipe::NamedTensor> tensors) {
   auto list = std::make_unique<pipe_tensor_list>();
   for (auto& t : tensors) list->entries.push_back({std::move(t.name), std::move(t.tensor)});
   return list;
@@ -179,7 +179,7 @@ pipe_status pipe_set_log_callback(pipe_log_fn callback, void* user_data, int32_t
     if (min_level < PIPE_LOG_DEBUG || min_level > PIPE_LOG_ERROR)
       throw Error(Status::InvalidArgument, std::string(fn) + ": min_level " +
                                                std::to_string(min_level) + " is not a PIPE_LOG_* value");
-    pipe::log::set_sink(callback, user_data, min_level);
+    libpipe::log::set_sink(callback, user_data, min_level);
   });
 }
 
@@ -221,7 +221,7 @@ pipe_status pipe_tensor_list_get(pipe_tensor_list* list, size_t index, const DLM
     require(list, fn, "list");
     require(tensor, fn, "tensor");
     auto& e = live_entry(list, index, fn);
-    if (!e.view) e.view = static_cast<DLManagedTensor*>(pipe::capi::tensor_to_dlpack(e.tensor));
+    if (!e.view) e.view = static_cast<DLManagedTensor*>(libpipe::capi::tensor_to_dlpack(e.tensor));
     *tensor = e.view;
   });
 }
@@ -232,7 +232,7 @@ pipe_status pipe_tensor_list_take(pipe_tensor_list* list, size_t index, DLManage
     require(tensor, fn, "tensor");
     auto& e = live_entry(list, index, fn);
     DLManagedTensor* out =
-        e.view ? e.view : static_cast<DLManagedTensor*>(pipe::capi::tensor_to_dlpack(e.tensor));
+        e.view ? e.view : static_cast<DLManagedTensor*>(libpipe::capi::tensor_to_dlpack(e.tensor));
     e.view = nullptr;
     e.tensor.reset();
     e.taken = true;
@@ -248,7 +248,7 @@ pipe_status pipe_safetensors_read(const char* path, pipe_tensor_list** list) {
   return guarded(__func__, [&](const char* fn) {
     require(path, fn, "path");
     require(list, fn, "list");
-    *list = make_list(pipe::io::read_safetensors(path)).release();
+    *list = make_list(libpipe::io::read_safetensors(path)).release();
   });
 }
 
@@ -256,14 +256,14 @@ pipe_status pipe_safetensors_write(const pipe_tensor_list* list, const char* pat
   return guarded(__func__, [&](const char* fn) {
     require(list, fn, "list");
     require(path, fn, "path");
-    std::vector<pipe::NamedTensor> tensors;
+    std::vector<libpipe::NamedTensor> tensors;
     for (const auto& e : list->entries) {
       if (e.taken)
         throw Error(Status::InvalidArgument, std::string(fn) + ": entry '" + e.name +
                                                  "' was taken out of the list and cannot be written");
       tensors.push_back({e.name, e.tensor});
     }
-    pipe::io::write_safetensors(path, tensors);
+    libpipe::io::write_safetensors(path, tensors);
   });
 }
 
@@ -274,7 +274,7 @@ pipe_status pipe_model_load(const char* path, pipe_model** model) {
     require(path, fn, "path");
     require(model, fn, "model");
     auto m = std::make_unique<pipe_model>();
-    m->impl = pipe::graph::Model::load(path);
+    m->impl = libpipe::graph::Model::load(path);
     *model = m.release();
   });
 }
@@ -309,7 +309,7 @@ pipe_status pipe_plan_create(const pipe_model* model, const pipe_plan_options* o
       throw Error(Status::InvalidArgument,
                   "pipe_plan_create: options must be NULL in this version (cuts come from pipe::split() markers)");
     auto p = std::make_unique<pipe_plan>();
-    p->impl = pipe::graph::Plan::from_markers(model->impl);
+    p->impl = libpipe::graph::Plan::from_markers(model->impl);
     p->json = p->impl->describe_json();
     *plan = p.release();
   });
@@ -375,13 +375,13 @@ pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_option
                       "; initialise the options with PIPE_SESSION_OPTIONS_INIT");
     // Fields beyond what the caller's struct_size covers keep their defaults.
     auto has = [&](size_t offset, size_t size) { return o->struct_size >= offset + size; };
-    pipe::schedule::SessionOptions opts;
+    libpipe::schedule::SessionOptions opts;
     if (has(offsetof(pipe_session_options, num_microbatches), sizeof(int32_t)))
       opts.num_microbatches = o->num_microbatches;
     if (has(offsetof(pipe_session_options, threads_per_stage), sizeof(int32_t)))
       opts.threads_per_stage = o->threads_per_stage;
     auto s = std::make_unique<pipe_session>();
-    s->impl = std::make_unique<pipe::schedule::Session>(plan->impl, opts);
+    s->impl = std::make_unique<libpipe::schedule::Session>(plan->impl, opts);
     *session = s.release();
   });
 }
@@ -398,7 +398,7 @@ pipe_status pipe_session_run(pipe_session* session, const DLManagedTensor* const
       if (!inputs[i])
         throw Error(Status::InvalidArgument, "pipe_session_run: inputs[" + std::to_string(i) + "] is NULL");
       try {
-        args.emplace_back(pipe::capi::tensor_from_borrowed_dlpack(inputs[i]));
+        args.emplace_back(libpipe::capi::tensor_from_borrowed_dlpack(inputs[i]));
       } catch (const c10::Error& e) {
         throw Error(Status::Input, "pipe_session_run: inputs[" + std::to_string(i) +
                                        "] is not a tensor LibTorch can read: " + e.what_without_backtrace());

@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <string>
 
-namespace pipe {
+namespace libpipe {
 
 // Mirrors the PIPE_* status codes of capi/include/pipe/pipe.h (checked there by static_assert).
 enum class Status : int32_t {
@@ -33,4 +33,4 @@ class Error : public std::runtime_error {
   Status status_;
 };
 
-}  // namespace pipe
+}  // namespace libpipe

@@ -4,7 +4,7 @@
 #include <mutex>
 #include <shared_mutex>
 
-namespace pipe::log {
+namespace libpipe::log {
 namespace {
 
 void stderr_sink(void*, int32_t level, const char* message) {
@@ -43,4 +43,4 @@ void write(Level level, const std::string& message) {
   s.sink(s.user_data, level, message.c_str());
 }
 
-}  // namespace pipe::log
+}  // namespace libpipe::log

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-namespace pipe::log {
+namespace libpipe::log {
 
 enum Level : int32_t { Debug = 0, Info = 1, Warning = 2, Error = 3 };
 
@@ -20,4 +20,4 @@ void write(Level level, const std::string& message);
 inline void warning(const std::string& message) { write(Warning, message); }
 inline void debug(const std::string& message) { write(Debug, message); }
 
-}  // namespace pipe::log
+}  // namespace libpipe::log

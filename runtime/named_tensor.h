@@ -6,11 +6,11 @@
 
 #include <string>
 
-namespace pipe {
+namespace libpipe {
 
 struct NamedTensor {
   std::string name;
   at::Tensor tensor;
 };
 
-}  // namespace pipe
+}  // namespace libpipe

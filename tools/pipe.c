@@ -34,9 +34,12 @@ static int usage_error(const char *fmt, ...) {
   return 2;
 }
 
-/* Reports a failed libpipe call: its status name and message on one line. */
+/* Reports a failed libpipe call: its status name and message on one line (line breaks in the
+ * message become spaces, so scripts can rely on a single line). */
 static int fail(const char *what, pipe_status status) {
-  fprintf(stderr, "pipe: error: %s: %s [%s]\n", what, pipe_last_error(), pipe_status_string(status));
+  fprintf(stderr, "pipe: error: %s: ", what);
+  for (const char *c = pipe_last_error(); *c; ++c) fputc(*c == '\n' || *c == '\r' ? ' ' : *c, stderr);
+  fprintf(stderr, " [%s]\n", pipe_status_string(status));
   return 1;
 }
 
@@ -225,7 +228,7 @@ static int cmd_run(int argc, char **argv) {
   }
   size_t num_outputs = 0;
   pipe_tensor_list_size(out, &num_outputs);
-  fprintf(stderr, "pipe: ran %s in %.1f ms; wrote %zu output%s to %s\n", model_path, elapsed,
+  printf("pipe: ran %s in %.1f ms; wrote %zu output%s to %s\n", model_path, elapsed,
           num_outputs, num_outputs == 1 ? "" : "s", out_path);
   rc = 0;
 

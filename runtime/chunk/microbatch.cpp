@@ -5,7 +5,7 @@
 #include "runtime/error.h"
 #include "runtime/log.h"
 
-namespace pipe::chunk {
+namespace libpipe::chunk {
 
 std::vector<std::vector<c10::IValue>> split_inputs(const std::vector<c10::IValue>& inputs,
                                                    const std::vector<std::string>& names,
@@ -117,4 +117,4 @@ std::vector<NamedTensor> merge_outputs(const std::vector<c10::IValue>& results) 
   return merged;
 }
 
-}  // namespace pipe::chunk
+}  // namespace libpipe::chunk

@@ -11,7 +11,7 @@
 
 #include "runtime/named_tensor.h"
 
-namespace pipe::chunk {
+namespace libpipe::chunk {
 
 // Cuts `inputs` (named `names`, for messages) into at most `requested` micro-batches. Tensors of
 // rank >= 1 are split along dimension 0 and must agree on its size; other values (and 0-d
@@ -30,4 +30,4 @@ std::vector<NamedTensor> flatten_output(const c10::IValue& value);
 // need concatenating.
 std::vector<NamedTensor> merge_outputs(const std::vector<c10::IValue>& results);
 
-}  // namespace pipe::chunk
+}  // namespace libpipe::chunk

@@ -9,7 +9,7 @@
 #include "runtime/error.h"
 #include "runtime/graph/split_marker.h"
 
-namespace pipe::graph {
+namespace libpipe::graph {
 
 std::shared_ptr<const Model> Model::load(const std::string& path) {
   {
@@ -45,4 +45,4 @@ std::shared_ptr<const Model> Model::load(const std::string& path) {
   return model;
 }
 
-}  // namespace pipe::graph
+}  // namespace libpipe::graph

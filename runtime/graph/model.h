@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-namespace pipe::graph {
+namespace libpipe::graph {
 
 class Model {
  public:
@@ -34,4 +34,4 @@ class Model {
   std::vector<std::string> input_names_;
 };
 
-}  // namespace pipe::graph
+}  // namespace libpipe::graph

@@ -10,7 +10,7 @@
 #include "runtime/error.h"
 #include "runtime/graph/split_marker.h"
 
-namespace pipe::graph {
+namespace libpipe::graph {
 
 using torch::jit::Node;
 using torch::jit::Value;
@@ -236,4 +236,4 @@ std::string Plan::describe_json() const {
   return out.dump();
 }
 
-}  // namespace pipe::graph
+}  // namespace libpipe::graph

@@ -14,7 +14,7 @@
 
 #include "runtime/graph/model.h"
 
-namespace pipe::graph {
+namespace libpipe::graph {
 
 // A value handed between stages (or from the caller to a stage).
 struct CrossingValue {
@@ -71,4 +71,4 @@ bool is_floating_node(const torch::jit::Node* node, const torch::jit::Value* sel
 // an empty vector if `value` is not such a chain.
 std::vector<std::string> attribute_path(const torch::jit::Value* value, const torch::jit::Value* self);
 
-}  // namespace pipe::graph
+}  // namespace libpipe::graph

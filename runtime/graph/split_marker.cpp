@@ -2,7 +2,7 @@
 
 #include <torch/library.h>
 
-namespace pipe::graph {
+namespace libpipe::graph {
 
 void register_split_marker() {
   static const bool once = [] {
@@ -20,4 +20,4 @@ void register_split_marker() {
 
 c10::Symbol split_marker_kind() { return c10::Symbol::fromQualString("pipe::split"); }
 
-}  // namespace pipe::graph
+}  // namespace libpipe::graph

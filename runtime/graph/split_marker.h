@@ -6,7 +6,7 @@
 
 #include <ATen/core/interned_strings.h>
 
-namespace pipe::graph {
+namespace libpipe::graph {
 
 // Idempotent. Must run before loading a model that contains markers.
 void register_split_marker();
@@ -14,4 +14,4 @@ void register_split_marker();
 // The node kind of the marker in a TorchScript graph.
 c10::Symbol split_marker_kind();
 
-}  // namespace pipe::graph
+}  // namespace libpipe::graph

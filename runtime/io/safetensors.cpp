@@ -10,7 +10,7 @@
 
 #include "runtime/error.h"
 
-namespace pipe::io {
+namespace libpipe::io {
 namespace {
 
 using Json = nlohmann::ordered_json;
@@ -212,4 +212,4 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
   }
 }
 
-}  // namespace pipe::io
+}  // namespace libpipe::io

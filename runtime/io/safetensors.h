@@ -12,7 +12,7 @@
 
 #include "runtime/named_tensor.h"
 
-namespace pipe::io {
+namespace libpipe::io {
 
 // One entry of a validated header; offsets are relative to the start of the data section.
 struct TensorEntry {
@@ -36,4 +36,4 @@ std::vector<NamedTensor> read_safetensors(const std::string& path);
 // and non-empty. Writes to a temporary file and renames it over `path`.
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors);
 
-}  // namespace pipe::io
+}  // namespace libpipe::io

@@ -9,7 +9,7 @@
 #include <mutex>
 #include <optional>
 
-namespace pipe::schedule {
+namespace libpipe::schedule {
 
 template <typename T>
 class BoundedQueue {
@@ -53,4 +53,4 @@ class BoundedQueue {
   bool closed_ = false;
 };
 
-}  // namespace pipe::schedule
+}  // namespace libpipe::schedule

@@ -10,9 +10,10 @@
 
 #include "runtime/chunk/microbatch.h"
 #include "runtime/error.h"
+#include "runtime/log.h"
 #include "runtime/stage/stage_module.h"
 
-namespace pipe::schedule {
+namespace libpipe::schedule {
 
 // The state of one run() call shared by its micro-batches.
 struct Session::Call {
@@ -46,6 +47,29 @@ struct Session::Call {
   Status status = Status::Ok;
   std::string message;
 };
+
+namespace {
+
+// A stage's error as one line. Errors raised inside TorchScript carry the interpreter's
+// traceback, many lines long, whose last line is the error itself ("RuntimeError: mat1 and mat2
+// shapes cannot be multiplied ..."); that line is the message, and the whole text is logged at
+// debug level for whoever needs the traceback.
+std::string stage_failure(size_t stage, size_t microbatch, const std::string& what) {
+  const std::string prefix =
+      "stage " + std::to_string(stage) + " failed on micro-batch " + std::to_string(microbatch) + ": ";
+  std::string last;
+  size_t begin = 0;
+  while (begin < what.size()) {
+    size_t end = what.find('\n', begin);
+    if (end == std::string::npos) end = what.size();
+    if (what.find_first_not_of(" \t\r", begin) < end) last = what.substr(begin, end - begin);
+    begin = end + 1;
+  }
+  if (last.size() != what.size()) log::debug(prefix + what);
+  return prefix + last.substr(std::min(last.find_first_not_of(' '), last.size()));
+}
+
+}  // namespace
 
 Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options)
     : plan_(std::move(plan)), options_(options) {
@@ -86,12 +110,9 @@ void Session::worker_loop(size_t s) {
       } catch (const Error& e) {
         mb.call->fail(e.status(), e.what());
       } catch (const c10::Error& e) {
-        mb.call->fail(Status::Execution, "stage " + std::to_string(s) + " failed on micro-batch " +
-                                             std::to_string(mb.index) + ": " +
-                                             e.what_without_backtrace());
+        mb.call->fail(Status::Execution, stage_failure(s, mb.index, e.what_without_backtrace()));
       } catch (const std::exception& e) {
-        mb.call->fail(Status::Execution, "stage " + std::to_string(s) + " failed on micro-batch " +
-                                             std::to_string(mb.index) + ": " + e.what());
+        mb.call->fail(Status::Execution, stage_failure(s, mb.index, e.what()));
       }
     }
     if (last || mb.call->has_failed()) {
@@ -160,4 +181,4 @@ std::vector<NamedTensor> Session::run(const std::vector<c10::IValue>& inputs) {
   return chunk::merge_outputs(call->results);
 }
 
-}  // namespace pipe::schedule
+}  // namespace libpipe::schedule

@@ -15,7 +15,7 @@
 #include "runtime/named_tensor.h"
 #include "runtime/schedule/bounded_queue.h"
 
-namespace pipe::schedule {
+namespace libpipe::schedule {
 
 struct SessionOptions {
   int64_t num_microbatches = 1;
@@ -56,4 +56,4 @@ class Session {
   int threads_per_stage_ = 1;
 };
 
-}  // namespace pipe::schedule
+}  // namespace libpipe::schedule

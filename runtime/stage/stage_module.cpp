@@ -8,7 +8,7 @@
 
 #include "runtime/error.h"
 
-namespace pipe::stage {
+namespace libpipe::stage {
 
 using torch::jit::Graph;
 using torch::jit::Module;
@@ -155,4 +155,4 @@ Module build_stage_module(const graph::Plan& plan, size_t stage_index) {
   return root;
 }
 
-}  // namespace pipe::stage
+}  // namespace libpipe::stage

@@ -8,8 +8,8 @@
 
 #include "runtime/graph/plan.h"
 
-namespace pipe::stage {
+namespace libpipe::stage {
 
 torch::jit::Module build_stage_module(const graph::Plan& plan, size_t stage_index);
 
-}  // namespace pipe::stage
+}  // namespace libpipe::stage

@@ -21,7 +21,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from split_marker import pipe_split
+from libpipe import pipe_split
 
 D = 512
 BATCH = 16
@@ -102,12 +102,57 @@ class ModelWithParamAlias(torch.nn.Module):
         return x
 
 
+class MarkerInBranch(torch.nn.Module):
+    """Invalid: a marker inside an if block cannot be a stage boundary."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(D, D)
+
+    def forward(self, x, y):
+        x = self.lin(x)
+        if bool(x.sum() > 0):
+            pipe_split()
+            x = x + y
+        return x
+
+
+class RepeatedMarker(torch.nn.Module):
+    """Invalid: two markers in a row would leave an empty stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(D, D)
+
+    def forward(self, x, y):
+        x = self.lin(x)
+        pipe_split()
+        pipe_split()
+        return x + y
+
+
+class TupleOutput(torch.nn.Module):
+    """Returns a tuple and a dict entry; y is returned untouched from the last stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(D, D)
+
+    def forward(self, x, y):
+        h = self.lin(x)
+        pipe_split()
+        return torch.relu(h), h + y
+
+
 # name -> (class, forms). Tracing refuses modules shared under two names, so the alias model is
 # scripted only.
 MODELS = {
     "example_code": (ExampleCode, ("traced", "scripted")),
     "multi_mlp": (MultiMLP, ("traced",)),
     "param_alias": (ModelWithParamAlias, ("scripted",)),
+    "tuple_output": (TupleOutput, ("traced",)),
+    "marker_in_branch": (MarkerInBranch, ("scripted",)),
+    "repeated_marker": (RepeatedMarker, ("traced",)),
 }
 
 
@@ -126,7 +171,11 @@ def generate(out_dir):
                 ts = torch.jit.script(model)
             ts.save(os.path.join(out_dir, f"{name}.{form}.pt"))
         save_file(inputs, os.path.join(out_dir, f"{name}.inputs.safetensors"))
-        save_file({"output": expected.contiguous()}, os.path.join(out_dir, f"{name}.expected.safetensors"))
+        if isinstance(expected, tuple):
+            expected = {f"output.{i}": t.contiguous() for i, t in enumerate(expected)}
+        else:
+            expected = {"output": expected.contiguous()}
+        save_file(expected, os.path.join(out_dir, f"{name}.expected.safetensors"))
         with open(os.path.join(out_dir, f"{name}.state_dict.txt"), "w") as f:
             f.write("\n".join(model.state_dict().keys()) + "\n")
 

@@ -1,4 +1,4 @@
-"""The pipe::split() marker for model code written in Python.
+"""The pipe::split() marker for model code.
 
 Registers the op `pipe::split() -> ()` with the same schema libpipe registers in C++ (alias
 analysis CONSERVATIVE, so TorchScript keeps it as a side effect), and exposes pipe_split() to
@@ -13,4 +13,5 @@ _lib.impl("split", lambda: None, "CompositeExplicitAutograd")
 
 
 def pipe_split():
+    """Cut the pipeline here. Call it at the top level of forward, not inside if/for blocks."""
     torch.ops.pipe.split()

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs what libpipe's build, demo and tests need: Debian packages and the project virtualenv
+# with the pinned PyTorch wheel (which carries LibTorch). Idempotent, and quick when everything
+# is already there.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+
+apt_packages=(
+  build-essential cmake ninja-build pkg-config   # toolchain
+  python3 python3-venv                           # the virtualenv (when no other python3 is on PATH)
+  libdlpack-dev nlohmann-json3-dev               # public DLPack header; JSON for plans and safetensors
+  libcmocka-dev libgtest-dev                     # conformance (C) and unit (C++) tests
+)
+missing=()
+for pkg in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  echo "install-deps: installing Debian packages: ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo=sudo
+  $sudo apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+requirements=$LIBPIPE_ROOT/scripts/requirements.txt
+stamp=$LIBPIPE_VENV/.libpipe-requirements
+if [ -x "$LIBPIPE_PYTHON" ] && cmp -s "$requirements" "$stamp" && "$LIBPIPE_PYTHON" -c "import torch" 2>/dev/null; then
+  exit 0  # the virtualenv already holds exactly these requirements
+fi
+if [ ! -x "$LIBPIPE_PYTHON" ]; then
+  echo "install-deps: creating the virtualenv $LIBPIPE_VENV"
+  mkdir -p "$(dirname "$LIBPIPE_VENV")"
+  python3 -m venv "$LIBPIPE_VENV"
+fi
+echo "install-deps: installing Python packages (the PyTorch wheel is several GB the first time)"
+"$LIBPIPE_PYTHON" -m pip install -q --disable-pip-version-check -r "$requirements"
+cp "$requirements" "$stamp"

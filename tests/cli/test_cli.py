@@ -1,0 +1,173 @@
+"""The `pipe` command-line contract (see DESIGN.md): split and run on the seed models, outputs
+equal to eager PyTorch, and one clear line on stderr with a non-zero exit for every error."""
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+PIPE = os.environ["PIPE_CLI"]
+MODELS = os.environ["PIPE_TEST_MODELS"]
+
+
+def fixture(name):
+    return os.path.join(MODELS, name)
+
+
+def pipe(*args):
+    return subprocess.run([PIPE, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def state_dict_keys(stem):
+    with open(fixture(f"{stem}.state_dict.txt")) as f:
+        return {line.strip() for line in f if line.strip()}
+
+
+def assert_one_line_error(result, *needles):
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("pipe: error: ")
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+SEEDS = [
+    ("example_code.traced.pt", "example_code", 4),
+    ("example_code.scripted.pt", "example_code", 4),
+    ("multi_mlp.traced.pt", "multi_mlp", 4),
+    ("param_alias.scripted.pt", "param_alias", 2),
+]
+
+
+@pytest.mark.parametrize("model,stem,stages", SEEDS)
+def test_split_json_lists_each_stage_with_original_names(model, stem, stages):
+    result = pipe("split", fixture(model), "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["num_stages"] == stages
+    assert [s["index"] for s in plan["stages"]] == list(range(stages))
+    keys = state_dict_keys(stem)
+    for stage in plan["stages"]:
+        assert set(stage["parameters"]) | set(stage["buffers"]) <= keys
+        assert stage["param_bytes"] > 0 or not stage["parameters"]
+
+
+def test_split_json_shows_the_skip_connection_and_shared_parameter():
+    plan = json.loads(pipe("split", fixture("example_code.traced.pt"), "--json").stdout)
+    stages = plan["stages"]
+    assert "mm_param1" in stages[0]["parameters"] and "mm_param1" in stages[1]["parameters"]
+    assert [i["from"] for i in stages[2]["inputs"]] == [1, 0]
+    assert [i["from"] for i in stages[1]["inputs"]] == [0]
+
+
+def test_split_prints_a_readable_plan():
+    result = pipe("split", fixture("multi_mlp.traced.pt"))
+    assert result.returncode == 0, result.stderr
+    assert "4 stages" in result.stdout
+    assert "block3.lin1.weight" in result.stdout
+
+
+@pytest.mark.parametrize("model,stem,stages", SEEDS)
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+def test_run_matches_eager_pytorch(tmp_path, model, stem, stages, microbatches):
+    out = tmp_path / "out.safetensors"
+    result = pipe("run", fixture(model), "--input", fixture(f"{stem}.inputs.safetensors"),
+                  "--output", out, "--microbatches", microbatches)
+    assert result.returncode == 0, result.stderr
+    got, want = load_file(out), load_file(fixture(f"{stem}.expected.safetensors"))
+    assert list(got) == ["output"]
+    torch.testing.assert_close(got["output"], want["output"], rtol=1e-5, atol=1e-5)
+
+
+def test_run_names_tuple_outputs(tmp_path):
+    out = tmp_path / "out.safetensors"
+    result = pipe("run", fixture("tuple_output.traced.pt"), "--input",
+                  fixture("tuple_output.inputs.safetensors"), "--output", out, "--microbatches", 4)
+    assert result.returncode == 0, result.stderr
+    got, want = load_file(out), load_file(fixture("tuple_output.expected.safetensors"))
+    assert sorted(got) == ["output.0", "output.1"]
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
+
+
+# ---- errors: one line, non-zero exit, never a crash ----
+
+def test_missing_model(tmp_path):
+    assert_one_line_error(pipe("split", tmp_path / "nope.pt"), "nope.pt", "PIPE_ERR_NOT_FOUND")
+
+
+def test_junk_model(tmp_path):
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"this is not a zip archive" * 10)
+    assert_one_line_error(pipe("split", junk), "not a loadable TorchScript archive", "PIPE_ERR_INVALID_FORMAT")
+
+
+def test_truncated_model(tmp_path):
+    data = open(fixture("example_code.traced.pt"), "rb").read()
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(data[: len(data) // 2])
+    assert_one_line_error(pipe("split", truncated), "PIPE_ERR_INVALID_FORMAT")
+
+
+def test_marker_inside_branch():
+    assert_one_line_error(pipe("split", fixture("marker_in_branch.scripted.pt")),
+                          "inside an if/loop block", "PIPE_ERR_SPLIT")
+
+
+def test_missing_input_tensor(tmp_path):
+    inp = tmp_path / "in.safetensors"
+    save_file({"x": torch.randn(4, 512)}, inp)
+    assert_one_line_error(pipe("run", fixture("example_code.traced.pt"), "--input", inp, "--output",
+                               tmp_path / "o.safetensors"), "no tensor named 'y'", "x, y")
+
+
+def test_extra_input_tensor(tmp_path):
+    inp = tmp_path / "in.safetensors"
+    save_file({"x": torch.randn(4, 512), "y": torch.randn(4, 512), "z": torch.randn(1)}, inp)
+    assert_one_line_error(pipe("run", fixture("example_code.traced.pt"), "--input", inp, "--output",
+                               tmp_path / "o.safetensors"), "tensor 'z'", "not an input")
+
+
+def test_wrongly_shaped_input(tmp_path):
+    inp = tmp_path / "in.safetensors"
+    save_file({"x": torch.randn(4, 100), "y": torch.randn(4, 512)}, inp)
+    result = pipe("run", fixture("example_code.traced.pt"), "--input", inp, "--output", tmp_path / "o.safetensors")
+    assert_one_line_error(result, "stage 0 failed", "PIPE_ERR_EXECUTION")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_corrupt_input_file(tmp_path):
+    inp = tmp_path / "in.safetensors"
+    inp.write_bytes((10**12).to_bytes(8, "little") + b"{}")
+    assert_one_line_error(pipe("run", fixture("example_code.traced.pt"), "--input", inp, "--output",
+                               tmp_path / "o.safetensors"), "malformed safetensors", "PIPE_ERR_INVALID_FORMAT")
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_non_positive_microbatches(tmp_path, value):
+    assert_one_line_error(pipe("run", fixture("example_code.traced.pt"), "--input",
+                               fixture("example_code.inputs.safetensors"), "--output", tmp_path / "o.safetensors",
+                               "--microbatches", value), "num_microbatches must be at least 1")
+
+
+def test_non_numeric_microbatches(tmp_path):
+    result = pipe("run", fixture("example_code.traced.pt"), "--input", fixture("example_code.inputs.safetensors"),
+                  "--output", tmp_path / "o.safetensors", "--microbatches", "four")
+    assert result.returncode == 2
+    assert "--microbatches expects an integer" in result.stderr
+
+
+@pytest.mark.parametrize("args", [[], ["frobnicate"], ["split"], ["run", "m.pt"], ["split", "a.pt", "--bogus"]])
+def test_usage_errors(args):
+    result = pipe(*args)
+    assert result.returncode == 2
+    assert result.stderr.strip()
+
+
+def test_output_into_missing_directory(tmp_path):
+    assert_one_line_error(pipe("run", fixture("example_code.traced.pt"), "--input",
+                               fixture("example_code.inputs.safetensors"), "--output",
+                               tmp_path / "missing" / "o.safetensors"), "PIPE_ERR_IO")

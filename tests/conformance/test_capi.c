@@ -1,0 +1,557 @@
+/* Conformance tests of the C ABI (pipe/pipe.h), in C, against libpipe.so: the seed models split
+ * and run correctly, and every failure path returns its status and a message without touching
+ * outputs. Fixtures come from tests/models/seed_models.py; PIPE_TEST_MODELS names their folder. */
+#include <math.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include <pipe/pipe.h>
+
+static const char *models_dir(void) {
+  const char *dir = getenv("PIPE_TEST_MODELS");
+  return dir ? dir : ".";
+}
+
+static const char *fixture(const char *name) {
+  static _Thread_local char path[4096];
+  snprintf(path, sizeof path, "%s/%s", models_dir(), name);
+  return path;
+}
+
+#define ASSERT_OK(call)                                                              \
+  do {                                                                               \
+    pipe_status st_ = (call);                                                        \
+    if (st_ != PIPE_OK) fail_msg("%s -> %s: %s", #call, pipe_status_string(st_), pipe_last_error()); \
+  } while (0)
+
+/* Asserts a call fails with `status` and leaves a non-empty message containing `needle`. */
+#define ASSERT_FAILS(call, status, needle)                                                  \
+  do {                                                                                      \
+    pipe_status st_ = (call);                                                               \
+    if (st_ != (status))                                                                    \
+      fail_msg("%s -> %s (want %s): %s", #call, pipe_status_string(st_),                     \
+               pipe_status_string(status), pipe_last_error());                              \
+    if (strstr(pipe_last_error(), (needle)) == NULL)                                        \
+      fail_msg("%s: message '%s' does not mention '%s'", #call, pipe_last_error(), (needle)); \
+  } while (0)
+
+/* ---- helpers ---------------------------------------------------------------------------- */
+
+typedef struct {
+  pipe_model *model;
+  pipe_plan *plan;
+  pipe_tensor_list *inputs;
+  pipe_tensor_list *expected;
+  const DLManagedTensor *args[8];
+  size_t num_args;
+} loaded;
+
+static void load_fixture(loaded *l, const char *model_file, const char *stem) {
+  char name[256];
+  memset(l, 0, sizeof *l);
+  ASSERT_OK(pipe_model_load(fixture(model_file), &l->model));
+  ASSERT_OK(pipe_plan_create(l->model, NULL, &l->plan));
+  snprintf(name, sizeof name, "%s.inputs.safetensors", stem);
+  ASSERT_OK(pipe_safetensors_read(fixture(name), &l->inputs));
+  snprintf(name, sizeof name, "%s.expected.safetensors", stem);
+  ASSERT_OK(pipe_safetensors_read(fixture(name), &l->expected));
+  ASSERT_OK(pipe_model_num_inputs(l->model, &l->num_args));
+  assert_true(l->num_args <= 8);
+  for (size_t i = 0; i < l->num_args; ++i) {
+    const char *input = NULL;
+    size_t index = 0;
+    ASSERT_OK(pipe_model_input_name(l->model, i, &input));
+    ASSERT_OK(pipe_tensor_list_find(l->inputs, input, &index));
+    ASSERT_OK(pipe_tensor_list_get(l->inputs, index, &l->args[i]));
+  }
+}
+
+static void unload(loaded *l) {
+  pipe_tensor_list_destroy(l->expected);
+  pipe_tensor_list_destroy(l->inputs);
+  pipe_plan_destroy(l->plan);
+  pipe_model_destroy(l->model);
+}
+
+static int64_t numel(const DLTensor *t) {
+  int64_t n = 1;
+  for (int d = 0; d < t->ndim; ++d) n *= t->shape[d];
+  return n;
+}
+
+static const float *floats(const DLTensor *t) {
+  return (const float *)((const char *)t->data + t->byte_offset);
+}
+
+/* Asserts `got` equals `want` (float32, same shape) within rtol = atol = 1e-5. */
+static void assert_close(const DLManagedTensor *got, const DLManagedTensor *want) {
+  const DLTensor *a = &got->dl_tensor, *b = &want->dl_tensor;
+  assert_int_equal(a->dtype.code, kDLFloat);
+  assert_int_equal(a->dtype.bits, 32);
+  assert_int_equal(a->ndim, b->ndim);
+  for (int d = 0; d < a->ndim; ++d) assert_int_equal(a->shape[d], b->shape[d]);
+  if (a->strides) { /* NULL strides mean compact row-major; otherwise they must say the same */
+    int64_t expect = 1;
+    for (int d = a->ndim - 1; d >= 0; --d) {
+      if (a->shape[d] != 1) assert_int_equal(a->strides[d], expect);
+      expect *= a->shape[d];
+    }
+  }
+  const float *x = floats(a), *y = floats(b);
+  for (int64_t i = 0; i < numel(a); ++i)
+    if (fabsf(x[i] - y[i]) > 1e-5f + 1e-5f * fabsf(y[i]))
+      fail_msg("element %lld: got %g, want %g", (long long)i, x[i], y[i]);
+}
+
+static void run_and_compare(loaded *l, int32_t microbatches) {
+  pipe_session_options options = PIPE_SESSION_OPTIONS_INIT;
+  options.num_microbatches = microbatches;
+  pipe_session *session = NULL;
+  pipe_tensor_list *out = NULL;
+  ASSERT_OK(pipe_session_create(l->plan, &options, &session));
+  ASSERT_OK(pipe_session_run(session, l->args, l->num_args, &out));
+
+  size_t count = 0, got_index = 0, want_index = 0;
+  const char *name = NULL;
+  ASSERT_OK(pipe_tensor_list_size(out, &count));
+  assert_int_equal(count, 1);
+  ASSERT_OK(pipe_tensor_list_name(out, 0, &name));
+  assert_string_equal(name, "output");
+  ASSERT_OK(pipe_tensor_list_find(out, "output", &got_index));
+  ASSERT_OK(pipe_tensor_list_find(l->expected, "output", &want_index));
+  const DLManagedTensor *got = NULL, *want = NULL;
+  ASSERT_OK(pipe_tensor_list_get(out, got_index, &got));
+  ASSERT_OK(pipe_tensor_list_get(l->expected, want_index, &want));
+  assert_close(got, want);
+  pipe_tensor_list_destroy(out);
+  pipe_session_destroy(session);
+}
+
+/* Asserts every parameter and buffer name of every stage is a key of the eager state_dict. */
+static void assert_names_in_state_dict(const pipe_plan *plan, const char *stem) {
+  char file[256], keys[16384];
+  snprintf(file, sizeof file, "%s.state_dict.txt", stem);
+  FILE *f = fopen(fixture(file), "r");
+  assert_non_null(f);
+  size_t n = fread(keys + 1, 1, sizeof keys - 2, f);
+  fclose(f);
+  keys[0] = '\n';
+  keys[n + 1] = '\0';
+  size_t stages = 0;
+  ASSERT_OK(pipe_plan_num_stages(plan, &stages));
+  for (size_t s = 0; s < stages; ++s) {
+    for (int32_t kind = PIPE_NAMES_PARAMETERS; kind <= PIPE_NAMES_BUFFERS; ++kind) {
+      size_t count = 0;
+      ASSERT_OK(pipe_plan_stage_count_names(plan, s, kind, &count));
+      for (size_t i = 0; i < count; ++i) {
+        const char *name = NULL;
+        char line[512];
+        ASSERT_OK(pipe_plan_stage_name(plan, s, kind, i, &name));
+        snprintf(line, sizeof line, "\n%s\n", name);
+        if (!strstr(keys, line)) fail_msg("stage %zu holds '%s', not a state_dict key", s, name);
+      }
+    }
+  }
+}
+
+static int stage_has_parameter(const pipe_plan *plan, size_t stage, const char *name) {
+  size_t count = 0;
+  ASSERT_OK(pipe_plan_stage_count_names(plan, stage, PIPE_NAMES_PARAMETERS, &count));
+  for (size_t i = 0; i < count; ++i) {
+    const char *n = NULL;
+    ASSERT_OK(pipe_plan_stage_name(plan, stage, PIPE_NAMES_PARAMETERS, i, &n));
+    if (strcmp(n, name) == 0) return 1;
+  }
+  return 0;
+}
+
+/* ---- seed models ------------------------------------------------------------------------ */
+
+static void check_seed_model(const char *model_file, const char *stem, size_t want_stages) {
+  loaded l;
+  load_fixture(&l, model_file, stem);
+  size_t stages = 0;
+  ASSERT_OK(pipe_plan_num_stages(l.plan, &stages));
+  assert_int_equal(stages, want_stages);
+  assert_names_in_state_dict(l.plan, stem);
+  run_and_compare(&l, 1);
+  run_and_compare(&l, 2);
+  run_and_compare(&l, 4);
+  unload(&l);
+}
+
+static void example_code_traced(void **state) {
+  (void)state;
+  check_seed_model("example_code.traced.pt", "example_code", 4);
+  /* mm_param1 is read by stages 0 and 1, so both hold it. */
+  loaded l;
+  load_fixture(&l, "example_code.traced.pt", "example_code");
+  assert_true(stage_has_parameter(l.plan, 0, "mm_param1"));
+  assert_true(stage_has_parameter(l.plan, 1, "mm_param1"));
+  assert_false(stage_has_parameter(l.plan, 2, "mm_param1"));
+  assert_true(stage_has_parameter(l.plan, 2, "mm_param2"));
+  assert_true(stage_has_parameter(l.plan, 3, "lin2.weight"));
+  unload(&l);
+}
+
+static void example_code_scripted(void **state) {
+  (void)state;
+  check_seed_model("example_code.scripted.pt", "example_code", 4);
+}
+
+static void multi_mlp_traced(void **state) {
+  (void)state;
+  check_seed_model("multi_mlp.traced.pt", "multi_mlp", 4);
+}
+
+static void param_alias_scripted(void **state) {
+  (void)state;
+  check_seed_model("param_alias.scripted.pt", "param_alias", 2);
+}
+
+/* ---- version and status ----------------------------------------------------------------- */
+
+static void version_matches_macros(void **state) {
+  (void)state;
+  char want[64];
+  snprintf(want, sizeof want, "%d.%d.%d", PIPE_VERSION_MAJOR, PIPE_VERSION_MINOR, PIPE_VERSION_PATCH);
+  assert_string_equal(pipe_version(), want);
+}
+
+static void status_strings_name_codes(void **state) {
+  (void)state;
+  assert_string_equal(pipe_status_string(PIPE_OK), "PIPE_OK");
+  assert_string_equal(pipe_status_string(PIPE_ERR_INVALID_ARGUMENT), "PIPE_ERR_INVALID_ARGUMENT");
+  assert_string_equal(pipe_status_string(PIPE_ERR_NOT_FOUND), "PIPE_ERR_NOT_FOUND");
+  assert_string_equal(pipe_status_string(PIPE_ERR_INPUT), "PIPE_ERR_INPUT");
+  assert_string_equal(pipe_status_string(PIPE_ERR_INTERNAL), "PIPE_ERR_INTERNAL");
+  assert_string_equal(pipe_status_string(12345), "PIPE_ERR_UNKNOWN");
+  assert_string_equal(pipe_status_string(-1), "PIPE_ERR_UNKNOWN");
+}
+
+/* ---- failure paths ---------------------------------------------------------------------- */
+
+static void missing_model_file(void **state) {
+  (void)state;
+  pipe_model *model = (pipe_model *)0x1; /* sentinel: must stay untouched */
+  ASSERT_FAILS(pipe_model_load("/nonexistent/model.pt", &model), PIPE_ERR_NOT_FOUND,
+               "/nonexistent/model.pt");
+  assert_ptr_equal(model, (pipe_model *)0x1);
+}
+
+static void junk_model_file(void **state) {
+  (void)state;
+  /* A safetensors file is a real file that is not TorchScript. */
+  pipe_model *model = NULL;
+  ASSERT_FAILS(pipe_model_load(fixture("example_code.inputs.safetensors"), &model),
+               PIPE_ERR_INVALID_FORMAT, "TorchScript");
+  assert_null(model);
+}
+
+static void null_arguments(void **state) {
+  (void)state;
+  loaded l;
+  load_fixture(&l, "example_code.traced.pt", "example_code");
+  pipe_model *model = NULL;
+  pipe_plan *plan = NULL;
+  pipe_session *session = NULL;
+  pipe_tensor_list *out = NULL;
+  size_t count = 0;
+  const char *name = NULL;
+
+  ASSERT_FAILS(pipe_model_load(NULL, &model), PIPE_ERR_INVALID_ARGUMENT, "path is NULL");
+  ASSERT_FAILS(pipe_model_load(fixture("example_code.traced.pt"), NULL), PIPE_ERR_INVALID_ARGUMENT,
+               "model is NULL");
+  ASSERT_FAILS(pipe_model_num_inputs(NULL, &count), PIPE_ERR_INVALID_ARGUMENT, "model is NULL");
+  ASSERT_FAILS(pipe_model_input_name(l.model, 0, NULL), PIPE_ERR_INVALID_ARGUMENT, "name is NULL");
+  ASSERT_FAILS(pipe_model_input_name(l.model, 2, &name), PIPE_ERR_INVALID_ARGUMENT, "out of range");
+  ASSERT_FAILS(pipe_plan_create(NULL, NULL, &plan), PIPE_ERR_INVALID_ARGUMENT, "model is NULL");
+  ASSERT_FAILS(pipe_plan_create(l.model, NULL, NULL), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
+  ASSERT_FAILS(pipe_plan_num_stages(NULL, &count), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
+  ASSERT_FAILS(pipe_plan_stage_count_names(l.plan, 9, PIPE_NAMES_PARAMETERS, &count),
+               PIPE_ERR_INVALID_ARGUMENT, "stage 9 is out of range");
+  ASSERT_FAILS(pipe_plan_stage_count_names(l.plan, 0, 42, &count), PIPE_ERR_INVALID_ARGUMENT,
+               "PIPE_NAMES_");
+  ASSERT_FAILS(pipe_plan_describe(l.plan, NULL), PIPE_ERR_INVALID_ARGUMENT, "json is NULL");
+  ASSERT_FAILS(pipe_session_create(NULL, NULL, &session), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
+  ASSERT_FAILS(pipe_session_create(l.plan, NULL, NULL), PIPE_ERR_INVALID_ARGUMENT, "session is NULL");
+  ASSERT_FAILS(pipe_session_run(NULL, l.args, 2, &out), PIPE_ERR_INVALID_ARGUMENT, "session is NULL");
+  ASSERT_OK(pipe_session_create(l.plan, NULL, &session));
+  ASSERT_FAILS(pipe_session_run(session, NULL, 2, &out), PIPE_ERR_INVALID_ARGUMENT, "inputs is NULL");
+  ASSERT_FAILS(pipe_session_run(session, l.args, 2, NULL), PIPE_ERR_INVALID_ARGUMENT, "outputs is NULL");
+  const DLManagedTensor *with_null[2] = {l.args[0], NULL};
+  ASSERT_FAILS(pipe_session_run(session, with_null, 2, &out), PIPE_ERR_INVALID_ARGUMENT, "inputs[1] is NULL");
+  ASSERT_FAILS(pipe_safetensors_read(NULL, &out), PIPE_ERR_INVALID_ARGUMENT, "path is NULL");
+  ASSERT_FAILS(pipe_tensor_list_size(NULL, &count), PIPE_ERR_INVALID_ARGUMENT, "list is NULL");
+  ASSERT_FAILS(pipe_set_log_callback(NULL, NULL, 7), PIPE_ERR_INVALID_ARGUMENT, "min_level");
+  assert_null(model);
+  assert_null(plan);
+  assert_null(out);
+
+  /* destroy(NULL) is harmless. */
+  pipe_model_destroy(NULL);
+  pipe_plan_destroy(NULL);
+  pipe_session_destroy(NULL);
+  pipe_tensor_list_destroy(NULL);
+  pipe_session_destroy(session);
+  unload(&l);
+}
+
+static void wrong_number_of_inputs(void **state) {
+  (void)state;
+  loaded l;
+  load_fixture(&l, "example_code.traced.pt", "example_code");
+  pipe_session *session = NULL;
+  pipe_tensor_list *out = (pipe_tensor_list *)0x1;
+  ASSERT_OK(pipe_session_create(l.plan, NULL, &session));
+  ASSERT_FAILS(pipe_session_run(session, l.args, 1, &out), PIPE_ERR_INPUT, "takes 2 inputs (x, y) but 1 were given");
+  const DLManagedTensor *three[3] = {l.args[0], l.args[1], l.args[0]};
+  ASSERT_FAILS(pipe_session_run(session, three, 3, &out), PIPE_ERR_INPUT, "but 3 were given");
+  ASSERT_FAILS(pipe_session_run(session, NULL, 0, &out), PIPE_ERR_INPUT, "but 0 were given");
+  assert_ptr_equal(out, (pipe_tensor_list *)0x1);
+  pipe_session_destroy(session);
+  unload(&l);
+}
+
+static void bad_options(void **state) {
+  (void)state;
+  loaded l;
+  load_fixture(&l, "example_code.traced.pt", "example_code");
+  pipe_session *session = NULL;
+  pipe_session_options options = PIPE_SESSION_OPTIONS_INIT;
+  options.struct_size = 0;
+  ASSERT_FAILS(pipe_session_create(l.plan, &options, &session), PIPE_ERR_INVALID_ARGUMENT,
+               "PIPE_SESSION_OPTIONS_INIT");
+  pipe_session_options zero = PIPE_SESSION_OPTIONS_INIT;
+  zero.num_microbatches = 0;
+  ASSERT_FAILS(pipe_session_create(l.plan, &zero, &session), PIPE_ERR_INVALID_ARGUMENT,
+               "num_microbatches must be at least 1");
+  pipe_session_options negative = PIPE_SESSION_OPTIONS_INIT;
+  negative.threads_per_stage = -2;
+  ASSERT_FAILS(pipe_session_create(l.plan, &negative, &session), PIPE_ERR_INVALID_ARGUMENT,
+               "threads_per_stage");
+  /* An older caller whose struct ends before threads_per_stage gets that field's default. */
+  pipe_session_options old = PIPE_SESSION_OPTIONS_INIT;
+  old.struct_size = (uint32_t)offsetof(pipe_session_options, threads_per_stage);
+  old.num_microbatches = 2;
+  old.threads_per_stage = -99; /* beyond struct_size: must be ignored */
+  ASSERT_OK(pipe_session_create(l.plan, &old, &session));
+  pipe_session_destroy(session);
+  unload(&l);
+}
+
+/* A stage that raises (a wrong feature size reaches the first matmul) fails that call with a
+ * message naming the stage; the session keeps serving. */
+static void stage_failure_keeps_session_usable(void **state) {
+  (void)state;
+  loaded l;
+  load_fixture(&l, "example_code.traced.pt", "example_code");
+  pipe_session_options options = PIPE_SESSION_OPTIONS_INIT;
+  options.num_microbatches = 2;
+  pipe_session *session = NULL;
+  pipe_tensor_list *out = NULL;
+  ASSERT_OK(pipe_session_create(l.plan, &options, &session));
+
+  /* x with 511 columns instead of 512: a view of the real input with a shorter row. */
+  DLManagedTensor narrow = *l.args[0];
+  int64_t shape[2] = {16, 511};
+  int64_t strides[2] = {512, 1};
+  narrow.dl_tensor.shape = shape;
+  narrow.dl_tensor.strides = strides;
+  narrow.deleter = NULL;
+  const DLManagedTensor *bad[2] = {&narrow, l.args[1]};
+  ASSERT_FAILS(pipe_session_run(session, bad, 2, &out), PIPE_ERR_EXECUTION, "stage 0 failed");
+  assert_null(out);
+
+  ASSERT_OK(pipe_session_run(session, l.args, l.num_args, &out));
+  size_t index = 0;
+  const DLManagedTensor *got = NULL, *want = NULL;
+  ASSERT_OK(pipe_tensor_list_find(l.expected, "output", &index));
+  ASSERT_OK(pipe_tensor_list_get(l.expected, index, &want));
+  ASSERT_OK(pipe_tensor_list_get(out, 0, &got));
+  assert_close(got, want);
+  pipe_tensor_list_destroy(out);
+  pipe_session_destroy(session);
+  unload(&l);
+}
+
+/* Inputs whose batch sizes disagree cannot be cut into the same micro-batches. */
+static void mismatched_batch_sizes(void **state) {
+  (void)state;
+  loaded l;
+  load_fixture(&l, "example_code.traced.pt", "example_code");
+  pipe_session *session = NULL;
+  pipe_tensor_list *out = NULL;
+  ASSERT_OK(pipe_session_create(l.plan, NULL, &session));
+  DLManagedTensor shorter = *l.args[1];
+  int64_t shape[2] = {8, 512};
+  shorter.dl_tensor.shape = shape;
+  shorter.deleter = NULL;
+  const DLManagedTensor *bad[2] = {l.args[0], &shorter};
+  ASSERT_FAILS(pipe_session_run(session, bad, 2, &out), PIPE_ERR_INPUT, "input 'y' has 8 rows");
+  pipe_session_destroy(session);
+  unload(&l);
+}
+
+typedef struct {
+  int warnings;
+  char last[512];
+} log_capture;
+
+static void capture_log(void *user_data, int32_t level, const char *message) {
+  log_capture *c = user_data;
+  if (level == PIPE_LOG_WARNING) {
+    c->warnings++;
+    snprintf(c->last, sizeof c->last, "%s", message);
+  }
+}
+
+/* A batch of 3 with 4 micro-batches runs as 3 micro-batches, warns, and is still right. */
+static void batch_smaller_than_microbatches(void **state) {
+  (void)state;
+  loaded l;
+  load_fixture(&l, "example_code.traced.pt", "example_code");
+  log_capture capture = {0, ""};
+  ASSERT_OK(pipe_set_log_callback(capture_log, &capture, PIPE_LOG_WARNING));
+
+  pipe_session_options options = PIPE_SESSION_OPTIONS_INIT;
+  options.num_microbatches = 4;
+  pipe_session *session = NULL;
+  pipe_tensor_list *out = NULL;
+  ASSERT_OK(pipe_session_create(l.plan, &options, &session));
+  DLManagedTensor x3 = *l.args[0], y3 = *l.args[1];
+  int64_t shape[2] = {3, 512};
+  x3.dl_tensor.shape = shape;
+  y3.dl_tensor.shape = shape;
+  x3.deleter = y3.deleter = NULL;
+  const DLManagedTensor *small[2] = {&x3, &y3};
+  ASSERT_OK(pipe_session_run(session, small, 2, &out));
+  ASSERT_OK(pipe_set_log_callback(NULL, NULL, PIPE_LOG_WARNING));
+  assert_int_equal(capture.warnings, 1);
+  assert_non_null(strstr(capture.last, "running 3 micro-batches"));
+
+  const DLManagedTensor *got = NULL, *want = NULL;
+  size_t index = 0;
+  ASSERT_OK(pipe_tensor_list_get(out, 0, &got));
+  ASSERT_OK(pipe_tensor_list_find(l.expected, "output", &index));
+  ASSERT_OK(pipe_tensor_list_get(l.expected, index, &want));
+  assert_int_equal(got->dl_tensor.shape[0], 3);
+  const float *a = floats(&got->dl_tensor), *b = floats(&want->dl_tensor);
+  for (int64_t i = 0; i < 3 * 512; ++i) assert_true(fabsf(a[i] - b[i]) <= 1e-5f + 1e-5f * fabsf(b[i]));
+  pipe_tensor_list_destroy(out);
+  pipe_session_destroy(session);
+  unload(&l);
+}
+
+static void tensor_list_take_transfers_ownership(void **state) {
+  (void)state;
+  pipe_tensor_list *list = NULL;
+  ASSERT_OK(pipe_safetensors_read(fixture("example_code.inputs.safetensors"), &list));
+  size_t count = 0, index = 0;
+  ASSERT_OK(pipe_tensor_list_size(list, &count));
+  assert_int_equal(count, 2);
+  ASSERT_FAILS(pipe_tensor_list_find(list, "z", &index), PIPE_ERR_NOT_FOUND, "no entry named 'z'");
+  ASSERT_OK(pipe_tensor_list_find(list, "y", &index));
+  DLManagedTensor *owned = NULL;
+  ASSERT_OK(pipe_tensor_list_take(list, index, &owned));
+  assert_non_null(owned);
+  const DLManagedTensor *borrowed = NULL;
+  ASSERT_FAILS(pipe_tensor_list_get(list, index, &borrowed), PIPE_ERR_INVALID_ARGUMENT, "already taken");
+  ASSERT_FAILS(pipe_safetensors_write(list, "/tmp/never-written.safetensors"), PIPE_ERR_INVALID_ARGUMENT,
+               "taken");
+  pipe_tensor_list_destroy(list);
+  /* The taken tensor outlives the list. */
+  assert_int_equal(owned->dl_tensor.shape[0], 16);
+  assert_int_equal(owned->dl_tensor.shape[1], 512);
+  owned->deleter(owned);
+}
+
+static void malformed_safetensors(void **state) {
+  (void)state;
+  char path[4200];
+  snprintf(path, sizeof path, "%s/malformed.safetensors", models_dir());
+  FILE *f = fopen(path, "wb");
+  assert_non_null(f);
+  const char header[] = "{\"x\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]}}";
+  uint64_t len = sizeof header - 1;
+  fwrite(&len, 8, 1, f);
+  fwrite(header, 1, len, f);
+  fwrite("12345678", 1, 8, f); /* 8 of the 16 bytes the header promises */
+  fclose(f);
+  pipe_tensor_list *list = (pipe_tensor_list *)0x1;
+  ASSERT_FAILS(pipe_safetensors_read(path, &list), PIPE_ERR_INVALID_FORMAT, "tensor 'x'");
+  assert_ptr_equal(list, (pipe_tensor_list *)0x1);
+  ASSERT_FAILS(pipe_safetensors_read("/nonexistent.safetensors", &list), PIPE_ERR_NOT_FOUND,
+               "/nonexistent.safetensors");
+}
+
+/* Each thread reads its own last error, even while another thread fails differently. */
+typedef struct {
+  int which;
+  int ok;
+} thread_result;
+
+static void *fail_in_thread(void *arg) {
+  thread_result *r = arg;
+  pipe_model *model = NULL;
+  for (int i = 0; i < 200; ++i) {
+    if (r->which == 0) {
+      pipe_model_load("/nonexistent/a.pt", &model);
+      if (!strstr(pipe_last_error(), "/nonexistent/a.pt")) return NULL;
+    } else {
+      pipe_model_num_inputs(NULL, NULL);
+      if (!strstr(pipe_last_error(), "model is NULL")) return NULL;
+    }
+  }
+  r->ok = 1;
+  return NULL;
+}
+
+static void last_error_is_per_thread(void **state) {
+  (void)state;
+  pthread_t a, b;
+  thread_result ra = {0, 0}, rb = {1, 0};
+  pthread_create(&a, NULL, fail_in_thread, &ra);
+  pthread_create(&b, NULL, fail_in_thread, &rb);
+  pthread_join(a, NULL);
+  pthread_join(b, NULL);
+  assert_true(ra.ok);
+  assert_true(rb.ok);
+  /* Infallible calls leave the message alone; the next fallible call that succeeds clears it. */
+  pipe_model_num_inputs(NULL, NULL);
+  assert_true(pipe_last_error()[0] != '\0');
+  assert_string_equal(pipe_status_string(PIPE_OK), "PIPE_OK");
+  assert_true(pipe_last_error()[0] != '\0');
+  ASSERT_OK(pipe_set_log_callback(NULL, NULL, PIPE_LOG_WARNING));
+  assert_string_equal(pipe_last_error(), "");
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(version_matches_macros),
+      cmocka_unit_test(status_strings_name_codes),
+      cmocka_unit_test(example_code_traced),
+      cmocka_unit_test(example_code_scripted),
+      cmocka_unit_test(multi_mlp_traced),
+      cmocka_unit_test(param_alias_scripted),
+      cmocka_unit_test(missing_model_file),
+      cmocka_unit_test(junk_model_file),
+      cmocka_unit_test(null_arguments),
+      cmocka_unit_test(wrong_number_of_inputs),
+      cmocka_unit_test(bad_options),
+      cmocka_unit_test(stage_failure_keeps_session_usable),
+      cmocka_unit_test(mismatched_batch_sizes),
+      cmocka_unit_test(batch_smaller_than_microbatches),
+      cmocka_unit_test(tensor_list_take_transfers_ownership),
+      cmocka_unit_test(malformed_safetensors),
+      cmocka_unit_test(last_error_is_per_thread),
+  };
+  return cmocka_run_group_tests_name("capi", tests, NULL, NULL);
+}
