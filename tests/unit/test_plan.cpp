@@ -57,6 +57,8 @@ struct SeedCase {
   size_t stages;
 };
 
+void PrintTo(const SeedCase& c, std::ostream* os) { *os << c.file; }
+
 class SeedModelPlan : public ::testing::TestWithParam<SeedCase> {};
 
 TEST_P(SeedModelPlan, StagesHoldOriginalNamesAndComputeTheModel) {

@@ -80,6 +80,8 @@ struct BadFile {
   const char* expected_message;
 };
 
+void PrintTo(const BadFile& b, std::ostream* os) { *os << b.what; }
+
 class MalformedSafetensors : public ::testing::TestWithParam<BadFile> {};
 
 TEST_P(MalformedSafetensors, IsRefusedWithAMessageNamingTheProblem) {
