@@ -14,9 +14,12 @@
 #include "runtime/error.h"
 #include "runtime/graph/model.h"
 #include "runtime/graph/plan.h"
+#include "runtime/graph/split_spec.h"
 #include "runtime/io/safetensors.h"
 #include "runtime/log.h"
+#include "runtime/planner.h"
 #include "runtime/schedule/session.h"
+#include "runtime/stage/stage_module.h"
 
 // The DLPack layout the bridge assumes (see capi/dlpack_bridge.h).
 static_assert(sizeof(DLTensor) == 48 && offsetof(DLTensor, shape) == 24 &&
@@ -43,6 +46,11 @@ static_assert(PIPE_LOG_DEBUG == libpipe::log::Debug && PIPE_LOG_ERROR == libpipe
 
 struct pipe_model {
   std::shared_ptr<const libpipe::graph::Model> impl;
+  std::vector<libpipe::graph::ModuleInfo> modules;  // computed once; the strings live here
+};
+
+struct pipe_plan_options {
+  libpipe::PlanRequest request;
 };
 
 struct pipe_plan {
@@ -275,6 +283,7 @@ pipe_status pipe_model_load(const char* path, pipe_model** model) {
     require(model, fn, "model");
     auto m = std::make_unique<pipe_model>();
     m->impl = libpipe::graph::Model::load(path);
+    m->modules = m->impl->modules();
     *model = m.release();
   });
 }
@@ -297,19 +306,84 @@ pipe_status pipe_model_input_name(const pipe_model* model, size_t index, const c
   });
 }
 
+pipe_status pipe_model_num_modules(const pipe_model* model, size_t* count) {
+  return guarded(__func__, [&](const char* fn) {
+    require(model, fn, "model");
+    require(count, fn, "count");
+    *count = model->modules.size();
+  });
+}
+
+pipe_status pipe_model_module(const pipe_model* model, size_t index, const char** path, const char** type_name,
+                              int32_t* depth, uint64_t* num_params, uint64_t* param_bytes) {
+  return guarded(__func__, [&](const char* fn) {
+    require(model, fn, "model");
+    require_index(index, model->modules.size(), fn, "module");
+    const auto& m = model->modules[index];
+    if (path) *path = m.path.c_str();
+    if (type_name) *type_name = m.type.c_str();
+    if (depth) *depth = m.depth;
+    if (num_params) *num_params = m.num_params;
+    if (param_bytes) *param_bytes = m.param_bytes;
+  });
+}
+
 void pipe_model_destroy(pipe_model* model) { delete model; }
 
 /* ---- plan ---- */
+
+pipe_status pipe_plan_options_create(pipe_plan_options** options) {
+  return guarded(__func__, [&](const char* fn) {
+    require(options, fn, "options");
+    *options = new pipe_plan_options();
+  });
+}
+
+void pipe_plan_options_destroy(pipe_plan_options* options) { delete options; }
+
+pipe_status pipe_plan_options_add_split_point(pipe_plan_options* options, const char* split_point) {
+  return guarded(__func__, [&](const char* fn) {
+    require(options, fn, "options");
+    require(split_point, fn, "split_point");
+    libpipe::graph::parse_split_point(split_point);  // syntax errors now, unknown modules at plan time
+    options->request.split_points.emplace_back(split_point);
+  });
+}
+
+pipe_status pipe_plan_options_set_stages(pipe_plan_options* options, int32_t num_stages, const char* policy) {
+  return guarded(__func__, [&](const char* fn) {
+    require(options, fn, "options");
+    require(policy, fn, "policy");
+    libpipe::PlanRequest probe;
+    probe.num_stages = num_stages;
+    probe.policy = policy;
+    libpipe::validate_stage_request(probe);
+    options->request.num_stages = num_stages;
+    options->request.policy = policy;
+  });
+}
+
+pipe_status pipe_plan_options_set_example_inputs(pipe_plan_options* options, const DLManagedTensor* const* inputs,
+                                                 size_t num_inputs) {
+  return guarded(__func__, [&](const char* fn) {
+    require(options, fn, "options");
+    if (num_inputs > 0) require(inputs, fn, "inputs");
+    std::vector<c10::IValue> copies;
+    for (size_t i = 0; i < num_inputs; ++i) {
+      if (!inputs[i])
+        throw Error(Status::InvalidArgument, std::string(fn) + ": inputs[" + std::to_string(i) + "] is NULL");
+      copies.emplace_back(libpipe::capi::tensor_from_borrowed_dlpack(inputs[i]).clone());
+    }
+    options->request.example_inputs = std::move(copies);
+  });
+}
 
 pipe_status pipe_plan_create(const pipe_model* model, const pipe_plan_options* options, pipe_plan** plan) {
   return guarded(__func__, [&](const char* fn) {
     require(model, fn, "model");
     require(plan, fn, "plan");
-    if (options)
-      throw Error(Status::InvalidArgument,
-                  "pipe_plan_create: options must be NULL in this version (cuts come from pipe::split() markers)");
     auto p = std::make_unique<pipe_plan>();
-    p->impl = libpipe::graph::Plan::from_markers(model->impl);
+    p->impl = libpipe::make_plan(model->impl, options ? options->request : libpipe::PlanRequest{});
     p->json = p->impl->describe_json();
     *plan = p.release();
   });
@@ -347,6 +421,29 @@ pipe_status pipe_plan_stage_param_bytes(const pipe_plan* plan, size_t stage, uin
     require(bytes, fn, "bytes");
     require_index(stage, plan->impl->num_stages(), fn, "stage");
     *bytes = plan->impl->stage(stage).param_bytes;
+  });
+}
+
+pipe_status pipe_plan_stage_estimated_ms(const pipe_plan* plan, size_t stage, double* ms) {
+  return guarded(__func__, [&](const char* fn) {
+    require(plan, fn, "plan");
+    require(ms, fn, "ms");
+    require_index(stage, plan->impl->num_stages(), fn, "stage");
+    *ms = plan->impl->stage(stage).estimated_ms;
+  });
+}
+
+pipe_status pipe_plan_save_stage(const pipe_plan* plan, size_t stage, const char* path) {
+  return guarded(__func__, [&](const char* fn) {
+    require(plan, fn, "plan");
+    require(path, fn, "path");
+    require_index(stage, plan->impl->num_stages(), fn, "stage");
+    auto module = libpipe::stage::build_stage_module(*plan->impl, stage);
+    try {
+      module.save(path);
+    } catch (const c10::Error& e) {
+      throw Error(Status::Io, std::string(fn) + ": cannot write '" + path + "': " + e.what_without_backtrace());
+    }
   });
 }
 

@@ -15,14 +15,39 @@ static const char usage_text[] =
     "usage: pipe <command> [arguments]\n"
     "\n"
     "commands:\n"
-    "  split MODEL [--json]\n"
-    "      Cut MODEL (a TorchScript file) at its pipe::split() markers and print the plan.\n"
-    "  run MODEL --input IN.safetensors --output OUT.safetensors [--microbatches M]\n"
+    "  inspect MODEL\n"
+    "      Print MODEL's module tree with parameter counts and bytes.\n"
+    "  split MODEL [SPLIT] [--input IN.safetensors] [--json] [--save-stages DIR]\n"
+    "      Cut MODEL (a TorchScript file) into stages and print the plan. With --input, each\n"
+    "      stage is timed on those inputs; --save-stages writes DIR/stage<i>.pt, each a standalone\n"
+    "      TorchScript module holding only that stage's weights.\n"
+    "  run MODEL [SPLIT] --input IN.safetensors --output OUT.safetensors [--microbatches M]\n"
     "      Run MODEL through the pipeline. IN holds one tensor per forward argument, named as\n"
     "      in the model code; OUT receives 'output' (or output.0, output.1, ... for tuples,\n"
     "      output.<key> for dicts).\n"
     "  version\n"
-    "      Print the libpipe version.\n";
+    "      Print the libpipe version.\n"
+    "\n"
+    "SPLIT is one of:\n"
+    "  (nothing)                       cut at the pipe::split() markers in the model code\n"
+    "  --split-at FQN:begin|FQN:end    cut before/after module FQN (repeatable; FQN@K:end\n"
+    "                                  for the K-th call of a module called several times)\n"
+    "  --stages N --policy P           N stages balanced by P: uniform (equal layers), params\n"
+    "                                  (equal parameter bytes) or time (measured on --input)\n";
+
+#define MAX_SPLIT_POINTS 256
+
+/* The SPLIT arguments shared by split and run. */
+typedef struct {
+  const char *points[MAX_SPLIT_POINTS];
+  int num_points;
+  int32_t stages;
+  const char *policy;
+} split_args;
+
+/* Consumes argv[*i] (and its value) if it is a SPLIT argument: returns 1 if consumed, 0 if not
+ * a SPLIT argument, 2 after reporting a usage error. */
+static int parse_split_arg(int argc, char **argv, int *i, split_args *s);
 
 static int usage_error(const char *fmt, ...) {
   va_list ap;
@@ -59,67 +84,39 @@ static double now_ms(void) {
   return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
 }
 
-static int load_plan(const char *model_path, pipe_model **model, pipe_plan **plan) {
-  pipe_status st = pipe_model_load(model_path, model);
-  if (st != PIPE_OK) return fail("cannot load model", st);
-  st = pipe_plan_create(*model, NULL, plan);
-  if (st != PIPE_OK) {
-    pipe_model_destroy(*model);
-    *model = NULL;
-    return fail("cannot split model", st);
-  }
-  return 0;
-}
-
-static void print_names(const pipe_plan *plan, size_t stage, int32_t kind, const char *label) {
-  size_t n = 0;
-  pipe_plan_stage_count_names(plan, stage, kind, &n);
-  if (n == 0) return;
-  printf("    %s:", label);
-  for (size_t i = 0; i < n; ++i) {
-    const char *name = NULL;
-    pipe_plan_stage_name(plan, stage, kind, i, &name);
-    printf(" %s", name);
-  }
-  printf("\n");
-}
-
-static int cmd_split(int argc, char **argv) {
-  const char *model_path = NULL;
-  int json = 0;
-  for (int i = 0; i < argc; ++i) {
-    if (strcmp(argv[i], "--json") == 0) json = 1;
-    else if (argv[i][0] == '-') return usage_error("split: unknown option '%s'", argv[i]);
-    else if (!model_path) model_path = argv[i];
-    else return usage_error("split: unexpected argument '%s'", argv[i]);
-  }
-  if (!model_path) return usage_error("split: MODEL is required");
-
-  pipe_model *model = NULL;
-  pipe_plan *plan = NULL;
-  if (load_plan(model_path, &model, &plan) != 0) return 1;
-  if (json) {
-    const char *text = NULL;
-    pipe_plan_describe(plan, &text);
-    printf("%s\n", text);
+static int parse_split_arg(int argc, char **argv, int *i, split_args *s) {
+  const char *a = argv[*i];
+  if (strcmp(a, "--split-at") != 0 && strcmp(a, "--stages") != 0 && strcmp(a, "--policy") != 0) return 0;
+  if (*i + 1 >= argc) return usage_error("%s needs a value", a);
+  const char *v = argv[++*i];
+  if (strcmp(a, "--split-at") == 0) {
+    if (s->num_points == MAX_SPLIT_POINTS) return usage_error("at most %d --split-at", MAX_SPLIT_POINTS);
+    s->points[s->num_points++] = v;
+  } else if (strcmp(a, "--stages") == 0) {
+    if (parse_positive_int(a, v, &s->stages) != 0) return 2;
   } else {
-    size_t stages = 0;
-    pipe_plan_num_stages(plan, &stages);
-    printf("%s: %zu stage%s\n", model_path, stages, stages == 1 ? "" : "s");
-    for (size_t s = 0; s < stages; ++s) {
-      uint64_t bytes = 0;
-      size_t params = 0, buffers = 0;
-      pipe_plan_stage_param_bytes(plan, s, &bytes);
-      pipe_plan_stage_count_names(plan, s, PIPE_NAMES_PARAMETERS, &params);
-      pipe_plan_stage_count_names(plan, s, PIPE_NAMES_BUFFERS, &buffers);
-      printf("  stage %zu: %zu parameters, %zu buffers, %.2f MiB\n", s, params, buffers,
-             (double)bytes / (1024.0 * 1024.0));
-      print_names(plan, s, PIPE_NAMES_PARAMETERS, "parameters");
-      print_names(plan, s, PIPE_NAMES_BUFFERS, "buffers");
-    }
+    s->policy = v;
   }
-  pipe_plan_destroy(plan);
-  pipe_model_destroy(model);
+  return 1;
+}
+
+/* Cuts `model` as SPLIT says; `examples` (may be NULL) are example inputs for timing. */
+static int make_plan(pipe_model *model, const split_args *split, const DLManagedTensor *const *examples,
+                     size_t num_examples, pipe_plan **plan) {
+  pipe_plan_options *options = NULL;
+  pipe_status st = pipe_plan_options_create(&options);
+  for (int i = 0; i < split->num_points && st == PIPE_OK; ++i)
+    st = pipe_plan_options_add_split_point(options, split->points[i]);
+  if (st == PIPE_OK && (split->stages != 0 || split->policy))
+    st = pipe_plan_options_set_stages(options, split->stages, split->policy ? split->policy : "uniform");
+  if (st == PIPE_OK && examples) st = pipe_plan_options_set_example_inputs(options, examples, num_examples);
+  if (st == PIPE_OK) st = pipe_plan_create(model, options, plan);
+  pipe_plan_options_destroy(options);
+  return st == PIPE_OK ? 0 : fail("cannot split model", st);
+}
+
+static int check_split_args(const char *cmd, const split_args *split) {
+  if (split->policy && split->stages == 0) return usage_error("%s: --policy needs --stages N", cmd);
   return 0;
 }
 
@@ -137,14 +134,194 @@ static void input_list(const pipe_model *model, char *buf, size_t size) {
   }
 }
 
+/* Reads IN and lines its tensors up with the model's forward arguments in `*args` (borrowed from
+ * `*list`, which the caller destroys). Every tensor in the file must be a forward argument: a
+ * misspelt name is an error, not a silently ignored tensor. */
+static int read_inputs(const pipe_model *model, const char *path, pipe_tensor_list **list,
+                       const DLManagedTensor ***args, size_t *num_args) {
+  pipe_status st = pipe_safetensors_read(path, list);
+  if (st != PIPE_OK) return fail("cannot read inputs", st);
+  char names[1024];
+  size_t num_inputs = 0, num_tensors = 0;
+  pipe_model_num_inputs(model, &num_inputs);
+  pipe_tensor_list_size(*list, &num_tensors);
+  input_list(model, names, sizeof names);
+  for (size_t t = 0; t < num_tensors; ++t) {
+    const char *tensor_name = NULL;
+    int known = 0;
+    pipe_tensor_list_name(*list, t, &tensor_name);
+    for (size_t i = 0; i < num_inputs && !known; ++i) {
+      const char *input_name = NULL;
+      pipe_model_input_name(model, i, &input_name);
+      known = strcmp(input_name, tensor_name) == 0;
+    }
+    if (!known) {
+      fprintf(stderr, "pipe: error: '%s' holds tensor '%s', which is not an input of the model (inputs: %s)\n",
+              path, tensor_name, names);
+      return 1;
+    }
+  }
+  *args = calloc(num_inputs ? num_inputs : 1, sizeof **args);
+  if (!*args) {
+    fprintf(stderr, "pipe: error: out of memory\n");
+    return 1;
+  }
+  for (size_t i = 0; i < num_inputs; ++i) {
+    const char *input_name = NULL;
+    size_t index = 0;
+    pipe_model_input_name(model, i, &input_name);
+    if (pipe_tensor_list_find(*list, input_name, &index) != PIPE_OK) {
+      fprintf(stderr, "pipe: error: '%s' has no tensor named '%s' (the model's inputs are: %s)\n", path,
+              input_name, names);
+      return 1;
+    }
+    pipe_tensor_list_get(*list, index, &(*args)[i]);
+  }
+  *num_args = num_inputs;
+  return 0;
+}
+
+static void print_names(const pipe_plan *plan, size_t stage, int32_t kind, const char *label) {
+  size_t n = 0;
+  pipe_plan_stage_count_names(plan, stage, kind, &n);
+  if (n == 0) return;
+  printf("    %s:", label);
+  for (size_t i = 0; i < n; ++i) {
+    const char *name = NULL;
+    pipe_plan_stage_name(plan, stage, kind, i, &name);
+    printf(" %s", name);
+  }
+  printf("\n");
+}
+
+static void print_plan(const char *model_path, const pipe_plan *plan) {
+  size_t stages = 0;
+  pipe_plan_num_stages(plan, &stages);
+  printf("%s: %zu stage%s\n", model_path, stages, stages == 1 ? "" : "s");
+  double total = 0, slowest = 0;
+  for (size_t s = 0; s < stages; ++s) {
+    uint64_t bytes = 0;
+    size_t params = 0, buffers = 0;
+    double ms = -1;
+    pipe_plan_stage_param_bytes(plan, s, &bytes);
+    pipe_plan_stage_count_names(plan, s, PIPE_NAMES_PARAMETERS, &params);
+    pipe_plan_stage_count_names(plan, s, PIPE_NAMES_BUFFERS, &buffers);
+    pipe_plan_stage_estimated_ms(plan, s, &ms);
+    printf("  stage %zu: %zu parameters, %zu buffers, %.2f MiB", s, params, buffers,
+           (double)bytes / (1024.0 * 1024.0));
+    if (ms >= 0) {
+      printf(", %.3f ms", ms);
+      total += ms;
+      slowest = ms > slowest ? ms : slowest;
+    }
+    printf("\n");
+    print_names(plan, s, PIPE_NAMES_PARAMETERS, "parameters");
+    print_names(plan, s, PIPE_NAMES_BUFFERS, "buffers");
+  }
+  if (slowest > 0) printf("  balance: %.3f (sum of stage times / (stages x slowest))\n", total / ((double)stages * slowest));
+}
+
+static int cmd_inspect(int argc, char **argv) {
+  if (argc != 1 || argv[0][0] == '-') return usage_error("inspect takes exactly one MODEL");
+  pipe_model *model = NULL;
+  pipe_status st = pipe_model_load(argv[0], &model);
+  if (st != PIPE_OK) return fail("cannot load model", st);
+  size_t count = 0;
+  pipe_model_num_modules(model, &count);
+  printf("%-48s %-24s %14s %12s\n", "module", "type", "parameters", "MiB");
+  for (size_t i = 0; i < count; ++i) {
+    const char *path = NULL, *type = NULL;
+    int32_t depth = 0;
+    uint64_t params = 0, bytes = 0;
+    pipe_model_module(model, i, &path, &type, &depth, &params, &bytes);
+    const char *leaf = strrchr(path, '.');
+    leaf = depth == 0 ? "(model)" : leaf ? leaf + 1 : path;
+    char label[256];
+    snprintf(label, sizeof label, "%*s%s", 2 * depth, "", leaf);
+    printf("%-48s %-24s %14llu %12.3f\n", label, type, (unsigned long long)params, (double)bytes / (1024.0 * 1024.0));
+  }
+  pipe_model_destroy(model);
+  return 0;
+}
+
+static int cmd_split(int argc, char **argv) {
+  const char *model_path = NULL, *in_path = NULL, *save_dir = NULL;
+  split_args split = {0};
+  int json = 0;
+  for (int i = 0; i < argc; ++i) {
+    int r = parse_split_arg(argc, argv, &i, &split);
+    if (r == 2) return 2;
+    if (r == 1) continue;
+    const char *a = argv[i];
+    if (strcmp(a, "--json") == 0) {
+      json = 1;
+    } else if (strcmp(a, "--input") == 0 || strcmp(a, "--save-stages") == 0) {
+      if (i + 1 >= argc) return usage_error("split: %s needs a value", a);
+      *(strcmp(a, "--input") == 0 ? &in_path : &save_dir) = argv[++i];
+    } else if (a[0] == '-') {
+      return usage_error("split: unknown option '%s'", a);
+    } else if (!model_path) {
+      model_path = a;
+    } else {
+      return usage_error("split: unexpected argument '%s'", a);
+    }
+  }
+  if (!model_path) return usage_error("split: MODEL is required");
+  if (check_split_args("split", &split)) return 2;
+
+  int rc = 1;
+  pipe_model *model = NULL;
+  pipe_plan *plan = NULL;
+  pipe_tensor_list *in = NULL;
+  const DLManagedTensor **args = NULL;
+  size_t num_args = 0;
+  pipe_status st = pipe_model_load(model_path, &model);
+  if (st != PIPE_OK) {
+    fail("cannot load model", st);
+    goto done;
+  }
+  if (in_path && read_inputs(model, in_path, &in, &args, &num_args) != 0) goto done;
+  if (make_plan(model, &split, args, num_args, &plan) != 0) goto done;
+  if (json) {
+    const char *text = NULL;
+    pipe_plan_describe(plan, &text);
+    printf("%s\n", text);
+  } else {
+    print_plan(model_path, plan);
+  }
+  if (save_dir) {
+    size_t stages = 0;
+    pipe_plan_num_stages(plan, &stages);
+    for (size_t s = 0; s < stages; ++s) {
+      char path[4096];
+      snprintf(path, sizeof path, "%s/stage%zu.pt", save_dir, s);
+      if ((st = pipe_plan_save_stage(plan, s, path)) != PIPE_OK) {
+        fail("cannot save stage", st);
+        goto done;
+      }
+    }
+    fprintf(stderr, "pipe: saved %zu stage%s to %s/stage<i>.pt\n", stages, stages == 1 ? "" : "s", save_dir);
+  }
+  rc = 0;
+done:
+  free(args);
+  pipe_tensor_list_destroy(in);
+  pipe_plan_destroy(plan);
+  pipe_model_destroy(model);
+  return rc;
+}
+
 static int cmd_run(int argc, char **argv) {
   const char *model_path = NULL, *in_path = NULL, *out_path = NULL;
+  split_args split = {0};
   pipe_session_options options = PIPE_SESSION_OPTIONS_INIT;
   for (int i = 0; i < argc; ++i) {
+    int r = parse_split_arg(argc, argv, &i, &split);
+    if (r == 2) return 2;
+    if (r == 1) continue;
     const char *a = argv[i];
-    int has_value = i + 1 < argc;
     if (strcmp(a, "--input") == 0 || strcmp(a, "--output") == 0 || strcmp(a, "--microbatches") == 0) {
-      if (!has_value) return usage_error("run: %s needs a value", a);
+      if (i + 1 >= argc) return usage_error("run: %s needs a value", a);
       const char *v = argv[++i];
       if (strcmp(a, "--input") == 0) in_path = v;
       else if (strcmp(a, "--output") == 0) out_path = v;
@@ -160,6 +337,7 @@ static int cmd_run(int argc, char **argv) {
   if (!model_path) return usage_error("run: MODEL is required");
   if (!in_path) return usage_error("run: --input IN.safetensors is required");
   if (!out_path) return usage_error("run: --output OUT.safetensors is required");
+  if (check_split_args("run", &split)) return 2;
 
   int rc = 1;
   pipe_model *model = NULL;
@@ -167,57 +345,22 @@ static int cmd_run(int argc, char **argv) {
   pipe_session *session = NULL;
   pipe_tensor_list *in = NULL, *out = NULL;
   const DLManagedTensor **args = NULL;
-  char names[1024];
-  pipe_status st;
-
-  if (load_plan(model_path, &model, &plan) != 0) goto done;
-  if ((st = pipe_safetensors_read(in_path, &in)) != PIPE_OK) {
-    fail("cannot read inputs", st);
+  size_t num_args = 0;
+  pipe_status st = pipe_model_load(model_path, &model);
+  if (st != PIPE_OK) {
+    fail("cannot load model", st);
     goto done;
   }
-  size_t num_inputs = 0, num_tensors = 0;
-  pipe_model_num_inputs(model, &num_inputs);
-  pipe_tensor_list_size(in, &num_tensors);
-  input_list(model, names, sizeof names);
-  /* Every tensor in the file must be a forward argument: a misspelt name is an error, not a
-   * silently ignored tensor. */
-  for (size_t t = 0; t < num_tensors; ++t) {
-    const char *tensor_name = NULL;
-    pipe_tensor_list_name(in, t, &tensor_name);
-    int known = 0;
-    for (size_t i = 0; i < num_inputs && !known; ++i) {
-      const char *input_name = NULL;
-      pipe_model_input_name(model, i, &input_name);
-      known = strcmp(input_name, tensor_name) == 0;
-    }
-    if (!known) {
-      fprintf(stderr, "pipe: error: '%s' holds tensor '%s', which is not an input of the model (inputs: %s)\n",
-              in_path, tensor_name, names);
-      goto done;
-    }
-  }
-  args = calloc(num_inputs ? num_inputs : 1, sizeof *args);
-  if (!args) {
-    fprintf(stderr, "pipe: error: out of memory\n");
-    goto done;
-  }
-  for (size_t i = 0; i < num_inputs; ++i) {
-    const char *input_name = NULL;
-    size_t index = 0;
-    pipe_model_input_name(model, i, &input_name);
-    if (pipe_tensor_list_find(in, input_name, &index) != PIPE_OK) {
-      fprintf(stderr, "pipe: error: '%s' has no tensor named '%s' (the model's inputs are: %s)\n",
-              in_path, input_name, names);
-      goto done;
-    }
-    pipe_tensor_list_get(in, index, &args[i]);
-  }
+  if (read_inputs(model, in_path, &in, &args, &num_args) != 0) goto done;
+  /* Policy time measures the model on the inputs being run. */
+  int timed = split.policy && strcmp(split.policy, "time") == 0;
+  if (make_plan(model, &split, timed ? args : NULL, num_args, &plan) != 0) goto done;
   if ((st = pipe_session_create(plan, &options, &session)) != PIPE_OK) {
     fail("cannot create session", st);
     goto done;
   }
   double start = now_ms();
-  if ((st = pipe_session_run(session, args, num_inputs, &out)) != PIPE_OK) {
+  if ((st = pipe_session_run(session, args, num_args, &out)) != PIPE_OK) {
     fail("run failed", st);
     goto done;
   }
@@ -226,10 +369,11 @@ static int cmd_run(int argc, char **argv) {
     fail("cannot write outputs", st);
     goto done;
   }
-  size_t num_outputs = 0;
+  size_t num_outputs = 0, stages = 0;
   pipe_tensor_list_size(out, &num_outputs);
-  printf("pipe: ran %s in %.1f ms; wrote %zu output%s to %s\n", model_path, elapsed,
-          num_outputs, num_outputs == 1 ? "" : "s", out_path);
+  pipe_plan_num_stages(plan, &stages);
+  printf("pipe: ran %s as %zu stage%s in %.1f ms; wrote %zu output%s to %s\n", model_path, stages,
+         stages == 1 ? "" : "s", elapsed, num_outputs, num_outputs == 1 ? "" : "s", out_path);
   rc = 0;
 
 done:
@@ -256,6 +400,7 @@ int main(int argc, char **argv) {
     printf("pipe %s\n", pipe_version());
     return 0;
   }
+  if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc - 2, argv + 2);
   if (strcmp(cmd, "split") == 0) return cmd_split(argc - 2, argv + 2);
   if (strcmp(cmd, "run") == 0) return cmd_run(argc - 2, argv + 2);
   return usage_error("unknown command '%s'", cmd);

@@ -131,16 +131,18 @@ std::vector<std::string> attribute_path(const Value* value, const Value* self) {
   return path;
 }
 
-std::shared_ptr<const Plan> Plan::from_markers(std::shared_ptr<const Model> model) {
+std::shared_ptr<Plan> Plan::from_markers(std::shared_ptr<const Model> model) {
   const auto& graph = model->graph();
   check_no_nested_markers(graph->block(), true);
   const Value* self = graph->inputs()[0];
 
   std::vector<std::vector<Node*>> groups(1);
   std::vector<const Node*> markers;
+  std::vector<std::string> reasons;
   for (Node* node : graph->nodes()) {
     if (node->kind() == split_marker_kind()) {
       markers.push_back(node);
+      reasons.push_back("pipe::split() at " + where(node));
       groups.emplace_back();
     } else if (!is_floating_node(node, self)) {
       groups.back().push_back(node);
@@ -155,11 +157,46 @@ std::shared_ptr<const Plan> Plan::from_markers(std::shared_ptr<const Model> mode
     throw Error(Status::Split, "stage " + std::to_string(i) + " would be empty: there is no computation between " +
                                    between + ". Remove the redundant pipe::split() call.");
   }
+  auto plan = from_groups(std::move(model), std::move(groups));
+  plan->describe_origin("pipe::split() markers", std::move(reasons));
+  return plan;
+}
+
+std::shared_ptr<Plan> Plan::from_cuts(std::shared_ptr<const Model> model, const std::vector<Node*>& sequence,
+                                     const std::vector<size_t>& cuts) {
+  std::vector<std::vector<Node*>> groups(1);
+  size_t next = 0;
+  for (size_t p = 0; p < sequence.size(); ++p) {
+    if (next < cuts.size() && cuts[next] == p) {
+      groups.emplace_back();
+      ++next;
+    }
+    groups.back().push_back(sequence[p]);
+  }
   return from_groups(std::move(model), std::move(groups));
 }
 
-std::shared_ptr<const Plan> Plan::from_groups(std::shared_ptr<const Model> model,
-                                              std::vector<std::vector<Node*>> groups) {
+void Plan::describe_origin(std::string method, std::vector<std::string> boundary_reasons) {
+  method_ = std::move(method);
+  boundary_reasons_ = std::move(boundary_reasons);
+}
+
+void Plan::set_estimates(const std::vector<double>& ms) {
+  for (size_t s = 0; s < stages_.size() && s < ms.size(); ++s) stages_[s].estimated_ms = ms[s];
+}
+
+double Plan::balance() const {
+  double sum = 0, max = 0;
+  for (const auto& st : stages_) {
+    if (st.estimated_ms < 0) return -1;
+    sum += st.estimated_ms;
+    max = std::max(max, st.estimated_ms);
+  }
+  return max > 0 ? sum / (static_cast<double>(stages_.size()) * max) : -1;
+}
+
+std::shared_ptr<Plan> Plan::from_groups(std::shared_ptr<const Model> model,
+                                        std::vector<std::vector<Node*>> groups) {
   if (groups.empty()) throw Error(Status::Split, "a plan needs at least one stage");
   auto plan = std::make_shared<Plan>();
   plan->model_ = model;
@@ -228,11 +265,20 @@ std::string Plan::describe_json() const {
                       {"parameters", st.parameters},
                       {"buffers", st.buffers},
                       {"param_bytes", st.param_bytes},
+                      {"estimated_ms", st.estimated_ms < 0 ? Json(nullptr) : Json(st.estimated_ms)},
                       {"num_nodes", st.nodes.size()},
                       {"inputs", std::move(inputs)},
                       {"outputs", std::move(outputs)}});
   }
-  Json out = {{"num_stages", stages_.size()}, {"stages", std::move(stages)}};
+  Json boundaries = Json::array();
+  for (size_t b = 0; b < boundary_reasons_.size(); ++b)
+    boundaries.push_back({{"between", {b, b + 1}}, {"reason", boundary_reasons_[b]}});
+  const double bal = balance();
+  Json out = {{"num_stages", stages_.size()},
+              {"method", method_},
+              {"balance", bal < 0 ? Json(nullptr) : Json(bal)},
+              {"boundaries", std::move(boundaries)},
+              {"stages", std::move(stages)}};
   return out.dump();
 }
 

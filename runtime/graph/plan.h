@@ -34,18 +34,32 @@ struct StagePlan {
   std::vector<std::string> parameters;           // original dotted names
   std::vector<std::string> buffers;
   uint64_t param_bytes = 0;
+  double estimated_ms = -1;  // measured on example inputs; -1 when none were given
 };
 
 class Plan {
  public:
   // Cuts at the pipe::split() markers of forward's top level. Throws Error(Split) for a marker
   // inside a block or a stage left without computation.
-  static std::shared_ptr<const Plan> from_markers(std::shared_ptr<const Model> model);
+  static std::shared_ptr<Plan> from_markers(std::shared_ptr<const Model> model);
 
   // Builds a plan from groups of top-level nodes (in graph order, covering every top-level node
   // that is not a constant or attribute read). Throws Error(Split) for an empty group.
-  static std::shared_ptr<const Plan> from_groups(std::shared_ptr<const Model> model,
-                                                 std::vector<std::vector<torch::jit::Node*>> groups);
+  static std::shared_ptr<Plan> from_groups(std::shared_ptr<const Model> model,
+                                           std::vector<std::vector<torch::jit::Node*>> groups);
+
+  // Cuts `sequence` (top_level_sequence()) before each of `cuts` (ascending positions).
+  static std::shared_ptr<Plan> from_cuts(std::shared_ptr<const Model> model,
+                                         const std::vector<torch::jit::Node*>& sequence,
+                                         const std::vector<size_t>& cuts);
+
+  // How the cuts were chosen ("pipe::split() markers", "split points", "policy time"), and why
+  // each boundary is where it is (one entry per boundary, stage i | stage i+1).
+  void describe_origin(std::string method, std::vector<std::string> boundary_reasons);
+  // Per-stage times measured on example inputs.
+  void set_estimates(const std::vector<double>& ms);
+  // Σt / (N · max t) over the estimated stage times; -1 without estimates.
+  double balance() const;
 
   const Model& model() const { return *model_; }
   const std::shared_ptr<const Model>& model_ptr() const { return model_; }
@@ -61,6 +75,8 @@ class Plan {
   std::shared_ptr<const Model> model_;
   std::vector<StagePlan> stages_;
   std::vector<CrossingValue> values_;
+  std::string method_ = "pipe::split() markers";
+  std::vector<std::string> boundary_reasons_;
 };
 
 // True for top-level nodes that belong to no stage: constants and reads of attributes of self

@@ -11,6 +11,7 @@
 #include "runtime/chunk/microbatch.h"
 #include "runtime/error.h"
 #include "runtime/log.h"
+#include "runtime/planner.h"
 #include "runtime/stage/stage_module.h"
 
 namespace libpipe::schedule {
@@ -80,10 +81,8 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
     throw Error(Status::InvalidArgument, "threads_per_stage must be 0 (automatic) or positive, got " +
                                              std::to_string(options_.threads_per_stage));
   const size_t n = plan_->num_stages();
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  threads_per_stage_ = options_.threads_per_stage > 0
-                           ? options_.threads_per_stage
-                           : std::max(1, cores / static_cast<int>(n));
+  threads_per_stage_ =
+      options_.threads_per_stage > 0 ? options_.threads_per_stage : default_threads_per_stage(n);
 
   for (size_t s = 0; s < n; ++s) stages_.push_back(stage::build_stage_module(*plan_, s));
   // Room for every micro-batch of a couple of calls per stage; a full queue makes callers wait.

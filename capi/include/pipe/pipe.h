@@ -164,6 +164,17 @@ PIPE_API pipe_status pipe_model_num_inputs(const pipe_model *model, size_t *coun
 PIPE_API pipe_status pipe_model_input_name(const pipe_model *model, size_t index,
                                            const char **name);
 
+/* Number of modules in the model's module tree (the root included). Thread-safe. */
+PIPE_API pipe_status pipe_model_num_modules(const pipe_model *model, size_t *count);
+
+/* Module `index` of the tree, in pre-order: its dotted path ("" for the root, "layers.0.attn"),
+ * its class name, its depth (0 for the root), and the number and bytes of the parameters it holds
+ * with all its descendants (a tensor shared under two names counted once). Any output pointer may
+ * be NULL when not wanted. Strings are valid until the model is destroyed. Thread-safe. */
+PIPE_API pipe_status pipe_model_module(const pipe_model *model, size_t index, const char **path,
+                                       const char **type_name, int32_t *depth, uint64_t *num_params,
+                                       uint64_t *param_bytes);
+
 /* Free the model. Plans and sessions made from it keep what they need and stay valid.
  * NULL is ignored. Exclusive. */
 PIPE_API void pipe_model_destroy(pipe_model *model);
@@ -172,13 +183,40 @@ PIPE_API void pipe_model_destroy(pipe_model *model);
 
 typedef struct pipe_plan pipe_plan;
 
-/* Split options. Reserved: no way to build one exists in this version, so pass NULL. */
+/* How to cut a model: an opaque builder. Without one (or with an empty one) the cuts are the
+ * pipe::split() markers in the model code. Exclusive per handle. */
 typedef struct pipe_plan_options pipe_plan_options;
 
-/* Cut `model` into stages. With `options` NULL the cuts are the pipe::split() markers in the
- * model's forward code (top level only); a model without markers gives a single stage.
- * PIPE_ERR_SPLIT if a marker sits inside an if/loop block or a cut would leave a stage empty.
- * Thread-safe on `model`. */
+PIPE_API pipe_status pipe_plan_options_create(pipe_plan_options **options);
+PIPE_API void pipe_plan_options_destroy(pipe_plan_options *options);
+
+/* Cut at a module boundary, as PyTorch's SplitPoint: "FQN:begin" cuts just before module FQN
+ * runs, "FQN:end" just after ("layers.3:end", "transformer.h.0:begin"). A module called several
+ * times gives a cut at every call; "FQN@K:end" picks its K-th call (from 0). Repeatable.
+ * PIPE_ERR_INVALID_ARGUMENT for bad syntax; unknown modules are reported by pipe_plan_create. */
+PIPE_API pipe_status pipe_plan_options_add_split_point(pipe_plan_options *options, const char *split_point);
+
+/* Ask for `num_stages` stages chosen by `policy` instead of split points:
+ *   "uniform"  equal numbers of layers (the calls of the children of the module with the most
+ *              called children: transformer.h.* in GPT-2, layers.* in Llama) per stage;
+ *   "params"   the cut minimising the largest stage's parameter bytes;
+ *   "time"     the cut minimising the slowest stage, measured on the example inputs.
+ * Cuts never fall inside a layer or a `with` block. */
+PIPE_API pipe_status pipe_plan_options_set_stages(pipe_plan_options *options, int32_t num_stages,
+                                                  const char *policy);
+
+/* Example inputs (forward's arguments in order; copied). Required by policy "time"; with any
+ * split they make the plan report each stage's measured time and the balance. */
+PIPE_API pipe_status pipe_plan_options_set_example_inputs(pipe_plan_options *options,
+                                                          const DLManagedTensor *const *inputs,
+                                                          size_t num_inputs);
+
+/* Cut `model` into stages as `options` say (NULL: at the pipe::split() markers; a model without
+ * markers gives one stage). PIPE_ERR_SPLIT when the model cannot be cut so: a marker or split
+ * point inside an if/loop block or a `with` block, an unknown module (the message names the
+ * nearest ones), a stage left empty, more stages than places to cut. PIPE_ERR_INVALID_ARGUMENT
+ * for split points together with a stage count, an unknown policy, or N < 1.
+ * Thread-safe on `model`; `options` is only read. */
 PIPE_API pipe_status pipe_plan_create(const pipe_model *model, const pipe_plan_options *options,
                                       pipe_plan **plan);
 
@@ -201,10 +239,23 @@ PIPE_API pipe_status pipe_plan_stage_name(const pipe_plan *plan, size_t stage, i
 PIPE_API pipe_status pipe_plan_stage_param_bytes(const pipe_plan *plan, size_t stage,
                                                  uint64_t *bytes);
 
+/* Measured time of stage `stage` on the example inputs in milliseconds, or -1 when the plan was
+ * made without example inputs. Thread-safe. */
+PIPE_API pipe_status pipe_plan_stage_estimated_ms(const pipe_plan *plan, size_t stage, double *ms);
+
+/* Save stage `stage` as a standalone TorchScript file: forward(<its inputs>) runs the stage and
+ * the file holds only the parameters and buffers that stage reads, under their original names.
+ * torch.jit.load / torch::jit::load reload it. Thread-safe. */
+PIPE_API pipe_status pipe_plan_save_stage(const pipe_plan *plan, size_t stage, const char *path);
+
 /* The whole plan as JSON:
- *   {"num_stages": N, "stages": [{"index": i, "parameters": [...], "buffers": [...],
- *    "param_bytes": n, "num_nodes": k, "inputs": [{"name": ..., "from": <stage index> or "input"}],
- *    "outputs": [{"name": ..., "to": [stage indices] or "caller"}]}]}
+ *   {"num_stages": N, "method": "pipe::split() markers" | "split points" | "policy <name>",
+ *    "balance": sum(t) / (N * max t) or null,
+ *    "boundaries": [{"between": [i, i+1], "reason": "layers.0:end (call 0)"}],
+ *    "stages": [{"index": i, "parameters": [...], "buffers": [...], "param_bytes": n,
+ *                "estimated_ms": t or null, "num_nodes": k,
+ *                "inputs": [{"name": ..., "from": <stage index> or "input"}],
+ *                "outputs": [{"name": ..., "to": [stage indices] or "caller"}]}]}
  * ("input" is a forward argument of the model; "caller" is the model's result.)
  * Valid until the plan is destroyed. Thread-safe. */
 PIPE_API pipe_status pipe_plan_describe(const pipe_plan *plan, const char **json);

@@ -1,0 +1,146 @@
+#include "runtime/graph/partition.h"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <set>
+
+#include "runtime/error.h"
+#include "runtime/graph/plan.h"
+#include "runtime/graph/split_marker.h"
+#include "runtime/graph/split_spec.h"
+
+namespace libpipe::graph {
+
+using torch::jit::Node;
+using torch::jit::Value;
+
+std::vector<Node*> top_level_sequence(const Model& model) {
+  const Value* self = model.graph()->inputs()[0];
+  std::vector<Node*> out;
+  for (Node* n : model.graph()->nodes())
+    if (n->kind() != split_marker_kind() && !is_floating_node(n, self)) out.push_back(n);
+  return out;
+}
+
+namespace {
+
+std::string parent_of(const std::string& path) {
+  const size_t dot = path.rfind('.');
+  return dot == std::string::npos ? "" : path.substr(0, dot);
+}
+
+bool is_prefix_path(const std::string& prefix, const std::string& path) {
+  return prefix.empty() || path == prefix || (path.size() > prefix.size() &&
+                                              path.compare(0, prefix.size(), prefix) == 0 &&
+                                              path[prefix.size()] == '.');
+}
+
+}  // namespace
+
+Segmentation segment(const Model& model, const std::vector<Node*>& sequence) {
+  const auto ranges = call_site_ranges(model, sequence);
+  const auto& sites = model.call_sites();
+
+  // Count the top-level call sites of each module's children; the module with the most is the
+  // container of the layers (ties go to the shallower module, which covers more of the model).
+  std::map<std::string, size_t> children_calls;
+  for (size_t s = 0; s < sites.size(); ++s)
+    if (ranges[s].first != ranges[s].second) ++children_calls[parent_of(sites[s].path)];
+  Segmentation seg;
+  size_t best = 0;
+  for (const auto& [parent, count] : children_calls) {
+    const size_t depth = std::count(parent.begin(), parent.end(), '.') + (parent.empty() ? 0 : 1);
+    const size_t best_depth = std::count(seg.container.begin(), seg.container.end(), '.') + (seg.container.empty() ? 0 : 1);
+    if (count > best || (count == best && depth < best_depth)) {
+      best = count;
+      seg.container = parent;
+    }
+  }
+
+  std::vector<bool> blocked(sequence.size() + 1, false);
+  if (best == 0) {
+    for (size_t p = 0; p < sequence.size(); ++p) seg.layer_starts.push_back(p);
+  } else {
+    for (size_t s = 0; s < sites.size(); ++s) {
+      const auto [start, end] = ranges[s];
+      if (start == end) continue;
+      if (parent_of(sites[s].path) == seg.container) seg.layer_starts.push_back(start);
+      // Cuts may fall inside the container's call and its ancestors' (that is where the layers
+      // meet), never inside any other module: not through a layer, not through a helper module.
+      if (!is_prefix_path(sites[s].path, seg.container))
+        for (size_t p = start + 1; p < end; ++p) blocked[p] = true;
+    }
+    std::sort(seg.layer_starts.begin(), seg.layer_starts.end());
+    seg.layer_starts.erase(std::unique(seg.layer_starts.begin(), seg.layer_starts.end()), seg.layer_starts.end());
+  }
+  const auto contexts = open_contexts(sequence);
+  for (size_t p = 1; p < sequence.size(); ++p)
+    if (!blocked[p] && !contexts[p]) seg.allowed_cuts.push_back(p);
+  return seg;
+}
+
+std::vector<size_t> min_max_partition(const std::vector<double>& costs, size_t parts) {
+  const size_t k = costs.size();
+  if (parts < 1) throw Error(Status::Split, "the number of stages must be at least 1");
+  if (parts > k)
+    throw Error(Status::Split, "cannot make " + std::to_string(parts) + " stages: the model has only " +
+                                   std::to_string(k) + " place" + (k == 1 ? "" : "s") +
+                                   " to put stage boundaries between (ask for at most " + std::to_string(k) + ")");
+  std::vector<double> prefix(k + 1, 0.0);
+  for (size_t i = 0; i < k; ++i) prefix[i + 1] = prefix[i] + costs[i];
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[g][i]: the smallest possible largest group over the first i segments in g groups.
+  std::vector<std::vector<double>> best(parts + 1, std::vector<double>(k + 1, inf));
+  std::vector<std::vector<size_t>> from(parts + 1, std::vector<size_t>(k + 1, 0));
+  best[0][0] = 0.0;
+  for (size_t g = 1; g <= parts; ++g)
+    for (size_t i = g; i <= k - (parts - g); ++i)
+      for (size_t j = g - 1; j < i; ++j) {
+        const double v = std::max(best[g - 1][j], prefix[i] - prefix[j]);
+        // Among equal maxima prefer the later boundary, which keeps earlier stages no heavier.
+        if (v < best[g][i] || (v == best[g][i] && j > from[g][i])) {
+          best[g][i] = v;
+          from[g][i] = j;
+        }
+      }
+  std::vector<size_t> starts;
+  for (size_t g = parts, i = k; g > 1; --g) {
+    i = from[g][i];
+    starts.push_back(i);
+  }
+  std::reverse(starts.begin(), starts.end());
+  return starts;
+}
+
+std::vector<double> segment_param_bytes(const Model& model, const std::vector<Node*>& sequence,
+                                        const std::vector<size_t>& bounds) {
+  const Value* self = model.graph()->inputs()[0];
+  std::set<std::string> seen;
+  std::vector<double> bytes;
+  std::function<void(const Node*, double&)> visit = [&](const Node* n, double& total) {
+    for (const Value* v : n->inputs()) {
+      auto path = attribute_path(v, self);
+      if (path.empty()) continue;
+      c10::intrusive_ptr<c10::ivalue::Object> obj = model.module()._ivalue();
+      std::string dotted;
+      for (size_t i = 0; i + 1 < path.size(); ++i) {
+        obj = obj->getAttr(path[i]).toObject();
+        dotted += path[i] + ".";
+      }
+      dotted += path.back();
+      const c10::IValue value = obj->getAttr(path.back());
+      if (value.isTensor() && seen.insert(dotted).second) total += static_cast<double>(value.toTensor().nbytes());
+    }
+    for (const auto* b : n->blocks())
+      for (const Node* inner : b->nodes()) visit(inner, total);
+  };
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+    double total = 0;
+    for (size_t p = bounds[i]; p < bounds[i + 1]; ++p) visit(sequence[p], total);
+    bytes.push_back(total);
+  }
+  return bytes;
+}
+
+}  // namespace libpipe::graph

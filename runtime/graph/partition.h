@@ -1,0 +1,41 @@
+// Balanced splits for a requested number of stages. The model's top-level sequence is cut only
+// at "allowed" positions: never inside a layer, never inside a `with` block. Layers are the calls
+// of the children of the module with the most called children (transformer.h.0 ... .11 in
+// GPT-2, layer1 ... layer4 and their neighbours in ResNet); a model without module calls has
+// one layer per top-level node. Policies then choose N-1 of the allowed cuts:
+//   uniform  equal numbers of layers per stage
+//   params   the cut minimising the largest stage's parameter bytes
+//   time     the cut minimising the slowest stage, from measured segment times
+#pragma once
+
+#include <torch/csrc/jit/ir/ir.h>
+
+#include <string>
+#include <vector>
+
+#include "runtime/graph/model.h"
+
+namespace libpipe::graph {
+
+// The model's top-level nodes that belong to stages: not constants, not attribute reads of self,
+// not pipe::split() markers.
+std::vector<torch::jit::Node*> top_level_sequence(const Model& model);
+
+struct Segmentation {
+  std::string container;               // the module whose children are the layers ("" = root)
+  std::vector<size_t> layer_starts;    // position of each layer's first node, ascending
+  std::vector<size_t> allowed_cuts;    // positions a cut may take, ascending, within (0, size)
+};
+
+Segmentation segment(const Model& model, const std::vector<torch::jit::Node*>& sequence);
+
+// Splits costs[0..K) (contiguous segments) into `parts` non-empty contiguous groups minimising the
+// largest group sum. Returns the index of the first segment of each group after the first
+// (parts-1 ascending values in (0, K)). Throws Error(Split) if parts < 1 or parts > K.
+std::vector<size_t> min_max_partition(const std::vector<double>& costs, size_t parts);
+
+// Parameter and buffer bytes first read by each segment [bounds[i], bounds[i+1]) of `sequence`.
+std::vector<double> segment_param_bytes(const Model& model, const std::vector<torch::jit::Node*>& sequence,
+                                        const std::vector<size_t>& bounds);
+
+}  // namespace libpipe::graph

@@ -1,0 +1,116 @@
+#include "runtime/planner.h"
+
+#include <algorithm>
+#include <thread>
+
+#include "runtime/error.h"
+#include "runtime/graph/partition.h"
+#include "runtime/graph/split_spec.h"
+#include "runtime/stage/profile.h"
+
+namespace libpipe {
+
+using graph::Plan;
+
+int default_threads_per_stage(size_t num_stages) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, cores / static_cast<int>(std::max<size_t>(1, num_stages)));
+}
+
+namespace {
+
+std::shared_ptr<Plan> by_split_points(const std::shared_ptr<const graph::Model>& model,
+                                      const std::vector<std::string>& texts) {
+  std::vector<graph::SplitPoint> points;
+  for (const auto& t : texts) points.push_back(graph::parse_split_point(t));
+  const auto sequence = graph::top_level_sequence(*model);
+  const auto cuts = graph::resolve_split_points(*model, sequence, points);
+  std::vector<size_t> positions;
+  std::vector<std::string> reasons;
+  for (const auto& c : cuts) {
+    positions.push_back(c.position);
+    reasons.push_back(c.reason);
+  }
+  auto plan = Plan::from_cuts(model, sequence, positions);
+  plan->describe_origin("split points", std::move(reasons));
+  return plan;
+}
+
+std::shared_ptr<Plan> by_policy(const std::shared_ptr<const graph::Model>& model, const PlanRequest& request) {
+  const size_t n = static_cast<size_t>(request.num_stages);
+  const auto sequence = graph::top_level_sequence(*model);
+  const auto seg = graph::segment(*model, sequence);
+  const std::string container = seg.container.empty() ? "the model's top level" : seg.container;
+  const std::string policy_name = "policy " + request.policy;
+
+  std::vector<size_t> cuts;
+  if (request.policy == "uniform") {
+    const size_t layers = seg.layer_starts.size();
+    if (n > layers)
+      throw Error(Status::Split, "cannot make " + std::to_string(n) + " stages with policy uniform: " + container +
+                                     " has " + std::to_string(layers) + " layer" + (layers == 1 ? "" : "s") +
+                                     " to share out (ask for at most " + std::to_string(layers) + ")");
+    for (size_t k = 1; k < n; ++k) {
+      const size_t want = seg.layer_starts[k * layers / n];
+      // The first allowed position at or after the layer start (a `with` block may hold it).
+      auto it = std::lower_bound(seg.allowed_cuts.begin(), seg.allowed_cuts.end(), want);
+      if (it == seg.allowed_cuts.end() || (!cuts.empty() && *it <= cuts.back()))
+        throw Error(Status::Split, "cannot place " + std::to_string(n) + " uniform stages: too few places to cut");
+      cuts.push_back(*it);
+    }
+  } else {
+    std::vector<size_t> bounds = {0};
+    bounds.insert(bounds.end(), seg.allowed_cuts.begin(), seg.allowed_cuts.end());
+    bounds.push_back(sequence.size());
+    std::vector<double> costs;
+    if (request.policy == "params") {
+      costs = graph::segment_param_bytes(*model, sequence, bounds);
+    } else {  // time
+      if (request.example_inputs.empty())
+        throw Error(Status::InvalidArgument,
+                    "policy time measures each part of the model on example inputs; give them "
+                    "(pipe split/run --input IN.safetensors, or pipe_plan_options_set_example_inputs)");
+      if (bounds.size() - 1 < n)
+        throw Error(Status::Split, "cannot make " + std::to_string(n) + " stages: the model has only " +
+                                       std::to_string(bounds.size() - 1) + " parts to put stage boundaries between");
+      auto parts = Plan::from_cuts(model, sequence, seg.allowed_cuts);
+      costs = stage::time_stages(*parts, request.example_inputs, default_threads_per_stage(n));
+    }
+    for (size_t start : graph::min_max_partition(costs, n)) cuts.push_back(bounds[start]);
+  }
+  auto plan = Plan::from_cuts(model, sequence, cuts);
+  std::vector<std::string> reasons(cuts.size(), policy_name + " over the layers of " + container);
+  plan->describe_origin(policy_name, std::move(reasons));
+  return plan;
+}
+
+}  // namespace
+
+void validate_stage_request(const PlanRequest& request) {
+  if (request.num_stages < 1)
+    throw Error(Status::InvalidArgument,
+                "the number of stages must be at least 1, got " + std::to_string(request.num_stages));
+  if (request.policy != "uniform" && request.policy != "params" && request.policy != "time")
+    throw Error(Status::InvalidArgument, "unknown split policy '" + request.policy +
+                                             "'; use uniform (equal layers), params (equal parameter "
+                                             "bytes) or time (equal measured time)");
+}
+
+std::shared_ptr<const Plan> make_plan(std::shared_ptr<const graph::Model> model, const PlanRequest& request) {
+  const bool by_points = !request.split_points.empty();
+  const bool by_count = request.num_stages != 0 || !request.policy.empty();
+  if (by_points && by_count)
+    throw Error(Status::InvalidArgument,
+                "give either split points or a stage count with a policy, not both");
+  if (by_count) validate_stage_request(request);
+  std::shared_ptr<Plan> plan;
+  if (by_points) plan = by_split_points(model, request.split_points);
+  else if (by_count) plan = by_policy(model, request);
+  else plan = Plan::from_markers(model);
+  if (!request.example_inputs.empty())
+    plan->set_estimates(stage::time_stages(*plan, request.example_inputs,
+                                           default_threads_per_stage(plan->num_stages())));
+  return plan;
+}
+
+}  // namespace libpipe
