@@ -51,12 +51,20 @@ std::shared_ptr<Plan> by_policy(const std::shared_ptr<const graph::Model>& model
                                      " has " + std::to_string(layers) + " layer" + (layers == 1 ? "" : "s") +
                                      " to share out (ask for at most " + std::to_string(layers) + ")");
     for (size_t k = 1; k < n; ++k) {
+      // The allowed cut nearest the wanted layer start (a `with` block may cover the start),
+      // after the previous cut.
       const size_t want = seg.layer_starts[k * layers / n];
-      // The first allowed position at or after the layer start (a `with` block may hold it).
-      auto it = std::lower_bound(seg.allowed_cuts.begin(), seg.allowed_cuts.end(), want);
-      if (it == seg.allowed_cuts.end() || (!cuts.empty() && *it <= cuts.back()))
-        throw Error(Status::Split, "cannot place " + std::to_string(n) + " uniform stages: too few places to cut");
-      cuts.push_back(*it);
+      size_t best = SIZE_MAX;
+      for (size_t c : seg.allowed_cuts) {
+        if (!cuts.empty() && c <= cuts.back()) continue;
+        const size_t dist = c > want ? c - want : want - c;
+        const size_t best_dist = best == SIZE_MAX ? SIZE_MAX : (best > want ? best - want : want - best);
+        if (dist < best_dist) best = c;
+      }
+      if (best == SIZE_MAX)
+        throw Error(Status::Split, "cannot place " + std::to_string(n) +
+                                       " uniform stages: too few places to cut outside layers and `with` blocks");
+      cuts.push_back(best);
     }
   } else {
     std::vector<size_t> bounds = {0};

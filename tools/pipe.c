@@ -42,6 +42,7 @@ typedef struct {
   const char *points[MAX_SPLIT_POINTS];
   int num_points;
   int32_t stages;
+  int has_stages;
   const char *policy;
 } split_args;
 
@@ -68,7 +69,7 @@ static int fail(const char *what, pipe_status status) {
   return 1;
 }
 
-static int parse_positive_int(const char *flag, const char *text, int32_t *out) {
+static int parse_int(const char *flag, const char *text, int32_t *out) {
   char *end = NULL;
   errno = 0;
   long value = strtol(text, &end, 10);
@@ -93,7 +94,8 @@ static int parse_split_arg(int argc, char **argv, int *i, split_args *s) {
     if (s->num_points == MAX_SPLIT_POINTS) return usage_error("at most %d --split-at", MAX_SPLIT_POINTS);
     s->points[s->num_points++] = v;
   } else if (strcmp(a, "--stages") == 0) {
-    if (parse_positive_int(a, v, &s->stages) != 0) return 2;
+    if (parse_int(a, v, &s->stages) != 0) return 2;
+    s->has_stages = 1;
   } else {
     s->policy = v;
   }
@@ -107,7 +109,7 @@ static int make_plan(pipe_model *model, const split_args *split, const DLManaged
   pipe_status st = pipe_plan_options_create(&options);
   for (int i = 0; i < split->num_points && st == PIPE_OK; ++i)
     st = pipe_plan_options_add_split_point(options, split->points[i]);
-  if (st == PIPE_OK && (split->stages != 0 || split->policy))
+  if (st == PIPE_OK && (split->has_stages || split->policy))
     st = pipe_plan_options_set_stages(options, split->stages, split->policy ? split->policy : "uniform");
   if (st == PIPE_OK && examples) st = pipe_plan_options_set_example_inputs(options, examples, num_examples);
   if (st == PIPE_OK) st = pipe_plan_create(model, options, plan);
@@ -116,7 +118,7 @@ static int make_plan(pipe_model *model, const split_args *split, const DLManaged
 }
 
 static int check_split_args(const char *cmd, const split_args *split) {
-  if (split->policy && split->stages == 0) return usage_error("%s: --policy needs --stages N", cmd);
+  if (split->policy && !split->has_stages) return usage_error("%s: --policy needs --stages N", cmd);
   return 0;
 }
 
@@ -325,7 +327,7 @@ static int cmd_run(int argc, char **argv) {
       const char *v = argv[++i];
       if (strcmp(a, "--input") == 0) in_path = v;
       else if (strcmp(a, "--output") == 0) out_path = v;
-      else if (parse_positive_int(a, v, &options.num_microbatches) != 0) return 2;
+      else if (parse_int(a, v, &options.num_microbatches) != 0) return 2;
     } else if (a[0] == '-') {
       return usage_error("run: unknown option '%s'", a);
     } else if (!model_path) {

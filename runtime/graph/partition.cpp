@@ -42,30 +42,61 @@ Segmentation segment(const Model& model, const std::vector<Node*>& sequence) {
   const auto ranges = call_site_ranges(model, sequence);
   const auto& sites = model.call_sites();
 
-  // Count the top-level call sites of each module's children; the module with the most is the
-  // container of the layers (ties go to the shallower module, which covers more of the model).
-  std::map<std::string, size_t> children_calls;
-  for (size_t s = 0; s < sites.size(); ++s)
-    if (ranges[s].first != ranges[s].second) ++children_calls[parent_of(sites[s].path)];
+  // The layers are the calls of a module's children that share one class (ModuleList and
+  // Sequential items: transformer.h.*, layers.*, layer1..layer4). Of all such groups of sibling
+  // calls (two or more), the one covering the most of the model wins, so four projections inside
+  // one attention block never beat the decoder layers that hold them.
+  auto class_of = [&](const std::string& path) {
+    c10::intrusive_ptr<c10::ivalue::Object> obj = model.module()._ivalue();
+    size_t start = 0;
+    while (start <= path.size()) {
+      size_t dot = path.find('.', start);
+      if (dot == std::string::npos) dot = path.size();
+      obj = obj->getAttr(path.substr(start, dot - start)).toObject();
+      start = dot + 1;
+    }
+    // Tracing gives every instance its own class (__torch__.x.___torch_mangle_7.Block); the
+    // mangling component is dropped so instances of one Python class compare equal.
+    std::string name = obj->type()->name() ? obj->type()->name()->qualifiedName() : "?";
+    const std::string marker = "___torch_mangle_";
+    for (size_t at = name.find(marker); at != std::string::npos; at = name.find(marker)) {
+      const size_t end = name.find('.', at);
+      name.erase(at, end == std::string::npos ? std::string::npos : end - at + 1);
+    }
+    return name;
+  };
+  struct Group {
+    size_t calls = 0;
+    size_t covered = 0;
+  };
+  std::map<std::pair<std::string, std::string>, Group> groups;  // (container, class)
+  for (size_t s = 0; s < sites.size(); ++s) {
+    if (ranges[s].first == ranges[s].second) continue;
+    Group& g = groups[{parent_of(sites[s].path), class_of(sites[s].path)}];
+    ++g.calls;
+    g.covered += ranges[s].second - ranges[s].first;
+  }
   Segmentation seg;
-  size_t best = 0;
-  for (const auto& [parent, count] : children_calls) {
-    const size_t depth = std::count(parent.begin(), parent.end(), '.') + (parent.empty() ? 0 : 1);
-    const size_t best_depth = std::count(seg.container.begin(), seg.container.end(), '.') + (seg.container.empty() ? 0 : 1);
-    if (count > best || (count == best && depth < best_depth)) {
-      best = count;
-      seg.container = parent;
+  std::string layer_class;
+  Group best;
+  for (const auto& [key, g] : groups) {
+    if (g.calls < 2) continue;
+    if (g.covered > best.covered || (g.covered == best.covered && g.calls > best.calls)) {
+      best = g;
+      seg.container = key.first;
+      layer_class = key.second;
     }
   }
 
   std::vector<bool> blocked(sequence.size() + 1, false);
-  if (best == 0) {
+  if (best.calls == 0) {
     for (size_t p = 0; p < sequence.size(); ++p) seg.layer_starts.push_back(p);
   } else {
     for (size_t s = 0; s < sites.size(); ++s) {
       const auto [start, end] = ranges[s];
       if (start == end) continue;
-      if (parent_of(sites[s].path) == seg.container) seg.layer_starts.push_back(start);
+      if (parent_of(sites[s].path) == seg.container && class_of(sites[s].path) == layer_class)
+        seg.layer_starts.push_back(start);
       // Cuts may fall inside the container's call and its ancestors' (that is where the layers
       // meet), never inside any other module: not through a layer, not through a helper module.
       if (!is_prefix_path(sites[s].path, seg.container))

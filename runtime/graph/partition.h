@@ -1,8 +1,9 @@
 // Balanced splits for a requested number of stages. The model's top-level sequence is cut only
-// at "allowed" positions: never inside a layer, never inside a `with` block. Layers are the calls
-// of the children of the module with the most called children (transformer.h.0 ... .11 in
-// GPT-2, layer1 ... layer4 and their neighbours in ResNet); a model without module calls has
-// one layer per top-level node. Policies then choose N-1 of the allowed cuts:
+// at "allowed" positions: never inside a module call other than the layers' container and its
+// ancestors, never inside a `with` block. Layers are the calls of one container's children that
+// share a class, the container with the most such calls winning (transformer.h.* in GPT-2,
+// layers.* in Llama, layer1..layer4 in ResNet); a model without module calls has one layer per
+// top-level node. Policies then choose N-1 of the allowed cuts:
 //   uniform  equal numbers of layers per stage
 //   params   the cut minimising the largest stage's parameter bytes
 //   time     the cut minimising the slowest stage, from measured segment times

@@ -3,6 +3,7 @@
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
 #include <torch/csrc/jit/passes/shape_analysis.h>
 
+#include <algorithm>
 #include <map>
 #include <unordered_map>
 
@@ -23,7 +24,7 @@ class ModuleTree {
   ModuleTree(const Module& original, size_t stage_index)
       : cu_(std::make_shared<torch::jit::CompilationUnit>()),
         prefix_("__torch__.libpipe.stage" + std::to_string(stage_index)),
-        root_(make_module(prefix_)),
+        root_(make_module(prefix_ + ".Stage")),
         original_(original) {}
 
   void add(const std::vector<std::string>& path) {
@@ -35,7 +36,10 @@ class ModuleTree {
       orig = orig->getAttr(path[i]).toObject();
       auto it = children_.find(dotted);
       if (it == children_.end()) {
-        Module child = make_module(prefix_ + "." + dotted);
+        // Class names must be identifiers ("layers.0" is not): "m_layers_0".
+        std::string cls = "m_" + dotted;
+        std::replace(cls.begin(), cls.end(), '.', '_');
+        Module child = make_module(prefix_ + "." + cls);
         stage_parent.register_module(path[i], child);
         it = children_.emplace(dotted, child).first;
       }

@@ -197,8 +197,9 @@ PIPE_API void pipe_plan_options_destroy(pipe_plan_options *options);
 PIPE_API pipe_status pipe_plan_options_add_split_point(pipe_plan_options *options, const char *split_point);
 
 /* Ask for `num_stages` stages chosen by `policy` instead of split points:
- *   "uniform"  equal numbers of layers (the calls of the children of the module with the most
- *              called children: transformer.h.* in GPT-2, layers.* in Llama) per stage;
+ *   "uniform"  equal numbers of layers per stage; the layers are the calls of one module's
+ *              children that share a class, the module with the most such calls winning
+ *              (transformer.h.* in GPT-2, layers.* in Llama, layer1..layer4 in ResNet);
  *   "params"   the cut minimising the largest stage's parameter bytes;
  *   "time"     the cut minimising the slowest stage, measured on the example inputs.
  * Cuts never fall inside a layer or a `with` block. */

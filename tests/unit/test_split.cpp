@@ -1,0 +1,153 @@
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <random>
+
+#include "fixtures.h"
+#include "runtime/error.h"
+#include "runtime/graph/model.h"
+#include "runtime/graph/partition.h"
+#include "runtime/graph/split_spec.h"
+#include "runtime/planner.h"
+
+namespace libpipe {
+namespace {
+
+using graph::min_max_partition;
+
+double largest_group(const std::vector<double>& costs, const std::vector<size_t>& starts) {
+  double worst = 0, sum = 0;
+  size_t next = 0;
+  for (size_t i = 0; i < costs.size(); ++i) {
+    if (next < starts.size() && starts[next] == i) {
+      worst = std::max(worst, sum);
+      sum = 0;
+      ++next;
+    }
+    sum += costs[i];
+  }
+  return std::max(worst, sum);
+}
+
+// Every way to cut `costs` into `parts` groups, by brute force: the optimum to compare against.
+double brute_force_optimum(const std::vector<double>& costs, size_t parts) {
+  double best = 1e300;
+  const size_t k = costs.size();
+  for (uint64_t mask = 0; mask < (1ull << (k - 1)); ++mask) {
+    if (static_cast<size_t>(__builtin_popcountll(mask)) != parts - 1) continue;
+    std::vector<size_t> starts;
+    for (size_t i = 0; i + 1 < k; ++i)
+      if (mask >> i & 1) starts.push_back(i + 1);
+    best = std::min(best, largest_group(costs, starts));
+  }
+  return best;
+}
+
+TEST(Partition, MinimisesTheSlowestStage) {
+  // Equal layer counts would put both heavy layers in the second stage; the optimum splits them.
+  const std::vector<double> costs = {1, 1, 1, 1, 1, 1, 1, 1, 10, 10};
+  const auto starts = min_max_partition(costs, 2);
+  EXPECT_EQ(starts, (std::vector<size_t>{9}));
+  EXPECT_DOUBLE_EQ(largest_group(costs, starts), 18.0);
+  EXPECT_DOUBLE_EQ(largest_group(costs, {5}), 23.0) << "what equal layer counts would give";
+}
+
+TEST(Partition, MatchesBruteForceOnRandomCosts) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    const size_t k = 2 + rng() % 10;
+    std::vector<double> costs(k);
+    for (auto& c : costs) c = 1 + rng() % 50;
+    const size_t parts = 1 + rng() % k;
+    const auto starts = min_max_partition(costs, parts);
+    ASSERT_EQ(starts.size(), parts - 1);
+    for (size_t i = 0; i < starts.size(); ++i) {
+      EXPECT_GT(starts[i], i == 0 ? 0u : starts[i - 1]) << "groups are non-empty and ordered";
+      EXPECT_LT(starts[i], k);
+    }
+    EXPECT_DOUBLE_EQ(largest_group(costs, starts), brute_force_optimum(costs, parts));
+  }
+}
+
+TEST(Partition, OneGroupAndOneGroupPerSegment) {
+  EXPECT_TRUE(min_max_partition({3, 1, 2}, 1).empty());
+  EXPECT_EQ(min_max_partition({3, 1, 2}, 3), (std::vector<size_t>{1, 2}));
+}
+
+TEST(Partition, RefusesImpossibleCounts) {
+  for (size_t parts : {size_t{0}, size_t{4}}) {
+    try {
+      min_max_partition({1, 2, 3}, parts);
+      FAIL() << parts;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::Split);
+    }
+  }
+}
+
+TEST(Segmentation, FindsTheRepeatedLayersOfGpt2) {
+  auto model = graph::Model::load(test::fixture("split/gpt2.pt"));
+  const auto seq = graph::top_level_sequence(*model);
+  const auto seg = graph::segment(*model, seq);
+  EXPECT_EQ(seg.container, "transformer.h");
+  EXPECT_EQ(seg.layer_starts.size(), 3u);
+  // No cut falls strictly inside a layer.
+  const auto ranges = graph::call_site_ranges(*model, seq);
+  for (size_t s = 0; s < model->call_sites().size(); ++s) {
+    if (model->call_sites()[s].path.rfind("transformer.h.", 0) != 0) continue;
+    for (size_t cut : seg.allowed_cuts)
+      EXPECT_FALSE(cut > ranges[s].first && cut < ranges[s].second) << model->call_sites()[s].path;
+  }
+}
+
+TEST(Segmentation, ResNetLayersAreTheRootChildren) {
+  auto model = graph::Model::load(test::fixture("split/resnet18.pt"));
+  const auto seg = graph::segment(*model, graph::top_level_sequence(*model));
+  EXPECT_EQ(seg.container, "");
+  EXPECT_EQ(seg.layer_starts.size(), 4u);  // layer1..layer4, the Sequential children
+  // Cuts may still fall between the stem's modules (conv1 | bn1 ...), which are root children too.
+  EXPECT_GT(seg.allowed_cuts.size(), 4u);
+}
+
+TEST(SplitSpec, ParsesBeginEndAndCallNumbers) {
+  auto a = graph::parse_split_point("layers.3:end");
+  EXPECT_EQ(a.path, "layers.3");
+  EXPECT_FALSE(a.begin);
+  EXPECT_EQ(a.call, -1);
+  auto b = graph::parse_split_point("model.layers.0@2:begin");
+  EXPECT_EQ(b.path, "model.layers.0");
+  EXPECT_TRUE(b.begin);
+  EXPECT_EQ(b.call, 2);
+  for (const char* bad : {"", ":end", "a:", "a:mid", "a b:end", "a.:end", "a@:end", "a@1x:end"}) {
+    try {
+      graph::parse_split_point(bad);
+      FAIL() << bad;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::InvalidArgument) << bad;
+    }
+  }
+}
+
+TEST(SplitSpec, ModelsCalledTwiceHaveTwoCallSites) {
+  auto model = graph::Model::load(test::fixture("split/nograd_layers.pt"));
+  std::vector<int> calls;
+  for (const auto& cs : model->call_sites())
+    if (cs.path == "scaler") calls.push_back(cs.call);
+  EXPECT_EQ(calls, (std::vector<int>{0, 1}));
+}
+
+TEST(Planner, TimePolicyMeasuresEveryStage) {
+  auto model = graph::Model::load(test::fixture("split/resnet18.pt"));
+  PlanRequest timed;
+  timed.num_stages = 3;
+  timed.policy = "time";
+  timed.example_inputs = {at::randn({4, 3, 64, 64})};
+  auto plan = make_plan(model, timed);
+  ASSERT_EQ(plan->num_stages(), 3u);
+  for (size_t s = 0; s < 3; ++s) EXPECT_GT(plan->stage(s).estimated_ms, 0) << s;
+  EXPECT_GT(plan->balance(), 0);
+  EXPECT_LE(plan->balance(), 1);
+}
+
+}  // namespace
+}  // namespace libpipe
