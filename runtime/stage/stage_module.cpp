@@ -86,9 +86,17 @@ void retype_attribute_reads(torch::jit::Block* block) {
 // names by number and refuses as explicit names).
 std::string readable_name(const Value* v) { return v->hasDebugName() ? v->debugNameBase() : ""; }
 
+void rewrite_device_constants(torch::jit::Block* block, const c10::Device& device) {
+  for (Node* node : block->nodes()) {
+    if (node->kind() == torch::jit::prim::Constant && node->output()->type()->kind() == c10::TypeKind::DeviceObjType)
+      node->s_(torch::jit::attr::value, device.str());
+    for (auto* sub : node->blocks()) rewrite_device_constants(sub, device);
+  }
+}
+
 }  // namespace
 
-Module build_stage_module(const graph::Plan& plan, size_t stage_index) {
+Module build_stage_module(const graph::Plan& plan, size_t stage_index, c10::Device device) {
   const graph::StagePlan& sp = plan.stage(stage_index);
   const auto& model_graph = plan.model().graph();
   const Value* model_self = model_graph->inputs()[0];
@@ -148,6 +156,7 @@ Module build_stage_module(const graph::Plan& plan, size_t stage_index) {
 
   torch::jit::EliminateDeadCode(graph);
   retype_attribute_reads(graph->block());
+  rewrite_device_constants(graph->block(), device);
   // Sizes recorded by tracing describe the example input, not the micro-batches that will run.
   torch::jit::EraseShapeInformation(graph);
 

@@ -10,6 +10,10 @@
 
 namespace libpipe::stage {
 
-torch::jit::Module build_stage_module(const graph::Plan& plan, size_t stage_index);
+// `device` is where the stage will run: Device constants that tracing baked into the graph
+// (torch.ones(..., device="cuda:0")) are rewritten to it. Weights stay where they are; placing
+// them is the session's job.
+torch::jit::Module build_stage_module(const graph::Plan& plan, size_t stage_index,
+                                      c10::Device device = c10::Device(c10::kCPU));
 
 }  // namespace libpipe::stage

@@ -57,6 +57,7 @@ CASES = [
     ("hf_llama", ["--split-at", "model.layers.0:end"], 2, 1e-4),
     ("control_flow", [], 3, 1e-5),
     ("crossing_values", [], 2, 1e-5),
+    ("device_constant", [], 2, 1e-5),
 ]
 
 

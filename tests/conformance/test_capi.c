@@ -533,6 +533,157 @@ static void last_error_is_per_thread(void **state) {
   assert_string_equal(pipe_last_error(), "");
 }
 
+/* ---- plans from options ------------------------------------------------------------------ */
+
+static pipe_model *load_split_model(const char *name) {
+  char file[256];
+  pipe_model *model = NULL;
+  snprintf(file, sizeof file, "split/%s.pt", name);
+  ASSERT_OK(pipe_model_load(fixture(file), &model));
+  return model;
+}
+
+static void plan_options_are_validated(void **state) {
+  (void)state;
+  pipe_plan_options *options = NULL;
+  ASSERT_FAILS(pipe_plan_options_create(NULL), PIPE_ERR_INVALID_ARGUMENT, "options is NULL");
+  ASSERT_OK(pipe_plan_options_create(&options));
+  ASSERT_FAILS(pipe_plan_options_add_split_point(options, "layers.0"), PIPE_ERR_INVALID_ARGUMENT, "MODULE:begin");
+  ASSERT_FAILS(pipe_plan_options_add_split_point(options, "layers.0:middle"), PIPE_ERR_INVALID_ARGUMENT,
+               "neither ':begin' nor ':end'");
+  ASSERT_FAILS(pipe_plan_options_add_split_point(NULL, "a:end"), PIPE_ERR_INVALID_ARGUMENT, "options is NULL");
+  ASSERT_FAILS(pipe_plan_options_add_split_point(options, NULL), PIPE_ERR_INVALID_ARGUMENT, "split_point is NULL");
+  ASSERT_FAILS(pipe_plan_options_set_stages(options, 0, "uniform"), PIPE_ERR_INVALID_ARGUMENT, "at least 1");
+  ASSERT_FAILS(pipe_plan_options_set_stages(options, -2, "uniform"), PIPE_ERR_INVALID_ARGUMENT, "at least 1");
+  ASSERT_FAILS(pipe_plan_options_set_stages(options, 2, "fastest"), PIPE_ERR_INVALID_ARGUMENT,
+               "unknown split policy 'fastest'");
+  ASSERT_FAILS(pipe_plan_options_set_stages(options, 2, NULL), PIPE_ERR_INVALID_ARGUMENT, "policy is NULL");
+
+  pipe_model *model = load_split_model("tiny_llama");
+  pipe_plan *plan = (pipe_plan *)0x1;
+  ASSERT_OK(pipe_plan_options_add_split_point(options, "layers.7:end"));
+  ASSERT_FAILS(pipe_plan_create(model, options, &plan), PIPE_ERR_SPLIT, "nearest module paths: layers.0");
+  pipe_plan_options_destroy(options);
+
+  ASSERT_OK(pipe_plan_options_create(&options));
+  ASSERT_OK(pipe_plan_options_add_split_point(options, "layers.0:end"));
+  ASSERT_OK(pipe_plan_options_set_stages(options, 2, "uniform"));
+  ASSERT_FAILS(pipe_plan_create(model, options, &plan), PIPE_ERR_INVALID_ARGUMENT, "not both");
+  pipe_plan_options_destroy(options);
+
+  ASSERT_OK(pipe_plan_options_create(&options));
+  ASSERT_OK(pipe_plan_options_set_stages(options, 40, "params"));
+  ASSERT_FAILS(pipe_plan_create(model, options, &plan), PIPE_ERR_SPLIT, "cannot make 40 stages");
+  ASSERT_OK(pipe_plan_options_set_stages(options, 2, "time"));
+  ASSERT_FAILS(pipe_plan_create(model, options, &plan), PIPE_ERR_INVALID_ARGUMENT, "example inputs");
+  pipe_plan_options_destroy(options);
+  assert_ptr_equal(plan, (pipe_plan *)0x1);
+  pipe_plan_options_destroy(NULL);
+  pipe_model_destroy(model);
+}
+
+static void cuts_inside_blocks_are_refused(void **state) {
+  (void)state;
+  pipe_plan_options *options = NULL;
+  pipe_plan *plan = NULL;
+  ASSERT_OK(pipe_plan_options_create(&options));
+  ASSERT_OK(pipe_plan_options_add_split_point(options, "lin1:end"));
+  pipe_model *branch = load_split_model("call_inside_branch");
+  ASSERT_FAILS(pipe_plan_create(branch, options, &plan), PIPE_ERR_SPLIT, "inside an if/loop block");
+  pipe_model *autocast = load_split_model("inside_autocast");
+  ASSERT_FAILS(pipe_plan_create(autocast, options, &plan), PIPE_ERR_SPLIT, "inside a `with` block");
+  assert_null(plan);
+  pipe_model_destroy(branch);
+  pipe_model_destroy(autocast);
+  pipe_plan_options_destroy(options);
+}
+
+/* Split by module path, time each stage on example inputs, run with micro-batches, save a stage. */
+static void split_points_with_estimates(void **state) {
+  (void)state;
+  pipe_model *model = load_split_model("tiny_llama");
+  pipe_tensor_list *inputs = NULL, *expected = NULL, *out = NULL;
+  ASSERT_OK(pipe_safetensors_read(fixture("split/tiny_llama.inputs.safetensors"), &inputs));
+  ASSERT_OK(pipe_safetensors_read(fixture("split/tiny_llama.expected.safetensors"), &expected));
+  const DLManagedTensor *ids = NULL, *want = NULL, *got = NULL;
+  ASSERT_OK(pipe_tensor_list_get(inputs, 0, &ids));
+  ASSERT_OK(pipe_tensor_list_get(expected, 0, &want));
+
+  pipe_plan_options *options = NULL;
+  pipe_plan *plan = NULL;
+  ASSERT_OK(pipe_plan_options_create(&options));
+  ASSERT_OK(pipe_plan_options_add_split_point(options, "layers.0:end"));
+  ASSERT_OK(pipe_plan_options_add_split_point(options, "layers.1:end"));
+  ASSERT_OK(pipe_plan_options_set_example_inputs(options, &ids, 1));
+  ASSERT_OK(pipe_plan_create(model, options, &plan));
+  pipe_plan_options_destroy(options); /* the plan does not need the options afterwards */
+
+  size_t stages = 0;
+  ASSERT_OK(pipe_plan_num_stages(plan, &stages));
+  assert_int_equal(stages, 3);
+  for (size_t s = 0; s < stages; ++s) {
+    double ms = -1;
+    ASSERT_OK(pipe_plan_stage_estimated_ms(plan, s, &ms));
+    assert_true(ms > 0);
+  }
+  const char *json = NULL;
+  ASSERT_OK(pipe_plan_describe(plan, &json));
+  assert_non_null(strstr(json, "\"method\":\"split points\""));
+  assert_non_null(strstr(json, "layers.1:end (call 0)"));
+
+  pipe_session_options so = PIPE_SESSION_OPTIONS_INIT;
+  so.num_microbatches = 2;
+  pipe_session *session = NULL;
+  ASSERT_OK(pipe_session_create(plan, &so, &session));
+  ASSERT_OK(pipe_session_run(session, &ids, 1, &out));
+  ASSERT_OK(pipe_tensor_list_get(out, 0, &got));
+  assert_int_equal(got->dl_tensor.ndim, 3);
+  const float *a = floats(&got->dl_tensor), *b = floats(&want->dl_tensor);
+  for (int64_t i = 0; i < numel(&got->dl_tensor); ++i) assert_true(fabsf(a[i] - b[i]) <= 1e-4f + 1e-4f * fabsf(b[i]));
+
+  char path[4200];
+  snprintf(path, sizeof path, "%s/capi_stage1.pt", models_dir());
+  remove(path);
+  ASSERT_OK(pipe_plan_save_stage(plan, 1, path));
+  FILE *f = fopen(path, "rb");
+  assert_non_null(f);
+  fclose(f);
+  ASSERT_FAILS(pipe_plan_save_stage(plan, 3, path), PIPE_ERR_INVALID_ARGUMENT, "stage 3 is out of range");
+  ASSERT_FAILS(pipe_plan_save_stage(plan, 0, "/nonexistent/dir/s.pt"), PIPE_ERR_IO, "cannot write");
+
+  pipe_tensor_list_destroy(out);
+  pipe_session_destroy(session);
+  pipe_plan_destroy(plan);
+  pipe_tensor_list_destroy(expected);
+  pipe_tensor_list_destroy(inputs);
+  pipe_model_destroy(model);
+}
+
+static void model_module_tree(void **state) {
+  (void)state;
+  pipe_model *model = load_split_model("tiny_llama");
+  size_t count = 0;
+  ASSERT_OK(pipe_model_num_modules(model, &count));
+  assert_true(count > 10);
+  const char *path = NULL, *type = NULL;
+  int32_t depth = -1;
+  uint64_t params = 0, bytes = 0;
+  ASSERT_OK(pipe_model_module(model, 0, &path, &type, &depth, &params, &bytes));
+  assert_string_equal(path, "");
+  assert_string_equal(type, "TinyLlama");
+  assert_int_equal(depth, 0);
+  assert_true(params > 0 && bytes == params * 4);
+  int found = 0;
+  for (size_t i = 0; i < count; ++i) {
+    ASSERT_OK(pipe_model_module(model, i, &path, NULL, &depth, NULL, NULL));
+    if (strcmp(path, "layers.1.attn") == 0) found = depth == 3;
+  }
+  assert_true(found);
+  ASSERT_FAILS(pipe_model_module(model, count, &path, NULL, NULL, NULL, NULL), PIPE_ERR_INVALID_ARGUMENT,
+               "out of range");
+  pipe_model_destroy(model);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(version_matches_macros),
@@ -552,6 +703,10 @@ int main(void) {
       cmocka_unit_test(tensor_list_take_transfers_ownership),
       cmocka_unit_test(malformed_safetensors),
       cmocka_unit_test(last_error_is_per_thread),
+      cmocka_unit_test(plan_options_are_validated),
+      cmocka_unit_test(cuts_inside_blocks_are_refused),
+      cmocka_unit_test(split_points_with_estimates),
+      cmocka_unit_test(model_module_tree),
   };
   return cmocka_run_group_tests_name("capi", tests, NULL, NULL);
 }

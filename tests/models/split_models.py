@@ -202,6 +202,20 @@ class CrossingValues(nn.Module):
         return {"mixed": y, "first": items[0]}
 
 
+class DeviceConstant(nn.Module):
+    """Tracing bakes device="cpu" into the graph as a Device constant."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.lin0 = nn.Linear(width, width)
+        self.lin1 = nn.Linear(width, width)
+
+    def forward(self, x):
+        x = self.lin0(x)
+        pipe_split()
+        return self.lin1(x) + torch.ones(x.shape, device="cpu")
+
+
 # ---- models that must be refused ----
 
 class CallInsideBranch(nn.Module):
@@ -274,6 +288,7 @@ MODELS = {
     "tiny_llama": (TinyLlama, "traced", tokens),
     "control_flow": (ControlFlow, "scripted", lambda: {"x": torch.randn(8, 32)}),
     "crossing_values": (CrossingValues, "scripted", lambda: {"x": torch.randn(8, 32)}),
+    "device_constant": (DeviceConstant, "traced", lambda: {"x": torch.randn(4, 16)}),
     "call_inside_branch": (CallInsideBranch, "scripted", lambda: {"x": torch.randn(4, 32)}),
     "inside_autocast": (InsideAutocast, "scripted", lambda: {"x": torch.randn(4, 32)}),
     "resnet18": (resnet18, "traced", lambda: {"x": torch.randn(4, 3, 64, 64)}),

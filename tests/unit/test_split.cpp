@@ -9,6 +9,7 @@
 #include "runtime/graph/partition.h"
 #include "runtime/graph/split_spec.h"
 #include "runtime/planner.h"
+#include "runtime/stage/stage_module.h"
 
 namespace libpipe {
 namespace {
@@ -126,6 +127,27 @@ TEST(SplitSpec, ParsesBeginEndAndCallNumbers) {
       EXPECT_EQ(e.status(), Status::InvalidArgument) << bad;
     }
   }
+}
+
+int count_device_constants(torch::jit::Block* block, const std::string& device) {
+  int n = 0;
+  for (auto* node : block->nodes()) {
+    if (node->kind() == torch::jit::prim::Constant &&
+        node->output()->type()->kind() == c10::TypeKind::DeviceObjType)
+      n += node->s(torch::jit::attr::value) == device ? 1 : -1000;
+    for (auto* sub : node->blocks()) n += count_device_constants(sub, device);
+  }
+  return n;
+}
+
+TEST(StageModule, DeviceConstantsFollowTheStageDevice) {
+  auto model = graph::Model::load(test::fixture("split/device_constant.pt"));
+  auto plan = graph::Plan::from_markers(model);
+  ASSERT_EQ(plan->num_stages(), 2u);
+  auto on_meta = stage::build_stage_module(*plan, 1, c10::Device(c10::kMeta));
+  EXPECT_GE(count_device_constants(on_meta.get_method("forward").graph()->block(), "meta"), 1);
+  auto on_cpu = stage::build_stage_module(*plan, 1);
+  EXPECT_GE(count_device_constants(on_cpu.get_method("forward").graph()->block(), "cpu"), 1);
 }
 
 TEST(SplitSpec, ModelsCalledTwiceHaveTwoCallSites) {
