@@ -82,7 +82,17 @@ std::shared_ptr<Plan> by_policy(const std::shared_ptr<const graph::Model>& model
         throw Error(Status::Split, "cannot make " + std::to_string(n) + " stages: the model has only " +
                                        std::to_string(bounds.size() - 1) + " parts to put stage boundaries between");
       auto parts = Plan::from_cuts(model, sequence, seg.allowed_cuts);
-      costs = stage::time_stages(*parts, request.example_inputs, default_threads_per_stage(n));
+      const int threads = default_threads_per_stage(n);
+      costs = stage::time_stages(*parts, request.example_inputs, threads);
+      // Each segment's time includes one stage call's fixed cost, which merged segments pay only
+      // once. The whole model as one stage tells how much: spread the difference over the extra
+      // calls and take it off each segment (never below zero).
+      auto whole = Plan::from_cuts(model, sequence, {});
+      const double one_stage = stage::time_stages(*whole, request.example_inputs, threads)[0];
+      double sum = 0;
+      for (double c : costs) sum += c;
+      const double per_call = costs.size() > 1 ? std::max(0.0, (sum - one_stage) / double(costs.size() - 1)) : 0.0;
+      for (double& c : costs) c = std::max(0.0, c - per_call);
     }
     for (size_t start : graph::min_max_partition(costs, n)) cuts.push_back(bounds[start]);
   }

@@ -98,8 +98,11 @@ Segmentation segment(const Model& model, const std::vector<Node*>& sequence) {
       if (parent_of(sites[s].path) == seg.container && class_of(sites[s].path) == layer_class)
         seg.layer_starts.push_back(start);
       // Cuts may fall inside the container's call and its ancestors' (that is where the layers
-      // meet), never inside any other module: not through a layer, not through a helper module.
-      if (!is_prefix_path(sites[s].path, seg.container))
+      // meet) and between the parts of a layer (attention | MLP, or between its own operations),
+      // never inside any other module call: not through a layer's submodules, not through a
+      // helper module outside the layers.
+      const bool is_layer = parent_of(sites[s].path) == seg.container && class_of(sites[s].path) == layer_class;
+      if (!is_prefix_path(sites[s].path, seg.container) && !is_layer)
         for (size_t p = start + 1; p < end; ++p) blocked[p] = true;
     }
     std::sort(seg.layer_starts.begin(), seg.layer_starts.end());

@@ -1,12 +1,12 @@
-// Balanced splits for a requested number of stages. The model's top-level sequence is cut only
-// at "allowed" positions: never inside a module call other than the layers' container and its
-// ancestors, never inside a `with` block. Layers are the calls of one container's children that
-// share a class, the container with the most such calls winning (transformer.h.* in GPT-2,
-// layers.* in Llama, layer1..layer4 in ResNet); a model without module calls has one layer per
-// top-level node. Policies then choose N-1 of the allowed cuts:
-//   uniform  equal numbers of layers per stage
-//   params   the cut minimising the largest stage's parameter bytes
-//   time     the cut minimising the slowest stage, from measured segment times
+// Balanced splits for a requested number of stages. Layers are the calls of one container's
+// children that share a class, the group covering most of the model winning (transformer.h.* in
+// GPT-2, layers.* in Llama, layer1..layer4 in ResNet); a model without module calls has one layer
+// per top-level node. The top-level sequence may be cut between layers and between the parts of a
+// layer (its submodule calls and the operations between them), never inside a submodule of a
+// layer or a module outside the layers, never inside a `with` block. Policies choose N-1 cuts:
+//   uniform  equal numbers of layers per stage, cut at layer starts
+//   params   the allowed cut minimising the largest stage's parameter bytes
+//   time     the allowed cut minimising the slowest stage, from measured segment times
 #pragma once
 
 #include <torch/csrc/jit/ir/ir.h>

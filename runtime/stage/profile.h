@@ -13,9 +13,10 @@ namespace libpipe::stage {
 // Builds every stage and runs them one after another on `inputs` (forward's arguments), twice to
 // warm up (TorchScript's profiling executor optimises on the first calls) and then `repeats`
 // times, on one thread with `threads` intra-op threads (the share a stage gets in a session).
-// Returns each stage's median time in milliseconds. Throws Error(Input) for inputs the model
-// does not take and Error(Execution) if a stage raises.
+// Returns each stage's fastest time in milliseconds: on a shared machine the fastest run is the
+// one least disturbed by other work, and the most repeatable statistic. Throws Error(Input) for
+// inputs the model does not take and Error(Execution) if a stage raises.
 std::vector<double> time_stages(const graph::Plan& plan, const std::vector<c10::IValue>& inputs,
-                                int threads, int repeats = 5);
+                                int threads, int repeats = 15);
 
 }  // namespace libpipe::stage

@@ -58,6 +58,8 @@ CASES = [
     ("control_flow", [], 3, 1e-5),
     ("crossing_values", [], 2, 1e-5),
     ("device_constant", [], 2, 1e-5),
+    ("nested_traced", ["--split-at", "stack.1.0:begin", "--split-at", "heads.a:end"], 3, 1e-5),
+    ("nested_scripted", ["--split-at", "stack.1.0:begin", "--split-at", "heads.a:end"], 3, 1e-5),
 ]
 
 

@@ -216,6 +216,20 @@ class DeviceConstant(nn.Module):
         return self.lin1(x) + torch.ones(x.shape, device="cpu")
 
 
+class NestedContainers(nn.Module):
+    """Sequential inside Sequential, and ModuleDict children: paths like stack.1.0 and heads.a."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.stack = nn.Sequential(nn.Linear(width, width), nn.Sequential(nn.Linear(width, width), nn.ReLU()))
+        self.heads = nn.ModuleDict({"a": nn.Linear(width, width), "b": nn.Linear(width, width)})
+
+    def forward(self, x):
+        x = self.stack(x)
+        x = self.heads["a"](x)
+        return self.heads["b"](x)
+
+
 # ---- models that must be refused ----
 
 class CallInsideBranch(nn.Module):
@@ -288,6 +302,8 @@ MODELS = {
     "tiny_llama": (TinyLlama, "traced", tokens),
     "control_flow": (ControlFlow, "scripted", lambda: {"x": torch.randn(8, 32)}),
     "crossing_values": (CrossingValues, "scripted", lambda: {"x": torch.randn(8, 32)}),
+    "nested_traced": (NestedContainers, "traced", lambda: {"x": torch.randn(4, 16)}),
+    "nested_scripted": (NestedContainers, "scripted", lambda: {"x": torch.randn(4, 16)}),
     "device_constant": (DeviceConstant, "traced", lambda: {"x": torch.randn(4, 16)}),
     "call_inside_branch": (CallInsideBranch, "scripted", lambda: {"x": torch.randn(4, 32)}),
     "inside_autocast": (InsideAutocast, "scripted", lambda: {"x": torch.randn(4, 32)}),
