@@ -4,7 +4,12 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstddef>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
 #include <memory>
 #include <new>
 #include <string>
@@ -41,6 +46,9 @@ PIPE_CHECK_STATUS(PIPE_ERR_IO, Io);
 PIPE_CHECK_STATUS(PIPE_ERR_OUT_OF_MEMORY, OutOfMemory);
 PIPE_CHECK_STATUS(PIPE_ERR_UNSUPPORTED, Unsupported);
 PIPE_CHECK_STATUS(PIPE_ERR_INTERNAL, Internal);
+PIPE_CHECK_STATUS(PIPE_ERR_TIMEOUT, Timeout);
+PIPE_CHECK_STATUS(PIPE_ERR_CANCELLED, Cancelled);
+PIPE_CHECK_STATUS(PIPE_ERR_DEADLINE_EXCEEDED, DeadlineExceeded);
 static_assert(PIPE_LOG_DEBUG == libpipe::log::Debug && PIPE_LOG_ERROR == libpipe::log::Error,
               "log level mismatch");
 
@@ -60,6 +68,11 @@ struct pipe_plan {
 
 struct pipe_session {
   std::unique_ptr<libpipe::schedule::Session> impl;
+};
+
+struct pipe_request {
+  std::shared_ptr<libpipe::schedule::Request> impl;
+  std::vector<libpipe::chunk::OutputSpec> output_specs;  // the session's, which it may outlive
 };
 
 struct pipe_tensor_list {
@@ -153,6 +166,73 @@ const std::vector<std::string>& stage_names(const pipe_plan* plan, size_t stage,
                                            " is not a PIPE_NAMES_* value");
 }
 
+libpipe::chunk::InputSpec input_spec(const pipe_chunk_spec& c, size_t index, const char* function) {
+  using Kind = libpipe::chunk::InputSpec::Kind;
+  libpipe::chunk::InputSpec spec;
+  spec.dim = c.dim;
+  switch (c.kind) {
+    case PIPE_CHUNK_DEFAULT: spec.kind = Kind::Default; break;
+    case PIPE_CHUNK_SPLIT: spec.kind = Kind::Split; break;
+    case PIPE_CHUNK_REPLICATE: spec.kind = Kind::Replicate; break;
+    default:
+      throw Error(Status::InvalidArgument, std::string(function) + ": input_specs[" + std::to_string(index) +
+                                               "].kind is " + std::to_string(c.kind) +
+                                               "; inputs take PIPE_CHUNK_DEFAULT, PIPE_CHUNK_SPLIT or PIPE_CHUNK_REPLICATE");
+  }
+  return spec;
+}
+
+libpipe::chunk::OutputSpec output_spec(const pipe_chunk_spec& c, size_t index, const char* function) {
+  using Kind = libpipe::chunk::OutputSpec::Kind;
+  libpipe::chunk::OutputSpec spec;
+  spec.dim = c.dim;
+  switch (c.kind) {
+    case PIPE_CHUNK_DEFAULT: spec.kind = Kind::Concat; spec.dim = 0; break;
+    case PIPE_CHUNK_CONCAT: spec.kind = Kind::Concat; break;
+    case PIPE_CHUNK_SUM: spec.kind = Kind::Sum; break;
+    case PIPE_CHUNK_EQUAL: spec.kind = Kind::Equal; break;
+    default:
+      throw Error(Status::InvalidArgument, std::string(function) + ": output_specs[" + std::to_string(index) +
+                                               "].kind is " + std::to_string(c.kind) +
+                                               "; outputs take PIPE_CHUNK_DEFAULT, PIPE_CHUNK_CONCAT, PIPE_CHUNK_SUM or "
+                                               "PIPE_CHUNK_EQUAL");
+  }
+  return spec;
+}
+
+libpipe::schedule::RunOptions run_options(const pipe_run_options* o, const char* function) {
+  libpipe::schedule::RunOptions opts;
+  if (!o) return opts;
+  if (o->struct_size < sizeof(uint32_t))
+    throw Error(Status::InvalidArgument, std::string(function) + ": options->struct_size is " +
+                                             std::to_string(o->struct_size) +
+                                             "; initialise the options with PIPE_RUN_OPTIONS_INIT");
+  if (o->struct_size >= offsetof(pipe_run_options, timeout_ms) + sizeof(int64_t)) {
+    if (o->timeout_ms < 0)
+      throw Error(Status::InvalidArgument, std::string(function) + ": options->timeout_ms is " +
+                                               std::to_string(o->timeout_ms) + "; use 0 for no deadline");
+    if (o->timeout_ms > 0) opts.deadline = libpipe::schedule::Clock::now() + std::chrono::milliseconds(o->timeout_ms);
+  }
+  return opts;
+}
+
+std::vector<c10::IValue> borrow_inputs(const DLManagedTensor* const* inputs, size_t num_inputs, const char* function) {
+  if (num_inputs > 0) require(inputs, function, "inputs");
+  std::vector<c10::IValue> args;
+  args.reserve(num_inputs);
+  for (size_t i = 0; i < num_inputs; ++i) {
+    if (!inputs[i])
+      throw Error(Status::InvalidArgument, std::string(function) + ": inputs[" + std::to_string(i) + "] is NULL");
+    try {
+      args.emplace_back(libpipe::capi::tensor_from_borrowed_dlpack(inputs[i]));
+    } catch (const c10::Error& e) {
+      throw Error(Status::Input, std::string(function) + ": inputs[" + std::to_string(i) +
+                                     "] is not a tensor LibTorch can read: " + e.what_without_backtrace());
+    }
+  }
+  return args;
+}
+
 }  // namespace
 
 extern "C" {
@@ -176,6 +256,9 @@ const char* pipe_status_string(pipe_status status) {
     case PIPE_ERR_OUT_OF_MEMORY: return "PIPE_ERR_OUT_OF_MEMORY";
     case PIPE_ERR_UNSUPPORTED: return "PIPE_ERR_UNSUPPORTED";
     case PIPE_ERR_INTERNAL: return "PIPE_ERR_INTERNAL";
+    case PIPE_ERR_TIMEOUT: return "PIPE_ERR_TIMEOUT";
+    case PIPE_ERR_CANCELLED: return "PIPE_ERR_CANCELLED";
+    case PIPE_ERR_DEADLINE_EXCEEDED: return "PIPE_ERR_DEADLINE_EXCEEDED";
     default: return "PIPE_ERR_UNKNOWN";
   }
 }
@@ -467,41 +550,135 @@ pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_option
     const pipe_session_options defaults = PIPE_SESSION_OPTIONS_INIT;
     const pipe_session_options* o = options ? options : &defaults;
     if (o->struct_size < offsetof(pipe_session_options, num_microbatches))
-      throw Error(Status::InvalidArgument,
-                  "pipe_session_create: options->struct_size is " + std::to_string(o->struct_size) +
-                      "; initialise the options with PIPE_SESSION_OPTIONS_INIT");
+      throw Error(Status::InvalidArgument, std::string(fn) + ": options->struct_size is " +
+                                               std::to_string(o->struct_size) +
+                                               "; initialise the options with PIPE_SESSION_OPTIONS_INIT");
     // Fields beyond what the caller's struct_size covers keep their defaults.
-    auto has = [&](size_t offset, size_t size) { return o->struct_size >= offset + size; };
+#define PIPE_HAS(field) (o->struct_size >= offsetof(pipe_session_options, field) + sizeof(o->field))
     libpipe::schedule::SessionOptions opts;
-    if (has(offsetof(pipe_session_options, num_microbatches), sizeof(int32_t)))
-      opts.num_microbatches = o->num_microbatches;
-    if (has(offsetof(pipe_session_options, threads_per_stage), sizeof(int32_t)))
-      opts.threads_per_stage = o->threads_per_stage;
+    if (PIPE_HAS(num_microbatches)) opts.num_microbatches = o->num_microbatches;
+    if (PIPE_HAS(threads_per_stage)) opts.threads_per_stage = o->threads_per_stage;
+    if (PIPE_HAS(max_inflight)) opts.max_inflight = o->max_inflight;
+    if (PIPE_HAS(num_input_specs) && o->num_input_specs > 0) {
+      require(o->input_specs, fn, "options->input_specs");
+      for (size_t i = 0; i < o->num_input_specs; ++i)
+        opts.input_specs.push_back(input_spec(o->input_specs[i], i, fn));
+    }
+    if (PIPE_HAS(num_output_specs) && o->num_output_specs > 0) {
+      require(o->output_specs, fn, "options->output_specs");
+      for (size_t i = 0; i < o->num_output_specs; ++i)
+        opts.output_specs.push_back(output_spec(o->output_specs[i], i, fn));
+    }
+#undef PIPE_HAS
     auto s = std::make_unique<pipe_session>();
-    s->impl = std::make_unique<libpipe::schedule::Session>(plan->impl, opts);
+    s->impl = std::make_unique<libpipe::schedule::Session>(plan->impl, std::move(opts));
     *session = s.release();
   });
 }
 
-pipe_status pipe_session_run(pipe_session* session, const DLManagedTensor* const* inputs,
-                             size_t num_inputs, pipe_tensor_list** outputs) {
+pipe_status pipe_session_run(pipe_session* session, const DLManagedTensor* const* inputs, size_t num_inputs,
+                             const pipe_run_options* options, pipe_tensor_list** outputs) {
   return guarded(__func__, [&](const char* fn) {
     require(session, fn, "session");
     require(outputs, fn, "outputs");
-    if (num_inputs > 0) require(inputs, fn, "inputs");
-    std::vector<c10::IValue> args;
-    args.reserve(num_inputs);
-    for (size_t i = 0; i < num_inputs; ++i) {
-      if (!inputs[i])
-        throw Error(Status::InvalidArgument, "pipe_session_run: inputs[" + std::to_string(i) + "] is NULL");
-      try {
-        args.emplace_back(libpipe::capi::tensor_from_borrowed_dlpack(inputs[i]));
-      } catch (const c10::Error& e) {
-        throw Error(Status::Input, "pipe_session_run: inputs[" + std::to_string(i) +
-                                       "] is not a tensor LibTorch can read: " + e.what_without_backtrace());
-      }
+    auto args = borrow_inputs(inputs, num_inputs, fn);
+    *outputs = make_list(session->impl->run(args, run_options(options, fn))).release();
+  });
+}
+
+pipe_status pipe_session_submit(pipe_session* session, const DLManagedTensor* const* inputs, size_t num_inputs,
+                                const pipe_run_options* options, pipe_request** request) {
+  return guarded(__func__, [&](const char* fn) {
+    require(session, fn, "session");
+    require(request, fn, "request");
+    auto args = borrow_inputs(inputs, num_inputs, fn);
+    // The call outlives this function, the caller's tensors may not: it runs on copies.
+    for (auto& a : args) a = a.toTensor().clone();
+    auto r = std::make_unique<pipe_request>();
+    r->output_specs = session->impl->options().output_specs;
+    r->impl = session->impl->submit(args, run_options(options, fn));
+    *request = r.release();
+  });
+}
+
+pipe_status pipe_request_wait(pipe_request* request, int64_t timeout_ms, pipe_tensor_list** outputs) {
+  return guarded(__func__, [&](const char* fn) {
+    require(request, fn, "request");
+    require(outputs, fn, "outputs");
+    const auto until = timeout_ms < 0 ? libpipe::schedule::Clock::time_point::max()
+                                      : libpipe::schedule::Clock::now() + std::chrono::milliseconds(timeout_ms);
+    if (!request->impl->wait_until(until))
+      throw Error(Status::Timeout, std::string(fn) + ": the call is still running after " +
+                                       std::to_string(timeout_ms) + " ms; wait again, or cancel it");
+    *outputs = make_list(request->impl->result(request->output_specs)).release();
+  });
+}
+
+pipe_status pipe_request_cancel(pipe_request* request) {
+  return guarded(__func__, [&](const char* fn) {
+    require(request, fn, "request");
+    request->impl->cancel();
+  });
+}
+
+void pipe_request_destroy(pipe_request* request) {
+  if (!request) return;
+  request->impl->cancel();  // no-op for a finished call; the workers drop what is left
+  delete request;
+}
+
+pipe_status pipe_session_num_stages(const pipe_session* session, size_t* count) {
+  return guarded(__func__, [&](const char* fn) {
+    require(session, fn, "session");
+    require(count, fn, "count");
+    *count = session->impl->num_stages();
+  });
+}
+
+pipe_status pipe_session_stage_stats(const pipe_session* session, size_t stage, pipe_stage_stats* stats) {
+  return guarded(__func__, [&](const char* fn) {
+    require(session, fn, "session");
+    require(stats, fn, "stats");
+    require_index(stage, session->impl->num_stages(), fn, "stage");
+    if (stats->struct_size < sizeof(uint32_t))
+      throw Error(Status::InvalidArgument, std::string(fn) + ": stats->struct_size is " +
+                                               std::to_string(stats->struct_size) +
+                                               "; initialise it with PIPE_STAGE_STATS_INIT");
+    const auto st = session->impl->stats(stage);
+    pipe_stage_stats full = PIPE_STAGE_STATS_INIT;
+    full.microbatches = st.microbatches;
+    full.failures = st.failures;
+    full.busy_ms = st.busy_ms;
+    full.idle_ms = st.idle_ms;
+    full.queue_depth = st.queue_depth;
+    // Write only what the caller's struct has room for; struct_size stays the caller's.
+    const uint32_t size = std::min<uint32_t>(stats->struct_size, sizeof full);
+    std::memcpy(reinterpret_cast<char*>(stats) + sizeof(uint32_t), reinterpret_cast<const char*>(&full) + sizeof(uint32_t),
+                size - sizeof(uint32_t));
+  });
+}
+
+pipe_status pipe_session_trace_start(pipe_session* session) {
+  return guarded(__func__, [&](const char* fn) {
+    require(session, fn, "session");
+    session->impl->start_trace();
+  });
+}
+
+pipe_status pipe_session_trace_stop(pipe_session* session, const char* path) {
+  return guarded(__func__, [&](const char* fn) {
+    require(session, fn, "session");
+    const std::string json = session->impl->stop_trace();
+    if (!path) return;
+    const std::string tmp = std::string(path) + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+      if (!out) throw Error(Status::Io, std::string(fn) + ": cannot create '" + tmp + "' (does the directory exist?)");
+      out << json;
+      if (!out.flush()) throw Error(Status::Io, std::string(fn) + ": failed writing '" + tmp + "'");
     }
-    *outputs = make_list(session->impl->run(args)).release();
+    if (std::rename(tmp.c_str(), path) != 0)
+      throw Error(Status::Io, std::string(fn) + ": cannot rename '" + tmp + "' to '" + path + "'");
   });
 }
 

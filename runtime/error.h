@@ -22,6 +22,9 @@ enum class Status : int32_t {
   OutOfMemory = 8,
   Unsupported = 9,
   Internal = 10,
+  Timeout = 11,
+  Cancelled = 12,
+  DeadlineExceeded = 13,
 };
 
 class Error : public std::runtime_error {

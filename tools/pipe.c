@@ -3,6 +3,7 @@
  * non-zero exit status: 1 for a failed operation, 2 for a usage error. */
 #include <errno.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,9 +23,15 @@ static const char usage_text[] =
     "      stage is timed on those inputs; --save-stages writes DIR/stage<i>.pt, each a standalone\n"
     "      TorchScript module holding only that stage's weights.\n"
     "  run MODEL [SPLIT] --input IN.safetensors --output OUT.safetensors [--microbatches M]\n"
+    "      [--trace TRACE.json]\n"
     "      Run MODEL through the pipeline. IN holds one tensor per forward argument, named as\n"
     "      in the model code; OUT receives 'output' (or output.0, output.1, ... for tuples,\n"
-    "      output.<key> for dicts).\n"
+    "      output.<key> for dicts). --trace writes a Chrome trace of the run (one track per\n"
+    "      stage), viewable in Perfetto.\n"
+    "  bench MODEL [SPLIT] --input IN.safetensors [--microbatches M] [--requests R]\n"
+    "      [--concurrency C] [--json]\n"
+    "      Run R requests (default 100) of IN from C threads at once (default 2) after a\n"
+    "      warm-up, and report throughput, latency percentiles and each stage's busy fraction.\n"
     "  version\n"
     "      Print the libpipe version.\n"
     "\n"
@@ -314,7 +321,7 @@ done:
 }
 
 static int cmd_run(int argc, char **argv) {
-  const char *model_path = NULL, *in_path = NULL, *out_path = NULL;
+  const char *model_path = NULL, *in_path = NULL, *out_path = NULL, *trace_path = NULL;
   split_args split = {0};
   pipe_session_options options = PIPE_SESSION_OPTIONS_INIT;
   for (int i = 0; i < argc; ++i) {
@@ -322,11 +329,13 @@ static int cmd_run(int argc, char **argv) {
     if (r == 2) return 2;
     if (r == 1) continue;
     const char *a = argv[i];
-    if (strcmp(a, "--input") == 0 || strcmp(a, "--output") == 0 || strcmp(a, "--microbatches") == 0) {
+    if (strcmp(a, "--input") == 0 || strcmp(a, "--output") == 0 || strcmp(a, "--microbatches") == 0 ||
+        strcmp(a, "--trace") == 0) {
       if (i + 1 >= argc) return usage_error("run: %s needs a value", a);
       const char *v = argv[++i];
       if (strcmp(a, "--input") == 0) in_path = v;
       else if (strcmp(a, "--output") == 0) out_path = v;
+      else if (strcmp(a, "--trace") == 0) trace_path = v;
       else if (parse_int(a, v, &options.num_microbatches) != 0) return 2;
     } else if (a[0] == '-') {
       return usage_error("run: unknown option '%s'", a);
@@ -361,12 +370,20 @@ static int cmd_run(int argc, char **argv) {
     fail("cannot create session", st);
     goto done;
   }
+  if (trace_path && (st = pipe_session_trace_start(session)) != PIPE_OK) {
+    fail("cannot start the trace", st);
+    goto done;
+  }
   double start = now_ms();
-  if ((st = pipe_session_run(session, args, num_args, &out)) != PIPE_OK) {
+  if ((st = pipe_session_run(session, args, num_args, NULL, &out)) != PIPE_OK) {
     fail("run failed", st);
     goto done;
   }
   double elapsed = now_ms() - start;
+  if (trace_path && (st = pipe_session_trace_stop(session, trace_path)) != PIPE_OK) {
+    fail("cannot write the trace", st);
+    goto done;
+  }
   if ((st = pipe_safetensors_write(out, out_path)) != PIPE_OK) {
     fail("cannot write outputs", st);
     goto done;
@@ -381,6 +398,188 @@ static int cmd_run(int argc, char **argv) {
 done:
   free(args);
   pipe_tensor_list_destroy(out);
+  pipe_tensor_list_destroy(in);
+  pipe_session_destroy(session);
+  pipe_plan_destroy(plan);
+  pipe_model_destroy(model);
+  return rc;
+}
+
+/* ---- bench ---- */
+
+typedef struct {
+  pipe_session *session;
+  const DLManagedTensor **args;
+  size_t num_args;
+  int total;          /* requests to run */
+  int next;           /* next request index, under lock */
+  double *latency_ms; /* per request */
+  pthread_mutex_t lock;
+  pipe_status failure;
+  char message[512];
+} bench_state;
+
+static void *bench_worker(void *arg) {
+  bench_state *b = arg;
+  for (;;) {
+    pthread_mutex_lock(&b->lock);
+    int i = b->failure == PIPE_OK && b->next < b->total ? b->next++ : -1;
+    pthread_mutex_unlock(&b->lock);
+    if (i < 0) return NULL;
+    pipe_tensor_list *out = NULL;
+    double t0 = now_ms();
+    pipe_status st = pipe_session_run(b->session, b->args, b->num_args, NULL, &out);
+    b->latency_ms[i] = now_ms() - t0;
+    pipe_tensor_list_destroy(out);
+    if (st != PIPE_OK) {
+      pthread_mutex_lock(&b->lock);
+      if (b->failure == PIPE_OK) {
+        b->failure = st;
+        snprintf(b->message, sizeof b->message, "%s", pipe_last_error());
+      }
+      pthread_mutex_unlock(&b->lock);
+    }
+  }
+}
+
+static int compare_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static double percentile(const double *sorted, int n, double p) {
+  int i = (int)(p / 100.0 * (n - 1) + 0.5);
+  return sorted[i < 0 ? 0 : i >= n ? n - 1 : i];
+}
+
+/* Runs `count` requests from `threads` threads; fills latencies; returns wall ms or -1. */
+static double bench_round(bench_state *b, int count, int threads) {
+  b->total = count;
+  b->next = 0;
+  pthread_t *ids = calloc((size_t)threads, sizeof *ids);
+  if (!ids) return -1;
+  double start = now_ms();
+  for (int t = 0; t < threads; ++t) pthread_create(&ids[t], NULL, bench_worker, b);
+  for (int t = 0; t < threads; ++t) pthread_join(ids[t], NULL);
+  double wall = now_ms() - start;
+  free(ids);
+  return b->failure == PIPE_OK ? wall : -1;
+}
+
+static int cmd_bench(int argc, char **argv) {
+  const char *model_path = NULL, *in_path = NULL;
+  split_args split = {0};
+  pipe_session_options options = PIPE_SESSION_OPTIONS_INIT;
+  int32_t requests = 100, concurrency = 2;
+  int json = 0;
+  for (int i = 0; i < argc; ++i) {
+    int r = parse_split_arg(argc, argv, &i, &split);
+    if (r == 2) return 2;
+    if (r == 1) continue;
+    const char *a = argv[i];
+    if (strcmp(a, "--json") == 0) {
+      json = 1;
+    } else if (strcmp(a, "--input") == 0 || strcmp(a, "--microbatches") == 0 || strcmp(a, "--requests") == 0 ||
+               strcmp(a, "--concurrency") == 0) {
+      if (i + 1 >= argc) return usage_error("bench: %s needs a value", a);
+      const char *v = argv[++i];
+      if (strcmp(a, "--input") == 0) in_path = v;
+      else if (parse_int(a, v, strcmp(a, "--microbatches") == 0 ? &options.num_microbatches
+                                 : strcmp(a, "--requests") == 0   ? &requests
+                                                                  : &concurrency) != 0)
+        return 2;
+    } else if (a[0] == '-') {
+      return usage_error("bench: unknown option '%s'", a);
+    } else if (!model_path) {
+      model_path = a;
+    } else {
+      return usage_error("bench: unexpected argument '%s'", a);
+    }
+  }
+  if (!model_path) return usage_error("bench: MODEL is required");
+  if (!in_path) return usage_error("bench: --input IN.safetensors is required");
+  if (requests < 1) return usage_error("bench: --requests must be at least 1");
+  if (concurrency < 1) return usage_error("bench: --concurrency must be at least 1");
+  if (check_split_args("bench", &split)) return 2;
+
+  int rc = 1;
+  pipe_model *model = NULL;
+  pipe_plan *plan = NULL;
+  pipe_session *session = NULL;
+  pipe_tensor_list *in = NULL;
+  const DLManagedTensor **args = NULL;
+  size_t num_args = 0, stages = 0;
+  bench_state b;
+  memset(&b, 0, sizeof b);
+  pthread_mutex_init(&b.lock, NULL);
+  pipe_status st = pipe_model_load(model_path, &model);
+  if (st != PIPE_OK) {
+    fail("cannot load model", st);
+    goto done;
+  }
+  if (read_inputs(model, in_path, &in, &args, &num_args) != 0) goto done;
+  int timed = split.policy && strcmp(split.policy, "time") == 0;
+  if (make_plan(model, &split, timed ? args : NULL, num_args, &plan) != 0) goto done;
+  if ((st = pipe_session_create(plan, &options, &session)) != PIPE_OK) {
+    fail("cannot create session", st);
+    goto done;
+  }
+  pipe_plan_num_stages(plan, &stages);
+  int64_t batch = num_args > 0 && args[0]->dl_tensor.ndim > 0 ? args[0]->dl_tensor.shape[0] : 1;
+  b.session = session;
+  b.args = args;
+  b.num_args = num_args;
+  b.latency_ms = calloc((size_t)requests + (size_t)concurrency * 2, sizeof(double));
+  if (!b.latency_ms) goto done;
+  /* Warm-up: TorchScript optimises each stage on its first calls. */
+  if (bench_round(&b, concurrency * 2 > 4 ? concurrency * 2 : 4, concurrency) < 0) {
+    fprintf(stderr, "pipe: error: warm-up failed: %s [%s]\n", b.message, pipe_status_string(b.failure));
+    goto done;
+  }
+  pipe_stage_stats *before = calloc(stages, sizeof *before);
+  if (!before) goto done;
+  for (size_t s = 0; s < stages; ++s) {
+    pipe_stage_stats init = PIPE_STAGE_STATS_INIT;
+    before[s] = init;
+    pipe_session_stage_stats(session, s, &before[s]);
+  }
+  double wall = bench_round(&b, requests, concurrency);
+  if (wall < 0) {
+    fprintf(stderr, "pipe: error: request failed: %s [%s]\n", b.message, pipe_status_string(b.failure));
+    free(before);
+    goto done;
+  }
+  qsort(b.latency_ms, (size_t)requests, sizeof(double), compare_double);
+  double rps = requests / (wall / 1e3);
+  if (json) {
+    printf("{\"model\": \"%s\", \"stages\": %zu, \"microbatches\": %d, \"requests\": %d, \"concurrency\": %d, "
+           "\"batch\": %lld, \"wall_ms\": %.3f, \"requests_per_s\": %.3f, \"samples_per_s\": %.3f, "
+           "\"latency_ms\": {\"p50\": %.3f, \"p90\": %.3f, \"p99\": %.3f, \"max\": %.3f}, \"stage_busy\": [",
+           model_path, stages, options.num_microbatches, requests, concurrency, (long long)batch, wall, rps,
+           rps * (double)batch, percentile(b.latency_ms, requests, 50), percentile(b.latency_ms, requests, 90),
+           percentile(b.latency_ms, requests, 99), b.latency_ms[requests - 1]);
+  } else {
+    printf("%s: %zu stage%s, %d micro-batches, batch %lld, %d requests from %d threads\n", model_path, stages,
+           stages == 1 ? "" : "s", options.num_microbatches, (long long)batch, requests, concurrency);
+    printf("  throughput: %.1f requests/s, %.1f samples/s\n", rps, rps * (double)batch);
+    printf("  latency ms: p50 %.3f  p90 %.3f  p99 %.3f  max %.3f\n", percentile(b.latency_ms, requests, 50),
+           percentile(b.latency_ms, requests, 90), percentile(b.latency_ms, requests, 99), b.latency_ms[requests - 1]);
+  }
+  for (size_t s = 0; s < stages; ++s) {
+    pipe_stage_stats now = PIPE_STAGE_STATS_INIT;
+    pipe_session_stage_stats(session, s, &now);
+    double busy = (now.busy_ms - before[s].busy_ms) / wall;
+    if (json) printf("%s%.4f", s ? ", " : "", busy);
+    else printf("  stage %zu: busy %.1f%% of the run, %llu micro-batches\n", s, 100.0 * busy,
+                (unsigned long long)(now.microbatches - before[s].microbatches));
+  }
+  if (json) printf("]}\n");
+  free(before);
+  rc = 0;
+done:
+  free(b.latency_ms);
+  pthread_mutex_destroy(&b.lock);
+  free(args);
   pipe_tensor_list_destroy(in);
   pipe_session_destroy(session);
   pipe_plan_destroy(plan);
@@ -405,5 +604,6 @@ int main(int argc, char **argv) {
   if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc - 2, argv + 2);
   if (strcmp(cmd, "split") == 0) return cmd_split(argc - 2, argv + 2);
   if (strcmp(cmd, "run") == 0) return cmd_run(argc - 2, argv + 2);
+  if (strcmp(cmd, "bench") == 0) return cmd_bench(argc - 2, argv + 2);
   return usage_error("unknown command '%s'", cmd);
 }

@@ -51,7 +51,7 @@ int main(int argc, char **argv) {
     CHECK(pipe_tensor_list_find(inputs, name, &index));
     CHECK(pipe_tensor_list_get(inputs, index, &args[i]));
   }
-  CHECK(pipe_session_run(session, args, num_inputs, &outputs));
+  CHECK(pipe_session_run(session, args, num_inputs, NULL, &outputs));
 
   /* Compare "output" with the reference (float32). */
   CHECK(pipe_safetensors_read(argv[3], &reference));

@@ -37,6 +37,11 @@ class BoundedQueue {
     return item;
   }
 
+  size_t size() {
+    std::lock_guard lock(mutex_);
+    return items_.size();
+  }
+
   void close() {
     std::lock_guard lock(mutex_);
     closed_ = true;

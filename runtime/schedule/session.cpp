@@ -2,52 +2,73 @@
 
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
-#include <mutex>
 
-#include "runtime/chunk/microbatch.h"
-#include "runtime/error.h"
 #include "runtime/log.h"
 #include "runtime/planner.h"
 #include "runtime/stage/stage_module.h"
 
 namespace libpipe::schedule {
 
-// The state of one run() call shared by its micro-batches.
-struct Session::Call {
-  explicit Call(size_t n) : remaining(n), results(n) {}
+// ---- Request ----
 
-  void fail(Status s, const std::string& why) {
-    std::lock_guard lock(mutex);
-    if (failed) return;  // the first failure is the one reported
-    failed = true;
-    status = s;
-    message = why;
-  }
-  bool has_failed() {
-    std::lock_guard lock(mutex);
-    return failed;
-  }
-  void finish_one() {
-    std::lock_guard lock(mutex);
-    if (--remaining == 0) done.notify_all();
-  }
-  void wait() {
-    std::unique_lock lock(mutex);
-    done.wait(lock, [&] { return remaining == 0; });
-  }
+void Request::fail(Status status, const std::string& why) {
+  std::lock_guard lock(mutex_);
+  if (failed_ || remaining_ == 0) return;  // the first failure is the one reported
+  failed_ = true;
+  status_ = status;
+  message_ = why;
+  done_.notify_all();
+}
 
-  std::mutex mutex;
-  std::condition_variable done;
-  size_t remaining;
-  std::vector<c10::IValue> results;  // one per micro-batch, written by the last stage
-  bool failed = false;
-  Status status = Status::Ok;
-  std::string message;
-};
+void Request::finish_one() {
+  std::lock_guard lock(mutex_);
+  if (remaining_ > 0 && --remaining_ == 0) done_.notify_all();
+}
+
+bool Request::failed() {
+  std::lock_guard lock(mutex_);
+  return failed_;
+}
+
+void Request::cancel() { fail(Status::Cancelled, "the call was cancelled"); }
+
+void Request::drain() {
+  std::unique_lock lock(mutex_);
+  done_.wait(lock, [&] { return remaining_ == 0; });
+}
+
+bool Request::wait_until(Clock::time_point until) {
+  std::unique_lock lock(mutex_);
+  const auto limit = std::min(until, deadline_);
+  done_.wait_until(lock, limit, [&] { return finished_locked(); });
+  if (finished_locked()) return true;
+  if (Clock::now() >= deadline_) {
+    failed_ = true;
+    status_ = Status::DeadlineExceeded;
+    message_ = "the call did not finish before its deadline";
+    done_.notify_all();
+    return true;
+  }
+  return false;
+}
+
+std::vector<NamedTensor> Request::result(const std::vector<chunk::OutputSpec>& specs) {
+  wait_until(Clock::time_point::max());
+  std::lock_guard lock(mutex_);
+  if (failed_) throw Error(status_, message_);
+  if (!merged_) {
+    c10::InferenceMode inference;
+    outputs_ = chunk::merge_outputs(results_, specs);
+    results_.clear();
+    merged_ = true;
+  }
+  return outputs_;
+}
+
+// ---- Session ----
 
 namespace {
 
@@ -70,58 +91,128 @@ std::string stage_failure(size_t stage, size_t microbatch, const std::string& wh
   return prefix + last.substr(std::min(last.find_first_not_of(' '), last.size()));
 }
 
+int64_t since_us(Clock::time_point epoch, Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(t - epoch).count();
+}
+
 }  // namespace
 
 Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options)
-    : plan_(std::move(plan)), options_(options) {
+    : plan_(std::move(plan)), options_(std::move(options)) {
+  const size_t n = plan_->num_stages();
   if (options_.num_microbatches < 1)
-    throw Error(Status::InvalidArgument, "num_microbatches must be at least 1, got " +
-                                             std::to_string(options_.num_microbatches));
+    throw Error(Status::InvalidArgument,
+                "num_microbatches must be at least 1, got " + std::to_string(options_.num_microbatches));
   if (options_.threads_per_stage < 0)
     throw Error(Status::InvalidArgument, "threads_per_stage must be 0 (automatic) or positive, got " +
                                              std::to_string(options_.threads_per_stage));
-  const size_t n = plan_->num_stages();
-  threads_per_stage_ =
-      options_.threads_per_stage > 0 ? options_.threads_per_stage : default_threads_per_stage(n);
+  if (options_.max_inflight < 0)
+    throw Error(Status::InvalidArgument, "max_inflight must be 0 (automatic) or positive, got " +
+                                             std::to_string(options_.max_inflight));
+  const size_t num_inputs = plan_->model().input_names().size();
+  if (options_.input_specs.size() > num_inputs)
+    throw Error(Status::InvalidArgument, std::to_string(options_.input_specs.size()) +
+                                             " input specs given but the model takes " + std::to_string(num_inputs) +
+                                             " inputs");
+  if (options_.max_inflight == 0)
+    options_.max_inflight = std::max<int64_t>(2 * options_.num_microbatches, 4 * static_cast<int64_t>(n));
+  threads_per_stage_ = options_.threads_per_stage > 0 ? options_.threads_per_stage : default_threads_per_stage(n);
 
   for (size_t s = 0; s < n; ++s) stages_.push_back(stage::build_stage_module(*plan_, s));
-  // Room for every micro-batch of a couple of calls per stage; a full queue makes callers wait.
-  const size_t capacity = static_cast<size_t>(2 * options_.num_microbatches);
-  for (size_t s = 0; s < n; ++s) queues_.push_back(std::make_unique<BoundedQueue<MicroBatch>>(capacity));
-  for (size_t s = 0; s < n; ++s) workers_.emplace_back([this, s] { worker_loop(s); });
+  for (size_t s = 0; s < n; ++s) {
+    auto w = std::make_unique<Worker>();
+    // Admission bounds what is inside the pipeline, so a queue never holds more than that.
+    w->queue = std::make_unique<BoundedQueue<MicroBatch>>(static_cast<size_t>(options_.max_inflight));
+    workers_.push_back(std::move(w));
+  }
+  for (size_t s = 0; s < n; ++s) workers_[s]->thread = std::thread([this, s] { worker_loop(s); });
 }
 
 Session::~Session() {
-  for (auto& q : queues_) q->close();
-  for (auto& w : workers_) w.join();
+  shutting_down_ = true;
+  {
+    std::lock_guard lock(admission_mutex_);
+    stopping_ = true;
+  }
+  admission_cv_.notify_all();
+  for (auto& w : workers_) w->queue->close();
+  for (auto& w : workers_) w->thread.join();
+}
+
+void Session::admit(const std::shared_ptr<Request>& request) {
+  std::unique_lock lock(admission_mutex_);
+  admission_cv_.wait_until(lock, request->deadline(), [&] {
+    return stopping_ || inflight_ < options_.max_inflight || request->failed();
+  });
+  if (stopping_) throw Error(Status::Cancelled, "the session is shutting down");
+  if (request->failed()) throw Error(Status::Cancelled, "");  // the request already says why
+  if (inflight_ >= options_.max_inflight)
+    throw Error(Status::DeadlineExceeded, "the call's deadline passed while it waited for room in the pipeline");
+  ++inflight_;
+}
+
+void Session::release() {
+  {
+    std::lock_guard lock(admission_mutex_);
+    --inflight_;
+  }
+  admission_cv_.notify_one();
 }
 
 void Session::worker_loop(size_t s) {
   // Per-thread with OpenMP: this stage's operators use their share of the cores only.
   at::set_num_threads(threads_per_stage_);
   c10::InferenceMode inference;
+  Worker& me = *workers_[s];
   const bool last = s + 1 == stages_.size();
-  while (auto item = queues_[s]->pop()) {
+  auto waited_from = Clock::now();
+  while (auto item = me.queue->pop()) {
+    const auto start = Clock::now();
+    me.idle_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(start - waited_from).count();
     MicroBatch mb = std::move(*item);
-    if (!mb.call->has_failed()) {
+    const auto& request = mb.request;
+    bool ran = false, ok = true;
+    if (shutting_down_.load(std::memory_order_relaxed))
+      request->fail(Status::Cancelled, "the session was destroyed while the call was running");
+    if (Clock::now() >= request->deadline())
+      request->fail(Status::DeadlineExceeded, "the call did not finish before its deadline");
+    if (!request->failed()) {
+      ran = true;
       try {
         run_stage(s, mb);
       } catch (const Error& e) {
-        mb.call->fail(e.status(), e.what());
+        ok = false;
+        request->fail(e.status(), e.what());
       } catch (const c10::Error& e) {
-        mb.call->fail(Status::Execution, stage_failure(s, mb.index, e.what_without_backtrace()));
+        ok = false;
+        request->fail(Status::Execution, stage_failure(s, mb.index, e.what_without_backtrace()));
       } catch (const std::exception& e) {
-        mb.call->fail(Status::Execution, stage_failure(s, mb.index, e.what()));
+        ok = false;
+        request->fail(Status::Execution, stage_failure(s, mb.index, e.what()));
       }
     }
-    if (last || mb.call->has_failed()) {
-      mb.call->finish_one();
+    waited_from = Clock::now();
+    if (ran) {
+      me.microbatches++;
+      if (!ok) me.failures++;
+      me.busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(waited_from - start).count();
+      if (tracing_.load(std::memory_order_relaxed)) {
+        std::lock_guard lock(me.trace_mutex);
+        me.trace.push_back({request->id(), mb.index, since_us(epoch_, start), since_us(epoch_, waited_from), ok});
+      }
+    }
+    if (last || request->failed()) {
+      auto r = mb.request;
+      mb = MicroBatch{};  // free this micro-batch's tensors before the caller wakes
+      r->finish_one();
+      release();
       continue;
     }
-    auto call = mb.call;
-    if (!queues_[s + 1]->push(std::move(mb))) {
-      call->fail(Status::Execution, "the session was destroyed while the call was running");
-      call->finish_one();
+    auto r = mb.request;
+    if (!workers_[s + 1]->queue->push(std::move(mb))) {
+      r->fail(Status::Cancelled, "the session was destroyed while the call was running");
+      r->finish_one();
+      release();
     }
   }
 }
@@ -134,7 +225,7 @@ void Session::run_stage(size_t s, MicroBatch& mb) {
   c10::IValue out = stages_[s].forward(std::move(args));
 
   if (s + 1 == stages_.size()) {
-    mb.call->results[mb.index] = std::move(out);  // each micro-batch owns its own slot
+    mb.request->results_[mb.index] = std::move(out);  // each micro-batch owns its own slot
     return;
   }
   const auto& items = out.toTupleRef().elements();
@@ -144,7 +235,7 @@ void Session::run_stage(size_t s, MicroBatch& mb) {
     if (plan_->values()[id].last_consumer() <= static_cast<int>(s)) mb.env[id] = c10::IValue();
 }
 
-std::vector<NamedTensor> Session::run(const std::vector<c10::IValue>& inputs) {
+std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs, const RunOptions& options) {
   const auto& names = plan_->model().input_names();
   if (inputs.size() != names.size()) {
     std::string list;
@@ -155,29 +246,88 @@ std::vector<NamedTensor> Session::run(const std::vector<c10::IValue>& inputs) {
   }
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (inputs[i].isTensor() && !inputs[i].toTensor().device().is_cpu())
-      throw Error(Status::Input, "input '" + names[i] + "' is on " +
-                                     inputs[i].toTensor().device().str() +
+      throw Error(Status::Input, "input '" + names[i] + "' is on " + inputs[i].toTensor().device().str() +
                                      " but this session's first stage runs on the CPU; pass a CPU tensor");
   }
 
-  auto microbatches = chunk::split_inputs(inputs, names, options_.num_microbatches);
-  auto call = std::make_shared<Call>(microbatches.size());
+  auto microbatches = chunk::split_inputs(inputs, names, options_.num_microbatches, options_.input_specs);
+  auto request = std::make_shared<Request>(next_request_id_++, microbatches.size(), options.deadline);
   for (size_t m = 0; m < microbatches.size(); ++m) {
-    MicroBatch mb{call, m, std::vector<c10::IValue>(plan_->values().size())};
+    try {
+      admit(request);
+    } catch (const Error& e) {
+      if (!request->failed()) request->fail(e.status(), e.what());
+      // Micro-batches never admitted will never finish by themselves.
+      for (size_t rest = m; rest < microbatches.size(); ++rest) request->finish_one();
+      break;
+    }
+    MicroBatch mb{request, m, std::vector<c10::IValue>(plan_->values().size())};
     for (size_t id = 0; id < plan_->values().size(); ++id) {
       const auto& cv = plan_->values()[id];
       if (cv.producer < 0) mb.env[id] = microbatches[m][cv.input_index];
     }
-    if (!queues_[0]->push(std::move(mb))) {
-      call->fail(Status::Execution, "the session was destroyed while the call was running");
-      call->finish_one();
+    if (!workers_[0]->queue->push(std::move(mb))) {
+      request->fail(Status::Cancelled, "the session was destroyed while the call was running");
+      for (size_t rest = m; rest < microbatches.size(); ++rest) request->finish_one();
+      release();
+      break;
     }
   }
-  call->wait();
-  if (call->failed) throw Error(call->status, call->message);
+  return request;
+}
 
-  c10::InferenceMode inference;
-  return chunk::merge_outputs(call->results);
+std::vector<NamedTensor> Session::run(const std::vector<c10::IValue>& inputs, const RunOptions& options) {
+  auto request = submit(inputs, options);
+  try {
+    return request->result(options_.output_specs);
+  } catch (...) {
+    request->drain();
+    throw;
+  }
+}
+
+StageStats Session::stats(size_t stage) const {
+  const Worker& w = *workers_.at(stage);
+  StageStats st;
+  st.microbatches = w.microbatches.load();
+  st.failures = w.failures.load();
+  st.busy_ms = static_cast<double>(w.busy_ns.load()) / 1e6;
+  st.idle_ms = static_cast<double>(w.idle_ns.load()) / 1e6;
+  st.queue_depth = w.queue->size();
+  return st;
+}
+
+void Session::start_trace() {
+  for (auto& w : workers_) {
+    std::lock_guard lock(w->trace_mutex);
+    w->trace.clear();
+  }
+  tracing_ = true;
+}
+
+std::string Session::stop_trace() {
+  tracing_ = false;
+  using Json = nlohmann::json;
+  Json events = Json::array();
+  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 1}, {"args", {{"name", "libpipe session"}}}});
+  for (size_t s = 0; s < workers_.size(); ++s) {
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 1}, {"tid", s},
+                      {"args", {{"name", "stage " + std::to_string(s)}}}});
+    events.push_back({{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", 1}, {"tid", s},
+                      {"args", {{"sort_index", s}}}});
+    std::lock_guard lock(workers_[s]->trace_mutex);
+    for (const auto& e : workers_[s]->trace)
+      events.push_back({{"name", "request " + std::to_string(e.request) + " mb " + std::to_string(e.microbatch)},
+                        {"cat", e.ok ? "microbatch" : "failed"},
+                        {"ph", "X"},
+                        {"pid", 1},
+                        {"tid", s},
+                        {"ts", e.start_us},
+                        {"dur", std::max<int64_t>(e.end_us - e.start_us, 1)},
+                        {"args", {{"request", e.request}, {"microbatch", e.microbatch}}}});
+    workers_[s]->trace.clear();
+  }
+  return Json{{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}}.dump();
 }
 
 }  // namespace libpipe::schedule

@@ -1,59 +1,160 @@
 // Session: one worker thread per stage, each fed by a bounded queue. A call is cut into
 // micro-batches; each micro-batch carries the values that cross stage boundaries (an
 // "environment" indexed by the plan's crossing values) from worker to worker. Micro-batches of
-// concurrent calls interleave freely, so the stages stay busy under load. A stage that throws
-// fails only the call that micro-batch belongs to.
+// concurrent calls interleave freely, so the stages stay busy under load and there is no
+// fill-and-drain bubble per call. A stage that throws fails only the call that micro-batch
+// belongs to. Admission is bounded: at most `max_inflight` micro-batches are inside the
+// pipeline at once, and submitting more waits (backpressure instead of unbounded memory).
 #pragma once
 
 #include <torch/csrc/jit/api/module.h>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
+#include "runtime/chunk/microbatch.h"
+#include "runtime/error.h"
 #include "runtime/graph/plan.h"
 #include "runtime/named_tensor.h"
 #include "runtime/schedule/bounded_queue.h"
 
 namespace libpipe::schedule {
 
+using Clock = std::chrono::steady_clock;
+
 struct SessionOptions {
   int64_t num_microbatches = 1;
-  int threads_per_stage = 0;  // 0: max(1, cores / stages)
+  int threads_per_stage = 0;  // 0: the stage's share of the cores
+  int64_t max_inflight = 0;   // micro-batches inside the pipeline at once; 0: max(2·M, 4·stages)
+  std::vector<chunk::InputSpec> input_specs;    // by forward argument; missing: default
+  std::vector<chunk::OutputSpec> output_specs;  // by flattened output; missing: concat along 0
+};
+
+struct RunOptions {
+  Clock::time_point deadline = Clock::time_point::max();  // the call fails once it is past
+};
+
+// One submitted call. Thread-safe; outlives its session (a session destroyed with calls in flight
+// fails them).
+class Request {
+ public:
+  explicit Request(uint64_t id, size_t microbatches, Clock::time_point deadline)
+      : id_(id), deadline_(deadline), remaining_(microbatches), results_(microbatches) {}
+
+  // Waits until the call is finished or `until` passes; true if finished. A call still running
+  // at its deadline fails then with Status::DeadlineExceeded.
+  bool wait_until(Clock::time_point until);
+  // Stops the call: micro-batches not yet run are dropped, and it fails with Status::Cancelled.
+  void cancel();
+  // Waits until none of the call's micro-batches is queued or running (they finish or are
+  // dropped), after which nothing reads the call's inputs any more.
+  void drain();
+  // The merged outputs; throws the call's Error if it failed. Waits for the call to finish.
+  std::vector<NamedTensor> result(const std::vector<chunk::OutputSpec>& specs);
+
+  uint64_t id() const { return id_; }
+  bool failed();
+  Clock::time_point deadline() const { return deadline_; }
+
+ private:
+  friend class Session;
+  void fail(Status status, const std::string& why);
+  void finish_one();
+  bool finished_locked() const { return failed_ || remaining_ == 0; }
+
+  const uint64_t id_;
+  const Clock::time_point deadline_;
+  std::mutex mutex_;
+  std::condition_variable done_;
+  size_t remaining_;
+  std::vector<c10::IValue> results_;  // one per micro-batch, written by the last stage
+  bool failed_ = false;
+  Status status_ = Status::Ok;
+  std::string message_;
+  bool merged_ = false;
+  std::vector<NamedTensor> outputs_;
+};
+
+struct StageStats {
+  uint64_t microbatches = 0;  // run by this stage (failed ones included)
+  double busy_ms = 0;         // running the stage's code
+  double idle_ms = 0;         // waiting for work
+  uint64_t queue_depth = 0;   // micro-batches waiting now
+  uint64_t failures = 0;      // micro-batches whose stage code raised
 };
 
 class Session {
  public:
   // Builds every stage module and starts the workers. Throws Error on invalid options.
   Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options);
+  // Fails every call still in flight (Status::Cancelled) and stops the workers.
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
-  // Runs one call (forward's arguments in order) and blocks until its outputs are merged.
-  // Thread-safe. Throws Error(Input) for bad inputs and Error(Execution) if a stage failed.
-  std::vector<NamedTensor> run(const std::vector<c10::IValue>& inputs);
+  // Starts one call (forward's arguments in order) and returns at once, or after waiting for
+  // room when max_inflight micro-batches are already admitted. The call reads `inputs` until it
+  // is drained: copy them first if they may change or be freed sooner. Thread-safe. Throws
+  // Error(Input) for inputs that cannot be cut into micro-batches.
+  std::shared_ptr<Request> submit(const std::vector<c10::IValue>& inputs, const RunOptions& options = {});
+  // submit() and wait for the merged outputs; a failed call returns (throws) only once it is
+  // drained, so the caller's inputs are free to go when run() returns. Thread-safe.
+  std::vector<NamedTensor> run(const std::vector<c10::IValue>& inputs, const RunOptions& options = {});
 
   size_t num_stages() const { return stages_.size(); }
-  const torch::jit::Module& stage_module(size_t i) const { return stages_.at(i); }
+  const SessionOptions& options() const { return options_; }
+  StageStats stats(size_t stage) const;
+
+  // Chrome trace ("Trace Event Format") of the micro-batches run between the two calls, one
+  // track per stage; viewable in Perfetto or chrome://tracing.
+  void start_trace();
+  std::string stop_trace();
 
  private:
-  struct Call;
   struct MicroBatch {
-    std::shared_ptr<Call> call;
+    std::shared_ptr<Request> request;
     size_t index = 0;
     std::vector<c10::IValue> env;  // indexed by crossing-value id
+  };
+  struct TraceEvent {
+    uint64_t request;
+    size_t microbatch;
+    int64_t start_us, end_us;
+    bool ok;
+  };
+  struct Worker {
+    std::unique_ptr<BoundedQueue<MicroBatch>> queue;
+    std::thread thread;
+    std::atomic<uint64_t> microbatches{0}, failures{0};
+    std::atomic<int64_t> busy_ns{0}, idle_ns{0};
+    std::mutex trace_mutex;
+    std::vector<TraceEvent> trace;
   };
 
   void worker_loop(size_t stage);
   void run_stage(size_t stage, MicroBatch& mb);
+  void admit(const std::shared_ptr<Request>& request);  // waits for a slot; false if refused
+  void release();                                       // a micro-batch left the pipeline
 
   std::shared_ptr<const graph::Plan> plan_;
   SessionOptions options_;
   std::vector<torch::jit::Module> stages_;
-  std::vector<std::unique_ptr<BoundedQueue<MicroBatch>>> queues_;
-  std::vector<std::thread> workers_;
+  std::vector<std::unique_ptr<Worker>> workers_;
   int threads_per_stage_ = 1;
+  const Clock::time_point epoch_ = Clock::now();
+
+  std::mutex admission_mutex_;
+  std::condition_variable admission_cv_;
+  int64_t inflight_ = 0;
+  bool stopping_ = false;
+  std::atomic<bool> shutting_down_{false};  // workers drop what they pop
+  std::atomic<uint64_t> next_request_id_{1};
+  std::atomic<bool> tracing_{false};
 };
 
 }  // namespace libpipe::schedule

@@ -116,7 +116,7 @@ static void run_and_compare(loaded *l, int32_t microbatches) {
   pipe_session *session = NULL;
   pipe_tensor_list *out = NULL;
   ASSERT_OK(pipe_session_create(l->plan, &options, &session));
-  ASSERT_OK(pipe_session_run(session, l->args, l->num_args, &out));
+  ASSERT_OK(pipe_session_run(session, l->args, l->num_args, NULL, &out));
 
   size_t count = 0, got_index = 0, want_index = 0;
   const char *name = NULL;
@@ -282,12 +282,12 @@ static void null_arguments(void **state) {
   ASSERT_FAILS(pipe_plan_describe(l.plan, NULL), PIPE_ERR_INVALID_ARGUMENT, "json is NULL");
   ASSERT_FAILS(pipe_session_create(NULL, NULL, &session), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
   ASSERT_FAILS(pipe_session_create(l.plan, NULL, NULL), PIPE_ERR_INVALID_ARGUMENT, "session is NULL");
-  ASSERT_FAILS(pipe_session_run(NULL, l.args, 2, &out), PIPE_ERR_INVALID_ARGUMENT, "session is NULL");
+  ASSERT_FAILS(pipe_session_run(NULL, l.args, 2, NULL, &out), PIPE_ERR_INVALID_ARGUMENT, "session is NULL");
   ASSERT_OK(pipe_session_create(l.plan, NULL, &session));
-  ASSERT_FAILS(pipe_session_run(session, NULL, 2, &out), PIPE_ERR_INVALID_ARGUMENT, "inputs is NULL");
-  ASSERT_FAILS(pipe_session_run(session, l.args, 2, NULL), PIPE_ERR_INVALID_ARGUMENT, "outputs is NULL");
+  ASSERT_FAILS(pipe_session_run(session, NULL, 2, NULL, &out), PIPE_ERR_INVALID_ARGUMENT, "inputs is NULL");
+  ASSERT_FAILS(pipe_session_run(session, l.args, 2, NULL, NULL), PIPE_ERR_INVALID_ARGUMENT, "outputs is NULL");
   const DLManagedTensor *with_null[2] = {l.args[0], NULL};
-  ASSERT_FAILS(pipe_session_run(session, with_null, 2, &out), PIPE_ERR_INVALID_ARGUMENT, "inputs[1] is NULL");
+  ASSERT_FAILS(pipe_session_run(session, with_null, 2, NULL, &out), PIPE_ERR_INVALID_ARGUMENT, "inputs[1] is NULL");
   ASSERT_FAILS(pipe_safetensors_read(NULL, &out), PIPE_ERR_INVALID_ARGUMENT, "path is NULL");
   ASSERT_FAILS(pipe_tensor_list_size(NULL, &count), PIPE_ERR_INVALID_ARGUMENT, "list is NULL");
   ASSERT_FAILS(pipe_set_log_callback(NULL, NULL, 7), PIPE_ERR_INVALID_ARGUMENT, "min_level");
@@ -311,10 +311,10 @@ static void wrong_number_of_inputs(void **state) {
   pipe_session *session = NULL;
   pipe_tensor_list *out = (pipe_tensor_list *)0x1;
   ASSERT_OK(pipe_session_create(l.plan, NULL, &session));
-  ASSERT_FAILS(pipe_session_run(session, l.args, 1, &out), PIPE_ERR_INPUT, "takes 2 inputs (x, y) but 1 were given");
+  ASSERT_FAILS(pipe_session_run(session, l.args, 1, NULL, &out), PIPE_ERR_INPUT, "takes 2 inputs (x, y) but 1 were given");
   const DLManagedTensor *three[3] = {l.args[0], l.args[1], l.args[0]};
-  ASSERT_FAILS(pipe_session_run(session, three, 3, &out), PIPE_ERR_INPUT, "but 3 were given");
-  ASSERT_FAILS(pipe_session_run(session, NULL, 0, &out), PIPE_ERR_INPUT, "but 0 were given");
+  ASSERT_FAILS(pipe_session_run(session, three, 3, NULL, &out), PIPE_ERR_INPUT, "but 3 were given");
+  ASSERT_FAILS(pipe_session_run(session, NULL, 0, NULL, &out), PIPE_ERR_INPUT, "but 0 were given");
   assert_ptr_equal(out, (pipe_tensor_list *)0x1);
   pipe_session_destroy(session);
   unload(&l);
@@ -367,10 +367,10 @@ static void stage_failure_keeps_session_usable(void **state) {
   narrow.dl_tensor.strides = strides;
   narrow.deleter = NULL;
   const DLManagedTensor *bad[2] = {&narrow, l.args[1]};
-  ASSERT_FAILS(pipe_session_run(session, bad, 2, &out), PIPE_ERR_EXECUTION, "stage 0 failed");
+  ASSERT_FAILS(pipe_session_run(session, bad, 2, NULL, &out), PIPE_ERR_EXECUTION, "stage 0 failed");
   assert_null(out);
 
-  ASSERT_OK(pipe_session_run(session, l.args, l.num_args, &out));
+  ASSERT_OK(pipe_session_run(session, l.args, l.num_args, NULL, &out));
   size_t index = 0;
   const DLManagedTensor *got = NULL, *want = NULL;
   ASSERT_OK(pipe_tensor_list_find(l.expected, "output", &index));
@@ -395,7 +395,7 @@ static void mismatched_batch_sizes(void **state) {
   shorter.dl_tensor.shape = shape;
   shorter.deleter = NULL;
   const DLManagedTensor *bad[2] = {l.args[0], &shorter};
-  ASSERT_FAILS(pipe_session_run(session, bad, 2, &out), PIPE_ERR_INPUT, "input 'y' has 8 rows");
+  ASSERT_FAILS(pipe_session_run(session, bad, 2, NULL, &out), PIPE_ERR_INPUT, "input 'y' has 8 rows");
   pipe_session_destroy(session);
   unload(&l);
 }
@@ -432,7 +432,7 @@ static void batch_smaller_than_microbatches(void **state) {
   y3.dl_tensor.shape = shape;
   x3.deleter = y3.deleter = NULL;
   const DLManagedTensor *small[2] = {&x3, &y3};
-  ASSERT_OK(pipe_session_run(session, small, 2, &out));
+  ASSERT_OK(pipe_session_run(session, small, 2, NULL, &out));
   ASSERT_OK(pipe_set_log_callback(NULL, NULL, PIPE_LOG_WARNING));
   assert_int_equal(capture.warnings, 1);
   assert_non_null(strstr(capture.last, "running 3 micro-batches"));
@@ -635,7 +635,7 @@ static void split_points_with_estimates(void **state) {
   so.num_microbatches = 2;
   pipe_session *session = NULL;
   ASSERT_OK(pipe_session_create(plan, &so, &session));
-  ASSERT_OK(pipe_session_run(session, &ids, 1, &out));
+  ASSERT_OK(pipe_session_run(session, &ids, 1, NULL, &out));
   ASSERT_OK(pipe_tensor_list_get(out, 0, &got));
   assert_int_equal(got->dl_tensor.ndim, 3);
   const float *a = floats(&got->dl_tensor), *b = floats(&want->dl_tensor);
@@ -684,6 +684,204 @@ static void model_module_tree(void **state) {
   pipe_model_destroy(model);
 }
 
+/* ---- asynchronous calls, specs, statistics, trace ------------------------------------------ */
+
+/* slow_loop: two stages that each repeat a small matmul n times (n a 0-d int64 input). */
+typedef struct {
+  int64_t shape[2];
+  float x[4 * 64];
+  int64_t n;
+  DLManagedTensor tx, tn;
+  const DLManagedTensor *args[2];
+} slow_inputs;
+
+static void make_slow_inputs(slow_inputs *s, int64_t n) {
+  memset(s, 0, sizeof *s);
+  s->shape[0] = 4;
+  s->shape[1] = 64;
+  for (int i = 0; i < 4 * 64; ++i) s->x[i] = (float)((i % 7) - 3) / 10.0f;
+  s->n = n;
+  s->tx.dl_tensor.data = s->x;
+  s->tx.dl_tensor.device.device_type = kDLCPU;
+  s->tx.dl_tensor.ndim = 2;
+  s->tx.dl_tensor.dtype.code = kDLFloat;
+  s->tx.dl_tensor.dtype.bits = 32;
+  s->tx.dl_tensor.dtype.lanes = 1;
+  s->tx.dl_tensor.shape = s->shape;
+  s->tn.dl_tensor.data = &s->n;
+  s->tn.dl_tensor.device.device_type = kDLCPU;
+  s->tn.dl_tensor.ndim = 0;
+  s->tn.dl_tensor.dtype.code = kDLInt;
+  s->tn.dl_tensor.dtype.bits = 64;
+  s->tn.dl_tensor.dtype.lanes = 1;
+  s->args[0] = &s->tx;
+  s->args[1] = &s->tn;
+}
+
+static pipe_session *slow_session(pipe_model **model, pipe_plan **plan, int32_t microbatches) {
+  pipe_session *session = NULL;
+  ASSERT_OK(pipe_model_load(fixture("slow_loop.scripted.pt"), model));
+  ASSERT_OK(pipe_plan_create(*model, NULL, plan));
+  pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
+  o.num_microbatches = microbatches;
+  ASSERT_OK(pipe_session_create(*plan, &o, &session));
+  return session;
+}
+
+static void submit_wait_cancel(void **state) {
+  (void)state;
+  pipe_model *model = NULL;
+  pipe_plan *plan = NULL;
+  pipe_session *session = slow_session(&model, &plan, 2);
+  slow_inputs quick, slow;
+  make_slow_inputs(&quick, 2);
+  make_slow_inputs(&slow, 20000);
+
+  pipe_request *a = NULL, *b = NULL;
+  pipe_tensor_list *out = (pipe_tensor_list *)0x1;
+  ASSERT_OK(pipe_session_submit(session, slow.args, 2, NULL, &a));
+  ASSERT_OK(pipe_session_submit(session, quick.args, 2, NULL, &b));
+  memset(slow.x, 0, sizeof slow.x); /* submit copied the inputs: changing them now is harmless */
+  ASSERT_FAILS(pipe_request_wait(a, 0, &out), PIPE_ERR_TIMEOUT, "still running");
+  assert_ptr_equal(out, (pipe_tensor_list *)0x1);
+  ASSERT_OK(pipe_request_cancel(a));
+  ASSERT_FAILS(pipe_request_wait(a, -1, &out), PIPE_ERR_CANCELLED, "cancelled");
+  ASSERT_OK(pipe_request_wait(b, -1, &out));
+  size_t count = 0;
+  ASSERT_OK(pipe_tensor_list_size(out, &count));
+  assert_int_equal(count, 1);
+  pipe_tensor_list_destroy(out);
+  /* A finished call gives its result again; cancelling it afterwards changes nothing. */
+  ASSERT_OK(pipe_request_cancel(b));
+  ASSERT_OK(pipe_request_wait(b, 0, &out));
+  pipe_tensor_list_destroy(out);
+
+  ASSERT_FAILS(pipe_request_wait(NULL, 0, &out), PIPE_ERR_INVALID_ARGUMENT, "request is NULL");
+  ASSERT_FAILS(pipe_request_wait(b, 0, NULL), PIPE_ERR_INVALID_ARGUMENT, "outputs is NULL");
+  ASSERT_FAILS(pipe_request_cancel(NULL), PIPE_ERR_INVALID_ARGUMENT, "request is NULL");
+  pipe_request *none = (pipe_request *)0x1;
+  ASSERT_FAILS(pipe_session_submit(session, quick.args, 1, NULL, &none), PIPE_ERR_INPUT, "takes 2 inputs");
+  assert_ptr_equal(none, (pipe_request *)0x1);
+  pipe_request_destroy(a);
+  pipe_request_destroy(b);
+  pipe_request_destroy(NULL);
+
+  /* A request outlives its session, which fails it if it was still running. */
+  pipe_request *orphan = NULL;
+  ASSERT_OK(pipe_session_submit(session, slow.args, 2, NULL, &orphan));
+  pipe_session_destroy(session);
+  pipe_status st = pipe_request_wait(orphan, -1, &out);
+  assert_true(st == PIPE_ERR_CANCELLED || st == PIPE_OK);
+  if (st == PIPE_OK) pipe_tensor_list_destroy(out);
+  pipe_request_destroy(orphan);
+  pipe_plan_destroy(plan);
+  pipe_model_destroy(model);
+}
+
+static void deadlines(void **state) {
+  (void)state;
+  pipe_model *model = NULL;
+  pipe_plan *plan = NULL;
+  pipe_session *session = slow_session(&model, &plan, 2);
+  slow_inputs slow;
+  make_slow_inputs(&slow, 50000);
+  pipe_run_options ro = PIPE_RUN_OPTIONS_INIT;
+  ro.timeout_ms = 10;
+  pipe_tensor_list *out = NULL;
+  ASSERT_FAILS(pipe_session_run(session, slow.args, 2, &ro, &out), PIPE_ERR_DEADLINE_EXCEEDED, "deadline");
+  assert_null(out);
+  ro.timeout_ms = -5;
+  ASSERT_FAILS(pipe_session_run(session, slow.args, 2, &ro, &out), PIPE_ERR_INVALID_ARGUMENT, "timeout_ms");
+  pipe_run_options zero = PIPE_RUN_OPTIONS_INIT;
+  zero.struct_size = 0;
+  ASSERT_FAILS(pipe_session_run(session, slow.args, 2, &zero, &out), PIPE_ERR_INVALID_ARGUMENT, "PIPE_RUN_OPTIONS_INIT");
+  pipe_session_destroy(session);
+  pipe_plan_destroy(plan);
+  pipe_model_destroy(model);
+}
+
+static void specs_stats_and_trace(void **state) {
+  (void)state;
+  loaded l;
+  load_fixture(&l, "example_code.traced.pt", "example_code");
+  pipe_chunk_spec bad_in[1] = {{PIPE_CHUNK_SUM, 0}};
+  pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
+  o.num_microbatches = 4;
+  o.input_specs = bad_in;
+  o.num_input_specs = 1;
+  pipe_session *session = NULL;
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "input_specs[0].kind");
+  pipe_chunk_spec bad_out[1] = {{PIPE_CHUNK_REPLICATE, 0}};
+  o.input_specs = NULL;
+  o.num_input_specs = 0;
+  o.output_specs = bad_out;
+  o.num_output_specs = 1;
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "output_specs[0].kind");
+  o.output_specs = NULL;
+  o.num_output_specs = 3;
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "output_specs is NULL");
+  pipe_chunk_spec specs[2] = {{PIPE_CHUNK_SPLIT, 0}, {PIPE_CHUNK_SPLIT, -2}};
+  pipe_chunk_spec out_specs[1] = {{PIPE_CHUNK_CONCAT, -2}};
+  o.input_specs = specs;
+  o.num_input_specs = 2;
+  o.output_specs = out_specs;
+  o.num_output_specs = 1;
+  ASSERT_OK(pipe_session_create(l.plan, &o, &session));
+
+  char trace[4200];
+  snprintf(trace, sizeof trace, "%s/capi_trace.json", models_dir());
+  ASSERT_OK(pipe_session_trace_start(session));
+  pipe_tensor_list *out = NULL;
+  ASSERT_OK(pipe_session_run(session, l.args, l.num_args, NULL, &out));
+  ASSERT_OK(pipe_session_trace_stop(session, trace));
+  const DLManagedTensor *got = NULL, *want = NULL;
+  size_t index = 0;
+  ASSERT_OK(pipe_tensor_list_get(out, 0, &got));
+  ASSERT_OK(pipe_tensor_list_find(l.expected, "output", &index));
+  ASSERT_OK(pipe_tensor_list_get(l.expected, index, &want));
+  assert_close(got, want);
+  pipe_tensor_list_destroy(out);
+
+  FILE *f = fopen(trace, "r");
+  assert_non_null(f);
+  char text[65536];
+  size_t n = fread(text, 1, sizeof text - 1, f);
+  fclose(f);
+  text[n] = '\0';
+  assert_non_null(strstr(text, "\"traceEvents\""));
+  assert_non_null(strstr(text, "stage 3"));
+  ASSERT_FAILS(pipe_session_trace_stop(session, "/nonexistent/dir/t.json"), PIPE_ERR_IO, "cannot create");
+
+  size_t stages = 0;
+  ASSERT_OK(pipe_session_num_stages(session, &stages));
+  assert_int_equal(stages, 4);
+  for (size_t s = 0; s < stages; ++s) {
+    pipe_stage_stats st = PIPE_STAGE_STATS_INIT;
+    ASSERT_OK(pipe_session_stage_stats(session, s, &st));
+    assert_int_equal(st.struct_size, sizeof(pipe_stage_stats));
+    assert_int_equal(st.microbatches, 4);
+    assert_int_equal(st.failures, 0);
+    assert_true(st.busy_ms > 0);
+    assert_int_equal(st.queue_depth, 0);
+  }
+  /* An older caller's smaller struct: only the fields it has are written. */
+  struct {
+    pipe_stage_stats head;
+    uint64_t guard;
+  } small;
+  memset(&small, 0xAB, sizeof small);
+  small.head.struct_size = (uint32_t)offsetof(pipe_stage_stats, failures);
+  ASSERT_OK(pipe_session_stage_stats(session, 0, &small.head));
+  assert_int_equal(small.head.microbatches, 4);
+  assert_int_equal(small.head.failures, 0xABABABABABABABABull);
+  pipe_stage_stats st = PIPE_STAGE_STATS_INIT;
+  ASSERT_FAILS(pipe_session_stage_stats(session, 4, &st), PIPE_ERR_INVALID_ARGUMENT, "stage 4 is out of range");
+  st.struct_size = 0;
+  ASSERT_FAILS(pipe_session_stage_stats(session, 0, &st), PIPE_ERR_INVALID_ARGUMENT, "PIPE_STAGE_STATS_INIT");
+  pipe_session_destroy(session);
+  unload(&l);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(version_matches_macros),
@@ -707,6 +905,9 @@ int main(void) {
       cmocka_unit_test(cuts_inside_blocks_are_refused),
       cmocka_unit_test(split_points_with_estimates),
       cmocka_unit_test(model_module_tree),
+      cmocka_unit_test(submit_wait_cancel),
+      cmocka_unit_test(deadlines),
+      cmocka_unit_test(specs_stats_and_trace),
   };
   return cmocka_run_group_tests_name("capi", tests, NULL, NULL);
 }

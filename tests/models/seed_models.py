@@ -144,6 +144,24 @@ class TupleOutput(torch.nn.Module):
         return torch.relu(h), h + y
 
 
+class SlowLoop(torch.nn.Module):
+    """Two stages whose run time the caller sets: each repeats a small matmul n times (n is a
+    0-d tensor input, replicated to every micro-batch). For cancellation and deadline tests."""
+
+    def __init__(self):
+        super().__init__()
+        self.w0 = torch.nn.Parameter(torch.randn(64, 64) / 8)
+        self.w1 = torch.nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x, n):
+        for _ in range(int(n)):
+            x = torch.tanh(x @ self.w0)
+        pipe_split()
+        for _ in range(int(n)):
+            x = torch.tanh(x @ self.w1)
+        return x
+
+
 # name -> (class, forms). Tracing refuses modules shared under two names, so the alias model is
 # scripted only.
 MODELS = {
@@ -151,6 +169,7 @@ MODELS = {
     "multi_mlp": (MultiMLP, ("traced",)),
     "param_alias": (ModelWithParamAlias, ("scripted",)),
     "tuple_output": (TupleOutput, ("traced",)),
+    "slow_loop": (SlowLoop, ("scripted",)),
     "marker_in_branch": (MarkerInBranch, ("scripted",)),
     "repeated_marker": (RepeatedMarker, ("traced",)),
 }
@@ -161,7 +180,10 @@ def generate(out_dir):
     torch.manual_seed(0)
     for name, (cls, forms) in MODELS.items():
         model = cls().eval()
-        inputs = {"x": torch.randn(BATCH, D), "y": torch.randn(BATCH, D)}
+        if cls is SlowLoop:
+            inputs = {"x": torch.randn(BATCH, 64), "n": torch.tensor(3)}
+        else:
+            inputs = {"x": torch.randn(BATCH, D), "y": torch.randn(BATCH, D)}
         with torch.no_grad():
             expected = model(**inputs)
         for form in forms:

@@ -78,6 +78,12 @@ typedef int32_t pipe_status;
 #define PIPE_ERR_UNSUPPORTED 9
 /* A bug in libpipe; the message says where. Please report it. */
 #define PIPE_ERR_INTERNAL 10
+/* pipe_request_wait: the call is not finished yet; it goes on, wait again later. */
+#define PIPE_ERR_TIMEOUT 11
+/* The call was cancelled (pipe_request_cancel, or its session was destroyed). */
+#define PIPE_ERR_CANCELLED 12
+/* The call did not finish before its deadline (pipe_run_options.timeout_ms). */
+#define PIPE_ERR_DEADLINE_EXCEEDED 13
 
 /* The name of a status code ("PIPE_OK", "PIPE_ERR_INPUT", ...), or "PIPE_ERR_UNKNOWN" for a code
  * this version does not define. Global. Never fails; the string is static. */
@@ -268,39 +274,133 @@ PIPE_API void pipe_plan_destroy(pipe_plan *plan);
 
 typedef struct pipe_session pipe_session;
 
+/* How one input is cut into micro-batches, or how one output is put back together. */
+typedef struct pipe_chunk_spec {
+  int32_t kind; /* a PIPE_CHUNK_* value */
+  int32_t dim;  /* the dimension for SPLIT and CONCAT; negative counts from the end */
+} pipe_chunk_spec;
+
+/* Inputs: tensors of rank >= 1 split along 0, everything else replicated. Outputs: concat along 0. */
+#define PIPE_CHUNK_DEFAULT 0
+/* Input: split along `dim` (torch.tensor_split sizes; every split input must agree on the size). */
+#define PIPE_CHUNK_SPLIT 1
+/* Input: every micro-batch gets the whole tensor. */
+#define PIPE_CHUNK_REPLICATE 2
+/* Output: concatenate the micro-batches' results along `dim`. */
+#define PIPE_CHUNK_CONCAT 3
+/* Output: add the micro-batches' results (e.g. a loss or a count summed over the batch). */
+#define PIPE_CHUNK_SUM 4
+/* Output: every micro-batch must give the same value, which is returned once; differing values
+ * fail the call with PIPE_ERR_EXECUTION. */
+#define PIPE_CHUNK_EQUAL 5
+
 /* Session options. Always start from PIPE_SESSION_OPTIONS_INIT: fields are only ever added at the
  * end, and `struct_size` tells the library which ones the caller knows about. */
 typedef struct pipe_session_options {
   uint32_t struct_size;
-  /* Micro-batches per call (>= 1). Tensor inputs are cut along dimension 0 into this many
-   * micro-batches (torch.tensor_split sizes; a batch smaller than this runs as that many
-   * micro-batches, with a logged warning); non-tensor inputs go to every micro-batch.
-   * Tensor outputs are concatenated along dimension 0. Default 1. */
+  /* Micro-batches per call (>= 1). A batch smaller than this runs as that many micro-batches,
+   * with a logged warning. Default 1. */
   int32_t num_microbatches;
   /* Intra-op threads per stage worker; 0 picks max(1, cores / stages) so that stages do not
    * oversubscribe the machine. Default 0. */
   int32_t threads_per_stage;
+  /* Micro-batches admitted into the pipeline at once, over all calls; submitting more waits for
+   * room (backpressure). 0 picks max(2 x num_microbatches, 4 x stages). Default 0. */
+  int32_t max_inflight;
+  /* Per forward argument, in order (NULL / fewer than the inputs: the rest are DEFAULT). */
+  const pipe_chunk_spec *input_specs;
+  size_t num_input_specs;
+  /* Per output in the order pipe_session_run names them (NULL / fewer: the rest CONCAT along 0). */
+  const pipe_chunk_spec *output_specs;
+  size_t num_output_specs;
 } pipe_session_options;
 
-#define PIPE_SESSION_OPTIONS_INIT {(uint32_t)sizeof(pipe_session_options), 1, 0}
+#define PIPE_SESSION_OPTIONS_INIT {(uint32_t)sizeof(pipe_session_options), 1, 0, 0, NULL, 0, NULL, 0}
 
 /* Build every stage of `plan` on the CPU and start one worker thread per stage. `options` NULL
- * means PIPE_SESSION_OPTIONS_INIT. Thread-safe on `plan`. */
+ * means PIPE_SESSION_OPTIONS_INIT; the spec arrays are copied. Thread-safe on `plan`. */
 PIPE_API pipe_status pipe_session_create(const pipe_plan *plan, const pipe_session_options *options,
                                          pipe_session **session);
 
+/* Per-call options. Start from PIPE_RUN_OPTIONS_INIT. */
+typedef struct pipe_run_options {
+  uint32_t struct_size;
+  /* The call fails with PIPE_ERR_DEADLINE_EXCEEDED if it has not finished this many
+   * milliseconds after it started (waiting for room in the pipeline included). 0: no deadline. */
+  int64_t timeout_ms;
+} pipe_run_options;
+
+#define PIPE_RUN_OPTIONS_INIT {(uint32_t)sizeof(pipe_run_options), 0}
+
 /* Run one call through the pipeline and block until it is done. `inputs` are the forward
- * arguments in order (pipe_model_input_name names them), borrowed for the call. On success
- * `*outputs` is a new list the caller destroys: one entry "output" for a tensor result, "output.0",
- * "output.1", ... for a tuple or list, "output.<key>" for a dict (nested containers join with '.').
+ * arguments in order (pipe_model_input_name names them), borrowed: when this returns, with any
+ * status, libpipe no longer reads them. `options` may be NULL. On success `*outputs` is a new list
+ * the caller destroys: one entry "output" for a tensor result, "output.0", "output.1", ... for a
+ * tuple or list, "output.<key>" for a dict (nested containers join with '.').
  * PIPE_ERR_INPUT for a wrong input count or inputs that do not split; PIPE_ERR_EXECUTION if a
- * stage raised (the message names the stage). The session stays usable after a failed call.
+ * stage raised (the message names the stage); PIPE_ERR_DEADLINE_EXCEEDED; PIPE_ERR_CANCELLED if
+ * the session is being destroyed. The session stays usable after a failed call.
  * Thread-safe: many threads may run on one session at once; their micro-batches interleave. */
 PIPE_API pipe_status pipe_session_run(pipe_session *session, const DLManagedTensor *const *inputs,
-                                      size_t num_inputs, pipe_tensor_list **outputs);
+                                      size_t num_inputs, const pipe_run_options *options,
+                                      pipe_tensor_list **outputs);
 
-/* Stop the workers and free the session. The caller must not destroy a session while a call on
- * it is still running. NULL is ignored. Exclusive. */
+/* An asynchronous call. */
+typedef struct pipe_request pipe_request;
+
+/* Start one call and return without waiting for it (it may wait for room when max_inflight
+ * micro-batches are already in the pipeline). The inputs are copied, so the caller may free them
+ * as soon as this returns. Errors in the inputs (count, batch sizes) are reported here; errors
+ * while running are reported by pipe_request_wait. Thread-safe. */
+PIPE_API pipe_status pipe_session_submit(pipe_session *session, const DLManagedTensor *const *inputs,
+                                         size_t num_inputs, const pipe_run_options *options,
+                                         pipe_request **request);
+
+/* Wait for the call. `timeout_ms` < 0 waits as long as it takes; 0 only checks. Returns
+ * PIPE_ERR_TIMEOUT if it is still running when the time is up (wait again, cancel, or destroy);
+ * otherwise the call's own status, and on PIPE_OK a new `*outputs` list (as pipe_session_run's).
+ * A finished call may be waited for again and gives the same result. Exclusive per request. */
+PIPE_API pipe_status pipe_request_wait(pipe_request *request, int64_t timeout_ms, pipe_tensor_list **outputs);
+
+/* Ask the call to stop: micro-batches not yet run are dropped and it fails with
+ * PIPE_ERR_CANCELLED. A call that already finished keeps its result. Thread-safe. */
+PIPE_API pipe_status pipe_request_cancel(pipe_request *request);
+
+/* Free the request; a call still running is cancelled. It may outlive its session. NULL is
+ * ignored. Exclusive. */
+PIPE_API void pipe_request_destroy(pipe_request *request);
+
+/* Number of stages (and worker threads) of the session. Thread-safe. */
+PIPE_API pipe_status pipe_session_num_stages(const pipe_session *session, size_t *count);
+
+/* What one stage worker has done since the session was created. Start from
+ * PIPE_STAGE_STATS_INIT; the library fills the fields that `struct_size` covers. */
+typedef struct pipe_stage_stats {
+  uint32_t struct_size;
+  uint64_t microbatches; /* micro-batches run (failed ones included) */
+  uint64_t failures;     /* micro-batches whose stage code raised */
+  double busy_ms;        /* time spent running the stage */
+  double idle_ms;        /* time spent waiting for work */
+  uint64_t queue_depth;  /* micro-batches waiting for this stage now */
+} pipe_stage_stats;
+
+#define PIPE_STAGE_STATS_INIT {(uint32_t)sizeof(pipe_stage_stats), 0, 0, 0.0, 0.0, 0}
+
+/* Statistics of stage `stage`. Thread-safe. */
+PIPE_API pipe_status pipe_session_stage_stats(const pipe_session *session, size_t stage, pipe_stage_stats *stats);
+
+/* Record a timeline of every micro-batch each stage runs from now on (clears an earlier one).
+ * Thread-safe. */
+PIPE_API pipe_status pipe_session_trace_start(pipe_session *session);
+
+/* Stop recording and write the timeline to `path` as Chrome trace JSON (the Trace Event Format:
+ * one track per stage, one slice per micro-batch; open it in Perfetto or chrome://tracing).
+ * `path` NULL discards it. Thread-safe. */
+PIPE_API pipe_status pipe_session_trace_stop(pipe_session *session, const char *path);
+
+/* Stop the workers and free the session. Calls still in flight fail with PIPE_ERR_CANCELLED
+ * (their requests stay valid). No pipe_session_run or pipe_session_submit on this session may be
+ * running in another thread. NULL is ignored. Exclusive. */
 PIPE_API void pipe_session_destroy(pipe_session *session);
 
 #ifdef __cplusplus
