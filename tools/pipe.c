@@ -29,7 +29,7 @@ static const char usage_text[] =
     "      output.<key> for dicts). --trace writes a Chrome trace of the run (one track per\n"
     "      stage), viewable in Perfetto.\n"
     "  bench MODEL [SPLIT] --input IN.safetensors [--microbatches M] [--requests R]\n"
-    "      [--concurrency C] [--json]\n"
+    "      [--concurrency C] [--threads-per-stage T] [--json]\n"
     "      Run R requests (default 100) of IN from C threads at once (default 2) after a\n"
     "      warm-up, and report throughput, latency percentiles and each stage's busy fraction.\n"
     "  version\n"
@@ -480,13 +480,14 @@ static int cmd_bench(int argc, char **argv) {
     if (strcmp(a, "--json") == 0) {
       json = 1;
     } else if (strcmp(a, "--input") == 0 || strcmp(a, "--microbatches") == 0 || strcmp(a, "--requests") == 0 ||
-               strcmp(a, "--concurrency") == 0) {
+               strcmp(a, "--concurrency") == 0 || strcmp(a, "--threads-per-stage") == 0) {
       if (i + 1 >= argc) return usage_error("bench: %s needs a value", a);
       const char *v = argv[++i];
       if (strcmp(a, "--input") == 0) in_path = v;
-      else if (parse_int(a, v, strcmp(a, "--microbatches") == 0 ? &options.num_microbatches
-                                 : strcmp(a, "--requests") == 0   ? &requests
-                                                                  : &concurrency) != 0)
+      else if (parse_int(a, v, strcmp(a, "--microbatches") == 0  ? &options.num_microbatches
+                                 : strcmp(a, "--requests") == 0    ? &requests
+                                 : strcmp(a, "--concurrency") == 0 ? &concurrency
+                                                                   : &options.threads_per_stage) != 0)
         return 2;
     } else if (a[0] == '-') {
       return usage_error("bench: unknown option '%s'", a);

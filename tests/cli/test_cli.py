@@ -171,3 +171,45 @@ def test_output_into_missing_directory(tmp_path):
     assert_one_line_error(pipe("run", fixture("example_code.traced.pt"), "--input",
                                fixture("example_code.inputs.safetensors"), "--output",
                                tmp_path / "missing" / "o.safetensors"), "PIPE_ERR_IO")
+
+
+# ---- observability: trace and bench ----
+
+def test_run_writes_a_chrome_trace_with_one_track_per_stage(tmp_path):
+    trace = tmp_path / "trace.json"
+    result = pipe("run", fixture("example_code.traced.pt"), "--input", fixture("example_code.inputs.safetensors"),
+                  "--output", tmp_path / "o.safetensors", "--microbatches", 4, "--trace", trace)
+    assert result.returncode == 0, result.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names == {0: "stage 0", 1: "stage 1", 2: "stage 2", 3: "stage 3"}
+    slices = [e for e in events if e["ph"] == "X"]
+    assert len(slices) == 16  # 4 micro-batches through 4 stages
+    for s in slices:
+        assert s["dur"] > 0 and s["ts"] >= 0
+
+
+def test_bench_reports_throughput_latency_and_busy_fractions():
+    result = pipe("bench", fixture("multi_mlp.traced.pt"), "--input", fixture("multi_mlp.inputs.safetensors"),
+                  "--microbatches", 2, "--requests", 20, "--concurrency", 2, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["requests"] == 20 and report["stages"] == 4 and report["batch"] == 16
+    assert report["samples_per_s"] > 0
+    assert report["samples_per_s"] == pytest.approx(report["requests_per_s"] * 16, rel=1e-3)
+    lat = report["latency_ms"]
+    assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+    assert len(report["stage_busy"]) == 4 and all(0 < b <= 1.0 for b in report["stage_busy"])
+
+
+def test_bench_text_and_errors():
+    result = pipe("bench", fixture("multi_mlp.traced.pt"), "--input", fixture("multi_mlp.inputs.safetensors"),
+                  "--requests", 4)
+    assert result.returncode == 0, result.stderr
+    assert "samples/s" in result.stdout and "stage 3: busy" in result.stdout
+    assert pipe("bench", fixture("multi_mlp.traced.pt"), "--input", fixture("multi_mlp.inputs.safetensors"),
+                "--requests", 0).returncode == 2
+    assert pipe("bench", fixture("multi_mlp.traced.pt")).returncode == 2
+    bad = pipe("bench", fixture("multi_mlp.traced.pt"), "--input", fixture("example_code.inputs.safetensors"),
+               "--threads-per-stage", "-1")
+    assert bad.returncode == 1 and "threads_per_stage" in bad.stderr

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Builds and runs the benchmarks, printing the rows recorded in bench/RESULTS.md.
+# Run after scripts/build.sh (or scripts/demo.sh / scripts/test.sh), on an otherwise idle machine.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
+export PYTHONPATH=$LIBPIPE_ROOT/bindings/python
+cmake --build "$LIBPIPE_BUILD" --target pipe_cli pipeline_bench >/dev/null
+models=$LIBPIPE_BUILD/bench-models
+"$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/bench/make_bench_models.py" "$models"
+bench=$LIBPIPE_BUILD/bench/pipeline_bench
+
+echo "## Scheduler"
+"$bench" overhead "$models/mlp.pt" "$models/mlp.inputs.safetensors"
+"$bench" hop "$models/trivial.pt" "$models/trivial.inputs.safetensors"
+"$bench" throughput "$models/mlp.pt" "$models/mlp.inputs.safetensors" 8 2
+"$bench" throughput "$models/mlp.pt" "$models/mlp.inputs.safetensors" 2 2
+"$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/bench/pytorch_pipelining.py" --microbatches 8 2>/dev/null
+"$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/bench/pytorch_pipelining.py" --microbatches 2 2>/dev/null
+echo
+echo "## Split balance"
+"$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/bench/split_balance.py" "$LIBPIPE_BUILD/pipe" --runs 5
