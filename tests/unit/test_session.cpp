@@ -177,9 +177,10 @@ TEST(Session, CancelStopsACallAndLeavesOthersAlone) {
   EXPECT_EQ(status_of([&] { slow->result({}); }), Status::Cancelled);
   EXPECT_NO_THROW(quick->result({}));
   slow->drain();
-  // The slow call's first micro-batch was running in stage 0 when it was cancelled; the rest
-  // were dropped unrun, and stage 1 ran none of them: only the warm-up's and the quick call's.
-  EXPECT_EQ(session.stats(0).microbatches, 4u + 1u + 4u);
+  // At most the slow call's first micro-batch had started in stage 0 when it was cancelled; the
+  // rest were dropped unrun, and stage 1 ran none of them: only the warm-up's and the quick call's.
+  const uint64_t stage0 = session.stats(0).microbatches;
+  EXPECT_TRUE(stage0 == 4u + 4u || stage0 == 4u + 1u + 4u) << stage0;
   EXPECT_EQ(session.stats(1).microbatches, 4u + 4u);
 }
 
