@@ -320,6 +320,49 @@ done:
   return rc;
 }
 
+/* A model loaded, its inputs read, cut as SPLIT says, and a session started: what run and bench
+ * share. */
+typedef struct {
+  pipe_model *model;
+  pipe_plan *plan;
+  pipe_session *session;
+  pipe_tensor_list *in;
+  const DLManagedTensor **args;
+  size_t num_args;
+} pipeline;
+
+static void close_pipeline(pipeline *p) {
+  free(p->args);
+  pipe_tensor_list_destroy(p->in);
+  pipe_session_destroy(p->session);
+  pipe_plan_destroy(p->plan);
+  pipe_model_destroy(p->model);
+  memset(p, 0, sizeof *p);
+}
+
+/* Returns 0, or 1 after reporting the error (and closing what was opened). */
+static int open_pipeline(pipeline *p, const char *model_path, const char *in_path, const split_args *split,
+                         const pipe_session_options *options) {
+  memset(p, 0, sizeof *p);
+  pipe_status st = pipe_model_load(model_path, &p->model);
+  if (st != PIPE_OK) {
+    fail("cannot load model", st);
+    return 1;
+  }
+  if (read_inputs(p->model, in_path, &p->in, &p->args, &p->num_args) != 0) goto failed;
+  /* Policy time measures the model on the inputs being run. */
+  int timed = split->policy && strcmp(split->policy, "time") == 0;
+  if (make_plan(p->model, split, timed ? p->args : NULL, p->num_args, &p->plan) != 0) goto failed;
+  if ((st = pipe_session_create(p->plan, options, &p->session)) != PIPE_OK) {
+    fail("cannot create session", st);
+    goto failed;
+  }
+  return 0;
+failed:
+  close_pipeline(p);
+  return 1;
+}
+
 static int cmd_run(int argc, char **argv) {
   const char *model_path = NULL, *in_path = NULL, *out_path = NULL, *trace_path = NULL;
   split_args split = {0};
@@ -351,36 +394,21 @@ static int cmd_run(int argc, char **argv) {
   if (check_split_args("run", &split)) return 2;
 
   int rc = 1;
-  pipe_model *model = NULL;
-  pipe_plan *plan = NULL;
-  pipe_session *session = NULL;
-  pipe_tensor_list *in = NULL, *out = NULL;
-  const DLManagedTensor **args = NULL;
-  size_t num_args = 0;
-  pipe_status st = pipe_model_load(model_path, &model);
-  if (st != PIPE_OK) {
-    fail("cannot load model", st);
-    goto done;
-  }
-  if (read_inputs(model, in_path, &in, &args, &num_args) != 0) goto done;
-  /* Policy time measures the model on the inputs being run. */
-  int timed = split.policy && strcmp(split.policy, "time") == 0;
-  if (make_plan(model, &split, timed ? args : NULL, num_args, &plan) != 0) goto done;
-  if ((st = pipe_session_create(plan, &options, &session)) != PIPE_OK) {
-    fail("cannot create session", st);
-    goto done;
-  }
-  if (trace_path && (st = pipe_session_trace_start(session)) != PIPE_OK) {
+  pipeline p;
+  pipe_tensor_list *out = NULL;
+  pipe_status st;
+  if (open_pipeline(&p, model_path, in_path, &split, &options) != 0) return 1;
+  if (trace_path && (st = pipe_session_trace_start(p.session)) != PIPE_OK) {
     fail("cannot start the trace", st);
     goto done;
   }
   double start = now_ms();
-  if ((st = pipe_session_run(session, args, num_args, NULL, &out)) != PIPE_OK) {
+  if ((st = pipe_session_run(p.session, p.args, p.num_args, NULL, &out)) != PIPE_OK) {
     fail("run failed", st);
     goto done;
   }
   double elapsed = now_ms() - start;
-  if (trace_path && (st = pipe_session_trace_stop(session, trace_path)) != PIPE_OK) {
+  if (trace_path && (st = pipe_session_trace_stop(p.session, trace_path)) != PIPE_OK) {
     fail("cannot write the trace", st);
     goto done;
   }
@@ -390,18 +418,14 @@ static int cmd_run(int argc, char **argv) {
   }
   size_t num_outputs = 0, stages = 0;
   pipe_tensor_list_size(out, &num_outputs);
-  pipe_plan_num_stages(plan, &stages);
+  pipe_plan_num_stages(p.plan, &stages);
   printf("pipe: ran %s as %zu stage%s in %.1f ms; wrote %zu output%s to %s\n", model_path, stages,
          stages == 1 ? "" : "s", elapsed, num_outputs, num_outputs == 1 ? "" : "s", out_path);
   rc = 0;
 
 done:
-  free(args);
   pipe_tensor_list_destroy(out);
-  pipe_tensor_list_destroy(in);
-  pipe_session_destroy(session);
-  pipe_plan_destroy(plan);
-  pipe_model_destroy(model);
+  close_pipeline(&p);
   return rc;
 }
 
@@ -504,28 +528,19 @@ static int cmd_bench(int argc, char **argv) {
   if (check_split_args("bench", &split)) return 2;
 
   int rc = 1;
-  pipe_model *model = NULL;
-  pipe_plan *plan = NULL;
-  pipe_session *session = NULL;
-  pipe_tensor_list *in = NULL;
-  const DLManagedTensor **args = NULL;
-  size_t num_args = 0, stages = 0;
+  pipeline p;
+  size_t stages = 0;
   bench_state b;
   memset(&b, 0, sizeof b);
   pthread_mutex_init(&b.lock, NULL);
-  pipe_status st = pipe_model_load(model_path, &model);
-  if (st != PIPE_OK) {
-    fail("cannot load model", st);
-    goto done;
+  if (open_pipeline(&p, model_path, in_path, &split, &options) != 0) {
+    pthread_mutex_destroy(&b.lock);
+    return 1;
   }
-  if (read_inputs(model, in_path, &in, &args, &num_args) != 0) goto done;
-  int timed = split.policy && strcmp(split.policy, "time") == 0;
-  if (make_plan(model, &split, timed ? args : NULL, num_args, &plan) != 0) goto done;
-  if ((st = pipe_session_create(plan, &options, &session)) != PIPE_OK) {
-    fail("cannot create session", st);
-    goto done;
-  }
-  pipe_plan_num_stages(plan, &stages);
+  pipe_session *session = p.session;
+  const DLManagedTensor **args = p.args;
+  size_t num_args = p.num_args;
+  pipe_plan_num_stages(p.plan, &stages);
   int64_t batch = num_args > 0 && args[0]->dl_tensor.ndim > 0 ? args[0]->dl_tensor.shape[0] : 1;
   b.session = session;
   b.args = args;
@@ -580,11 +595,7 @@ static int cmd_bench(int argc, char **argv) {
 done:
   free(b.latency_ms);
   pthread_mutex_destroy(&b.lock);
-  free(args);
-  pipe_tensor_list_destroy(in);
-  pipe_session_destroy(session);
-  pipe_plan_destroy(plan);
-  pipe_model_destroy(model);
+  close_pipeline(&p);
   return rc;
 }
 

@@ -2,36 +2,21 @@
 equal to eager PyTorch, and one clear line on stderr with a non-zero exit for every error."""
 import json
 import os
-import subprocess
 
 import pytest
 import torch
+from conftest import MODELS, assert_one_line_error
+from conftest import run_pipe as pipe
 from safetensors.torch import load_file, save_file
-
-PIPE = os.environ["PIPE_CLI"]
-MODELS = os.environ["PIPE_TEST_MODELS"]
 
 
 def fixture(name):
     return os.path.join(MODELS, name)
 
 
-def pipe(*args):
-    return subprocess.run([PIPE, *map(str, args)], capture_output=True, text=True, timeout=120)
-
-
 def state_dict_keys(stem):
     with open(fixture(f"{stem}.state_dict.txt")) as f:
         return {line.strip() for line in f if line.strip()}
-
-
-def assert_one_line_error(result, *needles):
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("pipe: error: ")
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 SEEDS = [

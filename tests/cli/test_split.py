@@ -3,22 +3,16 @@ equals eager PyTorch, and every way a split can be wrong is refused with a messa
 what to change."""
 import json
 import os
-import subprocess
 
 import pytest
 import torch
+from conftest import MODELS, assert_one_line_error
+from conftest import run_pipe as pipe
 from safetensors.torch import load_file
-
-PIPE = os.environ["PIPE_CLI"]
-MODELS = os.path.join(os.environ["PIPE_TEST_MODELS"], "split")
 
 
 def fixture(name):
-    return os.path.join(MODELS, name)
-
-
-def pipe(*args):
-    return subprocess.run([PIPE, *map(str, args)], capture_output=True, text=True, timeout=300)
+    return os.path.join(MODELS, "split", name)
 
 
 def state_dict_keys(name):
@@ -152,12 +146,7 @@ def test_inspect_lists_the_module_tree():
 
 # ---- validation: one line, non-zero exit, the message says what to change ----
 
-def assert_refused(result, *needles):
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pipe: error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+assert_refused = assert_one_line_error
 
 
 @pytest.mark.parametrize("split,needles", [

@@ -24,15 +24,7 @@ std::string write_raw(const std::string& name, const std::string& header, size_t
   return path;
 }
 
-Status status_of(const std::function<void()>& f, std::string* message = nullptr) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (message) *message = e.what();
-    return e.status();
-  }
-  return Status::Ok;
-}
+using test::status_of;
 
 TEST(Safetensors, RoundTripsDtypesShapesAndOrder) {
   std::vector<NamedTensor> tensors = {

@@ -32,15 +32,7 @@ at::Tensor eager(const Model& model, const std::vector<c10::IValue>& inputs) {
   return const_cast<torch::jit::Module&>(model.module()).forward(inputs).toTensor();
 }
 
-Status status_of(const std::function<void()>& f, std::string* message = nullptr) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (message) *message = e.what();
-    return e.status();
-  }
-  return Status::Ok;
-}
+using test::status_of;
 
 TEST(Session, AThousandRequestsFromEightThreadsAllGetTheirOwnAnswer) {
   auto model = Model::load(test::fixture("multi_mlp.traced.pt"));

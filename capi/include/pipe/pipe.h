@@ -4,9 +4,11 @@
  * The flow is:  pipe_model_load  ->  pipe_plan_create  ->  pipe_session_create  ->  pipe_session_run.
  *
  *   model    a loaded TorchScript archive (torch.jit.trace or torch.jit.script output)
- *   plan     the model cut into stages (today: at pipe::split() markers in the model code)
- *   session  one worker thread per stage; a call is cut into micro-batches along dimension 0 that
- *            stream through the stages, and the outputs are concatenated back along dimension 0
+ *   plan     the model cut into stages: at pipe::split() markers, at module boundaries
+ *            ("layers.3:end"), or into N stages balanced by layers, parameter bytes or time
+ *   session  one worker thread per stage; a call is cut into micro-batches that stream through
+ *            the stages, micro-batches of concurrent calls interleave, and the outputs are put
+ *            back together
  *
  * Rules that hold for every function in this header:
  *   - Every fallible function returns a pipe_status; PIPE_OK (0) is success.
