@@ -52,30 +52,35 @@ PIPE_CHECK_STATUS(PIPE_ERR_DEADLINE_EXCEEDED, DeadlineExceeded);
 static_assert(PIPE_LOG_DEBUG == libpipe::log::Debug && PIPE_LOG_ERROR == libpipe::log::Error,
               "log level mismatch");
 
-struct pipe_model {
+// The opaque handles of pipe.h are never defined: each is the address of one of these objects,
+// cast at the boundary. So the public types stay incomplete everywhere, and the ABI check
+// (abidw reads this file's debug information) sees no C++ behind them.
+namespace libpipe::capi {
+
+struct ModelHandle {
   std::shared_ptr<const libpipe::graph::Model> impl;
   std::vector<libpipe::graph::ModuleInfo> modules;  // computed once; the strings live here
 };
 
-struct pipe_plan_options {
+struct PlanOptionsHandle {
   libpipe::PlanRequest request;
 };
 
-struct pipe_plan {
+struct PlanHandle {
   std::shared_ptr<const libpipe::graph::Plan> impl;
   std::string json;
 };
 
-struct pipe_session {
+struct SessionHandle {
   std::unique_ptr<libpipe::schedule::Session> impl;
 };
 
-struct pipe_request {
+struct RequestHandle {
   std::shared_ptr<libpipe::schedule::Request> impl;
   std::vector<libpipe::chunk::OutputSpec> output_specs;  // the session's, which it may outlive
 };
 
-struct pipe_tensor_list {
+struct TensorListHandle {
   struct Entry {
     std::string name;
     at::Tensor tensor;
@@ -84,11 +89,29 @@ struct pipe_tensor_list {
   };
   std::vector<Entry> entries;
 
-  ~pipe_tensor_list() {
+  ~TensorListHandle() {
     for (auto& e : entries)
       if (e.view && e.view->deleter) e.view->deleter(e.view);
   }
 };
+
+// One pair of casts per handle type: the public pointer and the object behind it.
+#define PIPE_HANDLE(public_type, object_type)                                                         \
+  inline object_type* get(public_type* h) { return reinterpret_cast<object_type*>(h); }              \
+  inline const object_type* get(const public_type* h) { return reinterpret_cast<const object_type*>(h); } \
+  inline public_type* handle(object_type* o) { return reinterpret_cast<public_type*>(o); }
+PIPE_HANDLE(pipe_model, ModelHandle)
+PIPE_HANDLE(pipe_plan_options, PlanOptionsHandle)
+PIPE_HANDLE(pipe_plan, PlanHandle)
+PIPE_HANDLE(pipe_session, SessionHandle)
+PIPE_HANDLE(pipe_request, RequestHandle)
+PIPE_HANDLE(pipe_tensor_list, TensorListHandle)
+#undef PIPE_HANDLE
+
+}  // namespace libpipe::capi
+
+using libpipe::capi::get;
+using libpipe::capi::handle;
 
 namespace {
 
@@ -140,26 +163,26 @@ void require_index(size_t index, size_t size, const char* function, const char* 
                                              std::to_string(size) + ")");
 }
 
-pipe_tensor_list::Entry& live_entry(pipe_tensor_list* list, size_t index, const char* function) {
-  require_index(index, list->entries.size(), function, "index");
-  auto& e = list->entries[index];
+libpipe::capi::TensorListHandle::Entry& live_entry(pipe_tensor_list* list, size_t index, const char* function) {
+  require_index(index, get(list)->entries.size(), function, "index");
+  auto& e = get(list)->entries[index];
   if (e.taken)
     throw Error(Status::InvalidArgument, std::string(function) + ": entry '" + e.name +
                                              "' was already taken out of the list");
   return e;
 }
 
-std::unique_ptr<pipe_tensor_list> make_list(std::vector<libpipe::NamedTensor> tensors) {
-  auto list = std::make_unique<pipe_tensor_list>();
+pipe_tensor_list* make_list(std::vector<libpipe::NamedTensor> tensors) {
+  auto list = std::make_unique<libpipe::capi::TensorListHandle>();
   for (auto& t : tensors) list->entries.push_back({std::move(t.name), std::move(t.tensor)});
-  return list;
+  return handle(list.release());
 }
 
 const std::vector<std::string>& stage_names(const pipe_plan* plan, size_t stage, int32_t kind,
                                             const char* function) {
   require(plan, function, "plan");
-  require_index(stage, plan->impl->num_stages(), function, "stage");
-  const auto& sp = plan->impl->stage(stage);
+  require_index(stage, get(plan)->impl->num_stages(), function, "stage");
+  const auto& sp = get(plan)->impl->stage(stage);
   if (kind == PIPE_NAMES_PARAMETERS) return sp.parameters;
   if (kind == PIPE_NAMES_BUFFERS) return sp.buffers;
   throw Error(Status::InvalidArgument, std::string(function) + ": kind " + std::to_string(kind) +
@@ -280,7 +303,7 @@ pipe_status pipe_tensor_list_size(const pipe_tensor_list* list, size_t* size) {
   return guarded(__func__, [&](const char* fn) {
     require(list, fn, "list");
     require(size, fn, "size");
-    *size = list->entries.size();
+    *size = get(list)->entries.size();
   });
 }
 
@@ -288,8 +311,8 @@ pipe_status pipe_tensor_list_name(const pipe_tensor_list* list, size_t index, co
   return guarded(__func__, [&](const char* fn) {
     require(list, fn, "list");
     require(name, fn, "name");
-    require_index(index, list->entries.size(), fn, "index");
-    *name = list->entries[index].name.c_str();
+    require_index(index, get(list)->entries.size(), fn, "index");
+    *name = get(list)->entries[index].name.c_str();
   });
 }
 
@@ -298,8 +321,8 @@ pipe_status pipe_tensor_list_find(const pipe_tensor_list* list, const char* name
     require(list, fn, "list");
     require(name, fn, "name");
     require(index, fn, "index");
-    for (size_t i = 0; i < list->entries.size(); ++i)
-      if (list->entries[i].name == name) {
+    for (size_t i = 0; i < get(list)->entries.size(); ++i)
+      if (get(list)->entries[i].name == name) {
         *index = i;
         return;
       }
@@ -331,7 +354,7 @@ pipe_status pipe_tensor_list_take(pipe_tensor_list* list, size_t index, DLManage
   });
 }
 
-void pipe_tensor_list_destroy(pipe_tensor_list* list) { delete list; }
+void pipe_tensor_list_destroy(pipe_tensor_list* list) { delete get(list); }
 
 /* ---- safetensors ---- */
 
@@ -339,7 +362,7 @@ pipe_status pipe_safetensors_read(const char* path, pipe_tensor_list** list) {
   return guarded(__func__, [&](const char* fn) {
     require(path, fn, "path");
     require(list, fn, "list");
-    *list = make_list(libpipe::io::read_safetensors(path)).release();
+    *list = make_list(libpipe::io::read_safetensors(path));
   });
 }
 
@@ -348,7 +371,7 @@ pipe_status pipe_safetensors_write(const pipe_tensor_list* list, const char* pat
     require(list, fn, "list");
     require(path, fn, "path");
     std::vector<libpipe::NamedTensor> tensors;
-    for (const auto& e : list->entries) {
+    for (const auto& e : get(list)->entries) {
       if (e.taken)
         throw Error(Status::InvalidArgument, std::string(fn) + ": entry '" + e.name +
                                                  "' was taken out of the list and cannot be written");
@@ -364,10 +387,10 @@ pipe_status pipe_model_load(const char* path, pipe_model** model) {
   return guarded(__func__, [&](const char* fn) {
     require(path, fn, "path");
     require(model, fn, "model");
-    auto m = std::make_unique<pipe_model>();
+    auto m = std::make_unique<libpipe::capi::ModelHandle>();
     m->impl = libpipe::graph::Model::load(path);
     m->modules = m->impl->modules();
-    *model = m.release();
+    *model = handle(m.release());
   });
 }
 
@@ -375,7 +398,7 @@ pipe_status pipe_model_num_inputs(const pipe_model* model, size_t* count) {
   return guarded(__func__, [&](const char* fn) {
     require(model, fn, "model");
     require(count, fn, "count");
-    *count = model->impl->input_names().size();
+    *count = get(model)->impl->input_names().size();
   });
 }
 
@@ -383,7 +406,7 @@ pipe_status pipe_model_input_name(const pipe_model* model, size_t index, const c
   return guarded(__func__, [&](const char* fn) {
     require(model, fn, "model");
     require(name, fn, "name");
-    const auto& names = model->impl->input_names();
+    const auto& names = get(model)->impl->input_names();
     require_index(index, names.size(), fn, "input");
     *name = names[index].c_str();
   });
@@ -393,7 +416,7 @@ pipe_status pipe_model_num_modules(const pipe_model* model, size_t* count) {
   return guarded(__func__, [&](const char* fn) {
     require(model, fn, "model");
     require(count, fn, "count");
-    *count = model->modules.size();
+    *count = get(model)->modules.size();
   });
 }
 
@@ -401,8 +424,8 @@ pipe_status pipe_model_module(const pipe_model* model, size_t index, const char*
                               int32_t* depth, uint64_t* num_params, uint64_t* param_bytes) {
   return guarded(__func__, [&](const char* fn) {
     require(model, fn, "model");
-    require_index(index, model->modules.size(), fn, "module");
-    const auto& m = model->modules[index];
+    require_index(index, get(model)->modules.size(), fn, "module");
+    const auto& m = get(model)->modules[index];
     if (path) *path = m.path.c_str();
     if (type_name) *type_name = m.type.c_str();
     if (depth) *depth = m.depth;
@@ -411,25 +434,25 @@ pipe_status pipe_model_module(const pipe_model* model, size_t index, const char*
   });
 }
 
-void pipe_model_destroy(pipe_model* model) { delete model; }
+void pipe_model_destroy(pipe_model* model) { delete get(model); }
 
 /* ---- plan ---- */
 
 pipe_status pipe_plan_options_create(pipe_plan_options** options) {
   return guarded(__func__, [&](const char* fn) {
     require(options, fn, "options");
-    *options = new pipe_plan_options();
+    *options = handle(new libpipe::capi::PlanOptionsHandle());
   });
 }
 
-void pipe_plan_options_destroy(pipe_plan_options* options) { delete options; }
+void pipe_plan_options_destroy(pipe_plan_options* options) { delete get(options); }
 
 pipe_status pipe_plan_options_add_split_point(pipe_plan_options* options, const char* split_point) {
   return guarded(__func__, [&](const char* fn) {
     require(options, fn, "options");
     require(split_point, fn, "split_point");
     libpipe::graph::parse_split_point(split_point);  // syntax errors now, unknown modules at plan time
-    options->request.split_points.emplace_back(split_point);
+    get(options)->request.split_points.emplace_back(split_point);
   });
 }
 
@@ -441,8 +464,8 @@ pipe_status pipe_plan_options_set_stages(pipe_plan_options* options, int32_t num
     probe.num_stages = num_stages;
     probe.policy = policy;
     libpipe::validate_stage_request(probe);
-    options->request.num_stages = num_stages;
-    options->request.policy = policy;
+    get(options)->request.num_stages = num_stages;
+    get(options)->request.policy = policy;
   });
 }
 
@@ -457,7 +480,7 @@ pipe_status pipe_plan_options_set_example_inputs(pipe_plan_options* options, con
         throw Error(Status::InvalidArgument, std::string(fn) + ": inputs[" + std::to_string(i) + "] is NULL");
       copies.emplace_back(libpipe::capi::tensor_from_borrowed_dlpack(inputs[i]).clone());
     }
-    options->request.example_inputs = std::move(copies);
+    get(options)->request.example_inputs = std::move(copies);
   });
 }
 
@@ -465,10 +488,10 @@ pipe_status pipe_plan_create(const pipe_model* model, const pipe_plan_options* o
   return guarded(__func__, [&](const char* fn) {
     require(model, fn, "model");
     require(plan, fn, "plan");
-    auto p = std::make_unique<pipe_plan>();
-    p->impl = libpipe::make_plan(model->impl, options ? options->request : libpipe::PlanRequest{});
+    auto p = std::make_unique<libpipe::capi::PlanHandle>();
+    p->impl = libpipe::make_plan(get(model)->impl, options ? get(options)->request : libpipe::PlanRequest{});
     p->json = p->impl->describe_json();
-    *plan = p.release();
+    *plan = handle(p.release());
   });
 }
 
@@ -476,7 +499,7 @@ pipe_status pipe_plan_num_stages(const pipe_plan* plan, size_t* count) {
   return guarded(__func__, [&](const char* fn) {
     require(plan, fn, "plan");
     require(count, fn, "count");
-    *count = plan->impl->num_stages();
+    *count = get(plan)->impl->num_stages();
   });
 }
 
@@ -502,8 +525,8 @@ pipe_status pipe_plan_stage_param_bytes(const pipe_plan* plan, size_t stage, uin
   return guarded(__func__, [&](const char* fn) {
     require(plan, fn, "plan");
     require(bytes, fn, "bytes");
-    require_index(stage, plan->impl->num_stages(), fn, "stage");
-    *bytes = plan->impl->stage(stage).param_bytes;
+    require_index(stage, get(plan)->impl->num_stages(), fn, "stage");
+    *bytes = get(plan)->impl->stage(stage).param_bytes;
   });
 }
 
@@ -511,8 +534,8 @@ pipe_status pipe_plan_stage_estimated_ms(const pipe_plan* plan, size_t stage, do
   return guarded(__func__, [&](const char* fn) {
     require(plan, fn, "plan");
     require(ms, fn, "ms");
-    require_index(stage, plan->impl->num_stages(), fn, "stage");
-    *ms = plan->impl->stage(stage).estimated_ms;
+    require_index(stage, get(plan)->impl->num_stages(), fn, "stage");
+    *ms = get(plan)->impl->stage(stage).estimated_ms;
   });
 }
 
@@ -520,8 +543,8 @@ pipe_status pipe_plan_save_stage(const pipe_plan* plan, size_t stage, const char
   return guarded(__func__, [&](const char* fn) {
     require(plan, fn, "plan");
     require(path, fn, "path");
-    require_index(stage, plan->impl->num_stages(), fn, "stage");
-    auto module = libpipe::stage::build_stage_module(*plan->impl, stage);
+    require_index(stage, get(plan)->impl->num_stages(), fn, "stage");
+    auto module = libpipe::stage::build_stage_module(*get(plan)->impl, stage);
     try {
       module.save(path);
     } catch (const c10::Error& e) {
@@ -534,11 +557,11 @@ pipe_status pipe_plan_describe(const pipe_plan* plan, const char** json) {
   return guarded(__func__, [&](const char* fn) {
     require(plan, fn, "plan");
     require(json, fn, "json");
-    *json = plan->json.c_str();
+    *json = get(plan)->json.c_str();
   });
 }
 
-void pipe_plan_destroy(pipe_plan* plan) { delete plan; }
+void pipe_plan_destroy(pipe_plan* plan) { delete get(plan); }
 
 /* ---- session ---- */
 
@@ -570,9 +593,9 @@ pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_option
         opts.output_specs.push_back(output_spec(o->output_specs[i], i, fn));
     }
 #undef PIPE_HAS
-    auto s = std::make_unique<pipe_session>();
-    s->impl = std::make_unique<libpipe::schedule::Session>(plan->impl, std::move(opts));
-    *session = s.release();
+    auto s = std::make_unique<libpipe::capi::SessionHandle>();
+    s->impl = std::make_unique<libpipe::schedule::Session>(get(plan)->impl, std::move(opts));
+    *session = handle(s.release());
   });
 }
 
@@ -582,7 +605,7 @@ pipe_status pipe_session_run(pipe_session* session, const DLManagedTensor* const
     require(session, fn, "session");
     require(outputs, fn, "outputs");
     auto args = borrow_inputs(inputs, num_inputs, fn);
-    *outputs = make_list(session->impl->run(args, run_options(options, fn))).release();
+    *outputs = make_list(get(session)->impl->run(args, run_options(options, fn)));
   });
 }
 
@@ -594,10 +617,10 @@ pipe_status pipe_session_submit(pipe_session* session, const DLManagedTensor* co
     auto args = borrow_inputs(inputs, num_inputs, fn);
     // The call outlives this function, the caller's tensors may not: it runs on copies.
     for (auto& a : args) a = a.toTensor().clone();
-    auto r = std::make_unique<pipe_request>();
-    r->output_specs = session->impl->options().output_specs;
-    r->impl = session->impl->submit(args, run_options(options, fn));
-    *request = r.release();
+    auto r = std::make_unique<libpipe::capi::RequestHandle>();
+    r->output_specs = get(session)->impl->options().output_specs;
+    r->impl = get(session)->impl->submit(args, run_options(options, fn));
+    *request = handle(r.release());
   });
 }
 
@@ -607,31 +630,31 @@ pipe_status pipe_request_wait(pipe_request* request, int64_t timeout_ms, pipe_te
     require(outputs, fn, "outputs");
     const auto until = timeout_ms < 0 ? libpipe::schedule::Clock::time_point::max()
                                       : libpipe::schedule::Clock::now() + std::chrono::milliseconds(timeout_ms);
-    if (!request->impl->wait_until(until))
+    if (!get(request)->impl->wait_until(until))
       throw Error(Status::Timeout, std::string(fn) + ": the call is still running after " +
                                        std::to_string(timeout_ms) + " ms; wait again, or cancel it");
-    *outputs = make_list(request->impl->result(request->output_specs)).release();
+    *outputs = make_list(get(request)->impl->result(get(request)->output_specs));
   });
 }
 
 pipe_status pipe_request_cancel(pipe_request* request) {
   return guarded(__func__, [&](const char* fn) {
     require(request, fn, "request");
-    request->impl->cancel();
+    get(request)->impl->cancel();
   });
 }
 
 void pipe_request_destroy(pipe_request* request) {
   if (!request) return;
-  request->impl->cancel();  // no-op for a finished call; the workers drop what is left
-  delete request;
+  get(request)->impl->cancel();  // no-op for a finished call; the workers drop what is left
+  delete get(request);
 }
 
 pipe_status pipe_session_num_stages(const pipe_session* session, size_t* count) {
   return guarded(__func__, [&](const char* fn) {
     require(session, fn, "session");
     require(count, fn, "count");
-    *count = session->impl->num_stages();
+    *count = get(session)->impl->num_stages();
   });
 }
 
@@ -639,12 +662,12 @@ pipe_status pipe_session_stage_stats(const pipe_session* session, size_t stage, 
   return guarded(__func__, [&](const char* fn) {
     require(session, fn, "session");
     require(stats, fn, "stats");
-    require_index(stage, session->impl->num_stages(), fn, "stage");
+    require_index(stage, get(session)->impl->num_stages(), fn, "stage");
     if (stats->struct_size < sizeof(uint32_t))
       throw Error(Status::InvalidArgument, std::string(fn) + ": stats->struct_size is " +
                                                std::to_string(stats->struct_size) +
                                                "; initialise it with PIPE_STAGE_STATS_INIT");
-    const auto st = session->impl->stats(stage);
+    const auto st = get(session)->impl->stats(stage);
     pipe_stage_stats full = PIPE_STAGE_STATS_INIT;
     full.microbatches = st.microbatches;
     full.failures = st.failures;
@@ -661,14 +684,14 @@ pipe_status pipe_session_stage_stats(const pipe_session* session, size_t stage, 
 pipe_status pipe_session_trace_start(pipe_session* session) {
   return guarded(__func__, [&](const char* fn) {
     require(session, fn, "session");
-    session->impl->start_trace();
+    get(session)->impl->start_trace();
   });
 }
 
 pipe_status pipe_session_trace_stop(pipe_session* session, const char* path) {
   return guarded(__func__, [&](const char* fn) {
     require(session, fn, "session");
-    const std::string json = session->impl->stop_trace();
+    const std::string json = get(session)->impl->stop_trace();
     if (!path) return;
     const std::string tmp = std::string(path) + ".tmp";
     {
@@ -682,6 +705,6 @@ pipe_status pipe_session_trace_stop(pipe_session* session, const char* path) {
   });
 }
 
-void pipe_session_destroy(pipe_session* session) { delete session; }
+void pipe_session_destroy(pipe_session* session) { delete get(session); }
 
 }  // extern "C"

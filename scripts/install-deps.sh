@@ -10,6 +10,7 @@ apt_packages=(
   python3 python3-venv                           # the virtualenv (when no other python3 is on PATH)
   libdlpack-dev nlohmann-json3-dev               # public DLPack header; JSON for plans and safetensors
   libcmocka-dev libgtest-dev                     # conformance (C) and unit (C++) tests
+  abigail-tools binutils xz-utils                # ABI check (abidw/abidiff), export check (nm, objdump)
 )
 missing=()
 for pkg in "${apt_packages[@]}"; do

@@ -14,6 +14,41 @@
 
 #include <pipe/pipe.h>
 
+/* ---- the ABI's layout, frozen: a change here is an ABI break (see README) ------------------- */
+
+_Static_assert(PIPE_OK == 0 && PIPE_ERR_INVALID_ARGUMENT == 1 && PIPE_ERR_NOT_FOUND == 2 &&
+                   PIPE_ERR_INVALID_FORMAT == 3 && PIPE_ERR_SPLIT == 4 && PIPE_ERR_INPUT == 5 &&
+                   PIPE_ERR_EXECUTION == 6 && PIPE_ERR_IO == 7 && PIPE_ERR_OUT_OF_MEMORY == 8 &&
+                   PIPE_ERR_UNSUPPORTED == 9 && PIPE_ERR_INTERNAL == 10 && PIPE_ERR_TIMEOUT == 11 &&
+                   PIPE_ERR_CANCELLED == 12 && PIPE_ERR_DEADLINE_EXCEEDED == 13,
+               "status codes");
+_Static_assert(sizeof(pipe_status) == 4, "pipe_status is int32_t");
+_Static_assert(PIPE_LOG_DEBUG == 0 && PIPE_LOG_INFO == 1 && PIPE_LOG_WARNING == 2 && PIPE_LOG_ERROR == 3, "log");
+_Static_assert(PIPE_NAMES_PARAMETERS == 0 && PIPE_NAMES_BUFFERS == 1, "names");
+_Static_assert(PIPE_CHUNK_DEFAULT == 0 && PIPE_CHUNK_SPLIT == 1 && PIPE_CHUNK_REPLICATE == 2 &&
+                   PIPE_CHUNK_CONCAT == 3 && PIPE_CHUNK_SUM == 4 && PIPE_CHUNK_EQUAL == 5,
+               "chunk kinds");
+_Static_assert(sizeof(pipe_chunk_spec) == 8 && offsetof(pipe_chunk_spec, kind) == 0 &&
+                   offsetof(pipe_chunk_spec, dim) == 4,
+               "pipe_chunk_spec");
+_Static_assert(sizeof(pipe_session_options) == 48 && offsetof(pipe_session_options, struct_size) == 0 &&
+                   offsetof(pipe_session_options, num_microbatches) == 4 &&
+                   offsetof(pipe_session_options, threads_per_stage) == 8 &&
+                   offsetof(pipe_session_options, max_inflight) == 12 &&
+                   offsetof(pipe_session_options, input_specs) == 16 &&
+                   offsetof(pipe_session_options, num_input_specs) == 24 &&
+                   offsetof(pipe_session_options, output_specs) == 32 &&
+                   offsetof(pipe_session_options, num_output_specs) == 40,
+               "pipe_session_options");
+_Static_assert(sizeof(pipe_run_options) == 16 && offsetof(pipe_run_options, struct_size) == 0 &&
+                   offsetof(pipe_run_options, timeout_ms) == 8,
+               "pipe_run_options");
+_Static_assert(sizeof(pipe_stage_stats) == 48 && offsetof(pipe_stage_stats, struct_size) == 0 &&
+                   offsetof(pipe_stage_stats, microbatches) == 8 && offsetof(pipe_stage_stats, failures) == 16 &&
+                   offsetof(pipe_stage_stats, busy_ms) == 24 && offsetof(pipe_stage_stats, idle_ms) == 32 &&
+                   offsetof(pipe_stage_stats, queue_depth) == 40,
+               "pipe_stage_stats");
+
 static const char *models_dir(void) {
   const char *dir = getenv("PIPE_TEST_MODELS");
   return dir ? dir : ".";
@@ -533,6 +568,80 @@ static void last_error_is_per_thread(void **state) {
   assert_string_equal(pipe_last_error(), "");
 }
 
+/* The NULL checks the other tests do not reach: each returns INVALID_ARGUMENT with a message and
+ * writes nothing. */
+static void remaining_null_arguments(void **state) {
+  (void)state;
+  loaded l;
+  load_fixture(&l, "example_code.traced.pt", "example_code");
+  const char *str = NULL;
+  size_t n = 0;
+  uint64_t u = 0;
+  double d = 0;
+  const DLManagedTensor *borrowed = NULL;
+  DLManagedTensor *owned = NULL;
+  ASSERT_FAILS(pipe_tensor_list_name(NULL, 0, &str), PIPE_ERR_INVALID_ARGUMENT, "list is NULL");
+  ASSERT_FAILS(pipe_tensor_list_name(l.inputs, 0, NULL), PIPE_ERR_INVALID_ARGUMENT, "name is NULL");
+  ASSERT_FAILS(pipe_tensor_list_name(l.inputs, 9, &str), PIPE_ERR_INVALID_ARGUMENT, "out of range");
+  ASSERT_FAILS(pipe_tensor_list_find(l.inputs, NULL, &n), PIPE_ERR_INVALID_ARGUMENT, "name is NULL");
+  ASSERT_FAILS(pipe_tensor_list_find(l.inputs, "x", NULL), PIPE_ERR_INVALID_ARGUMENT, "index is NULL");
+  ASSERT_FAILS(pipe_tensor_list_get(NULL, 0, &borrowed), PIPE_ERR_INVALID_ARGUMENT, "list is NULL");
+  ASSERT_FAILS(pipe_tensor_list_get(l.inputs, 0, NULL), PIPE_ERR_INVALID_ARGUMENT, "tensor is NULL");
+  ASSERT_FAILS(pipe_tensor_list_get(l.inputs, 5, &borrowed), PIPE_ERR_INVALID_ARGUMENT, "out of range");
+  ASSERT_FAILS(pipe_tensor_list_take(NULL, 0, &owned), PIPE_ERR_INVALID_ARGUMENT, "list is NULL");
+  ASSERT_FAILS(pipe_tensor_list_take(l.inputs, 0, NULL), PIPE_ERR_INVALID_ARGUMENT, "tensor is NULL");
+  ASSERT_FAILS(pipe_safetensors_write(NULL, "/tmp/x.safetensors"), PIPE_ERR_INVALID_ARGUMENT, "list is NULL");
+  ASSERT_FAILS(pipe_safetensors_write(l.inputs, NULL), PIPE_ERR_INVALID_ARGUMENT, "path is NULL");
+  ASSERT_FAILS(pipe_safetensors_read("/tmp/x.safetensors", NULL), PIPE_ERR_INVALID_ARGUMENT, "list is NULL");
+  ASSERT_FAILS(pipe_model_num_modules(NULL, &n), PIPE_ERR_INVALID_ARGUMENT, "model is NULL");
+  ASSERT_FAILS(pipe_model_num_modules(l.model, NULL), PIPE_ERR_INVALID_ARGUMENT, "count is NULL");
+  ASSERT_FAILS(pipe_model_module(NULL, 0, &str, NULL, NULL, NULL, NULL), PIPE_ERR_INVALID_ARGUMENT, "model is NULL");
+  ASSERT_FAILS(pipe_plan_num_stages(l.plan, NULL), PIPE_ERR_INVALID_ARGUMENT, "count is NULL");
+  ASSERT_FAILS(pipe_plan_stage_count_names(NULL, 0, PIPE_NAMES_PARAMETERS, &n), PIPE_ERR_INVALID_ARGUMENT,
+               "plan is NULL");
+  ASSERT_FAILS(pipe_plan_stage_count_names(l.plan, 0, PIPE_NAMES_PARAMETERS, NULL), PIPE_ERR_INVALID_ARGUMENT,
+               "count is NULL");
+  ASSERT_FAILS(pipe_plan_stage_name(l.plan, 0, PIPE_NAMES_PARAMETERS, 0, NULL), PIPE_ERR_INVALID_ARGUMENT,
+               "name is NULL");
+  ASSERT_FAILS(pipe_plan_stage_name(l.plan, 0, PIPE_NAMES_PARAMETERS, 99, &str), PIPE_ERR_INVALID_ARGUMENT,
+               "index 99 is out of range");
+  ASSERT_FAILS(pipe_plan_stage_param_bytes(NULL, 0, &u), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
+  ASSERT_FAILS(pipe_plan_stage_param_bytes(l.plan, 0, NULL), PIPE_ERR_INVALID_ARGUMENT, "bytes is NULL");
+  ASSERT_FAILS(pipe_plan_stage_param_bytes(l.plan, 4, &u), PIPE_ERR_INVALID_ARGUMENT, "stage 4 is out of range");
+  ASSERT_FAILS(pipe_plan_stage_estimated_ms(NULL, 0, &d), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
+  ASSERT_FAILS(pipe_plan_stage_estimated_ms(l.plan, 0, NULL), PIPE_ERR_INVALID_ARGUMENT, "ms is NULL");
+  ASSERT_FAILS(pipe_plan_describe(NULL, &str), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
+  ASSERT_FAILS(pipe_plan_save_stage(NULL, 0, "/tmp/s.pt"), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
+  ASSERT_FAILS(pipe_plan_save_stage(l.plan, 0, NULL), PIPE_ERR_INVALID_ARGUMENT, "path is NULL");
+  ASSERT_FAILS(pipe_plan_options_set_stages(NULL, 2, "uniform"), PIPE_ERR_INVALID_ARGUMENT, "options is NULL");
+  ASSERT_FAILS(pipe_plan_options_set_example_inputs(NULL, l.args, 2), PIPE_ERR_INVALID_ARGUMENT, "options is NULL");
+  pipe_plan_options *o = NULL;
+  ASSERT_OK(pipe_plan_options_create(&o));
+  ASSERT_FAILS(pipe_plan_options_set_example_inputs(o, NULL, 2), PIPE_ERR_INVALID_ARGUMENT, "inputs is NULL");
+  const DLManagedTensor *with_null[2] = {l.args[0], NULL};
+  ASSERT_FAILS(pipe_plan_options_set_example_inputs(o, with_null, 2), PIPE_ERR_INVALID_ARGUMENT, "inputs[1] is NULL");
+  pipe_plan_options_destroy(o);
+  pipe_session *session = NULL;
+  pipe_request *request = NULL;
+  pipe_stage_stats st = PIPE_STAGE_STATS_INIT;
+  ASSERT_OK(pipe_session_create(l.plan, NULL, &session));
+  ASSERT_FAILS(pipe_session_submit(NULL, l.args, 2, NULL, &request), PIPE_ERR_INVALID_ARGUMENT, "session is NULL");
+  ASSERT_FAILS(pipe_session_submit(session, l.args, 2, NULL, NULL), PIPE_ERR_INVALID_ARGUMENT, "request is NULL");
+  ASSERT_FAILS(pipe_session_submit(session, NULL, 2, NULL, &request), PIPE_ERR_INVALID_ARGUMENT, "inputs is NULL");
+  ASSERT_FAILS(pipe_session_num_stages(NULL, &n), PIPE_ERR_INVALID_ARGUMENT, "session is NULL");
+  ASSERT_FAILS(pipe_session_num_stages(session, NULL), PIPE_ERR_INVALID_ARGUMENT, "count is NULL");
+  ASSERT_FAILS(pipe_session_stage_stats(NULL, 0, &st), PIPE_ERR_INVALID_ARGUMENT, "session is NULL");
+  ASSERT_FAILS(pipe_session_stage_stats(session, 0, NULL), PIPE_ERR_INVALID_ARGUMENT, "stats is NULL");
+  ASSERT_FAILS(pipe_session_trace_start(NULL), PIPE_ERR_INVALID_ARGUMENT, "session is NULL");
+  ASSERT_FAILS(pipe_session_trace_stop(NULL, NULL), PIPE_ERR_INVALID_ARGUMENT, "session is NULL");
+  ASSERT_OK(pipe_session_trace_stop(session, NULL)); /* stopping without a trace: nothing to write */
+  assert_null(request);
+  assert_null(borrowed);
+  assert_null(owned);
+  pipe_session_destroy(session);
+  unload(&l);
+}
+
 /* ---- plans from options ------------------------------------------------------------------ */
 
 static pipe_model *load_split_model(const char *name) {
@@ -908,6 +1017,7 @@ int main(void) {
       cmocka_unit_test(submit_wait_cancel),
       cmocka_unit_test(deadlines),
       cmocka_unit_test(specs_stats_and_trace),
+      cmocka_unit_test(remaining_null_arguments),
   };
   return cmocka_run_group_tests_name("capi", tests, NULL, NULL);
 }

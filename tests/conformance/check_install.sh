@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs libpipe into a temporary prefix and uses it the ways consumers do: the header alone
+# as C99, C11 and C++17 with -Wall -Wextra -Werror -pedantic; a C program built with
+# `pkg-config --cflags --libs libpipe`; a CMake project with find_package(pipe); dlopen + dlsym.
+# Both programs run the demo model and check it against PyTorch's output.
+#   check_install.sh BUILD_DIR SOURCE_DIR DEMO_DIR CC CXX
+set -euo pipefail
+build=$1 src=$2 demo=$3 cc=$4 cxx=$5
+prefix=$(mktemp -d)
+trap 'rm -rf "$prefix"' EXIT
+cmake --install "$build" --prefix "$prefix" >/dev/null
+
+major=$(grep -E '^#define PIPE_VERSION_MAJOR' "$src/capi/include/pipe/pipe.h" | awk '{print $3}')
+for f in include/pipe/pipe.h lib/libpipe.so "lib/libpipe.so.$major" lib/pkgconfig/libpipe.pc \
+         lib/cmake/pipe/pipeConfig.cmake lib/cmake/pipe/pipeConfigVersion.cmake bin/pipe; do
+  [ -e "$prefix/$f" ] || { echo "missing from the install: $f"; exit 1; }
+done
+[ -L "$prefix/lib/libpipe.so" ] || { echo "lib/libpipe.so should be a symlink"; exit 1; }
+
+echo '#include <pipe/pipe.h>' > "$prefix/header.c"
+for std in c99 c11; do
+  "$cc" -std=$std -Wall -Wextra -Werror -pedantic -I"$prefix/include" -fsyntax-only "$prefix/header.c"
+done
+cp "$prefix/header.c" "$prefix/header.cpp"
+"$cxx" -std=c++17 -Wall -Wextra -Werror -pedantic -I"$prefix/include" -fsyntax-only "$prefix/header.cpp"
+echo "header compiles alone as C99, C11 and C++17"
+
+export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
+# shellcheck disable=SC2046
+"$cc" -std=c11 -o "$prefix/pc_example" "$src/examples/c/main.c" $(pkg-config --cflags --libs libpipe) -lm
+LD_LIBRARY_PATH=$prefix/lib "$prefix/pc_example" "$demo/demo.pt" "$demo/demo.inputs.safetensors" "$demo/demo.expected.safetensors"
+
+cmake -S "$src/tests/conformance/consumer" -B "$prefix/consumer" -DCMAKE_PREFIX_PATH="$prefix" \
+  -DCMAKE_C_COMPILER="$cc" -DEXAMPLE_SOURCE="$src/examples/c/main.c" >/dev/null
+cmake --build "$prefix/consumer" >/dev/null
+"$prefix/consumer/consumer" "$demo/demo.pt" "$demo/demo.inputs.safetensors" "$demo/demo.expected.safetensors"
+
+"$cc" -std=c11 -o "$prefix/dlopen_version" "$src/tests/conformance/dlopen_version.c" -I"$prefix/include" -ldl
+"$prefix/dlopen_version" "$prefix/lib/libpipe.so.$major"
+echo "install checks passed"
