@@ -25,6 +25,7 @@
 #include "runtime/planner.h"
 #include "runtime/schedule/session.h"
 #include "runtime/stage/stage_module.h"
+#include "runtime/stage/weights.h"
 
 // The DLPack layout the bridge assumes (see capi/dlpack_bridge.h).
 static_assert(sizeof(DLTensor) == 48 && offsetof(DLTensor, shape) == 24 &&
@@ -221,6 +222,35 @@ libpipe::chunk::OutputSpec output_spec(const pipe_chunk_spec& c, size_t index, c
                                                "PIPE_CHUNK_EQUAL");
   }
   return spec;
+}
+
+libpipe::stage::StageOptions stage_options(const pipe_stage_options* o, const char* function) {
+  libpipe::stage::StageOptions opts;
+  if (!o) return opts;
+  if (o->struct_size < sizeof(uint32_t))
+    throw Error(Status::InvalidArgument, std::string(function) + ": stage options struct_size is " +
+                                             std::to_string(o->struct_size) +
+                                             "; initialise them with PIPE_STAGE_OPTIONS_INIT");
+#define PIPE_HAS(field) (o->struct_size >= offsetof(pipe_stage_options, field) + sizeof(o->field))
+  if (PIPE_HAS(dtype)) {
+    switch (o->dtype) {
+      case PIPE_DTYPE_KEEP: break;
+      case PIPE_DTYPE_FLOAT32: opts.dtype = at::kFloat; break;
+      case PIPE_DTYPE_FLOAT16: opts.dtype = at::kHalf; break;
+      case PIPE_DTYPE_BFLOAT16: opts.dtype = at::kBFloat16; break;
+      default:
+        throw Error(Status::InvalidArgument, std::string(function) + ": stage options dtype " +
+                                                 std::to_string(o->dtype) + " is not a PIPE_DTYPE_* value");
+    }
+  }
+  if (PIPE_HAS(weights) && o->weights) opts.weights = o->weights;
+  if (PIPE_HAS(progress_user_data) && o->progress) {
+    auto fn = o->progress;
+    void* user = o->progress_user_data;
+    opts.progress = [fn, user](size_t stage, uint64_t done, uint64_t total) { fn(user, stage, done, total); };
+  }
+#undef PIPE_HAS
+  return opts;
 }
 
 libpipe::schedule::RunOptions run_options(const pipe_run_options* o, const char* function) {
@@ -539,12 +569,16 @@ pipe_status pipe_plan_stage_estimated_ms(const pipe_plan* plan, size_t stage, do
   });
 }
 
-pipe_status pipe_plan_save_stage(const pipe_plan* plan, size_t stage, const char* path) {
+pipe_status pipe_plan_save_stage(const pipe_plan* plan, size_t stage, const pipe_stage_options* options,
+                                 const char* path) {
   return guarded(__func__, [&](const char* fn) {
     require(plan, fn, "plan");
     require(path, fn, "path");
     require_index(stage, get(plan)->impl->num_stages(), fn, "stage");
+    const auto opts = stage_options(options, fn);
+    auto checkpoint = opts.weights.empty() ? nullptr : libpipe::stage::Checkpoint::open(opts.weights);
     auto module = libpipe::stage::build_stage_module(*get(plan)->impl, stage);
+    libpipe::stage::load_stage_weights(module, *get(plan)->impl, stage, opts, checkpoint.get());
     try {
       module.save(path);
     } catch (const c10::Error& e) {
@@ -592,6 +626,7 @@ pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_option
       for (size_t i = 0; i < o->num_output_specs; ++i)
         opts.output_specs.push_back(output_spec(o->output_specs[i], i, fn));
     }
+    if (PIPE_HAS(stage_options)) opts.stage = stage_options(o->stage_options, fn);
 #undef PIPE_HAS
     auto s = std::make_unique<libpipe::capi::SessionHandle>();
     s->impl = std::make_unique<libpipe::schedule::Session>(get(plan)->impl, std::move(opts));

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <pipe/pipe.h>
 
@@ -18,10 +19,10 @@ static const char usage_text[] =
     "commands:\n"
     "  inspect MODEL\n"
     "      Print MODEL's module tree with parameter counts and bytes.\n"
-    "  split MODEL [SPLIT] [--input IN.safetensors] [--json] [--save-stages DIR]\n"
+    "  split MODEL [SPLIT] [--input IN.safetensors] [--json] [--save-stages DIR [--stage K]]\n"
     "      Cut MODEL (a TorchScript file) into stages and print the plan. With --input, each\n"
-    "      stage is timed on those inputs; --save-stages writes DIR/stage<i>.pt, each a standalone\n"
-    "      TorchScript module holding only that stage's weights.\n"
+    "      stage is timed on those inputs; --save-stages writes DIR/stage<i>.pt (only stage K\n"
+    "      with --stage), each a standalone TorchScript module holding only its weights.\n"
     "  run MODEL [SPLIT] --input IN.safetensors --output OUT.safetensors [--microbatches M]\n"
     "      [--trace TRACE.json]\n"
     "      Run MODEL through the pipeline. IN holds one tensor per forward argument, named as\n"
@@ -40,18 +41,36 @@ static const char usage_text[] =
     "  --split-at FQN:begin|FQN:end    cut before/after module FQN (repeatable; FQN@K:end\n"
     "                                  for the K-th call of a module called several times)\n"
     "  --stages N --policy P           N stages balanced by P: uniform (equal layers), params\n"
-    "                                  (equal parameter bytes) or time (measured on --input)\n";
+    "                                  (equal parameter bytes) or time (measured on --input)\n"
+    "and may add:\n"
+    "  --weights FILE_OR_INDEX         load each stage's weights from a .safetensors file or a\n"
+    "                                  *.safetensors.index.json (needed for skeleton models)\n"
+    "  --dtype fp32|fp16|bf16          convert floating weights (and inputs) to this dtype\n";
 
 #define MAX_SPLIT_POINTS 256
 
-/* The SPLIT arguments shared by split and run. */
+/* The SPLIT arguments shared by split, run and bench, with the stage weight options. */
 typedef struct {
   const char *points[MAX_SPLIT_POINTS];
   int num_points;
   int32_t stages;
   int has_stages;
   const char *policy;
+  pipe_stage_options weights; /* --weights, --dtype */
 } split_args;
+
+#define SPLIT_ARGS_INIT {{0}, 0, 0, 0, NULL, PIPE_STAGE_OPTIONS_INIT}
+
+/* A progress bar on stderr while a stage's weights load, when stderr is a terminal. */
+static void show_progress(void *user_data, size_t stage, uint64_t done, uint64_t total) {
+  (void)user_data;
+  const int width = 30;
+  int filled = total ? (int)((double)done / (double)total * width) : width;
+  fprintf(stderr, "\rloading stage %zu [%.*s%*s] %6.1f / %.1f MiB", stage, filled,
+          "##############################", width - filled, "", (double)done / 1048576.0, (double)total / 1048576.0);
+  if (done >= total) fputc('\n', stderr);
+  fflush(stderr);
+}
 
 /* Consumes argv[*i] (and its value) if it is a SPLIT argument: returns 1 if consumed, 0 if not
  * a SPLIT argument, 2 after reporting a usage error. */
@@ -94,10 +113,20 @@ static double now_ms(void) {
 
 static int parse_split_arg(int argc, char **argv, int *i, split_args *s) {
   const char *a = argv[*i];
-  if (strcmp(a, "--split-at") != 0 && strcmp(a, "--stages") != 0 && strcmp(a, "--policy") != 0) return 0;
+  if (strcmp(a, "--split-at") != 0 && strcmp(a, "--stages") != 0 && strcmp(a, "--policy") != 0 &&
+      strcmp(a, "--weights") != 0 && strcmp(a, "--dtype") != 0)
+    return 0;
   if (*i + 1 >= argc) return usage_error("%s needs a value", a);
   const char *v = argv[++*i];
-  if (strcmp(a, "--split-at") == 0) {
+  if (strcmp(a, "--weights") == 0) {
+    s->weights.weights = v;
+    if (isatty(2)) s->weights.progress = show_progress;
+  } else if (strcmp(a, "--dtype") == 0) {
+    if (strcmp(v, "fp32") == 0 || strcmp(v, "float32") == 0) s->weights.dtype = PIPE_DTYPE_FLOAT32;
+    else if (strcmp(v, "fp16") == 0 || strcmp(v, "float16") == 0) s->weights.dtype = PIPE_DTYPE_FLOAT16;
+    else if (strcmp(v, "bf16") == 0 || strcmp(v, "bfloat16") == 0) s->weights.dtype = PIPE_DTYPE_BFLOAT16;
+    else return usage_error("--dtype takes fp32, fp16 or bf16, not '%s'", v);
+  } else if (strcmp(a, "--split-at") == 0) {
     if (s->num_points == MAX_SPLIT_POINTS) return usage_error("at most %d --split-at", MAX_SPLIT_POINTS);
     s->points[s->num_points++] = v;
   } else if (strcmp(a, "--stages") == 0) {
@@ -255,8 +284,9 @@ static int cmd_inspect(int argc, char **argv) {
 
 static int cmd_split(int argc, char **argv) {
   const char *model_path = NULL, *in_path = NULL, *save_dir = NULL;
-  split_args split = {0};
+  split_args split = SPLIT_ARGS_INIT;
   int json = 0;
+  int32_t only_stage = -1;
   for (int i = 0; i < argc; ++i) {
     int r = parse_split_arg(argc, argv, &i, &split);
     if (r == 2) return 2;
@@ -267,6 +297,9 @@ static int cmd_split(int argc, char **argv) {
     } else if (strcmp(a, "--input") == 0 || strcmp(a, "--save-stages") == 0) {
       if (i + 1 >= argc) return usage_error("split: %s needs a value", a);
       *(strcmp(a, "--input") == 0 ? &in_path : &save_dir) = argv[++i];
+    } else if (strcmp(a, "--stage") == 0) {
+      if (i + 1 >= argc) return usage_error("split: --stage needs a value");
+      if (parse_int(a, argv[++i], &only_stage) != 0) return 2;
     } else if (a[0] == '-') {
       return usage_error("split: unknown option '%s'", a);
     } else if (!model_path) {
@@ -301,15 +334,22 @@ static int cmd_split(int argc, char **argv) {
   if (save_dir) {
     size_t stages = 0;
     pipe_plan_num_stages(plan, &stages);
+    if (only_stage >= (int32_t)stages) {
+      fprintf(stderr, "pipe: error: --stage %d but the plan has %zu stages\n", only_stage, stages);
+      goto done;
+    }
+    size_t saved = 0;
     for (size_t s = 0; s < stages; ++s) {
+      if (only_stage >= 0 && (size_t)only_stage != s) continue;
       char path[4096];
       snprintf(path, sizeof path, "%s/stage%zu.pt", save_dir, s);
-      if ((st = pipe_plan_save_stage(plan, s, path)) != PIPE_OK) {
+      if ((st = pipe_plan_save_stage(plan, s, &split.weights, path)) != PIPE_OK) {
         fail("cannot save stage", st);
         goto done;
       }
+      ++saved;
     }
-    fprintf(stderr, "pipe: saved %zu stage%s to %s/stage<i>.pt\n", stages, stages == 1 ? "" : "s", save_dir);
+    fprintf(stderr, "pipe: saved %zu stage%s to %s/stage<i>.pt\n", saved, saved == 1 ? "" : "s", save_dir);
   }
   rc = 0;
 done:
@@ -353,7 +393,9 @@ static int open_pipeline(pipeline *p, const char *model_path, const char *in_pat
   /* Policy time measures the model on the inputs being run. */
   int timed = split->policy && strcmp(split->policy, "time") == 0;
   if (make_plan(p->model, split, timed ? p->args : NULL, p->num_args, &p->plan) != 0) goto failed;
-  if ((st = pipe_session_create(p->plan, options, &p->session)) != PIPE_OK) {
+  pipe_session_options with_weights = *options;
+  with_weights.stage_options = &split->weights;
+  if ((st = pipe_session_create(p->plan, &with_weights, &p->session)) != PIPE_OK) {
     fail("cannot create session", st);
     goto failed;
   }
@@ -365,7 +407,7 @@ failed:
 
 static int cmd_run(int argc, char **argv) {
   const char *model_path = NULL, *in_path = NULL, *out_path = NULL, *trace_path = NULL;
-  split_args split = {0};
+  split_args split = SPLIT_ARGS_INIT;
   pipe_session_options options = PIPE_SESSION_OPTIONS_INIT;
   for (int i = 0; i < argc; ++i) {
     int r = parse_split_arg(argc, argv, &i, &split);
@@ -492,7 +534,7 @@ static double bench_round(bench_state *b, int count, int threads) {
 
 static int cmd_bench(int argc, char **argv) {
   const char *model_path = NULL, *in_path = NULL;
-  split_args split = {0};
+  split_args split = SPLIT_ARGS_INIT;
   pipe_session_options options = PIPE_SESSION_OPTIONS_INIT;
   int32_t requests = 100, concurrency = 2;
   int json = 0;

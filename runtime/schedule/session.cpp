@@ -118,7 +118,11 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
     options_.max_inflight = std::max<int64_t>(2 * options_.num_microbatches, 4 * static_cast<int64_t>(n));
   threads_per_stage_ = options_.threads_per_stage > 0 ? options_.threads_per_stage : default_threads_per_stage(n);
 
-  for (size_t s = 0; s < n; ++s) stages_.push_back(stage::build_stage_module(*plan_, s));
+  auto checkpoint = options_.stage.weights.empty() ? nullptr : stage::Checkpoint::open(options_.stage.weights);
+  for (size_t s = 0; s < n; ++s) {
+    stages_.push_back(stage::build_stage_module(*plan_, s));
+    stage::load_stage_weights(stages_.back(), *plan_, s, options_.stage, checkpoint.get());
+  }
   for (size_t s = 0; s < n; ++s) {
     auto w = std::make_unique<Worker>();
     // Admission bounds what is inside the pipeline, so a queue never holds more than that.
@@ -250,7 +254,15 @@ std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs,
                                      " but this session's first stage runs on the CPU; pass a CPU tensor");
   }
 
-  auto microbatches = chunk::split_inputs(inputs, names, options_.num_microbatches, options_.input_specs);
+  std::vector<c10::IValue> cast;
+  if (options_.stage.dtype) {
+    // The weights were cast: floating inputs follow, so the first stage sees one dtype.
+    cast = inputs;
+    for (auto& v : cast)
+      if (v.isTensor() && at::isFloatingType(v.toTensor().scalar_type())) v = v.toTensor().to(*options_.stage.dtype);
+  }
+  auto microbatches =
+      chunk::split_inputs(options_.stage.dtype ? cast : inputs, names, options_.num_microbatches, options_.input_specs);
   auto request = std::make_shared<Request>(next_request_id_++, microbatches.size(), options.deadline);
   for (size_t m = 0; m < microbatches.size(); ++m) {
     try {

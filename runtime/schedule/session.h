@@ -22,6 +22,7 @@
 #include "runtime/graph/plan.h"
 #include "runtime/named_tensor.h"
 #include "runtime/schedule/bounded_queue.h"
+#include "runtime/stage/weights.h"
 
 namespace libpipe::schedule {
 
@@ -33,6 +34,7 @@ struct SessionOptions {
   int64_t max_inflight = 0;   // micro-batches inside the pipeline at once; 0: max(2·M, 4·stages)
   std::vector<chunk::InputSpec> input_specs;    // by forward argument; missing: default
   std::vector<chunk::OutputSpec> output_specs;  // by flattened output; missing: concat along 0
+  stage::StageOptions stage;                    // weights and dtype of every stage
 };
 
 struct RunOptions {

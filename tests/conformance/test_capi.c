@@ -31,14 +31,22 @@ _Static_assert(PIPE_CHUNK_DEFAULT == 0 && PIPE_CHUNK_SPLIT == 1 && PIPE_CHUNK_RE
 _Static_assert(sizeof(pipe_chunk_spec) == 8 && offsetof(pipe_chunk_spec, kind) == 0 &&
                    offsetof(pipe_chunk_spec, dim) == 4,
                "pipe_chunk_spec");
-_Static_assert(sizeof(pipe_session_options) == 48 && offsetof(pipe_session_options, struct_size) == 0 &&
+_Static_assert(sizeof(pipe_stage_options) == 32 && offsetof(pipe_stage_options, struct_size) == 0 &&
+                   offsetof(pipe_stage_options, dtype) == 4 && offsetof(pipe_stage_options, weights) == 8 &&
+                   offsetof(pipe_stage_options, progress) == 16 &&
+                   offsetof(pipe_stage_options, progress_user_data) == 24,
+               "pipe_stage_options");
+_Static_assert(PIPE_DTYPE_KEEP == 0 && PIPE_DTYPE_FLOAT32 == 1 && PIPE_DTYPE_FLOAT16 == 2 && PIPE_DTYPE_BFLOAT16 == 3,
+               "dtypes");
+_Static_assert(sizeof(pipe_session_options) == 56 && offsetof(pipe_session_options, struct_size) == 0 &&
                    offsetof(pipe_session_options, num_microbatches) == 4 &&
                    offsetof(pipe_session_options, threads_per_stage) == 8 &&
                    offsetof(pipe_session_options, max_inflight) == 12 &&
                    offsetof(pipe_session_options, input_specs) == 16 &&
                    offsetof(pipe_session_options, num_input_specs) == 24 &&
                    offsetof(pipe_session_options, output_specs) == 32 &&
-                   offsetof(pipe_session_options, num_output_specs) == 40,
+                   offsetof(pipe_session_options, num_output_specs) == 40 &&
+                   offsetof(pipe_session_options, stage_options) == 48,
                "pipe_session_options");
 _Static_assert(sizeof(pipe_run_options) == 16 && offsetof(pipe_run_options, struct_size) == 0 &&
                    offsetof(pipe_run_options, timeout_ms) == 8,
@@ -611,8 +619,8 @@ static void remaining_null_arguments(void **state) {
   ASSERT_FAILS(pipe_plan_stage_estimated_ms(NULL, 0, &d), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
   ASSERT_FAILS(pipe_plan_stage_estimated_ms(l.plan, 0, NULL), PIPE_ERR_INVALID_ARGUMENT, "ms is NULL");
   ASSERT_FAILS(pipe_plan_describe(NULL, &str), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
-  ASSERT_FAILS(pipe_plan_save_stage(NULL, 0, "/tmp/s.pt"), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
-  ASSERT_FAILS(pipe_plan_save_stage(l.plan, 0, NULL), PIPE_ERR_INVALID_ARGUMENT, "path is NULL");
+  ASSERT_FAILS(pipe_plan_save_stage(NULL, 0, NULL, "/tmp/s.pt"), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
+  ASSERT_FAILS(pipe_plan_save_stage(l.plan, 0, NULL, NULL), PIPE_ERR_INVALID_ARGUMENT, "path is NULL");
   ASSERT_FAILS(pipe_plan_options_set_stages(NULL, 2, "uniform"), PIPE_ERR_INVALID_ARGUMENT, "options is NULL");
   ASSERT_FAILS(pipe_plan_options_set_example_inputs(NULL, l.args, 2), PIPE_ERR_INVALID_ARGUMENT, "options is NULL");
   pipe_plan_options *o = NULL;
@@ -753,12 +761,12 @@ static void split_points_with_estimates(void **state) {
   char path[4200];
   snprintf(path, sizeof path, "%s/capi_stage1.pt", models_dir());
   remove(path);
-  ASSERT_OK(pipe_plan_save_stage(plan, 1, path));
+  ASSERT_OK(pipe_plan_save_stage(plan, 1, NULL, path));
   FILE *f = fopen(path, "rb");
   assert_non_null(f);
   fclose(f);
-  ASSERT_FAILS(pipe_plan_save_stage(plan, 3, path), PIPE_ERR_INVALID_ARGUMENT, "stage 3 is out of range");
-  ASSERT_FAILS(pipe_plan_save_stage(plan, 0, "/nonexistent/dir/s.pt"), PIPE_ERR_IO, "cannot write");
+  ASSERT_FAILS(pipe_plan_save_stage(plan, 3, NULL, path), PIPE_ERR_INVALID_ARGUMENT, "stage 3 is out of range");
+  ASSERT_FAILS(pipe_plan_save_stage(plan, 0, NULL, "/nonexistent/dir/s.pt"), PIPE_ERR_IO, "cannot write");
 
   pipe_tensor_list_destroy(out);
   pipe_session_destroy(session);
@@ -991,6 +999,84 @@ static void specs_stats_and_trace(void **state) {
   unload(&l);
 }
 
+/* ---- stage weights ------------------------------------------------------------------------ */
+
+typedef struct {
+  int calls;
+  size_t last_stage;
+  uint64_t last_done, last_total;
+  int monotonic;
+} progress_log;
+
+static void record_progress(void *user_data, size_t stage, uint64_t done, uint64_t total) {
+  progress_log *p = user_data;
+  if (p->calls > 0 && stage == p->last_stage && done < p->last_done) p->monotonic = 0;
+  p->calls++;
+  p->last_stage = stage;
+  p->last_done = done;
+  p->last_total = total;
+}
+
+static void weights_from_a_sharded_checkpoint(void **state) {
+  (void)state;
+  pipe_model *model = NULL;
+  pipe_plan *plan = NULL;
+  pipe_plan_options *o = NULL;
+  pipe_session *session = NULL;
+  ASSERT_OK(pipe_model_load(fixture("weights/llama.skeleton.pt"), &model));
+  ASSERT_OK(pipe_plan_options_create(&o));
+  ASSERT_OK(pipe_plan_options_add_split_point(o, "layers.0:end"));
+  ASSERT_OK(pipe_plan_options_add_split_point(o, "layers.1:end"));
+  ASSERT_OK(pipe_plan_create(model, o, &plan));
+  pipe_plan_options_destroy(o);
+
+  /* Without weights a skeleton cannot run, and says which tensor lacks data. */
+  ASSERT_FAILS(pipe_session_create(plan, NULL, &session), PIPE_ERR_INVALID_ARGUMENT, "tensor 'embed.weight' (stage 0)");
+
+  char index[4200];
+  snprintf(index, sizeof index, "%s/weights/sharded/llama.safetensors.index.json", models_dir());
+  progress_log log = {0, 0, 0, 0, 1};
+  pipe_stage_options so = PIPE_STAGE_OPTIONS_INIT;
+  so.weights = index;
+  so.progress = record_progress;
+  so.progress_user_data = &log;
+  pipe_session_options opts = PIPE_SESSION_OPTIONS_INIT;
+  opts.stage_options = &so;
+  ASSERT_OK(pipe_session_create(plan, &opts, &session));
+  assert_true(log.calls >= 3);
+  assert_true(log.monotonic);
+  assert_int_equal(log.last_stage, 2);
+  assert_int_equal(log.last_done, log.last_total);
+  uint64_t stage_bytes = 0;
+  ASSERT_OK(pipe_plan_stage_param_bytes(plan, 2, &stage_bytes));
+  assert_int_equal(log.last_total, stage_bytes);
+
+  pipe_tensor_list *inputs = NULL, *expected = NULL, *out = NULL;
+  ASSERT_OK(pipe_safetensors_read(fixture("weights/llama.inputs.safetensors"), &inputs));
+  ASSERT_OK(pipe_safetensors_read(fixture("weights/llama.expected.safetensors"), &expected));
+  const DLManagedTensor *ids = NULL, *want = NULL, *got = NULL;
+  ASSERT_OK(pipe_tensor_list_get(inputs, 0, &ids));
+  ASSERT_OK(pipe_session_run(session, &ids, 1, NULL, &out));
+  ASSERT_OK(pipe_tensor_list_get(out, 0, &got));
+  ASSERT_OK(pipe_tensor_list_get(expected, 0, &want));
+  assert_close(got, want);
+
+  so.dtype = 77;
+  pipe_session *bad = NULL;
+  ASSERT_FAILS(pipe_session_create(plan, &opts, &bad), PIPE_ERR_INVALID_ARGUMENT, "PIPE_DTYPE_");
+  so.dtype = PIPE_DTYPE_KEEP;
+  so.struct_size = 0;
+  ASSERT_FAILS(pipe_session_create(plan, &opts, &bad), PIPE_ERR_INVALID_ARGUMENT, "PIPE_STAGE_OPTIONS_INIT");
+  assert_null(bad);
+
+  pipe_tensor_list_destroy(out);
+  pipe_tensor_list_destroy(expected);
+  pipe_tensor_list_destroy(inputs);
+  pipe_session_destroy(session);
+  pipe_plan_destroy(plan);
+  pipe_model_destroy(model);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(version_matches_macros),
@@ -1018,6 +1104,7 @@ int main(void) {
       cmocka_unit_test(deadlines),
       cmocka_unit_test(specs_stats_and_trace),
       cmocka_unit_test(remaining_null_arguments),
+      cmocka_unit_test(weights_from_a_sharded_checkpoint),
   };
   return cmocka_run_group_tests_name("capi", tests, NULL, NULL);
 }

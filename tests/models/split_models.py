@@ -84,7 +84,8 @@ class Rotary(nn.Module):
         t = torch.arange(x.shape[1], dtype=torch.float32)
         freqs = torch.outer(t, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        # In the activations' dtype, as Hugging Face models do, so the model also runs in bf16.
+        return emb.cos().type_as(x), emb.sin().type_as(x)
 
 
 def rotate_half(x):

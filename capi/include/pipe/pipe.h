@@ -48,7 +48,7 @@ extern "C" {
 /* ---- Version ------------------------------------------------------------------------------- */
 
 #define PIPE_VERSION_MAJOR 0
-#define PIPE_VERSION_MINOR 1
+#define PIPE_VERSION_MINOR 2
 #define PIPE_VERSION_PATCH 0
 
 /* "MAJOR.MINOR.PATCH" of the loaded library; equals the PIPE_VERSION_* it was built with.
@@ -248,14 +248,49 @@ PIPE_API pipe_status pipe_plan_stage_name(const pipe_plan *plan, size_t stage, i
 PIPE_API pipe_status pipe_plan_stage_param_bytes(const pipe_plan *plan, size_t stage,
                                                  uint64_t *bytes);
 
+/* How each stage gets its weights. Start from PIPE_STAGE_OPTIONS_INIT. */
+
+/* Floating parameters, buffers and inputs keep their dtype / become float32 / float16 / bfloat16.
+ * Integer and bool tensors are never converted. */
+#define PIPE_DTYPE_KEEP 0
+#define PIPE_DTYPE_FLOAT32 1
+#define PIPE_DTYPE_FLOAT16 2
+#define PIPE_DTYPE_BFLOAT16 3
+
+/* Weight loading progress: `bytes_done` of the `bytes_total` stage `stage` reads. Called on the
+ * thread that builds the stage; must not call back into libpipe. */
+typedef void (*pipe_progress_fn)(void *user_data, size_t stage, uint64_t bytes_done, uint64_t bytes_total);
+
+typedef struct pipe_stage_options {
+  uint32_t struct_size;
+  /* A dtype for floating weights (PIPE_DTYPE_*); inputs are converted to it too. */
+  int32_t dtype;
+  /* A safetensors checkpoint: one .safetensors file, or a Hugging Face style index
+   * (*.safetensors.index.json, "weight_map": tensor name -> shard file next to it). Each stage
+   * reads only its own tensors, memory-mapped. Names match exactly, through tied names (a head
+   * tied to the embedding and stored once), or with a leading prefix such as "model." added or
+   * removed. This is how a skeleton model (weights on the meta device) gets its weights; for a
+   * full model it overrides them. NULL: keep the model's own weights. */
+  const char *weights;
+  pipe_progress_fn progress; /* NULL: no progress reports */
+  void *progress_user_data;
+} pipe_stage_options;
+
+#define PIPE_STAGE_OPTIONS_INIT {(uint32_t)sizeof(pipe_stage_options), PIPE_DTYPE_KEEP, NULL, NULL, NULL}
+
 /* Measured time of stage `stage` on the example inputs in milliseconds, or -1 when the plan was
  * made without example inputs. Thread-safe. */
 PIPE_API pipe_status pipe_plan_stage_estimated_ms(const pipe_plan *plan, size_t stage, double *ms);
 
 /* Save stage `stage` as a standalone TorchScript file: forward(<its inputs>) runs the stage and
- * the file holds only the parameters and buffers that stage reads, under their original names.
- * torch.jit.load / torch::jit::load reload it. Thread-safe. */
-PIPE_API pipe_status pipe_plan_save_stage(const pipe_plan *plan, size_t stage, const char *path);
+ * the file holds only the parameters and buffers that stage reads, under their original names,
+ * loaded and converted as `options` say (NULL: the model's own weights). torch.jit.load /
+ * torch::jit::load reload it. Errors about weights name the tensor and the stage:
+ * PIPE_ERR_NOT_FOUND (a tensor missing from the checkpoint, a missing shard), PIPE_ERR_INPUT
+ * (shape or dtype mismatch), PIPE_ERR_INVALID_FORMAT (a corrupt checkpoint),
+ * PIPE_ERR_INVALID_ARGUMENT (a skeleton's tensor left without data). Thread-safe. */
+PIPE_API pipe_status pipe_plan_save_stage(const pipe_plan *plan, size_t stage, const pipe_stage_options *options,
+                                          const char *path);
 
 /* The whole plan as JSON:
  *   {"num_stages": N, "method": "pipe::split() markers" | "split points" | "policy <name>",
@@ -315,12 +350,15 @@ typedef struct pipe_session_options {
   /* Per output in the order pipe_session_run names them (NULL / fewer: the rest CONCAT along 0). */
   const pipe_chunk_spec *output_specs;
   size_t num_output_specs;
+  /* Weights and dtype of every stage (NULL: the model's own weights, dtypes kept). */
+  const pipe_stage_options *stage_options;
 } pipe_session_options;
 
-#define PIPE_SESSION_OPTIONS_INIT {(uint32_t)sizeof(pipe_session_options), 1, 0, 0, NULL, 0, NULL, 0}
+#define PIPE_SESSION_OPTIONS_INIT {(uint32_t)sizeof(pipe_session_options), 1, 0, 0, NULL, 0, NULL, 0, NULL}
 
-/* Build every stage of `plan` on the CPU and start one worker thread per stage. `options` NULL
- * means PIPE_SESSION_OPTIONS_INIT; the spec arrays are copied. Thread-safe on `plan`. */
+/* Build every stage of `plan` on the CPU (loading weights as options->stage_options says) and
+ * start one worker thread per stage. `options` NULL means PIPE_SESSION_OPTIONS_INIT; the spec
+ * arrays are copied. Weight errors as for pipe_plan_save_stage. Thread-safe on `plan`. */
 PIPE_API pipe_status pipe_session_create(const pipe_plan *plan, const pipe_session_options *options,
                                          pipe_session **session);
 

@@ -1,0 +1,255 @@
+#include "runtime/stage/weights.h"
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <set>
+
+#include "runtime/error.h"
+#include "runtime/io/safetensors.h"
+
+namespace libpipe::stage {
+
+// One mapped shard: the file stays mapped while any tensor viewing it is alive.
+struct Checkpoint::Shard {
+  std::string path;
+  std::shared_ptr<void> mapping;  // munmap on release
+  const unsigned char* data = nullptr;  // start of the data section
+  std::map<std::string, io::TensorEntry> entries;
+};
+
+namespace {
+
+std::string dir_of(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace
+
+std::shared_ptr<Checkpoint> Checkpoint::open(const std::string& path) {
+  auto cp = std::make_shared<Checkpoint>();
+  cp->path_ = path;
+  cp->dir_ = dir_of(path);
+  if (ends_with(path, ".json")) {
+    std::ifstream in(path);
+    if (!in) throw Error(Status::NotFound, "cannot open checkpoint index '" + path + "'");
+    nlohmann::json index;
+    try {
+      in >> index;
+    } catch (const nlohmann::json::exception& e) {
+      throw Error(Status::InvalidFormat, "checkpoint index '" + path + "' is not valid JSON (" + e.what() + ")");
+    }
+    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+      throw Error(Status::InvalidFormat, "checkpoint index '" + path +
+                                             "' has no \"weight_map\" object (tensor name -> shard file)");
+    for (const auto& [name, file] : index["weight_map"].items()) {
+      if (!file.is_string())
+        throw Error(Status::InvalidFormat, "checkpoint index '" + path + "' maps '" + name + "' to a non-string");
+      const std::string f = file.get<std::string>();
+      if (f.empty() || f[0] == '/' || f.find("..") != std::string::npos)
+        throw Error(Status::InvalidFormat, "checkpoint index '" + path + "' maps '" + name + "' to '" + f +
+                                               "'; shards must be files next to the index");
+      cp->weight_map_[name] = f;
+    }
+  } else {
+    // A single file: its header lists the tensors.
+    const size_t slash = path.rfind('/');
+    const std::string file = slash == std::string::npos ? path : path.substr(slash + 1);
+    for (const auto& [name, entry] : cp->shard(file).entries) cp->weight_map_[name] = file;
+  }
+  std::set<std::string> firsts;
+  for (const auto& [name, file] : cp->weight_map_) {
+    const size_t dot = name.find('.');
+    if (dot != std::string::npos) firsts.insert(name.substr(0, dot + 1));
+  }
+  cp->prefixes_.assign(firsts.begin(), firsts.end());
+  return cp;
+}
+
+Checkpoint::Shard& Checkpoint::shard(const std::string& file) {
+  if (auto it = shards_.find(file); it != shards_.end()) return *it->second;
+  auto s = std::make_shared<Shard>();
+  s->path = dir_ + "/" + file;
+  const int fd = ::open(s->path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error(Status::NotFound, "checkpoint shard '" + s->path + "' is missing (named by '" + path_ + "')");
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    throw Error(Status::Io, "cannot stat checkpoint shard '" + s->path + "'");
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size < 8) {
+    ::close(fd);
+    throw Error(Status::InvalidFormat, "malformed safetensors: checkpoint shard '" + s->path + "' is " +
+                                           std::to_string(size) + " bytes, shorter than the 8-byte header length");
+  }
+  // Private and writable: a stage may update its weights in place without touching the file.
+  void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (base == MAP_FAILED) throw Error(Status::Io, "cannot map checkpoint shard '" + s->path + "'");
+  s->mapping = std::shared_ptr<void>(base, [size](void* p) { ::munmap(p, size); });
+  const auto* bytes = static_cast<const unsigned char*>(base);
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];
+  if (header_len > size - 8)
+    throw Error(Status::InvalidFormat, "malformed safetensors: checkpoint shard '" + s->path + "' declares a " +
+                                           std::to_string(header_len) + "-byte header but has " +
+                                           std::to_string(size - 8) + " bytes after the length field");
+  std::vector<io::TensorEntry> entries;
+  try {
+    entries = io::parse_safetensors_header(std::string(reinterpret_cast<const char*>(bytes) + 8, header_len),
+                                           size - 8 - header_len);
+  } catch (const Error& e) {
+    throw Error(e.status(), std::string(e.what()) + " (in checkpoint shard '" + s->path + "')");
+  }
+  s->data = bytes + 8 + header_len;
+  for (auto& e : entries) s->entries.emplace(e.name, std::move(e));
+  return *shards_.emplace(file, std::move(s)).first->second;
+}
+
+std::string Checkpoint::resolve(const std::string& name, const std::vector<std::string>& aliases) const {
+  std::vector<std::string> names = {name};
+  names.insert(names.end(), aliases.begin(), aliases.end());
+  for (const auto& n : names)
+    if (weight_map_.count(n)) return n;
+  // Checkpoints saved from a wrapper carry a prefix the model lacks, or the other way round.
+  for (const auto& n : names) {
+    for (const auto& p : prefixes_)
+      if (weight_map_.count(p + n)) return p + n;
+    const size_t dot = n.find('.');
+    if (dot != std::string::npos && weight_map_.count(n.substr(dot + 1))) return n.substr(dot + 1);
+  }
+  return "";
+}
+
+uint64_t Checkpoint::bytes(const std::string& key) {
+  const auto& e = shard(weight_map_.at(key)).entries.at(key);
+  return e.end - e.begin;
+}
+
+at::Tensor Checkpoint::load(const std::string& key) {
+  Shard& s = shard(weight_map_.at(key));
+  auto it = s.entries.find(key);
+  if (it == s.entries.end())
+    throw Error(Status::InvalidFormat, "checkpoint index '" + path_ + "' says '" + key + "' is in '" + s.path +
+                                           "', but that shard does not hold it");
+  const io::TensorEntry& e = it->second;
+  void* ptr = const_cast<unsigned char*>(s.data + e.begin);
+  const size_t elem = c10::elementSize(e.dtype);
+  auto keep = s.mapping;
+  at::Tensor view = at::from_blob(ptr, e.shape, [keep](void*) {}, at::TensorOptions().dtype(e.dtype));
+  // Elements must be aligned to their size to be read in place; otherwise take a copy.
+  return reinterpret_cast<uintptr_t>(ptr) % elem == 0 ? view : view.clone();
+}
+
+namespace {
+
+// Names that share one tensor in the model (tied weights), keyed by each name.
+std::map<std::string, std::vector<std::string>> alias_groups(const torch::jit::Module& model) {
+  std::map<const void*, std::vector<std::string>> by_storage;
+  auto add = [&](const std::string& name, const at::Tensor& t) {
+    if (t.defined()) by_storage[t.storage().unsafeGetStorageImpl()].push_back(name);
+  };
+  for (const auto& p : model.named_parameters()) add(p.name, p.value);
+  for (const auto& b : model.named_buffers()) add(b.name, b.value);
+  std::map<std::string, std::vector<std::string>> out;
+  for (const auto& [storage, names] : by_storage)
+    for (const auto& n : names)
+      for (const auto& other : names)
+        if (other != n) out[n].push_back(other);
+  return out;
+}
+
+// The submodule holding `dotted`'s leaf, and the leaf's name.
+std::pair<torch::jit::Module, std::string> owner_of(const torch::jit::Module& root, const std::string& dotted) {
+  torch::jit::Module m = root;
+  size_t start = 0;
+  for (size_t dot = dotted.find('.'); dot != std::string::npos; dot = dotted.find('.', start)) {
+    m = m.attr(dotted.substr(start, dot - start)).toModule();
+    start = dot + 1;
+  }
+  return {m, dotted.substr(start)};
+}
+
+}  // namespace
+
+void load_stage_weights(torch::jit::Module& stage, const graph::Plan& plan, size_t stage_index,
+                        const StageOptions& options, Checkpoint* checkpoint) {
+  const std::string where = " (stage " + std::to_string(stage_index) + ")";
+  struct Slot {
+    std::string name;
+    bool is_buffer;
+    at::Tensor current;
+  };
+  std::vector<Slot> slots;
+  for (const auto& p : stage.named_parameters()) slots.push_back({p.name, false, p.value});
+  for (const auto& b : stage.named_buffers()) slots.push_back({b.name, true, b.value});
+
+  if (checkpoint) {
+    const auto aliases = alias_groups(plan.model().module());
+    std::vector<std::string> keys;
+    uint64_t total = 0, done = 0;
+    for (const auto& slot : slots) {
+      auto it = aliases.find(slot.name);
+      const std::string key = checkpoint->resolve(slot.name, it == aliases.end() ? std::vector<std::string>{} : it->second);
+      if (key.empty())
+        throw Error(Status::NotFound, "tensor '" + slot.name + "'" + where + " is not in checkpoint '" +
+                                          checkpoint->path() + "' (also tried tied names and with a prefix such as "
+                                          "'model.' added or removed)");
+      keys.push_back(key);
+      total += checkpoint->bytes(key);
+    }
+    std::map<std::string, at::Tensor> loaded;  // a tensor tied within the stage is loaded once
+    for (size_t i = 0; i < slots.size(); ++i) {
+      Slot& slot = slots[i];
+      auto cached = loaded.find(keys[i]);
+      at::Tensor t = cached != loaded.end() ? cached->second : checkpoint->load(keys[i]);
+      if (t.sizes() != slot.current.sizes())
+        throw Error(Status::Input, "tensor '" + slot.name + "'" + where + ": the model expects shape " +
+                                       c10::str(slot.current.sizes()) + " but checkpoint tensor '" + keys[i] +
+                                       "' has shape " + c10::str(t.sizes()));
+      const bool cast = options.dtype && at::isFloatingType(t.scalar_type());
+      if (!cast && t.scalar_type() != slot.current.scalar_type())
+        throw Error(Status::Input, "tensor '" + slot.name + "'" + where + ": the model expects dtype " +
+                                       c10::toString(slot.current.scalar_type()) + " but checkpoint tensor '" +
+                                       keys[i] + "' has " + c10::toString(t.scalar_type()) +
+                                       " (ask for a dtype to convert floating weights)");
+      if (cached == loaded.end()) {
+        loaded[keys[i]] = t;
+        done += checkpoint->bytes(keys[i]);
+        if (options.progress) options.progress(stage_index, done, total);
+      }
+      slot.current = t;
+    }
+  }
+  for (auto& slot : slots) {
+    if (options.dtype && at::isFloatingType(slot.current.scalar_type()) && slot.current.scalar_type() != *options.dtype &&
+        !slot.current.is_meta())
+      slot.current = slot.current.to(*options.dtype);
+    if (slot.current.is_meta())
+      throw Error(Status::InvalidArgument, "tensor '" + slot.name + "'" + where +
+                                               " has no data (it is on the meta device): give its weights with a "
+                                               "checkpoint (--weights / pipe_stage_options.weights)");
+    auto [owner, leaf] = owner_of(stage, slot.name);
+    owner.register_parameter(leaf, slot.current, slot.is_buffer);
+  }
+  // Tensors held as plain attributes (not parameters or buffers) cannot be loaded; they must not
+  // be left on meta either.
+  for (const auto& a : stage.named_attributes())
+    if (a.value.isTensor() && a.value.toTensor().is_meta())
+      throw Error(Status::InvalidArgument, "tensor attribute '" + a.name + "'" + where +
+                                               " is on the meta device and no checkpoint entry can fill it");
+}
+
+}  // namespace libpipe::stage
