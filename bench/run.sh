@@ -19,3 +19,6 @@ echo "## Scheduler"
 echo
 echo "## Split balance"
 "$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/bench/split_balance.py" "$LIBPIPE_BUILD/pipe" --runs 5
+echo
+echo "## Stage weights"
+"$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/bench/stage_memory.py" "$LIBPIPE_BUILD/pipe"
