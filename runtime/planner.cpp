@@ -114,6 +114,20 @@ void validate_stage_request(const PlanRequest& request) {
                                              "bytes) or time (equal measured time)");
 }
 
+namespace {
+
+// Timing needs real weights: a skeleton's stages would run on the meta device and measure nothing.
+void require_real_weights(const graph::Model& model, const char* what) {
+  for (const auto& p : model.module().named_parameters())
+    if (p.value.is_meta())
+      throw Error(Status::InvalidArgument,
+                  std::string(what) + " runs the model on the example inputs, but its weights are on the meta "
+                                      "device (a skeleton; '" + p.name + "' is one): use policy params or "
+                                      "uniform, or time the full model");
+}
+
+}  // namespace
+
 std::shared_ptr<const Plan> make_plan(std::shared_ptr<const graph::Model> model, const PlanRequest& request) {
   const bool by_points = !request.split_points.empty();
   const bool by_count = request.num_stages != 0 || !request.policy.empty();
@@ -121,6 +135,8 @@ std::shared_ptr<const Plan> make_plan(std::shared_ptr<const graph::Model> model,
     throw Error(Status::InvalidArgument,
                 "give either split points or a stage count with a policy, not both");
   if (by_count) validate_stage_request(request);
+  if (by_count && request.policy == "time") require_real_weights(*model, "policy time");
+  if (!request.example_inputs.empty()) require_real_weights(*model, "timing stages on example inputs");
   std::shared_ptr<Plan> plan;
   if (by_points) plan = by_split_points(model, request.split_points);
   else if (by_count) plan = by_policy(model, request);

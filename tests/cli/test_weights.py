@@ -111,3 +111,11 @@ def test_checkpoint_errors_name_what_is_wrong(tmp_path, weights, needles):
 def test_bad_dtype_is_a_usage_error(tmp_path):
     result, _ = run(tmp_path, "llama.skeleton.pt", "--dtype", "int8")
     assert result.returncode == 2 and "--dtype takes fp32, fp16 or bf16" in result.stderr
+
+
+def test_timing_a_skeleton_is_refused_with_a_way_out():
+    result = pipe("split", fixture("llama.skeleton.pt"), "--stages", 2, "--policy", "time", "--input",
+                  fixture("llama.inputs.safetensors"))
+    assert_one_line_error(result, "meta device", "use policy params or uniform", "PIPE_ERR_INVALID_ARGUMENT")
+    plan = pipe("split", fixture("llama.skeleton.pt"), "--stages", 2, "--policy", "params")
+    assert plan.returncode == 0, plan.stderr
