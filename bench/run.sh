@@ -4,7 +4,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
 export PYTHONPATH=$LIBPIPE_ROOT/bindings/python
-cmake --build "$LIBPIPE_BUILD" --target pipe_cli pipeline_bench >/dev/null
+cmake --build "$LIBPIPE_BUILD" --target pipe_cli pipeline_bench soak >/dev/null
 models=$LIBPIPE_BUILD/bench-models
 "$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/bench/make_bench_models.py" "$models"
 bench=$LIBPIPE_BUILD/bench/pipeline_bench
@@ -22,3 +22,8 @@ echo "## Split balance"
 echo
 echo "## Stage weights"
 "$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/bench/stage_memory.py" "$LIBPIPE_BUILD/pipe"
+echo
+echo "## Soak"
+"$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/tests/models/seed_models.py" "$models/seed" >/dev/null
+"$LIBPIPE_BUILD/bench/soak" "$models/seed/example_code.traced.pt" "$models/seed/example_code.inputs.safetensors" \
+  "$models/seed/example_code.expected.safetensors" 100000 8
