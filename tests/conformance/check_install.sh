@@ -10,6 +10,10 @@ prefix=$(mktemp -d)
 trap 'rm -rf "$prefix"' EXIT
 cmake --install "$build" --prefix "$prefix" >/dev/null
 
+# A sanitizer build of libpipe needs its consumers built with the same runtime.
+san=""
+if objdump -p "$build/libpipe.so" | grep -q 'NEEDED.*libasan'; then san="-fsanitize=address,undefined"; fi
+
 major=$(grep -E '^#define PIPE_VERSION_MAJOR' "$src/capi/include/pipe/pipe.h" | awk '{print $3}')
 for f in include/pipe/pipe.h lib/libpipe.so "lib/libpipe.so.$major" lib/pkgconfig/libpipe.pc \
          lib/cmake/pipe/pipeConfig.cmake lib/cmake/pipe/pipeConfigVersion.cmake bin/pipe; do
@@ -27,14 +31,15 @@ echo "header compiles alone as C99, C11 and C++17"
 
 export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
 # shellcheck disable=SC2046
-"$cc" -std=c11 -o "$prefix/pc_example" "$src/examples/c/main.c" $(pkg-config --cflags --libs libpipe) -lm
+"$cc" -std=c11 $san -o "$prefix/pc_example" "$src/examples/c/main.c" $(pkg-config --cflags --libs libpipe) -lm
 LD_LIBRARY_PATH=$prefix/lib "$prefix/pc_example" "$demo/demo.pt" "$demo/demo.inputs.safetensors" "$demo/demo.expected.safetensors"
 
 cmake -S "$src/tests/conformance/consumer" -B "$prefix/consumer" -DCMAKE_PREFIX_PATH="$prefix" \
-  -DCMAKE_C_COMPILER="$cc" -DEXAMPLE_SOURCE="$src/examples/c/main.c" >/dev/null
+  -DCMAKE_C_COMPILER="$cc" -DCMAKE_C_FLAGS="$san" -DCMAKE_EXE_LINKER_FLAGS="$san" \
+  -DEXAMPLE_SOURCE="$src/examples/c/main.c" >/dev/null
 cmake --build "$prefix/consumer" >/dev/null
 "$prefix/consumer/consumer" "$demo/demo.pt" "$demo/demo.inputs.safetensors" "$demo/demo.expected.safetensors"
 
-"$cc" -std=c11 -o "$prefix/dlopen_version" "$src/tests/conformance/dlopen_version.c" -I"$prefix/include" -ldl
+"$cc" -std=c11 $san -o "$prefix/dlopen_version" "$src/tests/conformance/dlopen_version.c" -I"$prefix/include" -ldl
 "$prefix/dlopen_version" "$prefix/lib/libpipe.so.$major"
 echo "install checks passed"
