@@ -14,7 +14,7 @@ apt_packages=(
 )
 missing=()
 for pkg in "${apt_packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  [[ $(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null) == "install ok installed" ]] || missing+=("$pkg")
 done
 if ((${#missing[@]})); then
   echo "install-deps: installing Debian packages: ${missing[*]}"

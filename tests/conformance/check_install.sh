@@ -11,8 +11,11 @@ trap 'rm -rf "$prefix"' EXIT
 cmake --install "$build" --prefix "$prefix" >/dev/null
 
 # A sanitizer build of libpipe needs its consumers built with the same runtime.
+# (Read the whole listing first: `objdump | grep -q` under pipefail fails at random when grep
+# exits early and objdump dies of SIGPIPE, which once built the consumers without the runtime.)
 san=""
-if objdump -p "$build/libpipe.so" | grep -q 'NEEDED.*libasan'; then san="-fsanitize=address,undefined"; fi
+dynamic=$(objdump -p "$build/libpipe.so")
+if [[ $dynamic =~ NEEDED[[:space:]]+libasan ]]; then san="-fsanitize=address,undefined"; fi
 
 major=$(grep -E '^#define PIPE_VERSION_MAJOR' "$src/capi/include/pipe/pipe.h" | awk '{print $3}')
 for f in include/pipe/pipe.h lib/libpipe.so "lib/libpipe.so.$major" lib/pkgconfig/libpipe.pc \
