@@ -627,6 +627,13 @@ pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_option
         opts.output_specs.push_back(output_spec(o->output_specs[i], i, fn));
     }
     if (PIPE_HAS(stage_options)) opts.stage = stage_options(o->stage_options, fn);
+    if (PIPE_HAS(microbatching)) {
+      if (o->microbatching != PIPE_MICROBATCHING_ADAPTIVE && o->microbatching != PIPE_MICROBATCHING_FIXED)
+        throw Error(Status::InvalidArgument,
+                    std::string(fn) + ": options->microbatching is " + std::to_string(o->microbatching) +
+                        "; use PIPE_MICROBATCHING_ADAPTIVE or PIPE_MICROBATCHING_FIXED");
+      opts.adaptive_microbatches = o->microbatching == PIPE_MICROBATCHING_ADAPTIVE;
+    }
 #undef PIPE_HAS
     auto s = std::make_unique<libpipe::capi::SessionHandle>();
     s->impl = std::make_unique<libpipe::schedule::Session>(get(plan)->impl, std::move(opts));

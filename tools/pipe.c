@@ -24,15 +24,17 @@ static const char usage_text[] =
     "      stage is timed on those inputs; --save-stages writes DIR/stage<i>.pt (only stage K\n"
     "      with --stage), each a standalone TorchScript module holding only its weights.\n"
     "  run MODEL [SPLIT] --input IN.safetensors --output OUT.safetensors [--microbatches M]\n"
-    "      [--trace TRACE.json]\n"
+    "      [--microbatching adaptive|fixed] [--trace TRACE.json]\n"
     "      Run MODEL through the pipeline. IN holds one tensor per forward argument, named as\n"
     "      in the model code; OUT receives 'output' (or output.0, output.1, ... for tuples,\n"
     "      output.<key> for dicts). --trace writes a Chrome trace of the run (one track per\n"
     "      stage), viewable in Perfetto.\n"
     "  bench MODEL [SPLIT] --input IN.safetensors [--microbatches M] [--requests R]\n"
-    "      [--concurrency C] [--threads-per-stage T] [--json]\n"
+    "      [--concurrency C] [--threads-per-stage T] [--microbatching adaptive|fixed] [--json]\n"
     "      Run R requests (default 100) of IN from C threads at once (default 2) after a\n"
     "      warm-up, and report throughput, latency percentiles and each stage's busy fraction.\n"
+    "      --microbatching fixed cuts every request into M micro-batches; adaptive (the\n"
+    "      default) cuts a request that arrives while others are in flight more coarsely.\n"
     "  version\n"
     "      Print the libpipe version.\n"
     "\n"
@@ -102,6 +104,13 @@ static int parse_int(const char *flag, const char *text, int32_t *out) {
   if (errno != 0 || end == text || *end != '\0' || value < INT32_MIN || value > INT32_MAX)
     return usage_error("%s expects an integer, got '%s'", flag, text);
   *out = (int32_t)value;
+  return 0;
+}
+
+static int parse_microbatching(const char *command, const char *text, int32_t *out) {
+  if (strcmp(text, "adaptive") == 0) *out = PIPE_MICROBATCHING_ADAPTIVE;
+  else if (strcmp(text, "fixed") == 0) *out = PIPE_MICROBATCHING_FIXED;
+  else return usage_error("%s: --microbatching is adaptive or fixed, got '%s'", command, text);
   return 0;
 }
 
@@ -415,13 +424,15 @@ static int cmd_run(int argc, char **argv) {
     if (r == 1) continue;
     const char *a = argv[i];
     if (strcmp(a, "--input") == 0 || strcmp(a, "--output") == 0 || strcmp(a, "--microbatches") == 0 ||
-        strcmp(a, "--trace") == 0) {
+        strcmp(a, "--trace") == 0 || strcmp(a, "--microbatching") == 0) {
       if (i + 1 >= argc) return usage_error("run: %s needs a value", a);
       const char *v = argv[++i];
       if (strcmp(a, "--input") == 0) in_path = v;
       else if (strcmp(a, "--output") == 0) out_path = v;
       else if (strcmp(a, "--trace") == 0) trace_path = v;
-      else if (parse_int(a, v, &options.num_microbatches) != 0) return 2;
+      else if (strcmp(a, "--microbatching") == 0) {
+        if (parse_microbatching("run", v, &options.microbatching) != 0) return 2;
+      } else if (parse_int(a, v, &options.num_microbatches) != 0) return 2;
     } else if (a[0] == '-') {
       return usage_error("run: unknown option '%s'", a);
     } else if (!model_path) {
@@ -546,11 +557,14 @@ static int cmd_bench(int argc, char **argv) {
     if (strcmp(a, "--json") == 0) {
       json = 1;
     } else if (strcmp(a, "--input") == 0 || strcmp(a, "--microbatches") == 0 || strcmp(a, "--requests") == 0 ||
-               strcmp(a, "--concurrency") == 0 || strcmp(a, "--threads-per-stage") == 0) {
+               strcmp(a, "--concurrency") == 0 || strcmp(a, "--threads-per-stage") == 0 ||
+               strcmp(a, "--microbatching") == 0) {
       if (i + 1 >= argc) return usage_error("bench: %s needs a value", a);
       const char *v = argv[++i];
       if (strcmp(a, "--input") == 0) in_path = v;
-      else if (parse_int(a, v, strcmp(a, "--microbatches") == 0  ? &options.num_microbatches
+      else if (strcmp(a, "--microbatching") == 0) {
+        if (parse_microbatching("bench", v, &options.microbatching) != 0) return 2;
+      } else if (parse_int(a, v, strcmp(a, "--microbatches") == 0  ? &options.num_microbatches
                                  : strcmp(a, "--requests") == 0    ? &requests
                                  : strcmp(a, "--concurrency") == 0 ? &concurrency
                                                                    : &options.threads_per_stage) != 0)
@@ -610,15 +624,20 @@ static int cmd_bench(int argc, char **argv) {
   qsort(b.latency_ms, (size_t)requests, sizeof(double), compare_double);
   double rps = requests / (wall / 1e3);
   if (json) {
-    printf("{\"model\": \"%s\", \"stages\": %zu, \"microbatches\": %d, \"requests\": %d, \"concurrency\": %d, "
+    printf("{\"model\": \"%s\", \"stages\": %zu, \"microbatches\": %d, \"microbatching\": \"%s\", "
+           "\"requests\": %d, \"concurrency\": %d, "
            "\"batch\": %lld, \"wall_ms\": %.3f, \"requests_per_s\": %.3f, \"samples_per_s\": %.3f, "
            "\"latency_ms\": {\"p50\": %.3f, \"p90\": %.3f, \"p99\": %.3f, \"max\": %.3f}, \"stage_busy\": [",
-           model_path, stages, options.num_microbatches, requests, concurrency, (long long)batch, wall, rps,
+           model_path, stages, options.num_microbatches,
+           options.microbatching == PIPE_MICROBATCHING_FIXED ? "fixed" : "adaptive", requests, concurrency,
+           (long long)batch, wall, rps,
            rps * (double)batch, percentile(b.latency_ms, requests, 50), percentile(b.latency_ms, requests, 90),
            percentile(b.latency_ms, requests, 99), b.latency_ms[requests - 1]);
   } else {
-    printf("%s: %zu stage%s, %d micro-batches, batch %lld, %d requests from %d threads\n", model_path, stages,
-           stages == 1 ? "" : "s", options.num_microbatches, (long long)batch, requests, concurrency);
+    printf("%s: %zu stage%s, %d micro-batches (%s), batch %lld, %d requests from %d threads\n", model_path,
+           stages, stages == 1 ? "" : "s", options.num_microbatches,
+           options.microbatching == PIPE_MICROBATCHING_FIXED ? "fixed" : "adaptive", (long long)batch, requests,
+           concurrency);
     printf("  throughput: %.1f requests/s, %.1f samples/s\n", rps, rps * (double)batch);
     printf("  latency ms: p50 %.3f  p90 %.3f  p99 %.3f  max %.3f\n", percentile(b.latency_ms, requests, 50),
            percentile(b.latency_ms, requests, 90), percentile(b.latency_ms, requests, 99), b.latency_ms[requests - 1]);
@@ -627,11 +646,16 @@ static int cmd_bench(int argc, char **argv) {
     pipe_stage_stats now = PIPE_STAGE_STATS_INIT;
     pipe_session_stage_stats(session, s, &now);
     double busy = (now.busy_ms - before[s].busy_ms) / wall;
+    before[s].microbatches = now.microbatches - before[s].microbatches; /* run during the bench */
     if (json) printf("%s%.4f", s ? ", " : "", busy);
     else printf("  stage %zu: busy %.1f%% of the run, %llu micro-batches\n", s, 100.0 * busy,
-                (unsigned long long)(now.microbatches - before[s].microbatches));
+                (unsigned long long)before[s].microbatches);
   }
-  if (json) printf("]}\n");
+  if (json) {
+    printf("], \"stage_microbatches\": [");
+    for (size_t s = 0; s < stages; ++s) printf("%s%llu", s ? ", " : "", (unsigned long long)before[s].microbatches);
+    printf("]}\n");
+  }
   free(before);
   rc = 0;
 done:

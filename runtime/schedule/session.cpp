@@ -163,6 +163,20 @@ void Session::release() {
   admission_cv_.notify_one();
 }
 
+int64_t Session::microbatches_for_next_call() {
+  const int64_t requested = options_.num_microbatches;
+  if (!options_.adaptive_microbatches || requested == 1) return requested;
+  int64_t others;
+  {
+    std::lock_guard lock(admission_mutex_);
+    others = inflight_;
+  }
+  // Alone, the call must fill the pipeline by itself: all M. Otherwise the micro-batches
+  // already inside count towards the one-per-stage that keeps every stage busy.
+  if (others == 0) return requested;
+  return std::clamp<int64_t>(static_cast<int64_t>(stages_.size()) - others, 1, requested);
+}
+
 void Session::worker_loop(size_t s) {
   // Per-thread with OpenMP: this stage's operators use their share of the cores only.
   at::set_num_threads(threads_per_stage_);
@@ -205,18 +219,20 @@ void Session::worker_loop(size_t s) {
         me.trace.push_back({request->id(), mb.index, since_us(epoch_, start), since_us(epoch_, waited_from), ok});
       }
     }
+    // Release before finishing: a caller woken by its last micro-batch then finds the pipeline
+    // as it is, not one slot fuller (which would make its next call's cut depend on timing).
     if (last || request->failed()) {
       auto r = mb.request;
       mb = MicroBatch{};  // free this micro-batch's tensors before the caller wakes
-      r->finish_one();
       release();
+      r->finish_one();
       continue;
     }
     auto r = mb.request;
     if (!workers_[s + 1]->queue->push(std::move(mb))) {
       r->fail(Status::Cancelled, "the session was destroyed while the call was running");
-      r->finish_one();
       release();
+      r->finish_one();
     }
   }
 }
@@ -261,8 +277,8 @@ std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs,
     for (auto& v : cast)
       if (v.isTensor() && at::isFloatingType(v.toTensor().scalar_type())) v = v.toTensor().to(*options_.stage.dtype);
   }
-  auto microbatches =
-      chunk::split_inputs(options_.stage.dtype ? cast : inputs, names, options_.num_microbatches, options_.input_specs);
+  auto microbatches = chunk::split_inputs(options_.stage.dtype ? cast : inputs, names, microbatches_for_next_call(),
+                                         options_.input_specs);
   auto request = std::make_shared<Request>(next_request_id_++, microbatches.size(), options.deadline);
   for (size_t m = 0; m < microbatches.size(); ++m) {
     try {
@@ -280,8 +296,8 @@ std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs,
     }
     if (!workers_[0]->queue->push(std::move(mb))) {
       request->fail(Status::Cancelled, "the session was destroyed while the call was running");
-      for (size_t rest = m; rest < microbatches.size(); ++rest) request->finish_one();
       release();
+      for (size_t rest = m; rest < microbatches.size(); ++rest) request->finish_one();
       break;
     }
   }

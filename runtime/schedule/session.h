@@ -5,6 +5,7 @@
 // fill-and-drain bubble per call. A stage that throws fails only the call that micro-batch
 // belongs to. Admission is bounded: at most `max_inflight` micro-batches are inside the
 // pipeline at once, and submitting more waits (backpressure instead of unbounded memory).
+// Under concurrent load, calls are cut more coarsely (SessionOptions::adaptive_microbatches).
 #pragma once
 
 #include <torch/csrc/jit/api/module.h>
@@ -32,6 +33,12 @@ struct SessionOptions {
   int64_t num_microbatches = 1;
   int threads_per_stage = 0;  // 0: the stage's share of the cores
   int64_t max_inflight = 0;   // micro-batches inside the pipeline at once; 0: max(2·M, 4·stages)
+  // Adaptive: a call that arrives while others are in flight is cut into only as many
+  // micro-batches as it takes to bring the pipeline to one per stage (at least 1, at most M);
+  // a call that finds the pipeline empty gets all M. Once other calls keep the stages busy,
+  // finer cuts only cost efficiency (smaller GEMMs, weights streamed once per micro-batch).
+  // Fixed: every call gets M, e.g. to bound the activation memory of one micro-batch.
+  bool adaptive_microbatches = true;
   std::vector<chunk::InputSpec> input_specs;    // by forward argument; missing: default
   std::vector<chunk::OutputSpec> output_specs;  // by flattened output; missing: concat along 0
   stage::StageOptions stage;                    // weights and dtype of every stage
@@ -142,6 +149,7 @@ class Session {
   void run_stage(size_t stage, MicroBatch& mb);
   void admit(const std::shared_ptr<Request>& request);  // waits for a slot; false if refused
   void release();                                       // a micro-batch left the pipeline
+  int64_t microbatches_for_next_call();
 
   std::shared_ptr<const graph::Plan> plan_;
   SessionOptions options_;

@@ -187,6 +187,24 @@ def test_bench_reports_throughput_latency_and_busy_fractions():
     assert len(report["stage_busy"]) == 4 and all(0 < b <= 1.0 for b in report["stage_busy"])
 
 
+def test_bench_fixed_microbatching_cuts_every_request_alike():
+    # Fixed: every one of the 20 requests is cut into 2 micro-batches at every stage. (Adaptive
+    # may cut fewer under load; the C conformance suite checks when.)
+    result = pipe("bench", fixture("multi_mlp.traced.pt"), "--input", fixture("multi_mlp.inputs.safetensors"),
+                  "--microbatches", 2, "--requests", 20, "--concurrency", 2, "--microbatching", "fixed", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["microbatching"] == "fixed"
+    assert report["stage_microbatches"] == [40, 40, 40, 40]
+
+
+def test_bad_microbatching_mode(tmp_path):
+    result = pipe("run", fixture("example_code.traced.pt"), "--input", fixture("example_code.inputs.safetensors"),
+                  "--output", tmp_path / "o.safetensors", "--microbatching", "sometimes")
+    assert result.returncode == 2
+    assert "--microbatching is adaptive or fixed, got 'sometimes'" in result.stderr
+
+
 def test_bench_text_and_errors():
     result = pipe("bench", fixture("multi_mlp.traced.pt"), "--input", fixture("multi_mlp.inputs.safetensors"),
                   "--requests", 4)

@@ -38,7 +38,7 @@ _Static_assert(sizeof(pipe_stage_options) == 32 && offsetof(pipe_stage_options, 
                "pipe_stage_options");
 _Static_assert(PIPE_DTYPE_KEEP == 0 && PIPE_DTYPE_FLOAT32 == 1 && PIPE_DTYPE_FLOAT16 == 2 && PIPE_DTYPE_BFLOAT16 == 3,
                "dtypes");
-_Static_assert(sizeof(pipe_session_options) == 56 && offsetof(pipe_session_options, struct_size) == 0 &&
+_Static_assert(sizeof(pipe_session_options) == 64 && offsetof(pipe_session_options, struct_size) == 0 &&
                    offsetof(pipe_session_options, num_microbatches) == 4 &&
                    offsetof(pipe_session_options, threads_per_stage) == 8 &&
                    offsetof(pipe_session_options, max_inflight) == 12 &&
@@ -46,8 +46,10 @@ _Static_assert(sizeof(pipe_session_options) == 56 && offsetof(pipe_session_optio
                    offsetof(pipe_session_options, num_input_specs) == 24 &&
                    offsetof(pipe_session_options, output_specs) == 32 &&
                    offsetof(pipe_session_options, num_output_specs) == 40 &&
-                   offsetof(pipe_session_options, stage_options) == 48,
+                   offsetof(pipe_session_options, stage_options) == 48 &&
+                   offsetof(pipe_session_options, microbatching) == 56,
                "pipe_session_options");
+_Static_assert(PIPE_MICROBATCHING_ADAPTIVE == 0 && PIPE_MICROBATCHING_FIXED == 1, "microbatching");
 _Static_assert(sizeof(pipe_run_options) == 16 && offsetof(pipe_run_options, struct_size) == 0 &&
                    offsetof(pipe_run_options, timeout_ms) == 8,
                "pipe_run_options");
@@ -376,6 +378,10 @@ static void bad_options(void **state) {
   zero.num_microbatches = 0;
   ASSERT_FAILS(pipe_session_create(l.plan, &zero, &session), PIPE_ERR_INVALID_ARGUMENT,
                "num_microbatches must be at least 1");
+  pipe_session_options mode = PIPE_SESSION_OPTIONS_INIT;
+  mode.microbatching = 7;
+  ASSERT_FAILS(pipe_session_create(l.plan, &mode, &session), PIPE_ERR_INVALID_ARGUMENT,
+               "use PIPE_MICROBATCHING_ADAPTIVE or PIPE_MICROBATCHING_FIXED");
   pipe_session_options negative = PIPE_SESSION_OPTIONS_INIT;
   negative.threads_per_stage = -2;
   ASSERT_FAILS(pipe_session_create(l.plan, &negative, &session), PIPE_ERR_INVALID_ARGUMENT,
@@ -835,14 +841,70 @@ static void make_slow_inputs(slow_inputs *s, int64_t n) {
   s->args[1] = &s->tn;
 }
 
-static pipe_session *slow_session(pipe_model **model, pipe_plan **plan, int32_t microbatches) {
+static pipe_session *slow_session_with(pipe_model **model, pipe_plan **plan, int32_t microbatches,
+                                       int32_t microbatching) {
   pipe_session *session = NULL;
   ASSERT_OK(pipe_model_load(fixture("slow_loop.scripted.pt"), model));
   ASSERT_OK(pipe_plan_create(*model, NULL, plan));
   pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
   o.num_microbatches = microbatches;
+  o.microbatching = microbatching;
   ASSERT_OK(pipe_session_create(*plan, &o, &session));
   return session;
+}
+
+static pipe_session *slow_session(pipe_model **model, pipe_plan **plan, int32_t microbatches) {
+  return slow_session_with(model, plan, microbatches, PIPE_MICROBATCHING_FIXED);
+}
+
+/* Micro-batches the last stage has run so far. */
+static uint64_t last_stage_microbatches(pipe_session *session) {
+  pipe_stage_stats st = PIPE_STAGE_STATS_INIT;
+  ASSERT_OK(pipe_session_stage_stats(session, 1, &st));
+  return st.microbatches;
+}
+
+/* A call that finds the pipeline empty gets all its micro-batches; one that arrives while
+ * another fills the pipeline is cut only as far as needed (here: 1, as 4 are already inside).
+ * FIXED cuts both into 4. Results are the same either way. */
+static void adaptive_microbatching(void **state) {
+  (void)state;
+  const int32_t modes[2] = {PIPE_MICROBATCHING_ADAPTIVE, PIPE_MICROBATCHING_FIXED};
+  const uint64_t expected[2] = {4 + 1, 4 + 4};
+  pipe_tensor_list *results[2][2];
+  for (int m = 0; m < 2; ++m) {
+    pipe_model *model = NULL;
+    pipe_plan *plan = NULL;
+    pipe_session *session = slow_session_with(&model, &plan, 4, modes[m]);
+    slow_inputs busy, second;
+    make_slow_inputs(&busy, 20000);
+    make_slow_inputs(&second, 3);
+    pipe_request *a = NULL, *b = NULL;
+    ASSERT_OK(pipe_session_submit(session, busy.args, 2, NULL, &a));
+    ASSERT_OK(pipe_session_submit(session, second.args, 2, NULL, &b));
+    ASSERT_OK(pipe_request_wait(a, -1, &results[m][0]));
+    ASSERT_OK(pipe_request_wait(b, -1, &results[m][1]));
+    assert_int_equal(last_stage_microbatches(session), expected[m]);
+    /* Alone again, a call gets all 4 in either mode. */
+    pipe_tensor_list *out = NULL;
+    ASSERT_OK(pipe_session_run(session, second.args, 2, NULL, &out));
+    assert_int_equal(last_stage_microbatches(session), expected[m] + 4);
+    pipe_tensor_list_destroy(out);
+    pipe_request_destroy(a);
+    pipe_request_destroy(b);
+    pipe_session_destroy(session);
+    pipe_plan_destroy(plan);
+    pipe_model_destroy(model);
+  }
+  for (int r = 0; r < 2; ++r) {
+    const DLManagedTensor *x = NULL, *y = NULL;
+    ASSERT_OK(pipe_tensor_list_get(results[0][r], 0, &x));
+    ASSERT_OK(pipe_tensor_list_get(results[1][r], 0, &y));
+    const float *fx = (const float *)x->dl_tensor.data, *fy = (const float *)y->dl_tensor.data;
+    for (int i = 0; i < 4 * 64; ++i) assert_true(fabsf(fx[i] - fy[i]) <= 1e-5f);
+    pipe_tensor_list_destroy(results[0][r]);
+    pipe_tensor_list_destroy(results[1][r]);
+  }
 }
 
 static void submit_wait_cancel(void **state) {
@@ -1101,6 +1163,7 @@ int main(void) {
       cmocka_unit_test(split_points_with_estimates),
       cmocka_unit_test(model_module_tree),
       cmocka_unit_test(submit_wait_cancel),
+      cmocka_unit_test(adaptive_microbatching),
       cmocka_unit_test(deadlines),
       cmocka_unit_test(specs_stats_and_trace),
       cmocka_unit_test(remaining_null_arguments),

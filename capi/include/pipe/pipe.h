@@ -48,7 +48,7 @@ extern "C" {
 /* ---- Version ------------------------------------------------------------------------------- */
 
 #define PIPE_VERSION_MAJOR 0
-#define PIPE_VERSION_MINOR 2
+#define PIPE_VERSION_MINOR 3
 #define PIPE_VERSION_PATCH 0
 
 /* "MAJOR.MINOR.PATCH" of the loaded library; equals the PIPE_VERSION_* it was built with.
@@ -335,8 +335,8 @@ typedef struct pipe_chunk_spec {
  * end, and `struct_size` tells the library which ones the caller knows about. */
 typedef struct pipe_session_options {
   uint32_t struct_size;
-  /* Micro-batches per call (>= 1). A batch smaller than this runs as that many micro-batches,
-   * with a logged warning. Default 1. */
+  /* Micro-batches per call (>= 1); see `microbatching` for when a call gets fewer. A batch
+   * smaller than this runs as that many micro-batches, with a logged warning. Default 1. */
   int32_t num_microbatches;
   /* Intra-op threads per stage worker; 0 picks max(1, cores / stages) so that stages do not
    * oversubscribe the machine. Default 0. */
@@ -352,9 +352,21 @@ typedef struct pipe_session_options {
   size_t num_output_specs;
   /* Weights and dtype of every stage (NULL: the model's own weights, dtypes kept). */
   const pipe_stage_options *stage_options;
+  /* PIPE_MICROBATCHING_ADAPTIVE (default) or PIPE_MICROBATCHING_FIXED. Since 0.3. */
+  int32_t microbatching;
 } pipe_session_options;
 
-#define PIPE_SESSION_OPTIONS_INIT {(uint32_t)sizeof(pipe_session_options), 1, 0, 0, NULL, 0, NULL, 0, NULL}
+/* A call that finds the pipeline empty is cut into num_microbatches; a call that arrives while
+ * others are in flight gets only as many as bring the pipeline to one micro-batch per stage
+ * (at least 1). Other calls already keep the stages busy then, and finer cuts would only cost
+ * efficiency (smaller matrix products, each stage's weights read once per micro-batch). */
+#define PIPE_MICROBATCHING_ADAPTIVE 0
+/* Every call is cut into num_microbatches, e.g. to bound the activation memory of one
+ * micro-batch. */
+#define PIPE_MICROBATCHING_FIXED 1
+
+#define PIPE_SESSION_OPTIONS_INIT \
+  {(uint32_t)sizeof(pipe_session_options), 1, 0, 0, NULL, 0, NULL, 0, NULL, PIPE_MICROBATCHING_ADAPTIVE}
 
 /* Build every stage of `plan` on the CPU (loading weights as options->stage_options says) and
  * start one worker thread per stage. `options` NULL means PIPE_SESSION_OPTIONS_INIT; the spec
