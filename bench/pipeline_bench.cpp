@@ -3,9 +3,11 @@
 //
 //   pipeline_bench overhead MODEL INPUT       one stage vs direct forward, single caller
 //   pipeline_bench hop MODEL INPUT            scheduling cost per micro-batch per stage hop
-//   pipeline_bench throughput MODEL INPUT M C 2-stage throughput (M micro-batches, C callers)
-//                                             vs the best unsplit forward over thread counts,
-//                                             and vs 1 / (slowest stage time)
+//   pipeline_bench throughput MODEL INPUT M C [fixed|adaptive]
+//                                             2-stage throughput (M micro-batches, C callers,
+//                                             micro-batching mode, default adaptive) vs the best
+//                                             unsplit forward over thread counts, and vs
+//                                             1 / (slowest stage time)
 //
 // Each prints one markdown table row. Times are medians of repeated rounds.
 #include <ATen/ATen.h>
@@ -58,7 +60,8 @@ struct Libpipe {
   pipe_model* model = nullptr;
   pipe_plan* plan = nullptr;
   pipe_session* session = nullptr;
-  Libpipe(const char* path, int stages_or_markers, int32_t microbatches, int32_t threads = 0) {
+  Libpipe(const char* path, int stages_or_markers, int32_t microbatches, int32_t threads = 0,
+          int32_t microbatching = PIPE_MICROBATCHING_ADAPTIVE) {
     check(pipe_model_load(path, &model), "load");
     pipe_plan_options* o = nullptr;
     check(pipe_plan_options_create(&o), "options");
@@ -68,6 +71,7 @@ struct Libpipe {
     pipe_session_options so = PIPE_SESSION_OPTIONS_INIT;
     so.num_microbatches = microbatches;
     so.threads_per_stage = threads;
+    so.microbatching = microbatching;
     check(pipe_session_create(plan, &so, &session), "session");
   }
   ~Libpipe() {
@@ -160,7 +164,7 @@ int hop(const char* model, const char* input) {
   const double inline_ms = direct_ms(model, x, 1, rounds);
   const double per_hop_us = (median(call) - inline_ms) * 1000.0 / static_cast<double>(stages);
   // Throughput: 64 micro-batches per call, 4 callers; cost per micro-batch per stage, all included.
-  Libpipe many(model, 0, 8, 1);
+  Libpipe many(model, 0, 8, 1, PIPE_MICROBATCHING_FIXED);  // counts below assume 8 per call
   at::Tensor big = at::zeros({64, 1});
   DLView bigview(big);
   for (int i = 0; i < 20; ++i) many.run(&bigview.managed);
@@ -181,13 +185,13 @@ int hop(const char* model, const char* input) {
   return 0;
 }
 
-int throughput(const char* model, const char* input, int32_t microbatches, int callers) {
+int throughput(const char* model, const char* input, int32_t microbatches, int callers, bool fixed) {
   at::Tensor x = load_input(input);
   DLView view(x);
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
   const double batch = static_cast<double>(x.size(0));
   // Loaded first: it registers the pipe::split op the direct load below needs too.
-  Libpipe lp(model, 0, microbatches);
+  Libpipe lp(model, 0, microbatches, 0, fixed ? PIPE_MICROBATCHING_FIXED : PIPE_MICROBATCHING_ADAPTIVE);
   // Libpipe at the markers, `callers` threads calling run in a loop.
   size_t stages = 0;
   check(pipe_plan_num_stages(lp.plan, &stages), "stages");
@@ -219,24 +223,28 @@ int throughput(const char* model, const char* input, int32_t microbatches, int c
   }
   const double piped_sps = calls * batch / (wall / 1000.0);
   const double direct_sps = batch / (best_direct / 1000.0);
-  // The bound: each stage's busy time per micro-batch, measured during this run.
-  double slowest = 0;
+  // The bound: every stage ran every sample of the run, so the stage with the most busy time
+  // caps throughput at samples / its busy time. (Adaptive micro-batches differ in size, so a
+  // per-micro-batch time would not do.)
+  double slowest_busy = 0;
   std::string busy;
   for (size_t s = 0; s < stages; ++s) {
     pipe_stage_stats now = PIPE_STAGE_STATS_INIT;
     check(pipe_session_stage_stats(lp.session, s, &now), "stats");
-    const double per_mb = (now.busy_ms - before[s].busy_ms) / static_cast<double>(now.microbatches - before[s].microbatches);
-    slowest = std::max(slowest, per_mb);
-    char buf[96];
-    std::snprintf(buf, sizeof buf, "%sstage %zu %.1f%% busy, %.3f ms/mb", s ? "; " : "", s,
-                  100.0 * (now.busy_ms - before[s].busy_ms) / wall, per_mb);
+    const double busy_ms = now.busy_ms - before[s].busy_ms;
+    const uint64_t mbs = now.microbatches - before[s].microbatches;
+    slowest_busy = std::max(slowest_busy, busy_ms);
+    char buf[128];
+    std::snprintf(buf, sizeof buf, "%sstage %zu %.1f%% busy, %llu micro-batches, %.3f ms each", s ? "; " : "", s,
+                  100.0 * busy_ms / wall, static_cast<unsigned long long>(mbs), busy_ms / static_cast<double>(mbs));
     busy += buf;
   }
-  const double bound_sps = (batch / microbatches) / (slowest / 1000.0);
-  std::printf("| %zu stages, %d micro-batches, %d callers, batch %.0f | best unsplit forward %.1f samples/s (%d threads) "
-              "| libpipe %.1f samples/s = %.3fx unsplit | 1/(slowest stage) bound %.1f samples/s, libpipe at %.1f%% | %s |\n",
-              stages, microbatches, callers, batch, direct_sps, best_threads, piped_sps, piped_sps / direct_sps,
-              bound_sps, 100.0 * piped_sps / bound_sps, busy.c_str());
+  const double bound_sps = calls * batch / (slowest_busy / 1000.0);
+  std::printf("| %zu stages, %d micro-batches (%s), %d callers, batch %.0f | best unsplit forward %.1f samples/s "
+              "(%d threads) | libpipe %.1f samples/s = %.3fx unsplit | 1/(slowest stage) bound %.1f samples/s, "
+              "libpipe at %.1f%% | %s |\n",
+              stages, microbatches, fixed ? "fixed" : "adaptive", callers, batch, direct_sps, best_threads, piped_sps,
+              piped_sps / direct_sps, bound_sps, 100.0 * piped_sps / bound_sps, busy.c_str());
   return 0;
 }
 
@@ -246,7 +254,8 @@ int main(int argc, char** argv) {
   if (argc >= 4 && std::string(argv[1]) == "overhead") return overhead(argv[2], argv[3]);
   if (argc >= 4 && std::string(argv[1]) == "hop") return hop(argv[2], argv[3]);
   if (argc >= 6 && std::string(argv[1]) == "throughput")
-    return throughput(argv[2], argv[3], std::atoi(argv[4]), std::atoi(argv[5]));
-  std::fprintf(stderr, "usage: pipeline_bench overhead|hop MODEL INPUT | throughput MODEL INPUT M CALLERS\n");
+    return throughput(argv[2], argv[3], std::atoi(argv[4]), std::atoi(argv[5]),
+                      argc >= 7 && std::string(argv[6]) == "fixed");
+  std::fprintf(stderr, "usage: pipeline_bench overhead|hop MODEL INPUT | throughput MODEL INPUT M CALLERS [fixed|adaptive]\n");
   return 2;
 }

@@ -1,5 +1,5 @@
-/* The smallest complete libpipe program: load a TorchScript model with pipe::split() markers,
- * cut it into stages, run inputs from a safetensors file through the pipeline with 4
+/* The smallest complete libpipe program: load a TorchScript model, cut it into 2 stages just
+ * before module blocks.2, run inputs from a safetensors file through the pipeline with 4
  * micro-batches, and compare the result with the reference output the model generator wrote.
  *
  *   example_c MODEL.pt INPUTS.safetensors REFERENCE.safetensors
@@ -30,7 +30,11 @@ int main(int argc, char **argv) {
   pipe_tensor_list *inputs = NULL, *outputs = NULL, *reference = NULL;
 
   CHECK(pipe_model_load(argv[1], &model));
-  CHECK(pipe_plan_create(model, NULL, &plan));
+  pipe_plan_options *cut = NULL;
+  CHECK(pipe_plan_options_create(&cut));
+  CHECK(pipe_plan_options_add_split_point(cut, "blocks.2:begin"));
+  CHECK(pipe_plan_create(model, cut, &plan));
+  pipe_plan_options_destroy(cut);
   size_t stages = 0;
   CHECK(pipe_plan_num_stages(plan, &stages));
 

@@ -153,6 +153,13 @@ void Session::admit(const std::shared_ptr<Request>& request) {
   if (inflight_ >= options_.max_inflight)
     throw Error(Status::DeadlineExceeded, "the call's deadline passed while it waited for room in the pipeline");
   ++inflight_;
+  --promised_;
+}
+
+void Session::unpromise(int64_t count) {
+  if (count == 0) return;
+  std::lock_guard lock(admission_mutex_);
+  promised_ -= count;
 }
 
 void Session::release() {
@@ -163,18 +170,18 @@ void Session::release() {
   admission_cv_.notify_one();
 }
 
-int64_t Session::microbatches_for_next_call() {
+int64_t Session::promise_microbatches() {
   const int64_t requested = options_.num_microbatches;
-  if (!options_.adaptive_microbatches || requested == 1) return requested;
-  int64_t others;
-  {
-    std::lock_guard lock(admission_mutex_);
-    others = inflight_;
-  }
+  std::lock_guard lock(admission_mutex_);
+  int64_t count = requested;
   // Alone, the call must fill the pipeline by itself: all M. Otherwise the micro-batches
-  // already inside count towards the one-per-stage that keeps every stage busy.
-  if (others == 0) return requested;
-  return std::clamp<int64_t>(static_cast<int64_t>(stages_.size()) - others, 1, requested);
+  // already inside (or about to enter) count towards the one-per-stage that keeps every stage
+  // busy.
+  const int64_t others = inflight_ + promised_;
+  if (options_.adaptive_microbatches && others > 0)
+    count = std::clamp<int64_t>(static_cast<int64_t>(stages_.size()) - others, 1, requested);
+  promised_ += count;
+  return count;
 }
 
 void Session::worker_loop(size_t s) {
@@ -277,12 +284,19 @@ std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs,
     for (auto& v : cast)
       if (v.isTensor() && at::isFloatingType(v.toTensor().scalar_type())) v = v.toTensor().to(*options_.stage.dtype);
   }
-  auto microbatches = chunk::split_inputs(options_.stage.dtype ? cast : inputs, names, microbatches_for_next_call(),
-                                         options_.input_specs);
+  // Whatever happens below, the micro-batches promised and not admitted are given back.
+  struct Unpromise {
+    Session& session;
+    int64_t left;
+    ~Unpromise() { session.unpromise(left); }
+  } promised{*this, promise_microbatches()};
+  auto microbatches =
+      chunk::split_inputs(options_.stage.dtype ? cast : inputs, names, promised.left, options_.input_specs);
   auto request = std::make_shared<Request>(next_request_id_++, microbatches.size(), options.deadline);
   for (size_t m = 0; m < microbatches.size(); ++m) {
     try {
       admit(request);
+      --promised.left;
     } catch (const Error& e) {
       if (!request->failed()) request->fail(e.status(), e.what());
       // Micro-batches never admitted will never finish by themselves.

@@ -149,7 +149,10 @@ class Session {
   void run_stage(size_t stage, MicroBatch& mb);
   void admit(const std::shared_ptr<Request>& request);  // waits for a slot; false if refused
   void release();                                       // a micro-batch left the pipeline
-  int64_t microbatches_for_next_call();
+  // How many micro-batches the next call gets; they are promised (counted as in flight for
+  // the calls that follow) until admit() takes them or unpromise() gives back the rest.
+  int64_t promise_microbatches();
+  void unpromise(int64_t count);
 
   std::shared_ptr<const graph::Plan> plan_;
   SessionOptions options_;
@@ -161,6 +164,7 @@ class Session {
   std::mutex admission_mutex_;
   std::condition_variable admission_cv_;
   int64_t inflight_ = 0;
+  int64_t promised_ = 0;  // cut but not yet admitted: calls arriving together see each other
   bool stopping_ = false;
   std::atomic<bool> shutting_down_{false};  // workers drop what they pop
   std::atomic<uint64_t> next_request_id_{1};
