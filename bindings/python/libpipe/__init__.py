@@ -1,11 +1,101 @@
-"""libpipe for Python model authors.
+"""libpipe for Python: pipelined inference of TorchScript models, and the tools model authors use.
 
-`pipe_split()` marks a stage boundary in a model's forward; libpipe cuts the exported
-TorchScript model there. `save_skeleton()` and `save_checkpoint()` export a model as code plus
-safetensors weights, so that each pipeline stage loads only its own weights. All of it is pure
-Python over torch and needs no compiled libpipe.
+For model authors (pure Python over torch; no compiled libpipe needed):
+  `pipe_split()` marks a stage boundary in a model's forward; libpipe cuts the exported
+  TorchScript model there. `save_skeleton()` and `save_checkpoint()` export a model as code plus
+  safetensors weights, so that each pipeline stage loads only its own weights.
+
+For running models (the native module `libpipe._native`, a SWIG wrapper of libpipe's C ABI,
+imported on first use):
+  `Model.load(path)` -> `model.split(...)` -> `plan.session(...)` -> `session.run(*inputs)`;
+  failures raise `libpipe.Error` subclasses carrying a `Status`. See libpipe.runtime.
 """
-from .export import save_checkpoint, save_skeleton
-from .marker import pipe_split
+from .errors import (
+    CancelledError,
+    DeadlineExceededError,
+    Error,
+    ExecutionError,
+    InputError,
+    InternalError,
+    InvalidArgumentError,
+    InvalidFormatError,
+    IOFailedError,
+    NotFoundError,
+    OutOfMemoryError,
+    SplitError,
+    Status,
+    UnsupportedError,
+    WaitTimeoutError,
+)
+from .runtime import (
+    LOG_DEBUG,
+    LOG_ERROR,
+    LOG_INFO,
+    LOG_WARNING,
+    MICROBATCHING_MODES,
+    DLPackTensor,
+    Model,
+    ModuleInfo,
+    Plan,
+    Request,
+    Session,
+    load_safetensors,
+    set_log_level,
+    version,
+)
 
-__all__ = ["pipe_split", "save_checkpoint", "save_skeleton"]
+try:
+    # Importing the marker registers pipe::split in this process's torch before libpipe's native
+    # library is loaded (which then finds it and does not register it a second time).
+    from .export import save_checkpoint, save_skeleton
+    from .marker import pipe_split
+except ModuleNotFoundError as _missing:  # no torch: the runtime still works with numpy
+    if _missing.name not in ("torch", "safetensors"):
+        raise
+    _why = f"{_missing.name} is not installed ({_missing})"
+
+    def _needs_torch(name):
+        def unavailable(*args, **kwargs):
+            raise ImportError(f"libpipe.{name} needs torch and safetensors: {_why}")
+
+        unavailable.__name__ = name
+        return unavailable
+
+    pipe_split = _needs_torch("pipe_split")
+    save_checkpoint = _needs_torch("save_checkpoint")
+    save_skeleton = _needs_torch("save_skeleton")
+
+__all__ = [
+    "pipe_split",
+    "save_checkpoint",
+    "save_skeleton",
+    "Model",
+    "Plan",
+    "Session",
+    "Request",
+    "DLPackTensor",
+    "ModuleInfo",
+    "load_safetensors",
+    "set_log_level",
+    "version",
+    "LOG_DEBUG",
+    "LOG_INFO",
+    "LOG_WARNING",
+    "LOG_ERROR",
+    "MICROBATCHING_MODES",
+    "Status",
+    "Error",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "InvalidFormatError",
+    "SplitError",
+    "InputError",
+    "ExecutionError",
+    "IOFailedError",
+    "OutOfMemoryError",
+    "UnsupportedError",
+    "InternalError",
+    "WaitTimeoutError",
+    "CancelledError",
+    "DeadlineExceededError",
+]

@@ -1,0 +1,138 @@
+"""libpipe's errors: every failed call raises `libpipe.Error` (or a subclass), carrying the C ABI's
+status code as `.status` (a `Status`) and its message as `.message`.
+
+    try:
+        model.split(split_at=["blok.2:begin"])
+    except libpipe.SplitError as e:
+        print(e.status.name, e.message)   # SPLIT  cannot split model: ... nearest module paths: blocks.2, ...
+
+Pure Python: the native module raises these through `from_status`.
+"""
+import enum
+
+
+class Status(enum.IntEnum):
+    """The PIPE_* status codes of pipe.h (PIPE_OK == 0)."""
+
+    OK = 0
+    INVALID_ARGUMENT = 1
+    NOT_FOUND = 2
+    INVALID_FORMAT = 3
+    SPLIT = 4
+    INPUT = 5
+    EXECUTION = 6
+    IO = 7
+    OUT_OF_MEMORY = 8
+    UNSUPPORTED = 9
+    INTERNAL = 10
+    TIMEOUT = 11
+    CANCELLED = 12
+    DEADLINE_EXCEEDED = 13
+
+    @property
+    def c_name(self):
+        """The name pipe_status_string() gives ("PIPE_OK", "PIPE_ERR_SPLIT", ...)."""
+        return "PIPE_OK" if self is Status.OK else "PIPE_ERR_" + self.name
+
+
+class Error(Exception):
+    """A libpipe call failed. `status` says what kind of failure (a `Status`, or the raw int for a
+    code this binding does not know), `message` what was wrong and what to do."""
+
+    status = Status.INTERNAL
+
+    def __init__(self, status, message):
+        super().__init__(message)
+        try:
+            self.status = Status(status)
+        except ValueError:
+            self.status = int(status)
+        self.message = message
+
+    def __str__(self):
+        name = self.status.c_name if isinstance(self.status, Status) else f"status {self.status}"
+        return f"{self.message} [{name}]"
+
+    def __reduce__(self):
+        return (from_status, (int(self.status), self.message))
+
+
+class InvalidArgumentError(Error, ValueError):
+    """An argument is missing, out of range or otherwise not acceptable (PIPE_ERR_INVALID_ARGUMENT);
+    also raised for a handle used after close()."""
+
+
+class NotFoundError(Error):
+    """A file (model, checkpoint) does not exist or cannot be opened (PIPE_ERR_NOT_FOUND)."""
+
+
+class InvalidFormatError(Error):
+    """A file is not in the expected format (PIPE_ERR_INVALID_FORMAT)."""
+
+
+class SplitError(Error):
+    """The model cannot be cut as asked (PIPE_ERR_SPLIT); the message names the offending split
+    point or marker and the nearest valid module paths."""
+
+
+class InputError(Error, ValueError):
+    """Inputs do not fit the model: wrong count, dtype, device or shape (PIPE_ERR_INPUT)."""
+
+
+class ExecutionError(Error):
+    """A stage raised while running (PIPE_ERR_EXECUTION); the message names the stage."""
+
+
+class IOFailedError(Error):
+    """Reading or writing a file failed after it was opened (PIPE_ERR_IO)."""
+
+
+class OutOfMemoryError(Error, MemoryError):
+    """Memory could not be allocated (PIPE_ERR_OUT_OF_MEMORY)."""
+
+
+class UnsupportedError(Error):
+    """This build or device cannot do what was asked (PIPE_ERR_UNSUPPORTED)."""
+
+
+class InternalError(Error):
+    """A bug in libpipe (PIPE_ERR_INTERNAL); please report it with the message."""
+
+
+class WaitTimeoutError(Error):
+    """Request.wait(timeout) returned before the call finished (PIPE_ERR_TIMEOUT). The call goes
+    on: wait again, cancel it, or close the request."""
+
+
+class CancelledError(Error):
+    """The call was cancelled, or its session closed while it ran (PIPE_ERR_CANCELLED)."""
+
+
+class DeadlineExceededError(Error):
+    """The call did not finish within its `timeout` (PIPE_ERR_DEADLINE_EXCEEDED)."""
+
+
+_BY_STATUS = {
+    Status.INVALID_ARGUMENT: InvalidArgumentError,
+    Status.NOT_FOUND: NotFoundError,
+    Status.INVALID_FORMAT: InvalidFormatError,
+    Status.SPLIT: SplitError,
+    Status.INPUT: InputError,
+    Status.EXECUTION: ExecutionError,
+    Status.IO: IOFailedError,
+    Status.OUT_OF_MEMORY: OutOfMemoryError,
+    Status.UNSUPPORTED: UnsupportedError,
+    Status.INTERNAL: InternalError,
+    Status.TIMEOUT: WaitTimeoutError,
+    Status.CANCELLED: CancelledError,
+    Status.DEADLINE_EXCEEDED: DeadlineExceededError,
+}
+
+
+def from_status(status, message):
+    """The exception for a failed call's status code and message (used by the native module)."""
+    try:
+        cls = _BY_STATUS.get(Status(status), Error)
+    except ValueError:
+        cls = Error
+    return cls(status, message)

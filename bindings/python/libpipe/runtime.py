@@ -1,0 +1,644 @@
+"""The libpipe runtime from Python: Model -> Plan -> Session -> run / submit.
+
+    import libpipe, numpy as np
+    with libpipe.Model.load("model.pt") as model:
+        plan = model.split(split_at=["blocks.2:begin"])        # or split(), split(stages=2, policy="params")
+        with plan.session(microbatches=4) as session:          # microbatching="adaptive" (default) | "fixed"
+            out = session.run(x)                               # {"output": array}, x numpy or torch
+
+Tensors cross through DLPack without copies: inputs (numpy arrays, torch tensors, anything with
+__dlpack__) are borrowed for the call; outputs come back in the flavour of the inputs (torch in,
+torch out; otherwise numpy) and own the memory libpipe produced.
+
+Every call that can block (load, split, session creation, run, wait) releases the GIL, so other
+Python threads keep running, and one Session may be used from many threads at once.
+
+The native module is imported on first use, so `import libpipe` (for pipe_split and the export
+helpers) works where it was never built.
+"""
+import atexit
+import contextlib
+import json
+import math
+import os
+import sys
+import threading
+import time
+import weakref
+from collections import namedtuple
+
+from .errors import Error, InputError, InvalidArgumentError, Status, WaitTimeoutError
+
+__all__ = [
+    "DLPackTensor",
+    "Model",
+    "ModuleInfo",
+    "Plan",
+    "Request",
+    "Session",
+    "load_safetensors",
+    "set_log_level",
+    "version",
+    "LOG_DEBUG",
+    "LOG_INFO",
+    "LOG_WARNING",
+    "LOG_ERROR",
+    "MICROBATCHING_MODES",
+]
+
+LOG_DEBUG, LOG_INFO, LOG_WARNING, LOG_ERROR = 0, 1, 2, 3
+
+_CHUNK_KINDS = {"default": 0, "split": 1, "replicate": 2, "concat": 3, "sum": 4, "equal": 5}
+_INPUT_KINDS = ("default", "split", "replicate")
+_OUTPUT_KINDS = ("default", "concat", "sum", "equal")
+_DTYPES = {None: 0, "keep": 0, "float32": 1, "float16": 2, "bfloat16": 3}
+_OUTPUT_TYPES = (None, "numpy", "torch", "dlpack")
+# Session(microbatching=...): how calls are cut, named as pipe.h's PIPE_MICROBATCHING_* (whose
+# values are looked up in the native module, not copied here).
+MICROBATCHING_MODES = ("adaptive", "fixed")
+_NAMES_PARAMETERS, _NAMES_BUFFERS = 0, 1
+# DLPack type codes numpy holds: int, uint, float, complex, bool (not bfloat16, code 4).
+_NUMPY_DLPACK_CODES = (0, 1, 2, 5, 6)
+
+_native = None
+
+
+def _lib():
+    """The SWIG module, imported on first use."""
+    global _native
+    if _native is None:
+        try:
+            from . import _native as module
+        except ImportError as e:
+            raise ImportError(
+                "libpipe's native module (libpipe._native) is not available: install the package "
+                "with `pip install bindings/python` while pkg-config finds libpipe "
+                "(PKG_CONFIG_PATH=<prefix>/lib/pkgconfig). Only pipe_split, save_skeleton and "
+                f"save_checkpoint work without it. ({e})"
+            ) from e
+        _native = module
+    return _native
+
+
+def version():
+    """The loaded libpipe's version, "MAJOR.MINOR.PATCH"."""
+    return _lib().pipe_version()
+
+
+def set_log_level(level):
+    """Drop libpipe's log messages below `level` (LOG_DEBUG .. LOG_ERROR); they go to stderr."""
+    _lib().pipe_set_log_callback(None, None, int(level))
+
+
+# ---- handles --------------------------------------------------------------------------------
+
+_live = weakref.WeakSet()
+
+
+class _Handle:
+    """An owned C handle. Any number of calls may use it at once (`use()`); close() stops new
+    uses, waits for the running ones, then destroys it exactly once. This is what makes closing a
+    session while other threads run on it safe: the C ABI forbids destroying it under them."""
+
+    __slots__ = ("_ptr", "_destroy", "_cond", "_users", "_what", "_rank", "__weakref__")
+
+    def __init__(self, ptr, destroy, what, rank):
+        self._ptr = ptr
+        self._destroy = destroy
+        self._cond = threading.Condition(threading.Lock())
+        self._users = 0
+        self._what = what
+        self._rank = rank  # the order of destruction at exit: requests, sessions, plans, models
+        _live.add(self)
+
+    @contextlib.contextmanager
+    def use(self):
+        with self._cond:
+            if self._ptr is None:
+                raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"this {self._what} is closed")
+            self._users += 1
+            ptr = self._ptr
+        try:
+            yield ptr
+        finally:
+            with self._cond:
+                self._users -= 1
+                if self._users == 0:
+                    self._cond.notify_all()
+
+    @property
+    def closed(self):
+        return self._ptr is None
+
+    def close(self, block=True):
+        with self._cond:
+            if self._ptr is None:
+                return
+            if not block and self._users:
+                return
+            ptr, self._ptr = self._ptr, None
+            self._cond.wait_for(lambda: self._users == 0)
+        self._destroy(ptr)
+
+
+@atexit.register
+def _close_all():
+    # Stop worker threads while the interpreter is still whole. Handles a daemon thread is still
+    # using are left alone rather than waited for.
+    for handle in sorted(list(_live), key=lambda h: h._rank):
+        try:
+            handle.close(block=False)
+        except Exception:
+            pass
+
+
+class _Closeable:
+    _handle = None
+
+    def close(self):
+        """Free the handle (waits for calls still running on it). Further use raises."""
+        if self._handle is not None:
+            self._handle.close()
+
+    @property
+    def closed(self):
+        return self._handle is None or self._handle.closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---- tensors --------------------------------------------------------------------------------
+
+
+def _is_torch(x):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _export(x, what):
+    """A "dltensor" capsule over x's memory (no copy), which libpipe borrows for the call. The
+    capsule keeps x's memory alive until it is collected."""
+    if isinstance(x, DLPackTensor):
+        return x.__dlpack__()
+    if _is_torch(x):
+        t = x.detach() if x.requires_grad else x  # a view: DLPack refuses tensors needing grad
+        try:
+            return t.__dlpack__()
+        except (BufferError, RuntimeError) as e:
+            # Lazily conjugated / negated views cannot be exported as they are.
+            try:
+                return t.resolve_conj().resolve_neg().__dlpack__()
+            except Exception:
+                raise InputError(Status.INPUT, f"{what}: the tensor cannot be passed as DLPack: {e}") from e
+    import numpy as np
+
+    if not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__"):
+        return x.__dlpack__()
+    try:
+        a = np.asarray(x)  # numbers and lists become arrays; an ndarray stays itself
+        if a.flags.writeable and a.dtype.isnative:
+            return a.__dlpack__()
+        # Read-only or byte-swapped arrays cannot be exported as they are (legacy DLPack has no
+        # read-only flag): these, and only these, are copied.
+        return np.array(a, dtype=a.dtype.newbyteorder("="), copy=True).__dlpack__()
+    except (BufferError, TypeError, ValueError) as e:
+        raise InputError(Status.INPUT, f"{what}: a {type(x).__name__} cannot be passed to libpipe as a tensor: {e}") from e
+
+
+class DLPackTensor:
+    """One tensor libpipe produced, not yet handed to an array library. `torch.from_dlpack(t)` or
+    `numpy.from_dlpack(t)` adopt its memory without a copy (once: the consumer then owns it).
+    Dropped unconsumed, it frees the memory itself."""
+
+    __slots__ = ("_capsule", "device", "data_ptr", "shape", "strides", "dtype")
+
+    def __init__(self, capsule):
+        info = _lib().libpipe_dlpack_info(capsule)
+        self._capsule = capsule
+        self.device = (info["device_type"], info["device_id"])
+        self.data_ptr = info["data"]  # the first element's address
+        self.shape = info["shape"]
+        self.strides = info["strides"]  # in elements; None when compact row-major
+        self.dtype = info["dtype"]  # DLPack (code, bits, lanes)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if copy:
+            raise BufferError("libpipe hands its outputs over without copying (copy=True was asked)")
+        if dl_device is not None and tuple(dl_device) != self.device:
+            raise BufferError(f"the tensor is on DLPack device {self.device}, not {tuple(dl_device)}")
+        capsule, self._capsule = self._capsule, None
+        if capsule is None:
+            raise BufferError("this tensor was already handed over by __dlpack__")
+        if max_version is not None and tuple(max_version) >= (1, 0):
+            # A DLPack 1.x consumer: the versioned capsule, which numpy imports as writable.
+            return _lib().libpipe_dlpack_versioned(capsule)
+        return capsule
+
+    def __dlpack_device__(self):
+        return self.device
+
+    def __repr__(self):
+        state = "consumed" if self._capsule is None else f"data=0x{self.data_ptr:x}"
+        return f"DLPackTensor(shape={self.shape}, dtype={self.dtype}, device={self.device}, {state})"
+
+
+def _convert(entries, output_type):
+    """[(name, capsule)] -> {name: array} in the requested flavour."""
+    out = {}
+    for name, capsule in entries:
+        t = DLPackTensor(capsule)
+        if output_type == "dlpack":
+            out[name] = t
+        elif output_type == "torch":
+            import torch
+
+            out[name] = torch.from_dlpack(t)
+        else:
+            import numpy as np
+
+            code, bits, lanes = t.dtype
+            if code in _NUMPY_DLPACK_CODES and lanes == 1:
+                out[name] = np.from_dlpack(t)
+            else:
+                out[name] = t  # a dtype numpy cannot hold (bfloat16): torch.from_dlpack takes it
+    return out
+
+
+def _flavour(args, output_type):
+    if output_type not in _OUTPUT_TYPES:
+        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"output_type must be one of {_OUTPUT_TYPES}, not {output_type!r}")
+    if output_type is not None:
+        return output_type
+    return "torch" if any(_is_torch(a) for a in args) else "numpy"
+
+
+def _timeout_ms(timeout, what):
+    """Seconds (None: no limit) -> the C ABI's milliseconds, rounded up."""
+    if timeout is None:
+        return None
+    if not timeout > 0:
+        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"{what} must be a positive number of seconds or None, not {timeout!r}")
+    return max(1, math.ceil(timeout * 1000))
+
+
+def _arguments(input_names, inputs, named):
+    """Positional inputs, then the remaining forward arguments by name, in forward's order."""
+    if not named:
+        return list(inputs)
+    names = list(input_names)
+    unknown = [n for n in named if n not in names]
+    if unknown:
+        raise InputError(Status.INPUT, f"unknown input(s) {unknown}: the model's inputs are {names}")
+    twice = [n for n in names[: len(inputs)] if n in named]
+    if twice:
+        raise InputError(Status.INPUT, f"input(s) {twice} given both by position and by name")
+    args = list(inputs)
+    for name in names[len(inputs):]:
+        if name not in named:
+            missing = [n for n in names[len(args):] if n not in named]
+            raise InputError(Status.INPUT, f"missing input(s) {missing}: the model's inputs are {names}")
+        args.append(named[name])
+    return args
+
+
+# ---- model, plan, session -----------------------------------------------------------------------
+
+ModuleInfo = namedtuple("ModuleInfo", "path type_name depth num_params param_bytes")
+
+
+class Model(_Closeable):
+    """A loaded TorchScript model. `Model.load(path)`; then `split(...)` makes a Plan. Plans and
+    sessions made from it stay valid after the model is closed."""
+
+    def __init__(self, ptr, path):
+        lib = _lib()
+        self._handle = _Handle(ptr, lib.pipe_model_destroy, "model", 3)
+        self.path = path
+        count = lib.pipe_model_num_inputs(ptr)
+        self._input_names = tuple(lib.pipe_model_input_name(ptr, i) for i in range(count))
+
+    @classmethod
+    def load(cls, path):
+        """Load a TorchScript archive (torch.jit.trace / torch.jit.script output; it is code: load
+        only models you trust). NotFoundError, InvalidFormatError."""
+        path = os.fsdecode(os.fspath(path))
+        return cls(_lib().pipe_model_load(path), path)
+
+    @property
+    def input_names(self):
+        """Names of forward's arguments, in order (x, input_ids, ...)."""
+        return self._input_names
+
+    def modules(self):
+        """The module tree in pre-order, as ModuleInfo(path, type_name, depth, num_params,
+        param_bytes); the root's path is ""."""
+        lib = _lib()
+        with self._handle.use() as h:
+            return [ModuleInfo(*lib.pipe_model_module(h, i)) for i in range(lib.pipe_model_num_modules(h))]
+
+    def split(self, split_at=None, *, stages=None, policy="uniform", example_inputs=None):
+        """Cut the model into stages.
+
+        - split(): at the pipe::split() markers of the model code (none: one stage);
+        - split(split_at=["blocks.2:begin", "head:end"]): at module boundaries ("FQN:begin" /
+          "FQN:end", "FQN@K:end" for the K-th call of a module called several times);
+        - split(stages=N, policy="uniform" | "params" | "time"): N balanced stages; "time" needs
+          example_inputs (forward's arguments, a sequence or a dict by name), which with any split
+          make describe() report each stage's measured time.
+        SplitError names an unknown module and the nearest existing ones."""
+        lib = _lib()
+        if isinstance(split_at, str):
+            split_at = [split_at]
+        if split_at is not None and stages is not None:
+            raise InvalidArgumentError(Status.INVALID_ARGUMENT, "give split_at or stages, not both")
+        with self._handle.use() as h:
+            if split_at is None and stages is None and example_inputs is None:
+                return Plan(lib.pipe_plan_create(h, None), self._input_names)
+            options = lib.pipe_plan_options_create()
+            try:
+                for point in split_at or ():
+                    lib.pipe_plan_options_add_split_point(options, point)
+                if stages is not None:
+                    lib.pipe_plan_options_set_stages(options, int(stages), policy)
+                if example_inputs is not None:
+                    if isinstance(example_inputs, dict):
+                        args = _arguments(self._input_names, (), example_inputs)
+                    else:
+                        args = list(example_inputs)
+                    capsules = [_export(a, f"example input {i}") for i, a in enumerate(args)]
+                    lib.pipe_plan_options_set_example_inputs(options, capsules)
+                return Plan(lib.pipe_plan_create(h, options), self._input_names)
+            finally:
+                lib.pipe_plan_options_destroy(options)
+
+    def __repr__(self):
+        return f"<libpipe.Model {self.path!r} inputs={list(self._input_names)}{' closed' if self.closed else ''}>"
+
+
+def _specs(specs, allowed, what, input_names=None):
+    """Chunk specs ("split", ("split", 1), "replicate", None ...) -> [(kind, dim)]. A dict maps
+    forward argument names to specs (inputs only)."""
+    if specs is None:
+        return None
+    if isinstance(specs, dict):
+        if input_names is None:
+            raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"{what} must be a sequence")
+        unknown = [n for n in specs if n not in input_names]
+        if unknown:
+            raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"{what}: unknown input(s) {unknown}; the model's inputs are {list(input_names)}")
+        specs = [specs.get(n) for n in input_names]
+    result = []
+    for i, spec in enumerate(specs):
+        kind, dim = (spec, 0) if spec is None or isinstance(spec, str) else tuple(spec)
+        kind = "default" if kind is None else kind
+        if kind not in allowed:
+            raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"{what}[{i}]: {kind!r} is not one of {allowed}")
+        result.append((_CHUNK_KINDS[kind], int(dim)))
+    return result
+
+
+class Plan(_Closeable):
+    """A model cut into stages. `num_stages`, `describe()`, `session(...)`. Sessions made from it
+    stay valid after it is closed."""
+
+    def __init__(self, ptr, input_names):
+        lib = _lib()
+        self._handle = _Handle(ptr, lib.pipe_plan_destroy, "plan", 2)
+        self.input_names = input_names
+        self.num_stages = lib.pipe_plan_num_stages(ptr)
+
+    def describe(self):
+        """The plan as a dict: num_stages, method, balance, boundaries, and per stage its
+        parameters, buffers, param_bytes, estimated_ms, inputs and outputs (see pipe.h)."""
+        with self._handle.use() as h:
+            return json.loads(_lib().pipe_plan_describe(h))
+
+    def stage_parameters(self, stage):
+        """Original dotted names of the parameters stage `stage` reads."""
+        lib = _lib()
+        with self._handle.use() as h:
+            n = lib.pipe_plan_stage_count_names(h, stage, _NAMES_PARAMETERS)
+            return [lib.pipe_plan_stage_name(h, stage, _NAMES_PARAMETERS, i) for i in range(n)]
+
+    def save_stage(self, stage, path, *, dtype=None, weights=None):
+        """Save stage `stage` as a standalone TorchScript file (torch.jit.load reloads it)."""
+        with self._handle.use() as h:
+            _lib().pipe_plan_save_stage(h, stage, _stage_options(dtype, weights), os.fsdecode(os.fspath(path)))
+
+    def session(self, microbatches=4, threads_per_stage=0, max_inflight=0, input_specs=None,
+                output_specs=None, *, microbatching="adaptive", dtype=None, weights=None):
+        """Build the stages and start one worker thread per stage.
+
+        microbatches: micro-batches per call (see microbatching). threads_per_stage: intra-op
+        threads per stage (0: cores / stages). max_inflight: micro-batches in the pipeline at
+        once over all calls (0: max(2 x microbatches, 4 x stages)). microbatching: "adaptive"
+        (default): a call that finds the pipeline empty is cut into `microbatches`, one that
+        arrives while other calls are in flight into only as many as bring the pipeline to one
+        micro-batch per stage (at least 1); "fixed": every call into `microbatches` (e.g. to bound
+        one micro-batch's activation memory). Results are the same either way; only the number of
+        micro-batches run (stats()) differs. input_specs: per forward argument (a sequence, or a
+        dict by name) "default" | "split" | ("split", dim) | "replicate"; output_specs: per
+        output "concat" | ("concat", dim) | "sum" | "equal". dtype: "float32" | "float16" |
+        "bfloat16" for floating weights and inputs. weights: a safetensors checkpoint or index."""
+        if not isinstance(microbatching, str) or microbatching not in MICROBATCHING_MODES:
+            raise InvalidArgumentError(
+                Status.INVALID_ARGUMENT,
+                f"microbatching must be one of {MICROBATCHING_MODES}, not {microbatching!r}",
+            )
+        lib = _lib()
+        options = {
+            "num_microbatches": int(microbatches),
+            "threads_per_stage": int(threads_per_stage),
+            "max_inflight": int(max_inflight),
+            "microbatching": getattr(lib, f"PIPE_MICROBATCHING_{microbatching.upper()}"),
+            "input_specs": _specs(input_specs, _INPUT_KINDS, "input_specs", self.input_names),
+            "output_specs": _specs(output_specs, _OUTPUT_KINDS, "output_specs"),
+        }
+        options.update(_stage_options(dtype, weights) or {})
+        with self._handle.use() as h:
+            return Session(lib.pipe_session_create(h, options), self.input_names)
+
+    def __repr__(self):
+        return f"<libpipe.Plan {self.num_stages} stages{' closed' if self.closed else ''}>"
+
+
+def _stage_options(dtype, weights):
+    if dtype is None and weights is None:
+        return None
+    if dtype not in _DTYPES:
+        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"dtype must be one of {sorted(k for k in _DTYPES if k)}, not {dtype!r}")
+    options = {"dtype": _DTYPES[dtype]}
+    if weights is not None:
+        options["weights"] = os.fsdecode(os.fspath(weights))
+    return options
+
+
+class Session(_Closeable):
+    """Stage workers running a plan. run() and submit() are safe from many threads at once;
+    close() waits for the runs in progress, and fails submitted requests still running with
+    CancelledError."""
+
+    def __init__(self, ptr, input_names):
+        lib = _lib()
+        self._handle = _Handle(ptr, lib.pipe_session_destroy, "session", 1)
+        self.input_names = input_names
+        self.num_stages = lib.pipe_session_num_stages(ptr)
+
+    def run(self, *inputs, timeout=None, output_type=None, **named):
+        """Run one call and return {output name: tensor} ("output" for a tensor result,
+        "output.0", ... for a tuple, "output.<key>" for a dict). Inputs are forward's arguments,
+        by position or by name: numpy arrays, torch tensors, numbers, or objects with __dlpack__;
+        they are borrowed, not copied. Outputs are torch tensors when an input is one, numpy
+        arrays otherwise (output_type="numpy" | "torch" | "dlpack" to choose). timeout: seconds
+        until DeadlineExceededError."""
+        args = _arguments(self.input_names, inputs, named)
+        flavour = _flavour(args, output_type)
+        capsules = [_export(a, f"input {i}") for i, a in enumerate(args)]
+        ms = _timeout_ms(timeout, "timeout")
+        with self._handle.use() as h:
+            entries = _lib().pipe_session_run(h, capsules, ms)
+        return _convert(entries, flavour)
+
+    def submit(self, *inputs, timeout=None, output_type=None, **named):
+        """Start one call and return a Request at once (it may wait for room in the pipeline).
+        The inputs are copied, so they may change as soon as this returns."""
+        args = _arguments(self.input_names, inputs, named)
+        flavour = _flavour(args, output_type)
+        capsules = [_export(a, f"input {i}") for i, a in enumerate(args)]
+        ms = _timeout_ms(timeout, "timeout")
+        with self._handle.use() as h:
+            return Request(_lib().pipe_session_submit(h, capsules, ms), flavour, self)
+
+    def stats(self):
+        """Per stage, since the session started: microbatches, failures, busy_ms, idle_ms,
+        queue_depth."""
+        lib = _lib()
+        with self._handle.use() as h:
+            return [lib.pipe_session_stage_stats(h, i) for i in range(self.num_stages)]
+
+    def trace_start(self):
+        """Record a timeline of every micro-batch from now on."""
+        with self._handle.use() as h:
+            _lib().pipe_session_trace_start(h)
+
+    def trace_stop(self, path=None):
+        """Stop recording; write the timeline as Chrome trace JSON to `path` (None discards it)."""
+        with self._handle.use() as h:
+            _lib().pipe_session_trace_stop(h, None if path is None else os.fsdecode(os.fspath(path)))
+
+    def __repr__(self):
+        return f"<libpipe.Session {self.num_stages} stages{' closed' if self.closed else ''}>"
+
+
+class Request(_Closeable):
+    """A call started by Session.submit(). wait() gives its outputs (or raises its error);
+    cancel() asks it to stop; close() cancels it if it still runs."""
+
+    _POLL_S = 0.25  # an unbounded wait is cut into slices so that Ctrl-C gets through
+
+    def __init__(self, ptr, flavour, session):
+        self._handle = _Handle(ptr, _lib().pipe_request_destroy, "request", 0)
+        self._flavour = flavour
+        self._session = session  # the session stays alive while the call may still run
+        self._wait_lock = threading.Lock()  # pipe_request_wait is exclusive per request
+        self._result = None
+        self._error = None
+
+    def wait(self, timeout=None):
+        """The call's outputs, as Session.run gives them. timeout: seconds to wait (None: as
+        long as it takes; 0: only check); WaitTimeoutError if it is still running then (it goes
+        on). Errors of the call (CancelledError, DeadlineExceededError, ...) are raised, again on
+        every later wait."""
+        if timeout is not None and not timeout >= 0:
+            raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"timeout must be >= 0 seconds or None, not {timeout!r}")
+        with self._wait_lock:
+            if self._result is None and self._error is None:
+                self._wait_locked(timeout)
+            if self._error is not None:
+                raise self._error
+            return self._result
+
+    def _wait_locked(self, timeout):
+        lib = _lib()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = self._POLL_S if deadline is None else max(0.0, min(self._POLL_S, deadline - time.monotonic()))
+            entries = error = None
+            still_running = False
+            with self._handle.use() as h:  # raises if the request was closed
+                try:
+                    entries = lib.pipe_request_wait(h, math.ceil(left * 1000))
+                except WaitTimeoutError:
+                    still_running = True
+                except Error as e:
+                    error = e
+            if still_running:
+                if deadline is None or time.monotonic() < deadline:
+                    continue
+                # The call goes on; nothing is kept.
+                raise WaitTimeoutError(Status.TIMEOUT, f"the call is still running after {timeout:g} s; wait again, or cancel it")
+            # Outside use(): _finish closes the handle, which waits for its users.
+            if error is not None:
+                self._finish(error=error)
+                raise error
+            self._finish(result=_convert(entries, self._flavour))
+            return
+
+    def _finish(self, result=None, error=None):
+        self._result, self._error = result, error
+        self._session = None
+        # The outcome is kept here, so the C request can go now.
+        self._handle.close()
+
+    def done(self):
+        """True once the call has finished (successfully or not). Never blocks: while another
+        thread is inside wait(), this says False until that wait has the outcome."""
+        if self._result is not None or self._error is not None:
+            return True
+        if not self._wait_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._result is None and self._error is None:
+                self._wait_locked(0)
+        except WaitTimeoutError:
+            return False
+        except Error:
+            pass  # finished with an error (kept for wait), or closed
+        finally:
+            self._wait_lock.release()
+        return True
+
+    def cancel(self):
+        """Ask the call to stop: micro-batches not yet run are dropped and wait() raises
+        CancelledError. A finished call keeps its result."""
+        with contextlib.suppress(InvalidArgumentError):
+            with self._handle.use() as h:
+                _lib().pipe_request_cancel(h)
+
+    def close(self):
+        if self._handle is not None and not self._handle.closed:
+            self.cancel()
+        super().close()
+        self._session = None
+
+    def __repr__(self):
+        state = "done" if (self._result is not None or self._error is not None) else "pending"
+        return f"<libpipe.Request {state}>"
+
+
+def load_safetensors(path, output_type="numpy"):
+    """Every tensor of a safetensors file, read by libpipe: {name: array} (numpy by default,
+    "torch" or "dlpack" on request), in file order."""
+    if output_type not in ("numpy", "torch", "dlpack"):
+        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"output_type must be 'numpy', 'torch' or 'dlpack', not {output_type!r}")
+    return _convert(_lib().pipe_safetensors_read(os.fsdecode(os.fspath(path))), output_type)

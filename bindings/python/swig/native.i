@@ -1,0 +1,485 @@
+/* SWIG interface for libpipe's C ABI: generates the extension module `libpipe._native`.
+ *
+ * The functions of pipe/pipe.h are wrapped one to one, with typemaps that make them Pythonic at
+ * the edges and nothing more (the friendly API is the pure-Python package around it):
+ *   - a pipe_status other than PIPE_OK raises libpipe.errors.Error (the subclass for the code)
+ *     carrying the code and pipe_last_error(), read on the same thread right after the call;
+ *   - output parameters become return values (handles as opaque SWIG pointers, counts as int,
+ *     strings as str; several outputs as a list);
+ *   - a pipe_tensor_list result becomes a list of (name, capsule) pairs: every entry is taken out
+ *     of the list into a "dltensor" PyCapsule (no copy) and the list is destroyed; whoever
+ *     consumes a capsule (torch.from_dlpack, numpy.from_dlpack) owns the tensor, and a capsule
+ *     nobody consumed frees it when it is collected;
+ *   - tensor arguments are sequences of "dltensor" capsules (or objects with __dlpack__); the
+ *     DLManagedTensor inside is borrowed for the call, never consumed, as pipe.h expects;
+ *   - option structs are built from dicts / ints (the Python layer fills them in).
+ *
+ * The GIL: the module is generated with -threads, so every wrapped pipe_* call runs with the GIL
+ * released (argument conversion and result conversion hold it). That covers the blocking calls
+ * (pipe_model_load, pipe_plan_create, pipe_session_create, pipe_session_run, pipe_session_submit,
+ * pipe_request_wait, the destroy functions that join worker threads, file reads and writes) and
+ * costs nothing measurable on the quick ones. Helpers below that touch Python objects are marked
+ * %nothread. Nothing in this module calls back into Python from libpipe's worker threads.
+ */
+%module(docstring="Low-level SWIG wrapper of libpipe's C ABI (pipe/pipe.h). Use the libpipe package.") native
+
+%{
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <pipe/pipe.h>
+
+/* Raises the libpipe.errors exception for `status`, with the message of the failed call. Must run
+ * before any other libpipe call on this thread: the message is per thread and lives until then. */
+static void libpipe_raise(pipe_status status) {
+  const char *message = pipe_last_error();
+  PyObject *text = PyUnicode_DecodeUTF8(message, (Py_ssize_t)strlen(message), "replace");
+  PyObject *module = text ? PyImport_ImportModule("libpipe.errors") : NULL;
+  PyObject *error = module ? PyObject_CallMethod(module, "from_status", "iO", (int)status, text) : NULL;
+  if (error) PyErr_SetObject((PyObject *)Py_TYPE(error), error);
+  Py_XDECREF(error);
+  Py_XDECREF(module);
+  Py_XDECREF(text);
+}
+
+static PyObject *libpipe_str(const char *s) {
+  if (!s) Py_RETURN_NONE;
+  return PyUnicode_DecodeUTF8(s, (Py_ssize_t)strlen(s), "replace");
+}
+
+/* A capsule still named "dltensor" was never consumed, so the tensor is still ours to free. A
+ * consumer renames it "used_dltensor" and calls the deleter itself when done (DLPack protocol). */
+static void libpipe_capsule_destructor(PyObject *capsule) {
+  if (!PyCapsule_IsValid(capsule, "dltensor")) return;
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  DLManagedTensor *tensor = (DLManagedTensor *)PyCapsule_GetPointer(capsule, "dltensor");
+  if (tensor && tensor->deleter) tensor->deleter(tensor);
+  PyErr_Restore(type, value, traceback);
+}
+
+/* Moves every tensor of `list` into a capsule and destroys the list. Returns [(name, capsule)]. */
+static PyObject *libpipe_take_list(pipe_tensor_list *list) {
+  size_t count = 0;
+  PyObject *result = NULL;
+  pipe_status st = pipe_tensor_list_size(list, &count);
+  if (st != PIPE_OK) {
+    libpipe_raise(st);
+    goto done;
+  }
+  result = PyList_New((Py_ssize_t)count);
+  if (!result) goto done;
+  for (size_t i = 0; i < count; ++i) {
+    const char *name = NULL;
+    DLManagedTensor *tensor = NULL;
+    st = pipe_tensor_list_name(list, i, &name);
+    if (st == PIPE_OK) st = pipe_tensor_list_take(list, i, &tensor);
+    if (st != PIPE_OK) {
+      libpipe_raise(st);
+      Py_CLEAR(result);
+      goto done;
+    }
+    PyObject *capsule = PyCapsule_New(tensor, "dltensor", libpipe_capsule_destructor);
+    if (!capsule) {
+      if (tensor->deleter) tensor->deleter(tensor);
+      Py_CLEAR(result);
+      goto done;
+    }
+    PyObject *entry = Py_BuildValue("(NN)", libpipe_str(name), capsule);
+    if (!entry) {
+      Py_CLEAR(result);
+      goto done;
+    }
+    PyList_SET_ITEM(result, (Py_ssize_t)i, entry);
+  }
+done:
+  pipe_tensor_list_destroy(list);
+  return result;
+}
+
+/* The borrowed DLManagedTensor of one argument: a "dltensor" capsule, or an object whose
+ * __dlpack__() gives one. Returns a new reference to the capsule (kept alive for the call). */
+static PyObject *libpipe_as_capsule(PyObject *item, Py_ssize_t index) {
+  if (PyCapsule_CheckExact(item)) {
+    if (!PyCapsule_IsValid(item, "dltensor")) {
+      PyErr_Format(PyExc_ValueError,
+                   "input %zd: the DLPack capsule was already consumed or is not a \"dltensor\" capsule",
+                   index);
+      return NULL;
+    }
+    Py_INCREF(item);
+    return item;
+  }
+  if (PyObject_HasAttrString(item, "__dlpack__")) {
+    PyObject *capsule = PyObject_CallMethod(item, "__dlpack__", NULL);
+    if (!capsule) return NULL;
+    if (!PyCapsule_IsValid(capsule, "dltensor")) {
+      Py_DECREF(capsule);
+      PyErr_Format(PyExc_ValueError, "input %zd: __dlpack__() did not return a \"dltensor\" capsule", index);
+      return NULL;
+    }
+    return capsule;
+  }
+  PyErr_Format(PyExc_TypeError, "input %zd: expected a DLPack capsule or an object with __dlpack__, got %s",
+               index, Py_TYPE(item)->tp_name);
+  return NULL;
+}
+
+/* Optional int field `key` of dict `d` into *out (left as it is when absent or None). */
+static int libpipe_dict_int32(PyObject *d, const char *key, int32_t *out) {
+  PyObject *v = PyDict_GetItemString(d, key);
+  if (!v || v == Py_None) return 0;
+  long x = PyLong_AsLong(v);
+  if (x == -1 && PyErr_Occurred()) return -1;
+  if (x < INT32_MIN || x > INT32_MAX) {
+    PyErr_Format(PyExc_OverflowError, "%s=%ld is out of range", key, x);
+    return -1;
+  }
+  *out = (int32_t)x;
+  return 0;
+}
+
+/* Optional list of (kind, dim) pairs `key` of dict `d`, as a malloc'ed array. */
+static int libpipe_dict_specs(PyObject *d, const char *key, pipe_chunk_spec **out, size_t *count) {
+  PyObject *v = PyDict_GetItemString(d, key);
+  if (!v || v == Py_None) return 0;
+  PyObject *seq = PySequence_Fast(v, "chunk specs must be a sequence of (kind, dim) pairs");
+  if (!seq) return -1;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  pipe_chunk_spec *specs = (pipe_chunk_spec *)calloc(n ? (size_t)n : 1, sizeof *specs);
+  if (!specs) {
+    Py_DECREF(seq);
+    PyErr_NoMemory();
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    int kind = 0, dim = 0;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "ii", &kind, &dim)) {
+      free(specs);
+      Py_DECREF(seq);
+      return -1;
+    }
+    specs[i].kind = kind;
+    specs[i].dim = dim;
+  }
+  Py_DECREF(seq);
+  *out = specs;
+  *count = (size_t)n;
+  return 0;
+}
+
+/* Stage options from a dict {"dtype": int, "weights": str}. `keep` receives a reference that keeps
+ * the weights string alive for the call. */
+static int libpipe_stage_options(PyObject *d, pipe_stage_options *options, PyObject **keep) {
+  pipe_stage_options init = PIPE_STAGE_OPTIONS_INIT;
+  *options = init;
+  if (libpipe_dict_int32(d, "dtype", &options->dtype) < 0) return -1;
+  PyObject *weights = PyDict_GetItemString(d, "weights");
+  if (weights && weights != Py_None) {
+    PyObject *bytes = PyUnicode_EncodeFSDefault(weights);
+    if (!bytes) return -1;
+    options->weights = PyBytes_AS_STRING(bytes);
+    *keep = bytes;
+  }
+  return 0;
+}
+
+static int libpipe_check_keys(PyObject *d, const char *const *allowed, const char *what) {
+  PyObject *key, *value;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(d, &pos, &key, &value)) {
+    const char *name = PyUnicode_Check(key) ? PyUnicode_AsUTF8(key) : NULL;
+    int known = 0;
+    for (const char *const *a = allowed; name && *a; ++a) known |= strcmp(name, *a) == 0;
+    if (!known) {
+      PyErr_Format(PyExc_TypeError, "unknown %s option %R", what, key);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+typedef struct {
+  pipe_session_options session;
+  pipe_stage_options stage;
+  pipe_chunk_spec *input_specs;
+  pipe_chunk_spec *output_specs;
+  PyObject *keep;
+} libpipe_session_options_holder;
+%}
+
+%include <stdint.i>
+
+/* ---- status codes become exceptions --------------------------------------------------------- */
+
+%typemap(out) pipe_status {
+  if ($1 != PIPE_OK) {
+    libpipe_raise($1);
+    SWIG_fail;
+  }
+  $result = SWIG_Py_Void();
+}
+
+/* ---- output parameters become return values ------------------------------------------------- */
+
+%define LIBPIPE_HANDLE_OUTPUT(TYPE)
+%typemap(in, numinputs=0) TYPE ** (TYPE *tmp = NULL) "$1 = ($1_ltype)&tmp;"
+%typemap(argout) TYPE ** {
+  $result = SWIG_Python_AppendOutput($result, SWIG_NewPointerObj(SWIG_as_voidptr(*$1), $*1_descriptor, 0));
+}
+%enddef
+LIBPIPE_HANDLE_OUTPUT(pipe_model)
+LIBPIPE_HANDLE_OUTPUT(pipe_plan)
+LIBPIPE_HANDLE_OUTPUT(pipe_plan_options)
+LIBPIPE_HANDLE_OUTPUT(pipe_session)
+LIBPIPE_HANDLE_OUTPUT(pipe_request)
+
+%define LIBPIPE_VALUE_OUTPUT(TYPE, CONVERT)
+%typemap(in, numinputs=0) TYPE * (TYPE tmp = 0) "$1 = ($1_ltype)&tmp;"
+%typemap(argout) TYPE * { $result = SWIG_Python_AppendOutput($result, CONVERT(*$1)); }
+%enddef
+LIBPIPE_VALUE_OUTPUT(size_t, PyLong_FromSize_t)
+LIBPIPE_VALUE_OUTPUT(uint64_t, PyLong_FromUnsignedLongLong)
+LIBPIPE_VALUE_OUTPUT(int32_t, PyLong_FromLong)
+LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
+
+%typemap(in, numinputs=0) const char ** (const char *tmp = NULL) "$1 = ($1_ltype)&tmp;"
+%typemap(argout) const char ** { $result = SWIG_Python_AppendOutput($result, libpipe_str(*$1)); }
+
+/* A tensor list result: [(name, capsule), ...]; the list itself never reaches Python. */
+%typemap(in, numinputs=0) pipe_tensor_list ** (pipe_tensor_list *tmp = NULL) "$1 = ($1_ltype)&tmp;"
+%typemap(argout) pipe_tensor_list ** {
+  PyObject *entries = libpipe_take_list(*$1);
+  if (!entries) SWIG_fail;
+  $result = SWIG_Python_AppendOutput($result, entries);
+}
+
+%typemap(in, numinputs=0) pipe_stage_stats * (pipe_stage_stats tmp) {
+  pipe_stage_stats init = PIPE_STAGE_STATS_INIT;
+  tmp = init;
+  $1 = &tmp;
+}
+%typemap(argout) pipe_stage_stats * {
+  $result = SWIG_Python_AppendOutput($result, Py_BuildValue(
+      "{s:K,s:K,s:d,s:d,s:K}", "microbatches", (unsigned long long)$1->microbatches,
+      "failures", (unsigned long long)$1->failures, "busy_ms", $1->busy_ms, "idle_ms", $1->idle_ms,
+      "queue_depth", (unsigned long long)$1->queue_depth));
+}
+
+/* ---- tensor arguments: borrowed DLManagedTensors --------------------------------------------- */
+
+%typemap(in) (const DLManagedTensor *const *inputs, size_t num_inputs) (PyObject *keep = NULL) {
+  PyObject *seq = PySequence_Fast($input, "inputs must be a sequence of DLPack capsules");
+  if (!seq) SWIG_fail;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  keep = PyList_New(n);
+  const DLManagedTensor **array = keep ? (const DLManagedTensor **)calloc(n ? (size_t)n : 1, sizeof *array) : NULL;
+  if (keep && !array) PyErr_NoMemory();
+  for (Py_ssize_t i = 0; array && i < n; ++i) {
+    PyObject *capsule = libpipe_as_capsule(PySequence_Fast_GET_ITEM(seq, i), i);
+    if (!capsule) {
+      free((void *)array);
+      array = NULL;
+      break;
+    }
+    PyList_SET_ITEM(keep, i, capsule);
+    array[i] = (const DLManagedTensor *)PyCapsule_GetPointer(capsule, "dltensor");
+  }
+  Py_DECREF(seq);
+  if (!array) SWIG_fail;
+  $1 = ($1_ltype)array;
+  $2 = (size_t)n;
+}
+%typemap(freearg) (const DLManagedTensor *const *inputs, size_t num_inputs) {
+  free((void *)$1);
+  Py_XDECREF(keep$argnum);
+}
+
+/* ---- option structs ----------------------------------------------------------------------------- */
+
+/* None: no options; an int: the deadline in milliseconds. */
+%typemap(in) const pipe_run_options * (pipe_run_options tmp) {
+  if ($input == Py_None) {
+    $1 = NULL;
+  } else {
+    pipe_run_options init = PIPE_RUN_OPTIONS_INIT;
+    tmp = init;
+    tmp.timeout_ms = (int64_t)PyLong_AsLongLong($input);
+    if (tmp.timeout_ms == -1 && PyErr_Occurred()) SWIG_fail;
+    $1 = &tmp;
+  }
+}
+
+/* None or {"dtype": int, "weights": str}. */
+%typemap(in) const pipe_stage_options * (pipe_stage_options tmp, PyObject *keep = NULL) {
+  if ($input == Py_None) {
+    $1 = NULL;
+  } else {
+    static const char *const allowed[] = {"dtype", "weights", NULL};
+    if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "stage options must be a dict or None");
+    if (libpipe_check_keys($input, allowed, "stage") < 0) SWIG_fail;
+    if (libpipe_stage_options($input, &tmp, &keep) < 0) SWIG_fail;
+    $1 = &tmp;
+  }
+}
+%typemap(freearg) const pipe_stage_options * { Py_XDECREF(keep$argnum); }
+
+/* None or a dict with the fields of pipe_session_options (specs as lists of (kind, dim);
+ * "microbatching" as PIPE_MICROBATCHING_ADAPTIVE / _FIXED, which libpipe checks), plus "dtype"
+ * and "weights" for the stage options. Absent keys keep PIPE_SESSION_OPTIONS_INIT's defaults. */
+%typemap(in) const pipe_session_options * (libpipe_session_options_holder tmp, libpipe_session_options_holder *holder = NULL) {
+  memset(&tmp, 0, sizeof tmp);
+  holder = &tmp;
+  if ($input == Py_None) {
+    $1 = NULL;
+  } else {
+    static const char *const allowed[] = {"num_microbatches", "threads_per_stage", "max_inflight",
+                                          "microbatching", "input_specs", "output_specs", "dtype",
+                                          "weights", NULL};
+    pipe_session_options init = PIPE_SESSION_OPTIONS_INIT;
+    tmp.session = init;
+    if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "session options must be a dict or None");
+    if (libpipe_check_keys($input, allowed, "session") < 0) SWIG_fail;
+    if (libpipe_dict_int32($input, "num_microbatches", &tmp.session.num_microbatches) < 0 ||
+        libpipe_dict_int32($input, "threads_per_stage", &tmp.session.threads_per_stage) < 0 ||
+        libpipe_dict_int32($input, "max_inflight", &tmp.session.max_inflight) < 0 ||
+        libpipe_dict_int32($input, "microbatching", &tmp.session.microbatching) < 0 ||
+        libpipe_dict_specs($input, "input_specs", &tmp.input_specs, &tmp.session.num_input_specs) < 0 ||
+        libpipe_dict_specs($input, "output_specs", &tmp.output_specs, &tmp.session.num_output_specs) < 0)
+      SWIG_fail;
+    tmp.session.input_specs = tmp.input_specs;
+    tmp.session.output_specs = tmp.output_specs;
+    if (PyDict_GetItemString($input, "dtype") || PyDict_GetItemString($input, "weights")) {
+      if (libpipe_stage_options($input, &tmp.stage, &tmp.keep) < 0) SWIG_fail;
+      tmp.session.stage_options = &tmp.stage;
+    }
+    $1 = &tmp.session;
+  }
+}
+%typemap(freearg) const pipe_session_options * {
+  if (holder$argnum) {
+    free(holder$argnum->input_specs);
+    free(holder$argnum->output_specs);
+    Py_XDECREF(holder$argnum->keep);
+  }
+}
+
+/* ---- what is not wrapped ------------------------------------------------------------------------ */
+
+/* Tensor lists never reach Python (see the pipe_tensor_list ** typemap), so their accessors are
+ * not needed; pipe_safetensors_write needs a list, which the C ABI cannot build from caller
+ * tensors. The structs are built by the typemaps above. */
+%ignore pipe_tensor_list_size;
+%ignore pipe_tensor_list_name;
+%ignore pipe_tensor_list_find;
+%ignore pipe_tensor_list_get;
+%ignore pipe_tensor_list_take;
+%ignore pipe_tensor_list_destroy;
+%ignore pipe_safetensors_write;
+%ignore pipe_chunk_spec;
+%ignore pipe_stage_options;
+%ignore pipe_session_options;
+%ignore pipe_run_options;
+%ignore pipe_stage_stats;
+
+%include <pipe/pipe.h>
+
+/* ---- helpers for the Python layer (they use the Python API, so they keep the GIL) --------------- */
+
+%nothread libpipe_dlpack_info;
+%inline %{
+/* What a "dltensor" capsule holds, without consuming it: device, data address (byte_offset
+ * included), shape, strides (None when compact) and dtype (code, bits, lanes). */
+PyObject *libpipe_dlpack_info(PyObject *capsule) {
+  if (!PyCapsule_IsValid(capsule, "dltensor")) {
+    PyErr_SetString(PyExc_ValueError, "not an unconsumed \"dltensor\" capsule");
+    return NULL;
+  }
+  const DLManagedTensor *m = (const DLManagedTensor *)PyCapsule_GetPointer(capsule, "dltensor");
+  const DLTensor *t = &m->dl_tensor;
+  PyObject *shape = PyTuple_New(t->ndim);
+  PyObject *strides = t->strides ? PyTuple_New(t->ndim) : (Py_INCREF(Py_None), Py_None);
+  if (!shape || !strides) {
+    Py_XDECREF(shape);
+    Py_XDECREF(strides);
+    return NULL;
+  }
+  for (int i = 0; i < t->ndim; ++i) {
+    PyTuple_SET_ITEM(shape, i, PyLong_FromLongLong((long long)t->shape[i]));
+    if (t->strides) PyTuple_SET_ITEM(strides, i, PyLong_FromLongLong((long long)t->strides[i]));
+  }
+  return Py_BuildValue("{s:i,s:i,s:K,s:N,s:N,s:(iii)}", "device_type", (int)t->device.device_type,
+                       "device_id", (int)t->device.device_id, "data",
+                       (unsigned long long)((uintptr_t)t->data + t->byte_offset), "shape", shape,
+                       "strides", strides, "dtype", (int)t->dtype.code, (int)t->dtype.bits,
+                       (int)t->dtype.lanes);
+}
+%}
+
+/* DLPack >= 1.0 consumers (numpy 2 and torch ask for it) prefer a "dltensor_versioned" capsule;
+ * numpy marks arrays made from the older "dltensor" kind read-only. pipe.h speaks DLPack 0.x
+ * (DLManagedTensor), so an output can be re-wrapped: the versioned struct below is DLPack 1.0's
+ * DLManagedTensorVersioned (fixed by the DLPack ABI; the system header, 0.6, lacks it) around
+ * the same DLTensor, whose deleter calls libpipe's. */
+%{
+typedef struct {
+  uint32_t major;
+  uint32_t minor;
+} libpipe_dlpack_version;
+
+typedef struct libpipe_managed_versioned {
+  libpipe_dlpack_version version;
+  void *manager_ctx;
+  void (*deleter)(struct libpipe_managed_versioned *self);
+  uint64_t flags; /* bit 0 read-only, bit 1 is-copied: neither, the caller owns a fresh buffer */
+  DLTensor dl_tensor;
+} libpipe_managed_versioned;
+
+static void libpipe_versioned_deleter(libpipe_managed_versioned *self) {
+  DLManagedTensor *inner = (DLManagedTensor *)self->manager_ctx;
+  if (inner && inner->deleter) inner->deleter(inner);
+  free(self);
+}
+
+static void libpipe_versioned_capsule_destructor(PyObject *capsule) {
+  if (!PyCapsule_IsValid(capsule, "dltensor_versioned")) return;
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  libpipe_managed_versioned *t = (libpipe_managed_versioned *)PyCapsule_GetPointer(capsule, "dltensor_versioned");
+  if (t && t->deleter) t->deleter(t);
+  PyErr_Restore(type, value, traceback);
+}
+%}
+
+%nothread libpipe_dlpack_versioned;
+%inline %{
+/* Moves the tensor of an unconsumed "dltensor" capsule into a new "dltensor_versioned" capsule
+ * (DLPack 1.0, writable); the old capsule is left consumed. */
+PyObject *libpipe_dlpack_versioned(PyObject *capsule) {
+  if (!PyCapsule_IsValid(capsule, "dltensor")) {
+    PyErr_SetString(PyExc_ValueError, "not an unconsumed \"dltensor\" capsule");
+    return NULL;
+  }
+  DLManagedTensor *inner = (DLManagedTensor *)PyCapsule_GetPointer(capsule, "dltensor");
+  libpipe_managed_versioned *outer = (libpipe_managed_versioned *)calloc(1, sizeof *outer);
+  if (!outer) return PyErr_NoMemory();
+  outer->version.major = 1;
+  outer->version.minor = 0;
+  outer->manager_ctx = inner;
+  outer->deleter = libpipe_versioned_deleter;
+  outer->flags = 0;
+  outer->dl_tensor = inner->dl_tensor;
+  PyObject *result = PyCapsule_New(outer, "dltensor_versioned", libpipe_versioned_capsule_destructor);
+  if (!result) {
+    free(outer);
+    return NULL;
+  }
+  if (PyCapsule_SetName(capsule, "used_dltensor") != 0) {
+    outer->manager_ctx = NULL; /* the old capsule still owns the tensor */
+    Py_DECREF(result);
+    return NULL;
+  }
+  return result;
+}
+%}
