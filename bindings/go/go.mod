@@ -1,0 +1,3 @@
+module github.com/libpipe/libpipe/bindings/go
+
+go 1.24

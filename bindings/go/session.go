@@ -1,0 +1,496 @@
+package pipe
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"time"
+
+	"github.com/libpipe/libpipe/bindings/go/internal/capi"
+)
+
+// ChunkKind says how one input is cut into micro-batches or how one output is put back together.
+type ChunkKind int32
+
+// The chunk kinds of pipe.h.
+const (
+	// Inputs: rank >= 1 split along 0, others replicated. Outputs: concatenated along 0.
+	ChunkDefault ChunkKind = ChunkKind(capi.PIPE_CHUNK_DEFAULT)
+	// Input: split along Dim (torch.tensor_split sizes).
+	ChunkSplit ChunkKind = ChunkKind(capi.PIPE_CHUNK_SPLIT)
+	// Input: every micro-batch gets the whole tensor.
+	ChunkReplicate ChunkKind = ChunkKind(capi.PIPE_CHUNK_REPLICATE)
+	// Output: concatenate along Dim.
+	ChunkConcat ChunkKind = ChunkKind(capi.PIPE_CHUNK_CONCAT)
+	// Output: add the micro-batches' results.
+	ChunkSum ChunkKind = ChunkKind(capi.PIPE_CHUNK_SUM)
+	// Output: every micro-batch must give the same value (else ErrExecution).
+	ChunkEqual ChunkKind = ChunkKind(capi.PIPE_CHUNK_EQUAL)
+)
+
+// ChunkSpec is the micro-batch spec of one input or output.
+type ChunkSpec struct {
+	Kind ChunkKind
+	Dim  int32 // for ChunkSplit and ChunkConcat; negative counts from the end
+}
+
+// Convenience specs.
+var (
+	Replicate = ChunkSpec{Kind: ChunkReplicate}
+	Sum       = ChunkSpec{Kind: ChunkSum}
+	Equal     = ChunkSpec{Kind: ChunkEqual}
+)
+
+// SplitAlong splits an input along dim.
+func SplitAlong(dim int32) ChunkSpec { return ChunkSpec{Kind: ChunkSplit, Dim: dim} }
+
+// ConcatAlong concatenates an output along dim.
+func ConcatAlong(dim int32) ChunkSpec { return ChunkSpec{Kind: ChunkConcat, Dim: dim} }
+
+// Microbatching says how many micro-batches a call is cut into when other calls are in flight
+// (pipe.h's PIPE_MICROBATCHING_*). Results are the same either way; only the number of
+// micro-batches run (StageStats.Microbatches) and their size differ.
+type Microbatching int32
+
+const (
+	// MicrobatchingAdaptive, the default (the zero value): a call that finds the pipeline empty
+	// is cut into SessionOptions.Microbatches; a call that arrives while others are in flight
+	// only into as many as bring the pipeline to one micro-batch per stage (at least 1), since
+	// the other calls keep the stages busy and finer cuts would only cost efficiency.
+	MicrobatchingAdaptive Microbatching = Microbatching(capi.PIPE_MICROBATCHING_ADAPTIVE)
+	// MicrobatchingFixed: every call is cut into SessionOptions.Microbatches, e.g. to bound the
+	// activation memory of one micro-batch.
+	MicrobatchingFixed Microbatching = Microbatching(capi.PIPE_MICROBATCHING_FIXED)
+)
+
+// String is "adaptive", "fixed", or the number for a value pipe.h does not define.
+func (m Microbatching) String() string {
+	switch m {
+	case MicrobatchingAdaptive:
+		return "adaptive"
+	case MicrobatchingFixed:
+		return "fixed"
+	}
+	return fmt.Sprintf("Microbatching(%d)", int32(m))
+}
+
+// SessionOptions configures a session; the zero value (or nil) is libpipe's default.
+type SessionOptions struct {
+	// Micro-batches per call (default 1); with MicrobatchingAdaptive, calls that arrive while
+	// others are in flight get fewer.
+	Microbatches int
+	// How calls are cut while others are in flight; the zero value is MicrobatchingAdaptive.
+	// Other values than the two constants fail NewSession with ErrInvalidArgument.
+	Microbatching Microbatching
+	// Intra-op threads per stage worker; 0 shares the cores among the stages.
+	ThreadsPerStage int
+	// Micro-batches admitted into the pipeline at once over all calls (backpressure); 0 picks
+	// max(2 x Microbatches, 4 x stages).
+	MaxInflight int
+	// Per forward argument, in order; missing ones are ChunkDefault.
+	InputSpecs []ChunkSpec
+	// Per output, in the order the outputs are named; missing ones concatenate along 0.
+	OutputSpecs []ChunkSpec
+	// Weights and dtype of every stage; nil keeps the model's own.
+	Stage *StageOptions
+}
+
+// Session runs a plan: one worker per stage. All methods are safe for concurrent use; many
+// goroutines may Run on one session at once and their micro-batches interleave.
+type Session struct {
+	mu        sync.RWMutex // read: a call is using ptr; write: Close
+	ptr       capi.SwigcptrPipe_session
+	cleanup   runtime.Cleanup
+	numStages int
+}
+
+// NewSession builds every stage on the CPU and starts the workers.
+func (p *Plan) NewSession(opts *SessionOptions) (*Session, error) {
+	const op = "Plan.NewSession"
+	pptr, err := p.acquire(op)
+	if err != nil {
+		return nil, err
+	}
+	defer p.mu.RUnlock()
+	if opts == nil {
+		opts = &SessionOptions{}
+	}
+	so := capi.NewPipe_session_options()
+	if so.Swigcptr() == 0 {
+		return nil, errorf(op, StatusOutOfMemory, "cannot allocate session options")
+	}
+	defer capi.DeletePipe_session_options(so)
+	if opts.Microbatches != 0 {
+		so.SetNum_microbatches(opts.Microbatches)
+	}
+	so.SetThreads_per_stage(opts.ThreadsPerStage)
+	so.SetMax_inflight(opts.MaxInflight)
+	// Always set: the zero value is PIPE_MICROBATCHING_ADAPTIVE, the header's default, and
+	// anything else is passed on for libpipe to accept or refuse.
+	so.SetMicrobatching(int(opts.Microbatching))
+	if len(opts.InputSpecs) > 0 {
+		so.Set_input_specs(specPairs(opts.InputSpecs))
+	}
+	if len(opts.OutputSpecs) > 0 {
+		so.Set_output_specs(specPairs(opts.OutputSpecs))
+	}
+	stage, err := newStageOptions(op, opts.Stage)
+	if err != nil {
+		return nil, err
+	}
+	if stage != nil {
+		defer capi.DeletePipe_stage_options(stage)
+		so.SetStage_options(stage)
+	}
+	var ptr capi.SwigcptrPipe_session
+	if err := call("pipe_session_create", func() int { return capi.Pipe_session_create(pptr, so, &ptr) }); err != nil {
+		return nil, err
+	}
+	s := &Session{ptr: ptr}
+	s.cleanup = runtime.AddCleanup(s, func(h capi.SwigcptrPipe_session) { capi.Pipe_session_destroy(h) }, ptr)
+	var n int64
+	if err := call("pipe_session_num_stages", func() int { return capi.Pipe_session_num_stages(ptr, &n) }); err != nil {
+		s.Close()
+		return nil, err
+	}
+	s.numStages = int(n)
+	return s, nil
+}
+
+func specPairs(specs []ChunkSpec) []int32 {
+	pairs := make([]int32, 0, 2*len(specs))
+	for _, s := range specs {
+		pairs = append(pairs, int32(s.Kind), s.Dim)
+	}
+	return pairs
+}
+
+// Close stops the workers and frees the session. It waits for Run calls that are blocked in
+// libpipe without a cancellable context; calls made through Submit (and Run with a cancellable
+// context) that are still in flight fail with ErrCancelled, and their Requests stay usable.
+// Close returns once each stage has finished the micro-batch it is running (libpipe does not
+// interrupt a stage mid-way). Closing twice is a no-op.
+func (s *Session) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ptr != 0 {
+		s.cleanup.Stop()
+		capi.Pipe_session_destroy(s.ptr)
+		s.ptr = 0
+	}
+	return nil
+}
+
+func (s *Session) acquire(op string) (capi.SwigcptrPipe_session, error) {
+	s.mu.RLock()
+	if s.ptr == 0 {
+		s.mu.RUnlock()
+		return 0, closedError(op, "session")
+	}
+	return s.ptr, nil
+}
+
+// NumStages is the number of stages (and worker threads).
+func (s *Session) NumStages() int { return s.numStages }
+
+// contextError is the error for a call that ctx ended: the status libpipe would give
+// (ErrDeadlineExceeded or ErrCancelled), wrapping ctx's own error too.
+func contextError(op string, ctxErr error, message string) error {
+	st := StatusCancelled
+	if errors.Is(ctxErr, context.DeadlineExceeded) {
+		st = StatusDeadlineExceeded
+	}
+	if message == "" {
+		message = ctxErr.Error()
+	}
+	return &Error{Op: op, Status: st, Message: message, cause: ctxErr}
+}
+
+// Run runs one call through the pipeline and waits for its outputs. inputs are the forward
+// arguments in order (Model.InputNames names them); they are read only during the call.
+//
+// ctx bounds the call: its deadline becomes the call's deadline (ErrDeadlineExceeded, which
+// also matches context.DeadlineExceeded) and cancelling it cancels the call (ErrCancelled,
+// which also matches context.Canceled). Errors: ErrInput for a wrong input count or inputs
+// that do not split, ErrExecution when a stage raised (the message names the stage).
+func (s *Session) Run(ctx context.Context, inputs ...*Tensor) (TensorList, error) {
+	const op = "Session.Run"
+	if err := ctx.Err(); err != nil {
+		return nil, contextError(op, err, "")
+	}
+	if ctx.Done() == nil {
+		// A context that can never end: the blocking call, which borrows the inputs
+		// instead of copying them.
+		return s.runBlocking(op, inputs)
+	}
+	req, err := s.Submit(ctx, inputs...)
+	if err != nil {
+		return nil, err
+	}
+	defer req.Close()
+	return req.Wait()
+}
+
+func (s *Session) runBlocking(op string, inputs []*Tensor) (TensorList, error) {
+	c, err := wrapTensors(op, inputs)
+	if err != nil {
+		return nil, err
+	}
+	defer c.free()
+	ptr, err := s.acquire(op)
+	if err != nil {
+		return nil, err
+	}
+	var out capi.SwigcptrPipe_tensor_list
+	err = call("pipe_session_run", func() int { return capi.Pipe_session_run(ptr, c.handles, nil, &out) })
+	s.mu.RUnlock()
+	if err != nil {
+		return nil, err
+	}
+	return takeList(op, out)
+}
+
+// Submit starts one call and returns without waiting for it (it may wait for room in the
+// pipeline). The inputs are copied by libpipe, so they may be reused as soon as Submit returns.
+// Errors in the inputs are reported here, errors while running by Request.Wait. ctx bounds the
+// call as in Run for as long as the request is open. Close the request when done with it.
+func (s *Session) Submit(ctx context.Context, inputs ...*Tensor) (*Request, error) {
+	const op = "Session.Submit"
+	if err := ctx.Err(); err != nil {
+		return nil, contextError(op, err, "")
+	}
+	ro := capi.NewPipe_run_options()
+	if ro.Swigcptr() == 0 {
+		return nil, errorf(op, StatusOutOfMemory, "cannot allocate run options")
+	}
+	defer capi.DeletePipe_run_options(ro)
+	if deadline, ok := ctx.Deadline(); ok {
+		// libpipe enforces the deadline itself too (also while waiting for room in the
+		// pipeline). Round up: a call must never get less time than the context gives.
+		left := time.Until(deadline)
+		if left <= 0 {
+			return nil, contextError(op, context.DeadlineExceeded, "")
+		}
+		ms := (left + time.Millisecond - 1) / time.Millisecond
+		ro.SetTimeout_ms(int64(ms))
+	}
+	c, err := wrapTensors(op, inputs)
+	if err != nil {
+		return nil, err
+	}
+	defer c.free()
+	ptr, err := s.acquire(op)
+	if err != nil {
+		return nil, err
+	}
+	var rptr capi.SwigcptrPipe_request
+	err = call("pipe_session_submit", func() int { return capi.Pipe_session_submit(ptr, c.handles, ro, &rptr) })
+	s.mu.RUnlock()
+	if err != nil {
+		return nil, err
+	}
+	return newRequest(ctx, rptr), nil
+}
+
+// StageStats is what one stage worker has done since the session was created.
+type StageStats struct {
+	Microbatches uint64        // micro-batches run (failed ones included)
+	Failures     uint64        // micro-batches whose stage code raised
+	Busy         time.Duration // time spent running the stage
+	Idle         time.Duration // time spent waiting for work
+	QueueDepth   uint64        // micro-batches waiting for this stage now
+}
+
+// StageStats is the statistics of stage i.
+func (s *Session) StageStats(i int) (StageStats, error) {
+	const op = "Session.StageStats"
+	ptr, err := s.acquire(op)
+	if err != nil {
+		return StageStats{}, err
+	}
+	defer s.mu.RUnlock()
+	st := capi.NewPipe_stage_stats()
+	if st.Swigcptr() == 0 {
+		return StageStats{}, errorf(op, StatusOutOfMemory, "cannot allocate stage stats")
+	}
+	defer capi.DeletePipe_stage_stats(st)
+	if err := call("pipe_session_stage_stats", func() int { return capi.Pipe_session_stage_stats(ptr, int64(i), st) }); err != nil {
+		return StageStats{}, err
+	}
+	ms := func(v float64) time.Duration { return time.Duration(v * float64(time.Millisecond)) }
+	return StageStats{
+		Microbatches: st.GetMicrobatches(),
+		Failures:     st.GetFailures(),
+		Busy:         ms(st.GetBusy_ms()),
+		Idle:         ms(st.GetIdle_ms()),
+		QueueDepth:   st.GetQueue_depth(),
+	}, nil
+}
+
+// Stats is the statistics of every stage, in order.
+func (s *Session) Stats() ([]StageStats, error) {
+	out := make([]StageStats, s.numStages)
+	for i := range out {
+		st, err := s.StageStats(i)
+		if err != nil {
+			return nil, err
+		}
+		out[i] = st
+	}
+	return out, nil
+}
+
+// TraceStart records a timeline of every micro-batch each stage runs from now on.
+func (s *Session) TraceStart() error {
+	ptr, err := s.acquire("Session.TraceStart")
+	if err != nil {
+		return err
+	}
+	defer s.mu.RUnlock()
+	return call("pipe_session_trace_start", func() int { return capi.Pipe_session_trace_start(ptr) })
+}
+
+// TraceStop stops recording and writes the timeline to path as Chrome trace JSON (open it in
+// Perfetto); path "" discards it.
+func (s *Session) TraceStop(path string) error {
+	ptr, err := s.acquire("Session.TraceStop")
+	if err != nil {
+		return err
+	}
+	defer s.mu.RUnlock()
+	if path == "" {
+		return call("pipe_session_trace_stop", func() int { return capi.Pipego_trace_discard(ptr) })
+	}
+	return call("pipe_session_trace_stop", func() int { return capi.Pipe_session_trace_stop(ptr, path) })
+}
+
+// ---- Requests ---------------------------------------------------------------------------------
+
+// Request is a call started by Session.Submit.
+type Request struct {
+	core    *requestCore
+	cleanup runtime.Cleanup
+}
+
+// requestCore is what the context callback and the cleanup share; it never points back to the
+// Request, so an abandoned Request can still be collected and freed.
+type requestCore struct {
+	mu     sync.RWMutex // read: wait or cancel on ptr (pipe.h allows them together); write: destroy
+	waitMu sync.Mutex   // pipe_request_wait is exclusive per request
+	ptr    capi.SwigcptrPipe_request
+	ctx    context.Context
+	stop   func() bool // unregisters the context callback
+}
+
+func newRequest(ctx context.Context, ptr capi.SwigcptrPipe_request) *Request {
+	core := &requestCore{ptr: ptr, ctx: ctx}
+	// Cancelling the context cancels the call. The callback runs on its own goroutine, at any
+	// time until stop: it takes the read lock, so it never races with destroy.
+	core.stop = context.AfterFunc(ctx, func() { core.cancel() })
+	r := &Request{core: core}
+	r.cleanup = runtime.AddCleanup(r, func(c *requestCore) { c.destroy() }, core)
+	return r
+}
+
+func (c *requestCore) cancel() error {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	if c.ptr == 0 {
+		return nil
+	}
+	return call("pipe_request_cancel", func() int { return capi.Pipe_request_cancel(c.ptr) })
+}
+
+func (c *requestCore) destroy() {
+	c.stop()
+	// Make a Wait in another goroutine return before taking the write lock it holds.
+	c.cancel()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.ptr != 0 {
+		capi.Pipe_request_destroy(c.ptr)
+		c.ptr = 0
+	}
+}
+
+// Wait blocks until the call is done and returns its outputs. A finished call may be waited for
+// again and gives the same result. Errors as for Session.Run.
+func (r *Request) Wait() (TensorList, error) { return r.wait("Request.Wait", -1) }
+
+// WaitTimeout is Wait for at most d; ErrTimeout if the call is still running then (wait again,
+// cancel or close). d == 0 only checks.
+func (r *Request) WaitTimeout(d time.Duration) (TensorList, error) {
+	ms := int64((d + time.Millisecond - 1) / time.Millisecond)
+	if d < 0 {
+		ms = -1
+	}
+	return r.wait("Request.WaitTimeout", ms)
+}
+
+func (r *Request) wait(op string, timeoutMS int64) (TensorList, error) {
+	c := r.core
+	c.waitMu.Lock()
+	defer c.waitMu.Unlock()
+	c.mu.RLock()
+	if c.ptr == 0 {
+		c.mu.RUnlock()
+		return nil, closedError(op, "request")
+	}
+	var out capi.SwigcptrPipe_tensor_list
+	err := call("pipe_request_wait", func() int { return capi.Pipe_request_wait(c.ptr, timeoutMS, &out) })
+	c.mu.RUnlock()
+	if err != nil {
+		return nil, c.explain(err)
+	}
+	return takeList(op, out)
+}
+
+// explain adds the context's error to a cancellation or deadline that the context caused, and
+// reports a cancellation caused by the context's deadline as ErrDeadlineExceeded (whichever of
+// Go's timer and libpipe's own deadline fired first).
+func (c *requestCore) explain(err error) error {
+	var pe *Error
+	if !errors.As(err, &pe) {
+		return err
+	}
+	ctxErr := c.ctx.Err()
+	if _, hasDeadline := c.ctx.Deadline(); ctxErr == nil && hasDeadline && pe.Status == StatusDeadlineExceeded {
+		// libpipe's deadline is the context's (rounded up), so it has passed; Go's timer may
+		// just not have marked the context yet.
+		ctxErr = context.DeadlineExceeded
+	}
+	if ctxErr == nil {
+		return err
+	}
+	if pe.Status != StatusCancelled && pe.Status != StatusDeadlineExceeded {
+		return err
+	}
+	e := *pe
+	e.cause = ctxErr
+	if errors.Is(ctxErr, context.DeadlineExceeded) {
+		e.Status = StatusDeadlineExceeded
+	}
+	return &e
+}
+
+// Cancel asks the call to stop: micro-batches not yet run are dropped and Wait returns
+// ErrCancelled. A call that already finished keeps its result.
+func (r *Request) Cancel() error {
+	c := r.core
+	c.mu.RLock()
+	closed := c.ptr == 0
+	c.mu.RUnlock()
+	if closed {
+		return closedError("Request.Cancel", "request")
+	}
+	return c.cancel()
+}
+
+// Close frees the request; a call still running is cancelled. Closing twice is a no-op.
+func (r *Request) Close() error {
+	r.cleanup.Stop()
+	r.core.destroy()
+	return nil
+}
