@@ -53,14 +53,50 @@ fn run(model_path: &str, inputs_path: &str, reference_path: &str) -> pipe::Resul
     let max_diff = got.to_f64_vec().iter().zip(want.to_f64_vec()).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
 
     println!(
-        "libpipe {}: {} stages, {} micro-batches, {} values, max |diff| vs PyTorch = {:.3e}",
+        "libpipe {}: {} stages, {} micro-batches, {} values, max |diff| vs PyTorch = {}",
         pipe::version(),
         plan.num_stages()?,
         MICROBATCHES,
         got.numel(),
-        max_diff
+        format_g(max_diff)
     );
     let ok = max_diff <= 1e-4;
     println!("{}", if ok { "output matches PyTorch" } else { "output DIFFERS from PyTorch" });
     Ok(ok)
+}
+
+/// A number as C's "%.3g" prints it (3 significant digits, exponent only when very small or
+/// large), so this line reads like the C example's.
+fn format_g(x: f64) -> String {
+    if x == 0.0 || !x.is_finite() {
+        return format!("{x}");
+    }
+    let exp = x.abs().log10().floor() as i32;
+    if !(-4..3).contains(&exp) {
+        let s = format!("{x:.2e}"); // "4.77e-7"
+        let (mantissa, e) = s.split_once('e').unwrap_or((&s, "0"));
+        let e: i32 = e.parse().unwrap_or(0);
+        let mantissa = mantissa.trim_end_matches('0').trim_end_matches('.');
+        return format!("{mantissa}e{}{:02}", if e < 0 { '-' } else { '+' }, e.abs());
+    }
+    let s = format!("{x:.*}", (2 - exp) as usize);
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn format_g_matches_c() {
+        use super::format_g;
+        assert_eq!(format_g(0.0), "0");
+        assert_eq!(format_g(4.768e-7), "4.77e-07");
+        assert_eq!(format_g(0.00012345), "0.000123");
+        assert_eq!(format_g(1.5), "1.5");
+        assert_eq!(format_g(123.4), "123");
+        assert_eq!(format_g(12345.0), "1.23e+04");
+    }
 }

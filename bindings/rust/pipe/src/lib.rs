@@ -1,0 +1,95 @@
+//! Safe Rust interface to libpipe: run a TorchScript model cut into pipeline stages, with
+//! micro-batches of concurrent calls streaming through the stages.
+//!
+//! ```no_run
+//! use pipe::{Model, Plan, PlanOptions, Session, SessionOptions, Tensor};
+//!
+//! # fn main() -> pipe::Result<()> {
+//! let model = Model::load("demo.pt")?;
+//! let plan = Plan::new(&model, &PlanOptions::new().split_point("blocks.2:begin"))?;
+//! let session = Session::new(&plan, &SessionOptions::new().microbatches(4))?;
+//! let x = Tensor::new(vec![32, 256], vec![0.5f32; 32 * 256])?;
+//! for (name, tensor) in session.run(&[x])? {
+//!     println!("{name}: {:?} {:?}", tensor.dtype(), tensor.shape());
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Threads
+//!
+//! Every handle type is `Send` and `Sync` exactly where `pipe.h` says its functions may be used
+//! so: [`Model`], [`Plan`] and [`Session`] are `Send + Sync` (share a session with `Arc` and call
+//! [`Session::run`] from many threads at once); [`Request`] is `Send + Sync` (its waits are
+//! serialised internally, [`Request::cancel`] may run beside a wait); [`TensorList`] is only
+//! `Send`; [`ManagedTensor`] is neither. Each `unsafe impl` says why next to it.
+//!
+//! With the default [`Microbatching::Adaptive`], a call that arrives while other calls are in
+//! flight is cut into fewer micro-batches than [`SessionOptions::microbatches`] (the results are
+//! the same); [`Microbatching::Fixed`] cuts every call into that many.
+//!
+//! # Tensors
+//!
+//! Inputs are [`Tensor`]s (owned, typed, row-major). They are handed to libpipe as DLPack
+//! tensors pointing at the Rust memory for the duration of one call only; libpipe keeps no
+//! pointer to them after it returns. Outputs come back as copies in [`Tensor`]s, or, without a
+//! copy, in a [`TensorList`] whose entries can be borrowed ([`TensorRef`]) or taken
+//! ([`ManagedTensor`], which calls the DLPack deleter when dropped).
+
+mod error;
+mod list;
+mod log;
+mod model;
+mod plan;
+mod session;
+mod tensor;
+
+pub mod safetensors;
+
+pub use error::{Error, Result, Status};
+pub use list::TensorList;
+pub use log::{reset_log_callback, set_log_callback, LogLevel};
+pub use model::{Model, ModuleInfo};
+pub use plan::{Names, Plan, PlanOptions, Policy, StageOptions, WeightDType};
+pub use session::{ChunkSpec, Microbatching, Request, RunOptions, Session, SessionOptions, StageStats};
+pub use tensor::{DType, Element, ManagedTensor, Tensor, TensorRef};
+
+/// The raw declarations, for what the safe API does not cover.
+pub use pipe_sys as sys;
+
+/// "MAJOR.MINOR.PATCH" of the loaded libpipe.
+pub fn version() -> &'static str {
+    // SAFETY: pipe_version is global, never fails, and returns a static NUL-terminated string
+    // that lives as long as the library is loaded (for the whole process: it is linked).
+    let v = unsafe { std::ffi::CStr::from_ptr(sys::pipe_version()) };
+    v.to_str().unwrap_or("unknown")
+}
+
+use std::ffi::CString;
+use std::path::Path;
+
+/// A path as a C string (bytes as they are on Unix, so non-UTF-8 file names work too).
+pub(crate) fn path_cstring(path: &Path) -> Result<CString> {
+    #[cfg(unix)]
+    let bytes = {
+        use std::os::unix::ffi::OsStrExt;
+        path.as_os_str().as_bytes().to_vec()
+    };
+    #[cfg(not(unix))]
+    let bytes = path.to_string_lossy().into_owned().into_bytes();
+    CString::new(bytes)
+        .map_err(|_| Error::new(Status::InvalidArgument, format!("path {} contains a NUL byte", path.display())))
+}
+
+/// A string argument as a C string.
+pub(crate) fn cstring(what: &str, s: &str) -> Result<CString> {
+    CString::new(s).map_err(|_| Error::new(Status::InvalidArgument, format!("{what} {s:?} contains a NUL byte")))
+}
+
+/// A string owned by libpipe, copied. `ptr` must be NUL-terminated and valid for this call.
+pub(crate) unsafe fn copy_cstr(ptr: *const std::os::raw::c_char) -> String {
+    if ptr.is_null() {
+        return String::new();
+    }
+    std::ffi::CStr::from_ptr(ptr).to_string_lossy().into_owned()
+}

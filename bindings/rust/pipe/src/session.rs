@@ -1,0 +1,440 @@
+use std::borrow::Borrow;
+use std::marker::PhantomData;
+use std::path::Path;
+use std::ptr::{self, NonNull};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pipe_sys as sys;
+
+use crate::error::{check, Error, Result, Status};
+use crate::list::TensorList;
+use crate::plan::{Plan, StageOptions};
+use crate::tensor::Tensor;
+
+/// Rust tensors described as DLPack for one libpipe call. The DLManagedTensors point into the
+/// tensors' own memory (no copy) and have no deleter; the borrow `'a` keeps the tensors alive
+/// and unchanged until this value is dropped, which is after the call returns. libpipe keeps no
+/// pointer to them afterwards: pipe_session_run and pipe_plan_options_set_example_inputs
+/// borrow only for the call, pipe_session_submit copies.
+pub(crate) struct BorrowedInputs<'a> {
+    // Kept alive (and never resized) while `ptrs` points into it.
+    _managed: Vec<sys::DLManagedTensor>,
+    ptrs: Vec<*const sys::DLManagedTensor>,
+    _borrow: PhantomData<&'a Tensor>,
+}
+
+impl BorrowedInputs<'_> {
+    pub(crate) fn as_ptr(&self) -> *const *const sys::DLManagedTensor {
+        self.ptrs.as_ptr()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.ptrs.len()
+    }
+}
+
+pub(crate) fn borrow_inputs<T: Borrow<Tensor>>(inputs: &[T]) -> BorrowedInputs<'_> {
+    let managed: Vec<sys::DLManagedTensor> = inputs.iter().map(|t| t.borrow().dlpack_borrow()).collect();
+    let ptrs = managed.iter().map(|m| m as *const sys::DLManagedTensor).collect();
+    BorrowedInputs { _managed: managed, ptrs, _borrow: PhantomData }
+}
+
+/// Milliseconds for libpipe, rounded up so that a non-zero duration never becomes 0 ("no
+/// deadline" / "only check"), saturating at i64::MAX.
+fn duration_ms(d: Duration) -> i64 {
+    let ms = d.as_millis() + u128::from(!d.subsec_nanos().is_multiple_of(1_000_000));
+    i64::try_from(ms).unwrap_or(i64::MAX)
+}
+
+/// How one input is cut into micro-batches, or how one output is put back together.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ChunkSpec {
+    /// Inputs: rank >= 1 split along 0, others replicated. Outputs: concatenated along 0.
+    #[default]
+    Default,
+    /// Input: split along this dimension (negative counts from the end).
+    Split(i32),
+    /// Input: every micro-batch gets the whole tensor.
+    Replicate,
+    /// Output: concatenate the micro-batches' results along this dimension.
+    Concat(i32),
+    /// Output: add the micro-batches' results.
+    Sum,
+    /// Output: every micro-batch must give the same value (else [`Status::Execution`]).
+    Equal,
+}
+
+impl ChunkSpec {
+    fn to_raw(self) -> sys::pipe_chunk_spec {
+        let (kind, dim) = match self {
+            ChunkSpec::Default => (sys::PIPE_CHUNK_DEFAULT, 0),
+            ChunkSpec::Split(d) => (sys::PIPE_CHUNK_SPLIT, d),
+            ChunkSpec::Replicate => (sys::PIPE_CHUNK_REPLICATE, 0),
+            ChunkSpec::Concat(d) => (sys::PIPE_CHUNK_CONCAT, d),
+            ChunkSpec::Sum => (sys::PIPE_CHUNK_SUM, 0),
+            ChunkSpec::Equal => (sys::PIPE_CHUNK_EQUAL, 0),
+        };
+        sys::pipe_chunk_spec { kind, dim }
+    }
+}
+
+/// How many micro-batches each call is cut into ([`SessionOptions::microbatching`]). The
+/// results are the same either way; only the number of micro-batches run
+/// ([`StageStats::microbatches`]) differs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Microbatching {
+    /// A call that finds the pipeline empty is cut into [`SessionOptions::microbatches`]; a
+    /// call that arrives while others are in flight gets only as many as bring the pipeline to
+    /// one micro-batch per stage (at least 1): the other calls already keep the stages busy,
+    /// and finer cuts would only cost efficiency. `PIPE_MICROBATCHING_ADAPTIVE`.
+    #[default]
+    Adaptive,
+    /// Every call is cut into [`SessionOptions::microbatches`], e.g. to bound the activation
+    /// memory of one micro-batch. `PIPE_MICROBATCHING_FIXED`.
+    Fixed,
+}
+
+impl Microbatching {
+    fn to_raw(self) -> i32 {
+        match self {
+            Microbatching::Adaptive => sys::PIPE_MICROBATCHING_ADAPTIVE,
+            Microbatching::Fixed => sys::PIPE_MICROBATCHING_FIXED,
+        }
+    }
+}
+
+/// Session options; the defaults are pipe.h's PIPE_SESSION_OPTIONS_INIT.
+#[derive(Clone, Debug)]
+pub struct SessionOptions {
+    microbatches: usize,
+    microbatching: Microbatching,
+    threads_per_stage: usize,
+    max_inflight: usize,
+    input_specs: Vec<ChunkSpec>,
+    output_specs: Vec<ChunkSpec>,
+    stage_options: Option<StageOptions>,
+}
+
+impl Default for SessionOptions {
+    fn default() -> SessionOptions {
+        SessionOptions {
+            microbatches: 1,
+            microbatching: Microbatching::Adaptive,
+            threads_per_stage: 0,
+            max_inflight: 0,
+            input_specs: Vec::new(),
+            output_specs: Vec::new(),
+            stage_options: None,
+        }
+    }
+}
+
+fn to_i32(what: &str, n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| Error::new(Status::InvalidArgument, format!("{what} = {n} is too large")))
+}
+
+impl SessionOptions {
+    pub fn new() -> SessionOptions {
+        SessionOptions::default()
+    }
+
+    /// Micro-batches per call (>= 1; default 1); see [`SessionOptions::microbatching`] for
+    /// when a call gets fewer. A batch with fewer rows runs as that many micro-batches.
+    pub fn microbatches(mut self, n: usize) -> SessionOptions {
+        self.microbatches = n;
+        self
+    }
+
+    /// [`Microbatching::Adaptive`] (default: calls arriving while others are in flight are cut
+    /// into fewer micro-batches) or [`Microbatching::Fixed`] (every call gets
+    /// [`SessionOptions::microbatches`]).
+    pub fn microbatching(mut self, mode: Microbatching) -> SessionOptions {
+        self.microbatching = mode;
+        self
+    }
+
+    /// Intra-op threads per stage worker; 0 (default) picks max(1, cores / stages).
+    pub fn threads_per_stage(mut self, n: usize) -> SessionOptions {
+        self.threads_per_stage = n;
+        self
+    }
+
+    /// Micro-batches admitted into the pipeline at once, over all calls; 0 (default) picks
+    /// max(2 x microbatches, 4 x stages).
+    pub fn max_inflight(mut self, n: usize) -> SessionOptions {
+        self.max_inflight = n;
+        self
+    }
+
+    /// Per forward argument, in order (missing ones are [`ChunkSpec::Default`]).
+    pub fn input_specs(mut self, specs: Vec<ChunkSpec>) -> SessionOptions {
+        self.input_specs = specs;
+        self
+    }
+
+    /// Per output, in the order the outputs are named (missing ones concatenate along 0).
+    pub fn output_specs(mut self, specs: Vec<ChunkSpec>) -> SessionOptions {
+        self.output_specs = specs;
+        self
+    }
+
+    /// Weights and dtype of every stage.
+    pub fn stage_options(mut self, options: StageOptions) -> SessionOptions {
+        self.stage_options = Some(options);
+        self
+    }
+}
+
+/// Per-call options.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunOptions {
+    /// The call fails with [`Status::DeadlineExceeded`] if it has not finished this long after
+    /// it started (waiting for room in the pipeline included). None: no deadline.
+    pub timeout: Option<Duration>,
+}
+
+impl RunOptions {
+    pub fn with_timeout(timeout: Duration) -> RunOptions {
+        RunOptions { timeout: Some(timeout) }
+    }
+
+    fn to_raw(self) -> sys::pipe_run_options {
+        let mut raw = sys::pipe_run_options_init();
+        raw.timeout_ms = self.timeout.map_or(0, duration_ms);
+        raw
+    }
+}
+
+/// What one stage worker has done since the session was created.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StageStats {
+    /// Micro-batches run (failed ones included).
+    pub microbatches: u64,
+    /// Micro-batches whose stage code raised.
+    pub failures: u64,
+    /// Time spent running the stage, in milliseconds.
+    pub busy_ms: f64,
+    /// Time spent waiting for work, in milliseconds.
+    pub idle_ms: f64,
+    /// Micro-batches waiting for this stage now.
+    pub queue_depth: u64,
+}
+
+/// Stage workers running a plan: call [`Session::run`] (blocking) or [`Session::submit`]
+/// (asynchronous), from as many threads as you like.
+pub struct Session {
+    ptr: NonNull<sys::pipe_session>,
+}
+
+// SAFETY: pipe.h marks pipe_session_run and pipe_session_submit "thread-safe: many threads may
+// run on one session at once", and num_stages, stage_stats, trace_start and trace_stop
+// thread-safe too; every &self method here calls only those. pipe_session_destroy is exclusive
+// and must not overlap a run or submit in another thread: it runs in Drop, which needs sole
+// ownership, so no &Session (hence no call in progress) can exist then. Nothing ties a session
+// to the thread that created it.
+unsafe impl Send for Session {}
+unsafe impl Sync for Session {}
+
+impl Session {
+    /// Build every stage of `plan` on the CPU and start one worker thread per stage.
+    pub fn new(plan: &Plan, options: &SessionOptions) -> Result<Session> {
+        let input_specs: Vec<sys::pipe_chunk_spec> = options.input_specs.iter().map(|s| s.to_raw()).collect();
+        let output_specs: Vec<sys::pipe_chunk_spec> = options.output_specs.iter().map(|s| s.to_raw()).collect();
+        let stage = options.stage_options.as_ref().map(StageOptions::to_raw).transpose()?;
+        let mut raw = sys::pipe_session_options_init();
+        raw.num_microbatches = to_i32("microbatches", options.microbatches)?;
+        raw.microbatching = options.microbatching.to_raw();
+        raw.threads_per_stage = to_i32("threads_per_stage", options.threads_per_stage)?;
+        raw.max_inflight = to_i32("max_inflight", options.max_inflight)?;
+        if !input_specs.is_empty() {
+            raw.input_specs = input_specs.as_ptr();
+            raw.num_input_specs = input_specs.len();
+        }
+        if !output_specs.is_empty() {
+            raw.output_specs = output_specs.as_ptr();
+            raw.num_output_specs = output_specs.len();
+        }
+        raw.stage_options = stage.as_ref().map_or(ptr::null(), |s| &s.raw as *const _);
+        let mut session = ptr::null_mut();
+        // SAFETY: thread-safe on the plan; every pointer in `raw` outlives the call (the spec
+        // arrays are copied by libpipe).
+        check(unsafe { sys::pipe_session_create(plan.as_ptr(), &raw, &mut session) })?;
+        NonNull::new(session)
+            .map(|ptr| Session { ptr })
+            .ok_or_else(|| Error::new(Status::Internal, "libpipe returned a NULL session"))
+    }
+
+    /// Number of stages (and worker threads).
+    pub fn num_stages(&self) -> Result<usize> {
+        let mut n = 0usize;
+        // SAFETY: thread-safe.
+        check(unsafe { sys::pipe_session_num_stages(self.ptr.as_ptr(), &mut n) })?;
+        Ok(n)
+    }
+
+    /// Run one call and wait for it. `inputs` are the forward arguments in order
+    /// ([`crate::Model::input_names`]). The outputs, copied, are named "output" for a tensor
+    /// result, "output.0", "output.1", ... for a tuple, `"output.<key>"` for a dict.
+    pub fn run<T: Borrow<Tensor>>(&self, inputs: &[T]) -> Result<Vec<(String, Tensor)>> {
+        self.run_list(inputs, &RunOptions::default())?.to_tensors()
+    }
+
+    /// [`Session::run`] with a deadline.
+    pub fn run_with<T: Borrow<Tensor>>(&self, inputs: &[T], options: &RunOptions) -> Result<Vec<(String, Tensor)>> {
+        self.run_list(inputs, options)?.to_tensors()
+    }
+
+    /// [`Session::run_with`], returning libpipe's own output list (no copy; it can also be
+    /// written to a safetensors file).
+    pub fn run_list<T: Borrow<Tensor>>(&self, inputs: &[T], options: &RunOptions) -> Result<TensorList> {
+        let borrowed = borrow_inputs(inputs);
+        let raw = options.to_raw();
+        let mut out = ptr::null_mut();
+        // SAFETY: thread-safe. The inputs are borrowed only until this returns, and `borrowed`
+        // (with the tensors it borrows) lives until then.
+        check(unsafe { sys::pipe_session_run(self.ptr.as_ptr(), borrowed.as_ptr(), borrowed.len(), &raw, &mut out) })?;
+        drop(borrowed);
+        unsafe { TensorList::from_raw(out) }
+    }
+
+    /// Start one call without waiting for it (it may wait for room in the pipeline). The inputs
+    /// are copied, so they may change or be dropped right after. Input errors (count, batch
+    /// sizes) are reported here, errors while running by [`Request::wait`].
+    pub fn submit<T: Borrow<Tensor>>(&self, inputs: &[T]) -> Result<Request> {
+        self.submit_with(inputs, &RunOptions::default())
+    }
+
+    /// [`Session::submit`] with a deadline.
+    pub fn submit_with<T: Borrow<Tensor>>(&self, inputs: &[T], options: &RunOptions) -> Result<Request> {
+        let borrowed = borrow_inputs(inputs);
+        let raw = options.to_raw();
+        let mut request = ptr::null_mut();
+        // SAFETY: thread-safe; libpipe copies the inputs before returning.
+        check(unsafe {
+            sys::pipe_session_submit(self.ptr.as_ptr(), borrowed.as_ptr(), borrowed.len(), &raw, &mut request)
+        })?;
+        NonNull::new(request)
+            .map(|ptr| Request { ptr, wait_lock: Mutex::new(()) })
+            .ok_or_else(|| Error::new(Status::Internal, "libpipe returned a NULL request"))
+    }
+
+    /// Statistics of stage `stage`.
+    pub fn stage_stats(&self, stage: usize) -> Result<StageStats> {
+        let mut raw = sys::pipe_stage_stats_init();
+        // SAFETY: thread-safe; the library fills the fields struct_size covers.
+        check(unsafe { sys::pipe_session_stage_stats(self.ptr.as_ptr(), stage, &mut raw) })?;
+        Ok(StageStats {
+            microbatches: raw.microbatches,
+            failures: raw.failures,
+            busy_ms: raw.busy_ms,
+            idle_ms: raw.idle_ms,
+            queue_depth: raw.queue_depth,
+        })
+    }
+
+    /// Statistics of every stage, in order.
+    pub fn stats(&self) -> Result<Vec<StageStats>> {
+        (0..self.num_stages()?).map(|s| self.stage_stats(s)).collect()
+    }
+
+    /// Record a timeline of every micro-batch each stage runs from now on.
+    pub fn trace_start(&self) -> Result<()> {
+        // SAFETY: thread-safe.
+        check(unsafe { sys::pipe_session_trace_start(self.ptr.as_ptr()) })
+    }
+
+    /// Stop recording and write the timeline as Chrome trace JSON to `path` (None discards it).
+    pub fn trace_stop(&self, path: Option<&Path>) -> Result<()> {
+        let c = path.map(crate::path_cstring).transpose()?;
+        // SAFETY: thread-safe; `c` outlives the call.
+        check(unsafe {
+            sys::pipe_session_trace_stop(self.ptr.as_ptr(), c.as_ref().map_or(ptr::null(), |c| c.as_ptr()))
+        })
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // SAFETY: exclusive, and no run/submit can be in progress (see the Send/Sync note).
+        // Calls still in flight (submitted requests) fail with Cancelled; their requests stay
+        // valid.
+        unsafe { sys::pipe_session_destroy(self.ptr.as_ptr()) }
+    }
+}
+
+/// An asynchronous call ([`Session::submit`]). Dropping it cancels the call if it is still
+/// running. It may outlive its session.
+pub struct Request {
+    ptr: NonNull<sys::pipe_request>,
+    /// pipe_request_wait is exclusive per request: waits from several threads take turns.
+    wait_lock: Mutex<()>,
+}
+
+// SAFETY: pipe.h: pipe_request_wait is "exclusive per request" — serialised here by
+// `wait_lock`, so &Request may be shared; pipe_request_cancel is thread-safe, so it may run
+// while another thread waits; pipe_request_destroy is exclusive and runs in Drop with sole
+// ownership. Nothing ties a request to the thread that submitted it.
+unsafe impl Send for Request {}
+unsafe impl Sync for Request {}
+
+impl Request {
+    /// Wait for the call: `None` as long as it takes, `Some(Duration::ZERO)` only checks.
+    /// [`Status::Timeout`] if it is still running when the time is up (wait again, cancel, or
+    /// drop); otherwise the call's own result. A finished call gives the same result again.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<Vec<(String, Tensor)>> {
+        self.wait_list(timeout)?.to_tensors()
+    }
+
+    /// [`Request::wait`], returning libpipe's own output list (no copy).
+    pub fn wait_list(&self, timeout: Option<Duration>) -> Result<TensorList> {
+        let timeout_ms = timeout.map_or(-1, duration_ms);
+        // The guard protects no data, so a poisoned lock is still usable.
+        let _turn = self.wait_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = ptr::null_mut();
+        // SAFETY: exclusive per request, which `_turn` ensures among this request's callers.
+        check(unsafe { sys::pipe_request_wait(self.ptr.as_ptr(), timeout_ms, &mut out) })?;
+        unsafe { TensorList::from_raw(out) }
+    }
+
+    /// Ask the call to stop: micro-batches not yet run are dropped and it fails with
+    /// [`Status::Cancelled`]. A call that already finished keeps its result.
+    pub fn cancel(&self) -> Result<()> {
+        // SAFETY: thread-safe.
+        check(unsafe { sys::pipe_request_cancel(self.ptr.as_ptr()) })
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        // SAFETY: exclusive (we own it); a call still running is cancelled.
+        unsafe { sys::pipe_request_destroy(self.ptr.as_ptr()) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_round_up_to_milliseconds() {
+        assert_eq!(duration_ms(Duration::ZERO), 0);
+        assert_eq!(duration_ms(Duration::from_micros(1)), 1);
+        assert_eq!(duration_ms(Duration::from_millis(250)), 250);
+        assert_eq!(duration_ms(Duration::from_micros(2500)), 3);
+        assert_eq!(duration_ms(Duration::MAX), i64::MAX);
+    }
+
+    // SessionOptions::default() must be what PIPE_SESSION_OPTIONS_INIT (pipe-sys's
+    // pipe_session_options_init) says, and the modes must map to pipe.h's constants.
+    #[test]
+    fn session_option_defaults_match_the_header() {
+        let init = sys::pipe_session_options_init();
+        let options = SessionOptions::default();
+        assert_eq!(options.microbatches as i32, init.num_microbatches);
+        assert_eq!(options.microbatching.to_raw(), init.microbatching);
+        assert_eq!(options.microbatching, Microbatching::Adaptive);
+        assert_eq!(Microbatching::Fixed.to_raw(), sys::PIPE_MICROBATCHING_FIXED);
+        assert_ne!(Microbatching::Fixed.to_raw(), Microbatching::Adaptive.to_raw());
+    }
+}
