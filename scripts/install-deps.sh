@@ -11,6 +11,8 @@ apt_packages=(
   libdlpack-dev nlohmann-json3-dev               # public DLPack header; JSON for plans and safetensors
   libcmocka-dev libgtest-dev                     # conformance (C) and unit (C++) tests
   abigail-tools binutils xz-utils                # ABI check (abidw/abidiff), export check (nm, objdump)
+  swig                                           # the Python and Go bindings are generated from pipe.h
+  clang libclang-dev                             # bindgen (the Rust binding's -sys crate)
 )
 missing=()
 for pkg in "${apt_packages[@]}"; do
@@ -23,6 +25,11 @@ if ((${#missing[@]})); then
   $sudo apt-get update -q
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
+
+# The Go and Rust bindings build with the machine's own toolchains (Go >= 1.24, Rust >= 1.80);
+# Debian's packages are too old for them, so say where they come from rather than fail later.
+command -v go >/dev/null || echo "install-deps: warning: no 'go' on PATH; the Go binding's tests will fail (https://go.dev/dl)" >&2
+command -v cargo >/dev/null || echo "install-deps: warning: no 'cargo' on PATH; the Rust binding's tests will fail (https://rustup.rs)" >&2
 
 requirements=$LIBPIPE_ROOT/scripts/requirements.txt
 stamp=$LIBPIPE_VENV/.libpipe-requirements
