@@ -12,8 +12,9 @@ bench=$LIBPIPE_BUILD/bench/pipeline_bench
 echo "## Scheduler"
 "$bench" overhead "$models/mlp.pt" "$models/mlp.inputs.safetensors"
 "$bench" hop "$models/trivial.pt" "$models/trivial.inputs.safetensors"
-"$bench" throughput "$models/mlp.pt" "$models/mlp.inputs.safetensors" 8 2
-"$bench" throughput "$models/mlp.pt" "$models/mlp.inputs.safetensors" 2 2
+"$bench" throughput "$models/mlp.pt" "$models/mlp.inputs.safetensors" 8 2 adaptive
+"$bench" throughput "$models/mlp.pt" "$models/mlp.inputs.safetensors" 8 2 fixed
+"$bench" throughput "$models/mlp.pt" "$models/mlp.inputs.safetensors" 2 2 fixed
 "$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/bench/pytorch_pipelining.py" --microbatches 8 2>/dev/null
 "$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/bench/pytorch_pipelining.py" --microbatches 2 2>/dev/null
 echo

@@ -68,9 +68,12 @@ typedef int32_t pipe_status;
 #define PIPE_ERR_INVALID_FORMAT 3
 /* The model cannot be split as asked (no markers where required, marker inside a block, ...). */
 #define PIPE_ERR_SPLIT 4
-/* Inputs do not fit the model: wrong count, dtype, device or shape. */
+/* Inputs do not fit the call, as checked before anything runs: wrong count, a device other than
+ * the first stage's, a DLPack tensor libpipe cannot read, batch sizes that disagree or specs that
+ * do not fit. */
 #define PIPE_ERR_INPUT 5
-/* A stage failed while running (the model's own code raised an error). */
+/* A stage failed while running: the model's own code raised an error, which includes a dtype or
+ * shape its operators reject (the message names the stage and quotes the operator's error). */
 #define PIPE_ERR_EXECUTION 6
 /* Reading or writing a file failed after it was opened. */
 #define PIPE_ERR_IO 7
