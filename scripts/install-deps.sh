@@ -9,6 +9,7 @@ apt_packages=(
   build-essential cmake ninja-build pkg-config   # toolchain
   python3 python3-venv                           # the virtualenv (when no other python3 is on PATH)
   libdlpack-dev nlohmann-json3-dev               # public DLPack header; JSON for plans and safetensors
+  libzip-dev                                     # model files are zip archives, checked before LibTorch reads them
   libcmocka-dev libgtest-dev                     # conformance (C) and unit (C++) tests
   abigail-tools binutils xz-utils                # ABI check (abidw/abidiff), export check (nm, objdump)
   swig                                           # the Python and Go bindings are generated from pipe.h

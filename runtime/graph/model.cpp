@@ -4,12 +4,12 @@
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
 #include <torch/csrc/jit/serialization/import.h>
 
-#include <fstream>
 #include <set>
 
 #include "runtime/error.h"
 #include "runtime/graph/plan.h"
 #include "runtime/graph/split_marker.h"
+#include "runtime/io/archive_check.h"
 
 namespace libpipe::graph {
 
@@ -139,10 +139,7 @@ std::vector<ModuleInfo> Model::modules() const {
 }
 
 std::shared_ptr<const Model> Model::load(const std::string& path) {
-  {
-    std::ifstream probe(path, std::ios::binary);
-    if (!probe) throw Error(Status::NotFound, "cannot open model file '" + path + "'");
-  }
+  io::check_torchscript_archive(path);  // before LibTorch's reader, which trusts the zip
   register_split_marker();
 
   auto model = std::make_shared<Model>();
