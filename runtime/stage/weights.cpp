@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <iterator>
 #include <set>
 
 #include "runtime/error.h"
@@ -37,31 +38,38 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 
 }  // namespace
 
+std::map<std::string, std::string> parse_checkpoint_index(const std::string& text, const std::string& path) {
+  nlohmann::json index;
+  try {
+    index = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(Status::InvalidFormat, "checkpoint index '" + path + "' is not valid JSON (" + e.what() + ")");
+  }
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+    throw Error(Status::InvalidFormat, "checkpoint index '" + path +
+                                           "' has no \"weight_map\" object (tensor name -> shard file)");
+  std::map<std::string, std::string> weight_map;
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    if (!file.is_string())
+      throw Error(Status::InvalidFormat, "checkpoint index '" + path + "' maps '" + name + "' to a non-string");
+    const std::string f = file.get<std::string>();
+    if (f.empty() || f[0] == '/' || f.find("..") != std::string::npos)
+      throw Error(Status::InvalidFormat, "checkpoint index '" + path + "' maps '" + name + "' to '" + f +
+                                             "'; shards must be files next to the index");
+    weight_map[name] = f;
+  }
+  return weight_map;
+}
+
 std::shared_ptr<Checkpoint> Checkpoint::open(const std::string& path) {
   auto cp = std::make_shared<Checkpoint>();
   cp->path_ = path;
   cp->dir_ = dir_of(path);
   if (ends_with(path, ".json")) {
-    std::ifstream in(path);
+    std::ifstream in(path, std::ios::binary);
     if (!in) throw Error(Status::NotFound, "cannot open checkpoint index '" + path + "'");
-    nlohmann::json index;
-    try {
-      in >> index;
-    } catch (const nlohmann::json::exception& e) {
-      throw Error(Status::InvalidFormat, "checkpoint index '" + path + "' is not valid JSON (" + e.what() + ")");
-    }
-    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
-      throw Error(Status::InvalidFormat, "checkpoint index '" + path +
-                                             "' has no \"weight_map\" object (tensor name -> shard file)");
-    for (const auto& [name, file] : index["weight_map"].items()) {
-      if (!file.is_string())
-        throw Error(Status::InvalidFormat, "checkpoint index '" + path + "' maps '" + name + "' to a non-string");
-      const std::string f = file.get<std::string>();
-      if (f.empty() || f[0] == '/' || f.find("..") != std::string::npos)
-        throw Error(Status::InvalidFormat, "checkpoint index '" + path + "' maps '" + name + "' to '" + f +
-                                               "'; shards must be files next to the index");
-      cp->weight_map_[name] = f;
-    }
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    cp->weight_map_ = parse_checkpoint_index(text, path);
   } else {
     // A single file: its header lists the tensors.
     const size_t slash = path.rfind('/');

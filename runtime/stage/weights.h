@@ -26,6 +26,11 @@ struct StageOptions {
   std::function<void(size_t, uint64_t, uint64_t)> progress;
 };
 
+// The weight map of a *.index.json (tensor name -> shard file, relative to the index's folder).
+// Throws Error(InvalidFormat) naming `path` for invalid JSON, a missing "weight_map" object, a
+// non-string entry or a shard path that leaves the index's folder.
+std::map<std::string, std::string> parse_checkpoint_index(const std::string& text, const std::string& path);
+
 class Checkpoint {
  public:
   // Opens a .safetensors file or a *.index.json. Throws Error(NotFound) for a missing file,
