@@ -94,7 +94,13 @@ def test_truncated_model(tmp_path):
     data = open(fixture("example_code.traced.pt"), "rb").read()
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(data[: len(data) // 2])
-    assert_one_line_error(pipe("split", truncated), "PIPE_ERR_INVALID_FORMAT")
+    assert_one_line_error(pipe("split", truncated), "zip archive is damaged", "PIPE_ERR_INVALID_FORMAT")
+
+
+def test_torch_save_file_is_named_as_such(tmp_path):
+    saved = tmp_path / "weights.pt"
+    torch.save({"w": torch.randn(3)}, saved)
+    assert_one_line_error(pipe("split", saved), "torch.save()", "torch.jit.trace", "PIPE_ERR_INVALID_FORMAT")
 
 
 def test_marker_inside_branch():
@@ -119,6 +125,16 @@ def test_extra_input_tensor(tmp_path):
 def test_wrongly_shaped_input(tmp_path):
     inp = tmp_path / "in.safetensors"
     save_file({"x": torch.randn(4, 100), "y": torch.randn(4, 512)}, inp)
+    result = pipe("run", fixture("example_code.traced.pt"), "--input", inp, "--output", tmp_path / "o.safetensors")
+    assert_one_line_error(result, "stage 0 failed", "PIPE_ERR_EXECUTION")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_wrongly_typed_input(tmp_path):
+    # int64 where the model's weights are float32: the first stage's matmul refuses it, and the
+    # message names the stage and quotes the operator.
+    inp = tmp_path / "in.safetensors"
+    save_file({"x": torch.ones(4, 512, dtype=torch.int64), "y": torch.randn(4, 512)}, inp)
     result = pipe("run", fixture("example_code.traced.pt"), "--input", inp, "--output", tmp_path / "o.safetensors")
     assert_one_line_error(result, "stage 0 failed", "PIPE_ERR_EXECUTION")
     assert not (tmp_path / "o.safetensors").exists()

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -298,6 +299,44 @@ static void junk_model_file(void **state) {
   ASSERT_FAILS(pipe_model_load(fixture("example_code.inputs.safetensors"), &model),
                PIPE_ERR_INVALID_FORMAT, "TorchScript");
   assert_null(model);
+
+  /* A model file cut short (an interrupted copy) is refused before LibTorch reads it. */
+  FILE *in = fopen(fixture("example_code.traced.pt"), "rb");
+  assert_non_null(in);
+  fseek(in, 0, SEEK_END);
+  const size_t size = (size_t)ftell(in);
+  rewind(in);
+  char *bytes = malloc(size);
+  assert_non_null(bytes);
+  assert_int_equal(fread(bytes, 1, size, in), size);
+  fclose(in);
+  char path[] = "/tmp/libpipe-truncated-XXXXXX";
+  const int fd = mkstemp(path);
+  assert_true(fd >= 0);
+  assert_int_equal(write(fd, bytes, size / 2), (ssize_t)(size / 2));
+  close(fd);
+  free(bytes);
+  ASSERT_FAILS(pipe_model_load(path, &model), PIPE_ERR_INVALID_FORMAT, "damaged");
+  assert_null(model);
+  unlink(path);
+}
+
+/* A tensor on a CUDA device, on a machine (or build) that cannot run one: refused up front. */
+static void input_on_a_cuda_device(void **state) {
+  (void)state;
+  loaded l;
+  load_fixture(&l, "example_code.traced.pt", "example_code");
+  pipe_session *session = NULL;
+  ASSERT_OK(pipe_session_create(l.plan, NULL, &session));
+  DLManagedTensor on_gpu = *l.args[0];
+  on_gpu.dl_tensor.device.device_type = kDLCUDA;
+  on_gpu.deleter = NULL;
+  const DLManagedTensor *args[2] = {&on_gpu, l.args[1]};
+  pipe_tensor_list *out = NULL;
+  ASSERT_FAILS(pipe_session_run(session, args, 2, NULL, &out), PIPE_ERR_INPUT, "cuda");
+  assert_null(out);
+  pipe_session_destroy(session);
+  unload(&l);
 }
 
 static void null_arguments(void **state) {
@@ -1162,6 +1201,7 @@ int main(void) {
       cmocka_unit_test(cuts_inside_blocks_are_refused),
       cmocka_unit_test(split_points_with_estimates),
       cmocka_unit_test(model_module_tree),
+      cmocka_unit_test(input_on_a_cuda_device),
       cmocka_unit_test(submit_wait_cancel),
       cmocka_unit_test(adaptive_microbatching),
       cmocka_unit_test(deadlines),
