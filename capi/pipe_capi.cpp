@@ -384,6 +384,34 @@ pipe_status pipe_tensor_list_take(pipe_tensor_list* list, size_t index, DLManage
   });
 }
 
+pipe_status pipe_tensor_list_create(pipe_tensor_list** list) {
+  return guarded(__func__, [&](const char* fn) {
+    require(list, fn, "list");
+    *list = handle(new libpipe::capi::TensorListHandle());
+  });
+}
+
+pipe_status pipe_tensor_list_append(pipe_tensor_list* list, const char* name, const DLManagedTensor* tensor) {
+  return guarded(__func__, [&](const char* fn) {
+    require(list, fn, "list");
+    require(name, fn, "name");
+    require(tensor, fn, "tensor");
+    if (!*name) throw Error(Status::InvalidArgument, std::string(fn) + ": name is empty");
+    auto& entries = get(list)->entries;
+    for (const auto& e : entries)
+      if (e.name == name)
+        throw Error(Status::InvalidArgument, std::string(fn) + ": the list already has an entry '" + name + "'");
+    at::Tensor copy;
+    try {
+      copy = libpipe::capi::tensor_from_borrowed_dlpack(tensor).clone(at::MemoryFormat::Contiguous);
+    } catch (const c10::Error& e) {
+      throw Error(Status::Input, std::string(fn) + ": '" + name + "' is not a tensor LibTorch can read: " +
+                                     e.what_without_backtrace());
+    }
+    entries.push_back({name, std::move(copy)});
+  });
+}
+
 void pipe_tensor_list_destroy(pipe_tensor_list* list) { delete get(list); }
 
 /* ---- safetensors ---- */

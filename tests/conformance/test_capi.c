@@ -561,6 +561,56 @@ static void tensor_list_take_transfers_ownership(void **state) {
   owned->deleter(owned);
 }
 
+/* A list built from the caller's own tensors: copies (the caller's memory may change after the
+ * append), written to a safetensors file and read back equal. */
+static void tensor_list_from_caller_tensors(void **state) {
+  (void)state;
+  float values[6] = {1, 2, 3, 4, 5, 6};
+  int64_t shape[2] = {2, 3};
+  int64_t ids[3] = {7, -8, 9};
+  int64_t ids_shape[1] = {3};
+  DLManagedTensor a, b;
+  memset(&a, 0, sizeof a);
+  memset(&b, 0, sizeof b);
+  a.dl_tensor = (DLTensor){values, {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, shape, NULL, 0};
+  b.dl_tensor = (DLTensor){ids, {kDLCPU, 0}, 1, {kDLInt, 64, 1}, ids_shape, NULL, 0};
+
+  pipe_tensor_list *list = NULL;
+  ASSERT_OK(pipe_tensor_list_create(&list));
+  ASSERT_OK(pipe_tensor_list_append(list, "weights", &a));
+  ASSERT_OK(pipe_tensor_list_append(list, "ids", &b));
+  values[0] = 100; /* after the append: the list holds a copy */
+  ASSERT_FAILS(pipe_tensor_list_append(list, "ids", &b), PIPE_ERR_INVALID_ARGUMENT, "already has an entry 'ids'");
+  ASSERT_FAILS(pipe_tensor_list_append(list, "", &b), PIPE_ERR_INVALID_ARGUMENT, "name is empty");
+  ASSERT_FAILS(pipe_tensor_list_append(list, "x", NULL), PIPE_ERR_INVALID_ARGUMENT, "tensor is NULL");
+  ASSERT_FAILS(pipe_tensor_list_append(NULL, "x", &a), PIPE_ERR_INVALID_ARGUMENT, "list is NULL");
+  ASSERT_FAILS(pipe_tensor_list_create(NULL), PIPE_ERR_INVALID_ARGUMENT, "list is NULL");
+  DLManagedTensor odd = a;
+  odd.dl_tensor.dtype.code = 99; /* no such DLPack type */
+  ASSERT_FAILS(pipe_tensor_list_append(list, "odd", &odd), PIPE_ERR_INPUT, "'odd'");
+
+  char path[4200];
+  snprintf(path, sizeof path, "%s/appended.safetensors", models_dir());
+  ASSERT_OK(pipe_safetensors_write(list, path));
+  pipe_tensor_list_destroy(list);
+  pipe_tensor_list *back = NULL;
+  ASSERT_OK(pipe_safetensors_read(path, &back));
+  size_t count = 0, index = 0;
+  ASSERT_OK(pipe_tensor_list_size(back, &count));
+  assert_int_equal(count, 2);
+  const DLManagedTensor *t = NULL;
+  ASSERT_OK(pipe_tensor_list_find(back, "weights", &index));
+  ASSERT_OK(pipe_tensor_list_get(back, index, &t));
+  const float *w = (const float *)t->dl_tensor.data;
+  assert_true(w[0] == 1.0f && w[5] == 6.0f);
+  assert_int_equal(t->dl_tensor.shape[1], 3);
+  ASSERT_OK(pipe_tensor_list_find(back, "ids", &index));
+  ASSERT_OK(pipe_tensor_list_get(back, index, &t));
+  assert_int_equal(((const int64_t *)t->dl_tensor.data)[1], -8);
+  pipe_tensor_list_destroy(back);
+  remove(path);
+}
+
 static void malformed_safetensors(void **state) {
   (void)state;
   char path[4200];
@@ -1195,6 +1245,7 @@ int main(void) {
       cmocka_unit_test(mismatched_batch_sizes),
       cmocka_unit_test(batch_smaller_than_microbatches),
       cmocka_unit_test(tensor_list_take_transfers_ownership),
+      cmocka_unit_test(tensor_list_from_caller_tensors),
       cmocka_unit_test(malformed_safetensors),
       cmocka_unit_test(last_error_is_per_thread),
       cmocka_unit_test(plan_options_are_validated),

@@ -142,6 +142,16 @@ PIPE_API pipe_status pipe_tensor_list_get(pipe_tensor_list *list, size_t index,
 PIPE_API pipe_status pipe_tensor_list_take(pipe_tensor_list *list, size_t index,
                                            DLManagedTensor **tensor);
 
+/* A new empty list, to fill with pipe_tensor_list_append (e.g. to write the caller's own tensors
+ * with pipe_safetensors_write). The caller destroys it. Global. Since 0.3. */
+PIPE_API pipe_status pipe_tensor_list_create(pipe_tensor_list **list);
+
+/* Append a copy of `tensor` under `name`; the caller keeps `tensor` (its deleter is not called).
+ * PIPE_ERR_INVALID_ARGUMENT for an empty name or one already in the list; PIPE_ERR_INPUT for a
+ * DLPack tensor libpipe cannot read. Exclusive. Since 0.3. */
+PIPE_API pipe_status pipe_tensor_list_append(pipe_tensor_list *list, const char *name,
+                                             const DLManagedTensor *tensor);
+
 /* Free the list and every tensor still in it. NULL is ignored. Exclusive. */
 PIPE_API void pipe_tensor_list_destroy(pipe_tensor_list *list);
 
