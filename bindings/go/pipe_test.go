@@ -709,9 +709,48 @@ func TestSafetensorsRoundTrip(t *testing.T) {
 			t.Errorf("%s: wrote %v %v, read %v %v", in[i].Name, a, a.Data(), b, b.Data())
 		}
 	}
-	if err := pipe.WriteSafetensors(path, pipe.TensorList{{Name: "a", Tensor: in[0].Tensor}, {Name: "a", Tensor: in[1].Tensor}}); err == nil {
-		t.Fatal("repeated names were accepted")
+	// libpipe copied the tensors: the caller's slices are untouched and still theirs.
+	if got := in[0].Tensor.Float32s(); !slices.Equal(got, []float32{1, 2, 3, 4, 5, 6}) {
+		t.Fatalf("the input changed: %v", got)
 	}
+}
+
+func TestWriteSafetensorsErrors(t *testing.T) {
+	a := pipe.MustTensor([]float32{1, 2}, 2)
+	b := pipe.MustTensor([]int64{3}, 1)
+	path := filepath.Join(t.TempDir(), "t.safetensors")
+	if err := pipe.WriteSafetensors(path, pipe.TensorList{{Name: "kept", Tensor: a}}); err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		what    string
+		list    pipe.TensorList
+		status  pipe.Status
+		message string // a piece of the message that says what was wrong
+	}{
+		// Refused by pipe_tensor_list_append, before anything is written.
+		{"repeated name", pipe.TensorList{{Name: "a", Tensor: a}, {Name: "a", Tensor: b}}, pipe.StatusInvalidArgument, "'a'"},
+		{"empty name", pipe.TensorList{{Name: "", Tensor: a}}, pipe.StatusInvalidArgument, "empty"},
+		// Refused by libpipe's writer: the header key is reserved by the format.
+		{"reserved name", pipe.TensorList{{Name: "__metadata__", Tensor: a}}, pipe.StatusInvalidArgument, "__metadata__"},
+		// Refused by the binding: C would see "x" only.
+		{"NUL in name", pipe.TensorList{{Name: "x\x00y", Tensor: a}}, pipe.StatusInvalidArgument, "NUL"},
+		{"nil tensor", pipe.TensorList{{Name: "a", Tensor: a}, {Name: "b"}}, pipe.StatusInvalidArgument, "nil"},
+	}
+	for _, c := range cases {
+		err := pipe.WriteSafetensors(path, c.list)
+		// asError also checks errors.Is(err, c.status), i.e. pipe.ErrInvalidArgument.
+		if pe := asError(t, err, c.status); !strings.Contains(pe.Message, c.message) {
+			t.Errorf("%s: message %q does not contain %q", c.what, pe.Message, c.message)
+		}
+	}
+	// None of the failed writes replaced the file that was there.
+	if got := must(pipe.ReadSafetensors(path))(t); !slices.Equal(got.Names(), []string{"kept"}) {
+		t.Fatalf("the file now holds %v", got.Names())
+	}
+	// A directory that does not exist cannot be written to.
+	err := pipe.WriteSafetensors(filepath.Join(t.TempDir(), "missing", "t.safetensors"), pipe.TensorList{{Name: "a", Tensor: a}})
+	asError(t, err, pipe.StatusIO)
 }
 
 func TestAsFloat32(t *testing.T) {

@@ -1,12 +1,7 @@
 package pipe
 
 import (
-	"bytes"
-	"encoding/binary"
-	"encoding/json"
-	"fmt"
-	"os"
-	"path/filepath"
+	"strings"
 
 	"github.com/libpipe/libpipe/bindings/go/internal/capi"
 )
@@ -21,83 +16,48 @@ func ReadSafetensors(path string) (TensorList, error) {
 	return takeList("ReadSafetensors", list)
 }
 
-// WriteSafetensors writes tensors to a safetensors file, in list order. It is written in Go:
-// pipe.h can only write lists that libpipe made (pipe_safetensors_write takes a
-// pipe_tensor_list, and there is no way to build one from caller tensors). Like libpipe, it
-// writes a temporary file next to path and renames it, so a failed write never leaves a
-// truncated file at path. Names must be unique and non-empty.
+// WriteSafetensors writes tensors to a safetensors file, in list order, with libpipe's writer:
+// the tensors are copied into a libpipe list (pipe_tensor_list_append) which
+// pipe_safetensors_write writes. libpipe writes a temporary file and renames it, so a failed
+// write never leaves a truncated file at path.
+//
+// Errors: ErrInvalidArgument for a nil tensor, an empty, repeated or reserved ("__metadata__")
+// name, or a name or path holding a NUL byte; ErrIO when the file cannot be written.
 func WriteSafetensors(path string, tensors TensorList) error {
 	const op = "WriteSafetensors"
-	var header bytes.Buffer
-	header.WriteByte('{')
-	seen := make(map[string]bool, len(tensors))
-	offset := 0
+	// Go strings reach C as NUL-terminated copies: a NUL inside would silently cut the name
+	// (or path) short, so refuse it instead.
+	if strings.IndexByte(path, 0) >= 0 {
+		return errorf(op, StatusInvalidArgument, "path %q holds a NUL byte", path)
+	}
 	for i, e := range tensors {
-		if e.Name == "" || e.Name == "__metadata__" || seen[e.Name] {
-			return errorf(op, StatusInvalidArgument, "tensor %d: name %q is empty, reserved or repeated", i, e.Name)
-		}
-		seen[e.Name] = true
 		if e.Tensor == nil {
-			return errorf(op, StatusInvalidArgument, "tensor %q is nil", e.Name)
+			return errorf(op, StatusInvalidArgument, "tensor %d (%q) is nil", i, e.Name)
 		}
-		info, ok := dtypes[e.Tensor.dtype]
-		if !ok {
-			return errorf(op, StatusInvalidArgument, "tensor %q has unknown dtype %v", e.Name, e.Tensor.dtype)
+		if strings.IndexByte(e.Name, 0) >= 0 {
+			return errorf(op, StatusInvalidArgument, "tensor %d: name %q holds a NUL byte", i, e.Name)
 		}
-		name, _ := json.Marshal(e.Name)
-		shape := e.Tensor.shape
-		if shape == nil {
-			shape = []int64{}
-		}
-		shapeJSON, _ := json.Marshal(shape)
-		size := len(e.Tensor.bytes())
-		if i > 0 {
-			header.WriteByte(',')
-		}
-		fmt.Fprintf(&header, `%s:{"dtype":"%s","shape":%s,"data_offsets":[%d,%d]}`,
-			name, info.st, shapeJSON, offset, offset+size)
-		offset += size
 	}
-	header.WriteByte('}')
-	// The data starts 8-byte aligned, as the format recommends: pad the header with spaces.
-	for (8+header.Len())%8 != 0 {
-		header.WriteByte(' ')
+	var list capi.SwigcptrPipe_tensor_list
+	if err := call("pipe_tensor_list_create", func() int { return capi.Pipe_tensor_list_create(&list) }); err != nil {
+		return err
 	}
-
-	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp*")
-	if err != nil {
-		return errorf(op, StatusIO, "%v", err)
-	}
-	fail := func(err error) error {
-		tmp.Close()
-		os.Remove(tmp.Name())
-		return errorf(op, StatusIO, "%v", err)
-	}
-	var n [8]byte
-	binary.LittleEndian.PutUint64(n[:], uint64(header.Len()))
-	if _, err := tmp.Write(n[:]); err != nil {
-		return fail(err)
-	}
-	if _, err := tmp.Write(header.Bytes()); err != nil {
-		return fail(err)
-	}
+	defer capi.Pipe_tensor_list_destroy(list)
 	for _, e := range tensors {
-		// Elements are written as they lie in memory: little-endian on every platform
-		// libpipe supports (amd64, arm64).
-		if _, err := tmp.Write(e.Tensor.bytes()); err != nil {
-			return fail(err)
+		if err := appendTensor(op, list, e.Name, e.Tensor); err != nil {
+			return err
 		}
 	}
-	if err := tmp.Chmod(0o644); err != nil {
-		return fail(err)
+	return call("pipe_safetensors_write", func() int { return capi.Pipe_safetensors_write(list, path) })
+}
+
+// appendTensor copies t into list under name. libpipe copies the elements during the call
+// (pipe_tensor_list_append), so t's slice is pinned only for that call.
+func appendTensor(op string, list capi.SwigcptrPipe_tensor_list, name string, t *Tensor) error {
+	c, err := wrapTensors(op, []*Tensor{t})
+	if err != nil {
+		return err
 	}
-	if err := tmp.Close(); err != nil {
-		os.Remove(tmp.Name())
-		return errorf(op, StatusIO, "%v", err)
-	}
-	if err := os.Rename(tmp.Name(), path); err != nil {
-		os.Remove(tmp.Name())
-		return errorf(op, StatusIO, "%v", err)
-	}
-	return nil
+	defer c.free()
+	return call("pipe_tensor_list_append", func() int { return capi.Pipe_tensor_list_append(list, name, c.handles[0]) })
 }

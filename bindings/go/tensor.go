@@ -42,20 +42,19 @@ type dtypeInfo struct {
 	name string
 	code int
 	bits int
-	st   string // safetensors dtype
 }
 
 var dtypes = map[DType]dtypeInfo{
-	Float32:  {"float32", dlFloat, 32, "F32"},
-	Float64:  {"float64", dlFloat, 64, "F64"},
-	Float16:  {"float16", dlFloat, 16, "F16"},
-	BFloat16: {"bfloat16", dlBfloat, 16, "BF16"},
-	Int64:    {"int64", dlInt, 64, "I64"},
-	Int32:    {"int32", dlInt, 32, "I32"},
-	Int16:    {"int16", dlInt, 16, "I16"},
-	Int8:     {"int8", dlInt, 8, "I8"},
-	Uint8:    {"uint8", dlUInt, 8, "U8"},
-	Bool:     {"bool", dlBool, 8, "BOOL"},
+	Float32:  {"float32", dlFloat, 32},
+	Float64:  {"float64", dlFloat, 64},
+	Float16:  {"float16", dlFloat, 16},
+	BFloat16: {"bfloat16", dlBfloat, 16},
+	Int64:    {"int64", dlInt, 64},
+	Int32:    {"int32", dlInt, 32},
+	Int16:    {"int16", dlInt, 16},
+	Int8:     {"int8", dlInt, 8},
+	Uint8:    {"uint8", dlUInt, 8},
+	Bool:     {"bool", dlBool, 8},
 }
 
 func (d DType) String() string {
@@ -359,7 +358,8 @@ func (l TensorList) Names() []string {
 
 // cTensors are Go tensors as DLPack structs for one call. The structs and shapes are in C
 // memory; the elements are the Go slices themselves, pinned until free: pipe.h borrows inputs
-// only during the call (pipe_session_run) or copies them (pipe_session_submit, example inputs).
+// only during the call (pipe_session_run) or copies them (pipe_session_submit, example inputs,
+// pipe_tensor_list_append).
 type cTensors struct {
 	pinner  runtime.Pinner
 	handles []capi.SwigcptrDLManagedTensor

@@ -367,9 +367,11 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
 
 /* ---- what is not wrapped ------------------------------------------------------------------------ */
 
-/* Tensor lists never reach Python (see the pipe_tensor_list ** typemap), so their accessors are
- * not needed; pipe_safetensors_write needs a list, which the C ABI cannot build from caller
- * tensors. The structs are built by the typemaps above. */
+/* Tensor lists never reach Python (see the pipe_tensor_list ** typemap), so their accessors and
+ * builders are not needed: Python writes safetensors files with the safetensors package. The
+ * structs are built by the typemaps above. */
+%ignore pipe_tensor_list_create;
+%ignore pipe_tensor_list_append;
 %ignore pipe_tensor_list_size;
 %ignore pipe_tensor_list_name;
 %ignore pipe_tensor_list_find;

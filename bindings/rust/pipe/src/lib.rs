@@ -34,7 +34,9 @@
 //! tensors pointing at the Rust memory for the duration of one call only; libpipe keeps no
 //! pointer to them after it returns. Outputs come back as copies in [`Tensor`]s, or, without a
 //! copy, in a [`TensorList`] whose entries can be borrowed ([`TensorRef`]) or taken
-//! ([`ManagedTensor`], which calls the DLPack deleter when dropped).
+//! ([`ManagedTensor`], which calls the DLPack deleter when dropped). A [`TensorList`] can also be
+//! built from the caller's tensors ([`TensorList::new`], [`TensorList::append`], which copies),
+//! e.g. to write them with libpipe's safetensors writer ([`safetensors::write_tensors`]).
 
 mod error;
 mod list;
@@ -52,7 +54,7 @@ pub use log::{reset_log_callback, set_log_callback, LogLevel};
 pub use model::{Model, ModuleInfo};
 pub use plan::{Names, Plan, PlanOptions, Policy, StageOptions, WeightDType};
 pub use session::{ChunkSpec, Microbatching, Request, RunOptions, Session, SessionOptions, StageStats};
-pub use tensor::{DType, Element, ManagedTensor, Tensor, TensorRef};
+pub use tensor::{AppendSource, DType, Element, ManagedTensor, Tensor, TensorRef};
 
 /// The raw declarations, for what the safe API does not cover.
 pub use pipe_sys as sys;

@@ -5,11 +5,12 @@ use std::ptr::{self, NonNull};
 use pipe_sys as sys;
 
 use crate::error::{check, Error, Result, Status};
-use crate::tensor::{ManagedTensor, Tensor, TensorRef};
+use crate::tensor::{AppendSource, ManagedTensor, Tensor, TensorRef};
 
-/// An ordered list of named tensors owned by libpipe: the outputs of a call, or the contents of
-/// a safetensors file. Entries can be borrowed without a copy ([`TensorList::get`]), taken out
-/// ([`TensorList::take`]) or copied ([`TensorList::to_tensors`]).
+/// An ordered list of named tensors owned by libpipe: the outputs of a call, the contents of a
+/// safetensors file, or copies of the caller's tensors ([`TensorList::new`] and
+/// [`TensorList::append`]). Entries can be borrowed without a copy ([`TensorList::get`]), taken
+/// out ([`TensorList::take`]) or copied ([`TensorList::to_tensors`]).
 ///
 /// `Send` but not `Sync` (see the note on the impl):
 /// ```compile_fail,E0277
@@ -40,6 +41,36 @@ impl TensorList {
         NonNull::new(list)
             .map(|ptr| TensorList { ptr })
             .ok_or_else(|| Error::new(Status::Internal, "libpipe returned a NULL tensor list"))
+    }
+
+    /// A new empty list, to fill with [`TensorList::append`].
+    pub fn new() -> Result<TensorList> {
+        let mut list = ptr::null_mut();
+        // SAFETY: global function; `list` is written only on success, and we own it then.
+        check(unsafe { sys::pipe_tensor_list_create(&mut list) })?;
+        unsafe { TensorList::from_raw(list) }
+    }
+
+    /// A new list holding copies of `tensors`, in order (names must be unique and non-empty).
+    pub fn from_tensors<S: AsRef<str>>(tensors: &[(S, Tensor)]) -> Result<TensorList> {
+        let mut list = TensorList::new()?;
+        for (name, tensor) in tensors {
+            list.append(name.as_ref(), tensor)?;
+        }
+        Ok(list)
+    }
+
+    /// Append a copy of `tensor` (a `&`[`Tensor`], a [`TensorRef`] or a `&`[`ManagedTensor`])
+    /// under `name`; the caller keeps `tensor`, which libpipe reads during this call only.
+    /// [`Status::InvalidArgument`] for an empty name, one already in the list, or one holding a
+    /// NUL byte; [`Status::Input`] for a DLPack tensor LibTorch cannot read.
+    pub fn append(&mut self, name: &str, tensor: impl AppendSource) -> Result<()> {
+        let c = crate::cstring("name", name)?;
+        let dl = crate::tensor::dlpack_of(&tensor);
+        // SAFETY: exclusive; &mut self guarantees it. `dl` borrows `tensor`'s memory, which
+        // stays valid and unchanged for the call (`tensor` is borrowed for all of it); libpipe
+        // copies the elements and does not call the (absent) deleter. `c` outlives the call.
+        check(unsafe { sys::pipe_tensor_list_append(self.ptr.as_ptr(), c.as_ptr(), &dl) })
     }
 
     /// The raw handle (still owned by this value).

@@ -1,7 +1,4 @@
 //! safetensors files through libpipe's reader and writer (pipe_safetensors_read/write).
-//!
-//! libpipe can only write lists it made (a call's outputs, a file it read): pipe.h has no way to
-//! build a list from caller tensors, so [`write()`] takes a [`TensorList`].
 
 use std::path::Path;
 
@@ -17,7 +14,16 @@ pub fn read_list(path: impl AsRef<Path>) -> Result<TensorList> {
     TensorList::read_safetensors(path)
 }
 
-/// Write every tensor of `list` (e.g. [`crate::Session::run_list`]'s outputs).
+/// Write every tensor of `list` (e.g. [`crate::Session::run_list`]'s outputs, or a list built
+/// with [`TensorList::append`]).
 pub fn write(list: &TensorList, path: impl AsRef<Path>) -> Result<()> {
     list.write_safetensors(path)
+}
+
+/// Write the caller's tensors, in order (e.g. what [`read`] or [`crate::Session::run`]
+/// returned): they are copied into a libpipe list ([`TensorList::from_tensors`]) which libpipe's
+/// writer writes. [`crate::Status::InvalidArgument`] for an empty or repeated name, and nothing
+/// is written then.
+pub fn write_tensors<S: AsRef<str>>(tensors: &[(S, Tensor)], path: impl AsRef<Path>) -> Result<()> {
+    TensorList::from_tensors(tensors)?.write_safetensors(path)
 }

@@ -363,6 +363,57 @@ impl Tensor {
     }
 }
 
+/// A tensor that [`crate::TensorList::append`] can copy into a list: a `&`[`Tensor`], a
+/// [`TensorRef`] (e.g. an entry of another list) or a `&`[`ManagedTensor`]. Sealed: it lends
+/// libpipe a DLPack description of memory it must be able to vouch for.
+pub trait AppendSource: sealed::DlpackBorrow {}
+
+mod sealed {
+    use pipe_sys as sys;
+
+    pub trait DlpackBorrow {
+        /// A DLPack description of the tensor that borrows its memory (valid while `self` is
+        /// borrowed and unchanged) and has no deleter: the receiver must only read it.
+        fn dlpack(&self) -> sys::DLManagedTensor;
+    }
+}
+
+/// See [`sealed::DlpackBorrow::dlpack`].
+pub(crate) fn dlpack_of(tensor: &impl AppendSource) -> sys::DLManagedTensor {
+    tensor.dlpack()
+}
+
+impl sealed::DlpackBorrow for &Tensor {
+    fn dlpack(&self) -> sys::DLManagedTensor {
+        self.dlpack_borrow()
+    }
+}
+impl AppendSource for &Tensor {}
+
+impl sealed::DlpackBorrow for TensorRef<'_> {
+    fn dlpack(&self) -> sys::DLManagedTensor {
+        // The same DLTensor (its shape, strides and data stay the owner's, valid for the
+        // borrow), in a DLManagedTensor of our own without a deleter, so libpipe can never free
+        // the owner's tensor through it.
+        sys::DLManagedTensor { dl_tensor: *self.t, manager_ctx: ptr::null_mut(), deleter: None }
+    }
+}
+impl AppendSource for TensorRef<'_> {}
+
+impl sealed::DlpackBorrow for &TensorRef<'_> {
+    fn dlpack(&self) -> sys::DLManagedTensor {
+        (**self).dlpack()
+    }
+}
+impl AppendSource for &TensorRef<'_> {}
+
+impl sealed::DlpackBorrow for &ManagedTensor {
+    fn dlpack(&self) -> sys::DLManagedTensor {
+        self.view().dlpack()
+    }
+}
+impl AppendSource for &ManagedTensor {}
+
 /// float16 bits to f32 (normal, subnormal, infinity, NaN).
 fn f16_to_f32(h: u16) -> f32 {
     let sign = ((h >> 15) as u32) << 31;
