@@ -114,6 +114,17 @@ static int parse_microbatching(const char *command, const char *text, int32_t *o
   return 0;
 }
 
+/* The micro-batching options run and bench share. Same protocol as parse_split_arg: 0 when
+ * argv[*i] is not one of them, 1 when it was consumed (with its value), 2 after a usage error. */
+static int parse_session_arg(int argc, char **argv, int *i, const char *command, pipe_session_options *options) {
+  const char *a = argv[*i];
+  if (strcmp(a, "--microbatches") != 0 && strcmp(a, "--microbatching") != 0) return 0;
+  if (*i + 1 >= argc) return usage_error("%s: %s needs a value", command, a);
+  const char *v = argv[++*i];
+  if (strcmp(a, "--microbatching") == 0) return parse_microbatching(command, v, &options->microbatching) ? 2 : 1;
+  return parse_int(a, v, &options->num_microbatches) ? 2 : 1;
+}
+
 static double now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -420,19 +431,16 @@ static int cmd_run(int argc, char **argv) {
   pipe_session_options options = PIPE_SESSION_OPTIONS_INIT;
   for (int i = 0; i < argc; ++i) {
     int r = parse_split_arg(argc, argv, &i, &split);
+    if (r == 0) r = parse_session_arg(argc, argv, &i, "run", &options);
     if (r == 2) return 2;
     if (r == 1) continue;
     const char *a = argv[i];
-    if (strcmp(a, "--input") == 0 || strcmp(a, "--output") == 0 || strcmp(a, "--microbatches") == 0 ||
-        strcmp(a, "--trace") == 0 || strcmp(a, "--microbatching") == 0) {
+    if (strcmp(a, "--input") == 0 || strcmp(a, "--output") == 0 || strcmp(a, "--trace") == 0) {
       if (i + 1 >= argc) return usage_error("run: %s needs a value", a);
       const char *v = argv[++i];
       if (strcmp(a, "--input") == 0) in_path = v;
       else if (strcmp(a, "--output") == 0) out_path = v;
-      else if (strcmp(a, "--trace") == 0) trace_path = v;
-      else if (strcmp(a, "--microbatching") == 0) {
-        if (parse_microbatching("run", v, &options.microbatching) != 0) return 2;
-      } else if (parse_int(a, v, &options.num_microbatches) != 0) return 2;
+      else trace_path = v;
     } else if (a[0] == '-') {
       return usage_error("run: unknown option '%s'", a);
     } else if (!model_path) {
@@ -551,21 +559,18 @@ static int cmd_bench(int argc, char **argv) {
   int json = 0;
   for (int i = 0; i < argc; ++i) {
     int r = parse_split_arg(argc, argv, &i, &split);
+    if (r == 0) r = parse_session_arg(argc, argv, &i, "bench", &options);
     if (r == 2) return 2;
     if (r == 1) continue;
     const char *a = argv[i];
     if (strcmp(a, "--json") == 0) {
       json = 1;
-    } else if (strcmp(a, "--input") == 0 || strcmp(a, "--microbatches") == 0 || strcmp(a, "--requests") == 0 ||
-               strcmp(a, "--concurrency") == 0 || strcmp(a, "--threads-per-stage") == 0 ||
-               strcmp(a, "--microbatching") == 0) {
+    } else if (strcmp(a, "--input") == 0 || strcmp(a, "--requests") == 0 || strcmp(a, "--concurrency") == 0 ||
+               strcmp(a, "--threads-per-stage") == 0) {
       if (i + 1 >= argc) return usage_error("bench: %s needs a value", a);
       const char *v = argv[++i];
       if (strcmp(a, "--input") == 0) in_path = v;
-      else if (strcmp(a, "--microbatching") == 0) {
-        if (parse_microbatching("bench", v, &options.microbatching) != 0) return 2;
-      } else if (parse_int(a, v, strcmp(a, "--microbatches") == 0  ? &options.num_microbatches
-                                 : strcmp(a, "--requests") == 0    ? &requests
+      else if (parse_int(a, v, strcmp(a, "--requests") == 0      ? &requests
                                  : strcmp(a, "--concurrency") == 0 ? &concurrency
                                                                    : &options.threads_per_stage) != 0)
         return 2;
