@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "capi/dlpack_bridge.h"
+#include "runtime/comm/nccl_transport.h"
 #include "runtime/error.h"
 #include "runtime/graph/model.h"
 #include "runtime/graph/plan.h"
@@ -24,6 +25,7 @@
 #include "runtime/log.h"
 #include "runtime/planner.h"
 #include "runtime/schedule/session.h"
+#include "runtime/schedule/worker_host.h"
 #include "runtime/stage/stage_module.h"
 #include "runtime/stage/weights.h"
 
@@ -50,6 +52,7 @@ PIPE_CHECK_STATUS(PIPE_ERR_INTERNAL, Internal);
 PIPE_CHECK_STATUS(PIPE_ERR_TIMEOUT, Timeout);
 PIPE_CHECK_STATUS(PIPE_ERR_CANCELLED, Cancelled);
 PIPE_CHECK_STATUS(PIPE_ERR_DEADLINE_EXCEEDED, DeadlineExceeded);
+PIPE_CHECK_STATUS(PIPE_ERR_COMMUNICATION, Communication);
 static_assert(PIPE_LOG_DEBUG == libpipe::log::Debug && PIPE_LOG_ERROR == libpipe::log::Error,
               "log level mismatch");
 
@@ -312,6 +315,7 @@ const char* pipe_status_string(pipe_status status) {
     case PIPE_ERR_TIMEOUT: return "PIPE_ERR_TIMEOUT";
     case PIPE_ERR_CANCELLED: return "PIPE_ERR_CANCELLED";
     case PIPE_ERR_DEADLINE_EXCEEDED: return "PIPE_ERR_DEADLINE_EXCEEDED";
+    case PIPE_ERR_COMMUNICATION: return "PIPE_ERR_COMMUNICATION";
     default: return "PIPE_ERR_UNKNOWN";
   }
 }
@@ -662,6 +666,34 @@ pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_option
                         "; use PIPE_MICROBATCHING_ADAPTIVE or PIPE_MICROBATCHING_FIXED");
       opts.adaptive_microbatches = o->microbatching == PIPE_MICROBATCHING_ADAPTIVE;
     }
+    auto& dist = opts.distributed;
+    if (PIPE_HAS(transport)) {
+      switch (o->transport) {
+        case PIPE_TRANSPORT_LOCAL: dist.transport = libpipe::schedule::TransportKind::Local; break;
+        case PIPE_TRANSPORT_GLOO: dist.transport = libpipe::schedule::TransportKind::Gloo; break;
+        case PIPE_TRANSPORT_NCCL: dist.transport = libpipe::schedule::TransportKind::Nccl; break;
+        default:
+          throw Error(Status::InvalidArgument, std::string(fn) + ": options->transport is " +
+                                                   std::to_string(o->transport) +
+                                                   "; use PIPE_TRANSPORT_LOCAL, PIPE_TRANSPORT_GLOO or PIPE_TRANSPORT_NCCL");
+      }
+    }
+    if (PIPE_HAS(world_size)) dist.world_size = o->world_size;
+    if (PIPE_HAS(store) && o->store) dist.store = o->store;
+    if (PIPE_HAS(comm_timeout_ms)) {
+      if (o->comm_timeout_ms < 0)
+        throw Error(Status::InvalidArgument, std::string(fn) + ": options->comm_timeout_ms is " +
+                                                 std::to_string(o->comm_timeout_ms) + "; give 0 (one minute) or more");
+      if (o->comm_timeout_ms > 0) dist.comm_timeout = std::chrono::milliseconds(o->comm_timeout_ms);
+    }
+    if (dist.transport != libpipe::schedule::TransportKind::Local && dist.world_size < 2)
+      throw Error(Status::InvalidArgument, std::string(fn) + ": a Gloo or NCCL session needs options->world_size >= 2 "
+                                                             "(this process and at least one worker), got " +
+                                               std::to_string(dist.world_size));
+    if (dist.transport == libpipe::schedule::TransportKind::Nccl) {
+      std::string why;
+      if (!libpipe::comm::nccl_available(&why)) throw Error(Status::Unsupported, std::string(fn) + ": " + why);
+    }
 #undef PIPE_HAS
     auto s = std::make_unique<libpipe::capi::SessionHandle>();
     s->impl = std::make_unique<libpipe::schedule::Session>(get(plan)->impl, std::move(opts));
@@ -775,6 +807,46 @@ pipe_status pipe_session_trace_stop(pipe_session* session, const char* path) {
   });
 }
 
+pipe_status pipe_session_check(const pipe_session* session) {
+  return guarded(__func__, [&](const char* fn) {
+    require(session, fn, "session");
+    const std::string why = get(session)->impl->broken();
+    if (!why.empty())
+      throw Error(Status::Communication, "the session is broken (" + why + "); destroy it, restart its workers and "
+                                         "create a new one");
+  });
+}
+
 void pipe_session_destroy(pipe_session* session) { delete get(session); }
+
+pipe_status pipe_worker_run(const pipe_worker_options* options) {
+  return guarded(__func__, [&](const char* fn) {
+    require(options, fn, "options");
+    if (options->struct_size < offsetof(pipe_worker_options, store) + sizeof(options->store))
+      throw Error(Status::InvalidArgument, std::string(fn) + ": options->struct_size is " +
+                                               std::to_string(options->struct_size) +
+                                               "; initialise the options with PIPE_WORKER_OPTIONS_INIT");
+#define PIPE_HAS(field) (options->struct_size >= offsetof(pipe_worker_options, field) + sizeof(options->field))
+    require(options->store, fn, "options->store");
+    libpipe::schedule::WorkerOptions w;
+    w.rank = options->rank;
+    w.world_size = options->world_size;
+    w.store = options->store;
+    if (PIPE_HAS(comm_timeout_ms)) {
+      if (options->comm_timeout_ms < 0)
+        throw Error(Status::InvalidArgument, std::string(fn) + ": options->comm_timeout_ms is " +
+                                                 std::to_string(options->comm_timeout_ms) + "; give 0 (one minute) or more");
+      if (options->comm_timeout_ms > 0) w.comm_timeout = std::chrono::milliseconds(options->comm_timeout_ms);
+    }
+    if (PIPE_HAS(threads_per_stage)) {
+      if (options->threads_per_stage < 0)
+        throw Error(Status::InvalidArgument, std::string(fn) + ": options->threads_per_stage is " +
+                                                 std::to_string(options->threads_per_stage) + "; give 0 (the driver's) or more");
+      w.threads_per_stage = options->threads_per_stage;
+    }
+#undef PIPE_HAS
+    libpipe::schedule::serve_worker(w);
+  });
+}
 
 }  // extern "C"

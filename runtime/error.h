@@ -25,6 +25,7 @@ enum class Status : int32_t {
   Timeout = 11,
   Cancelled = 12,
   DeadlineExceeded = 13,
+  Communication = 14,
 };
 
 class Error : public std::runtime_error {

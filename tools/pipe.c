@@ -1,13 +1,20 @@
 /* pipe: the libpipe command-line tool. Written against the public C ABI (pipe/pipe.h) only, so
  * it is also a working example of that ABI. Every error ends with one line on stderr and a
  * non-zero exit status: 1 for a failed operation, 2 for a usage error. */
+#include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
+#include <netinet/in.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -35,6 +42,9 @@ static const char usage_text[] =
     "      warm-up, and report throughput, latency percentiles and each stage's busy fraction.\n"
     "      --microbatching fixed cuts every request into M micro-batches; adaptive (the\n"
     "      default) cuts a request that arrives while others are in flight more coarsely.\n"
+    "  worker --rank R --world-size N --store HOST:PORT [--comm-timeout-ms T] [--threads T]\n"
+    "      Host stages for a session whose driver (a `pipe run`/`bench` with --world-size, or a\n"
+    "      program of the C ABI) listens at HOST:PORT; exits when that session ends.\n"
     "  version\n"
     "      Print the libpipe version.\n"
     "\n"
@@ -47,7 +57,14 @@ static const char usage_text[] =
     "and may add:\n"
     "  --weights FILE_OR_INDEX         load each stage's weights from a .safetensors file or a\n"
     "                                  *.safetensors.index.json (needed for skeleton models)\n"
-    "  --dtype fp32|fp16|bf16          convert floating weights (and inputs) to this dtype\n";
+    "  --dtype fp32|fp16|bf16          convert floating weights (and inputs) to this dtype\n"
+    "\n"
+    "run and bench spread the stages over processes with:\n"
+    "  --processes N                   start N-1 local workers (`pipe worker`) and use them\n"
+    "  --world-size N --store HOST:PORT  drive N-1 workers started elsewhere; this process\n"
+    "                                  hosts the rendezvous store at HOST:PORT\n"
+    "  --transport gloo|nccl           how stages talk (default gloo: CPU tensors over TCP)\n"
+    "  --comm-timeout-ms T             how long workers may stay silent (default 60000)\n";
 
 #define MAX_SPLIT_POINTS 256
 
@@ -114,15 +131,66 @@ static int parse_microbatching(const char *command, const char *text, int32_t *o
   return 0;
 }
 
-/* The micro-batching options run and bench share. Same protocol as parse_split_arg: 0 when
- * argv[*i] is not one of them, 1 when it was consumed (with its value), 2 after a usage error. */
-static int parse_session_arg(int argc, char **argv, int *i, const char *command, pipe_session_options *options) {
+/* The session options run and bench share: micro-batching, and the processes the stages are
+ * spread over. */
+typedef struct {
+  pipe_session_options options;
+  int32_t processes; /* --processes: 0 when not given */
+  char store[64];    /* the store address chosen for local workers */
+} session_args;
+
+static void init_session_args(session_args *s) {
+  pipe_session_options defaults = PIPE_SESSION_OPTIONS_INIT;
+  memset(s, 0, sizeof *s);
+  s->options = defaults;
+}
+
+/* Same protocol as parse_split_arg: 0 when argv[*i] is not one of them, 1 when it was consumed
+ * (with its value), 2 after a usage error. */
+static int parse_session_arg(int argc, char **argv, int *i, const char *command, session_args *s) {
+  static const char *const flags[] = {"--microbatches", "--microbatching", "--processes", "--world-size",
+                                      "--store", "--transport", "--comm-timeout-ms"};
   const char *a = argv[*i];
-  if (strcmp(a, "--microbatches") != 0 && strcmp(a, "--microbatching") != 0) return 0;
+  size_t k = 0;
+  while (k < sizeof flags / sizeof *flags && strcmp(a, flags[k]) != 0) ++k;
+  if (k == sizeof flags / sizeof *flags) return 0;
   if (*i + 1 >= argc) return usage_error("%s: %s needs a value", command, a);
   const char *v = argv[++*i];
-  if (strcmp(a, "--microbatching") == 0) return parse_microbatching(command, v, &options->microbatching) ? 2 : 1;
-  return parse_int(a, v, &options->num_microbatches) ? 2 : 1;
+  pipe_session_options *o = &s->options;
+  switch (k) {
+    case 0: return parse_int(a, v, &o->num_microbatches) ? 2 : 1;
+    case 1: return parse_microbatching(command, v, &o->microbatching) ? 2 : 1;
+    case 2:
+      if (parse_int(a, v, &s->processes)) return 2;
+      if (s->processes < 1) return usage_error("%s: --processes must be at least 1, got %d", command, s->processes);
+      return 1;
+    case 3: return parse_int(a, v, &o->world_size) ? 2 : 1;
+    case 4: o->store = v; return 1;
+    case 5:
+      if (strcmp(v, "gloo") == 0) o->transport = PIPE_TRANSPORT_GLOO;
+      else if (strcmp(v, "nccl") == 0) o->transport = PIPE_TRANSPORT_NCCL;
+      else if (strcmp(v, "local") == 0) o->transport = PIPE_TRANSPORT_LOCAL;
+      else return usage_error("%s: --transport is gloo, nccl or local, got '%s'", command, v);
+      return 1;
+    default:
+      if (parse_int(a, v, &o->comm_timeout_ms)) return 2;
+      if (o->comm_timeout_ms < 1) return usage_error("%s: --comm-timeout-ms must be positive, got %d", command, o->comm_timeout_ms);
+      return 1;
+  }
+}
+
+/* Checks the combination of process options and fills in what they imply. 2 after a usage
+ * error. */
+static int check_session_args(const char *cmd, session_args *s) {
+  pipe_session_options *o = &s->options;
+  if (s->processes > 0 && o->world_size != 1)
+    return usage_error("%s: give either --processes N (local workers) or --world-size N (workers started elsewhere)", cmd);
+  if (s->processes > 1) o->world_size = s->processes;
+  if (o->world_size < 1) return usage_error("%s: --world-size must be at least 1, got %d", cmd, o->world_size);
+  if (o->world_size > 1 && s->processes == 0 && !o->store)
+    return usage_error("%s: --world-size needs --store HOST:PORT, the address its workers were given", cmd);
+  if (o->world_size > 1 && o->transport == PIPE_TRANSPORT_LOCAL) o->transport = PIPE_TRANSPORT_GLOO;
+  return 0;
 }
 
 static double now_ms(void) {
@@ -382,6 +450,7 @@ done:
 
 /* A model loaded, its inputs read, cut as SPLIT says, and a session started: what run and bench
  * share. */
+#define MAX_PROCESSES 256
 typedef struct {
   pipe_model *model;
   pipe_plan *plan;
@@ -389,12 +458,82 @@ typedef struct {
   pipe_tensor_list *in;
   const DLManagedTensor **args;
   size_t num_args;
+  pid_t workers[MAX_PROCESSES]; /* local workers started for --processes */
+  int num_workers;
+  int32_t comm_timeout_ms;
 } pipeline;
+
+/* A free TCP port on the loopback interface for the store of local workers. */
+static int free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  struct sockaddr_in a;
+  memset(&a, 0, sizeof a);
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  int port = -1;
+  if (bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+    port = ntohs(a.sin_port);
+  close(fd);
+  return port;
+}
+
+/* Starts `pipe worker` for ranks 1..N-1 (this same executable). Each dies with this process
+ * (PR_SET_PDEATHSIG), so no worker outlives a driver that crashed. Their stderr is discarded:
+ * what goes wrong in a worker reaches the driver's calls, and this process reports it once. */
+static int start_workers(pipeline *p, const session_args *s) {
+  char rank[16], world[16], timeout[16];
+  snprintf(world, sizeof world, "%d", s->processes);
+  snprintf(timeout, sizeof timeout, "%d", s->options.comm_timeout_ms > 0 ? s->options.comm_timeout_ms : 60000);
+  for (int r = 1; r < s->processes; ++r) {
+    snprintf(rank, sizeof rank, "%d", r);
+    char *argv[] = {"pipe", "worker", "--rank", rank, "--world-size", world, "--store", (char *)s->options.store,
+                    "--comm-timeout-ms", timeout, NULL};
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0) {
+      fprintf(stderr, "pipe: error: cannot start worker %d: %s\n", r, strerror(errno));
+      return 1;
+    }
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(1);
+      int devnull = open("/dev/null", O_WRONLY);
+      if (devnull >= 0) dup2(devnull, STDERR_FILENO);
+      execv("/proc/self/exe", argv);
+      _exit(127);
+    }
+    p->workers[p->num_workers++] = pid;
+  }
+  return 0;
+}
+
+/* Waits for the local workers to finish (a destroyed session ends them), and kills any that
+ * are still there after the comm timeout. */
+static void reap_workers(pipeline *p, int kill_now) {
+  double deadline = now_ms() + (p->comm_timeout_ms > 0 ? p->comm_timeout_ms : 60000);
+  for (int i = 0; i < p->num_workers; ++i) {
+    if (kill_now) kill(p->workers[i], SIGKILL);
+    while (waitpid(p->workers[i], NULL, WNOHANG) == 0) {
+      if (now_ms() > deadline) {
+        kill(p->workers[i], SIGKILL);
+        waitpid(p->workers[i], NULL, 0);
+        break;
+      }
+      usleep(10000);
+    }
+  }
+  p->num_workers = 0;
+}
 
 static void close_pipeline(pipeline *p) {
   free(p->args);
   pipe_tensor_list_destroy(p->in);
+  /* A session that works tells its workers to finish; a broken one cannot. */
+  int broken = p->session && pipe_session_check(p->session) != PIPE_OK;
   pipe_session_destroy(p->session);
+  reap_workers(p, broken || !p->session);
   pipe_plan_destroy(p->plan);
   pipe_model_destroy(p->model);
   memset(p, 0, sizeof *p);
@@ -402,8 +541,9 @@ static void close_pipeline(pipeline *p) {
 
 /* Returns 0, or 1 after reporting the error (and closing what was opened). */
 static int open_pipeline(pipeline *p, const char *model_path, const char *in_path, const split_args *split,
-                         const pipe_session_options *options) {
+                         session_args *s) {
   memset(p, 0, sizeof *p);
+  p->comm_timeout_ms = s->options.comm_timeout_ms;
   pipe_status st = pipe_model_load(model_path, &p->model);
   if (st != PIPE_OK) {
     fail("cannot load model", st);
@@ -413,7 +553,26 @@ static int open_pipeline(pipeline *p, const char *model_path, const char *in_pat
   /* Policy time measures the model on the inputs being run. */
   int timed = split->policy && strcmp(split->policy, "time") == 0;
   if (make_plan(p->model, split, timed ? p->args : NULL, p->num_args, &p->plan) != 0) goto failed;
-  pipe_session_options with_weights = *options;
+  if (s->processes > 1) {
+    size_t stages = 0;
+    pipe_plan_num_stages(p->plan, &stages);
+    if (stages < (size_t)s->processes) {
+      fprintf(stderr, "pipe: error: --processes %d: the plan has only %zu stage%s and every process hosts at least "
+              "one; use at most %zu processes or cut more stages\n", s->processes, stages, stages == 1 ? "" : "s", stages);
+      goto failed;
+    }
+    if (!s->options.store) {
+      int port = free_port();
+      if (port < 0) {
+        fprintf(stderr, "pipe: error: cannot find a free port for the workers' rendezvous: %s\n", strerror(errno));
+        goto failed;
+      }
+      snprintf(s->store, sizeof s->store, "127.0.0.1:%d", port);
+      s->options.store = s->store;
+    }
+    if (start_workers(p, s) != 0) goto failed;
+  }
+  pipe_session_options with_weights = s->options;
   with_weights.stage_options = &split->weights;
   if ((st = pipe_session_create(p->plan, &with_weights, &p->session)) != PIPE_OK) {
     fail("cannot create session", st);
@@ -428,10 +587,11 @@ failed:
 static int cmd_run(int argc, char **argv) {
   const char *model_path = NULL, *in_path = NULL, *out_path = NULL, *trace_path = NULL;
   split_args split = SPLIT_ARGS_INIT;
-  pipe_session_options options = PIPE_SESSION_OPTIONS_INIT;
+  session_args session;
+  init_session_args(&session);
   for (int i = 0; i < argc; ++i) {
     int r = parse_split_arg(argc, argv, &i, &split);
-    if (r == 0) r = parse_session_arg(argc, argv, &i, "run", &options);
+    if (r == 0) r = parse_session_arg(argc, argv, &i, "run", &session);
     if (r == 2) return 2;
     if (r == 1) continue;
     const char *a = argv[i];
@@ -452,13 +612,13 @@ static int cmd_run(int argc, char **argv) {
   if (!model_path) return usage_error("run: MODEL is required");
   if (!in_path) return usage_error("run: --input IN.safetensors is required");
   if (!out_path) return usage_error("run: --output OUT.safetensors is required");
-  if (check_split_args("run", &split)) return 2;
+  if (check_split_args("run", &split) || check_session_args("run", &session)) return 2;
 
   int rc = 1;
   pipeline p;
   pipe_tensor_list *out = NULL;
   pipe_status st;
-  if (open_pipeline(&p, model_path, in_path, &split, &options) != 0) return 1;
+  if (open_pipeline(&p, model_path, in_path, &split, &session) != 0) return 1;
   if (trace_path && (st = pipe_session_trace_start(p.session)) != PIPE_OK) {
     fail("cannot start the trace", st);
     goto done;
@@ -554,12 +714,14 @@ static double bench_round(bench_state *b, int count, int threads) {
 static int cmd_bench(int argc, char **argv) {
   const char *model_path = NULL, *in_path = NULL;
   split_args split = SPLIT_ARGS_INIT;
-  pipe_session_options options = PIPE_SESSION_OPTIONS_INIT;
+  session_args sargs;
+  init_session_args(&sargs);
+  pipe_session_options *options = &sargs.options;
   int32_t requests = 100, concurrency = 2;
   int json = 0;
   for (int i = 0; i < argc; ++i) {
     int r = parse_split_arg(argc, argv, &i, &split);
-    if (r == 0) r = parse_session_arg(argc, argv, &i, "bench", &options);
+    if (r == 0) r = parse_session_arg(argc, argv, &i, "bench", &sargs);
     if (r == 2) return 2;
     if (r == 1) continue;
     const char *a = argv[i];
@@ -572,7 +734,7 @@ static int cmd_bench(int argc, char **argv) {
       if (strcmp(a, "--input") == 0) in_path = v;
       else if (parse_int(a, v, strcmp(a, "--requests") == 0      ? &requests
                                  : strcmp(a, "--concurrency") == 0 ? &concurrency
-                                                                   : &options.threads_per_stage) != 0)
+                                                                   : &options->threads_per_stage) != 0)
         return 2;
     } else if (a[0] == '-') {
       return usage_error("bench: unknown option '%s'", a);
@@ -586,7 +748,7 @@ static int cmd_bench(int argc, char **argv) {
   if (!in_path) return usage_error("bench: --input IN.safetensors is required");
   if (requests < 1) return usage_error("bench: --requests must be at least 1");
   if (concurrency < 1) return usage_error("bench: --concurrency must be at least 1");
-  if (check_split_args("bench", &split)) return 2;
+  if (check_split_args("bench", &split) || check_session_args("bench", &sargs)) return 2;
 
   int rc = 1;
   pipeline p;
@@ -594,7 +756,7 @@ static int cmd_bench(int argc, char **argv) {
   bench_state b;
   memset(&b, 0, sizeof b);
   pthread_mutex_init(&b.lock, NULL);
-  if (open_pipeline(&p, model_path, in_path, &split, &options) != 0) {
+  if (open_pipeline(&p, model_path, in_path, &split, &sargs) != 0) {
     pthread_mutex_destroy(&b.lock);
     return 1;
   }
@@ -633,15 +795,15 @@ static int cmd_bench(int argc, char **argv) {
            "\"requests\": %d, \"concurrency\": %d, "
            "\"batch\": %lld, \"wall_ms\": %.3f, \"requests_per_s\": %.3f, \"samples_per_s\": %.3f, "
            "\"latency_ms\": {\"p50\": %.3f, \"p90\": %.3f, \"p99\": %.3f, \"max\": %.3f}, \"stage_busy\": [",
-           model_path, stages, options.num_microbatches,
-           options.microbatching == PIPE_MICROBATCHING_FIXED ? "fixed" : "adaptive", requests, concurrency,
+           model_path, stages, options->num_microbatches,
+           options->microbatching == PIPE_MICROBATCHING_FIXED ? "fixed" : "adaptive", requests, concurrency,
            (long long)batch, wall, rps,
            rps * (double)batch, percentile(b.latency_ms, requests, 50), percentile(b.latency_ms, requests, 90),
            percentile(b.latency_ms, requests, 99), b.latency_ms[requests - 1]);
   } else {
     printf("%s: %zu stage%s, %d micro-batches (%s), batch %lld, %d requests from %d threads\n", model_path,
-           stages, stages == 1 ? "" : "s", options.num_microbatches,
-           options.microbatching == PIPE_MICROBATCHING_FIXED ? "fixed" : "adaptive", (long long)batch, requests,
+           stages, stages == 1 ? "" : "s", options->num_microbatches,
+           options->microbatching == PIPE_MICROBATCHING_FIXED ? "fixed" : "adaptive", (long long)batch, requests,
            concurrency);
     printf("  throughput: %.1f requests/s, %.1f samples/s\n", rps, rps * (double)batch);
     printf("  latency ms: p50 %.3f  p90 %.3f  p99 %.3f  max %.3f\n", percentile(b.latency_ms, requests, 50),
@@ -670,6 +832,35 @@ done:
   return rc;
 }
 
+/* ---- worker ---- */
+
+static int cmd_worker(int argc, char **argv) {
+  pipe_worker_options options = PIPE_WORKER_OPTIONS_INIT;
+  int has_rank = 0, has_world = 0;
+  for (int i = 0; i < argc; ++i) {
+    const char *a = argv[i];
+    if (strcmp(a, "--rank") != 0 && strcmp(a, "--world-size") != 0 && strcmp(a, "--store") != 0 &&
+        strcmp(a, "--comm-timeout-ms") != 0 && strcmp(a, "--threads") != 0)
+      return usage_error(a[0] == '-' ? "worker: unknown option '%s'" : "worker: unexpected argument '%s'", a);
+    if (i + 1 >= argc) return usage_error("worker: %s needs a value", a);
+    const char *v = argv[++i];
+    if (strcmp(a, "--store") == 0) {
+      options.store = v;
+    } else if (parse_int(a, v, strcmp(a, "--rank") == 0             ? &options.rank
+                               : strcmp(a, "--world-size") == 0     ? &options.world_size
+                               : strcmp(a, "--comm-timeout-ms") == 0 ? &options.comm_timeout_ms
+                                                                     : &options.threads_per_stage) != 0) {
+      return 2;
+    }
+    has_rank |= strcmp(a, "--rank") == 0;
+    has_world |= strcmp(a, "--world-size") == 0;
+  }
+  if (!has_rank || !has_world || !options.store)
+    return usage_error("worker: --rank R, --world-size N and --store HOST:PORT are required");
+  pipe_status st = pipe_worker_run(&options);
+  return st == PIPE_OK ? 0 : fail("worker failed", st);
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) {
     fputs(usage_text, stderr);
@@ -688,5 +879,6 @@ int main(int argc, char **argv) {
   if (strcmp(cmd, "split") == 0) return cmd_split(argc - 2, argv + 2);
   if (strcmp(cmd, "run") == 0) return cmd_run(argc - 2, argv + 2);
   if (strcmp(cmd, "bench") == 0) return cmd_bench(argc - 2, argv + 2);
+  if (strcmp(cmd, "worker") == 0) return cmd_worker(argc - 2, argv + 2);
   return usage_error("unknown command '%s'", cmd);
 }

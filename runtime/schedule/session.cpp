@@ -8,6 +8,8 @@
 
 #include "runtime/log.h"
 #include "runtime/planner.h"
+#include "runtime/schedule/assignment.h"
+#include "runtime/schedule/worker_host.h"
 #include "runtime/stage/stage_module.h"
 
 namespace libpipe::schedule {
@@ -72,25 +74,6 @@ std::vector<NamedTensor> Request::result(const std::vector<chunk::OutputSpec>& s
 
 namespace {
 
-// A stage's error as one line. Errors raised inside TorchScript carry the interpreter's
-// traceback, many lines long, whose last line is the error itself ("RuntimeError: mat1 and mat2
-// shapes cannot be multiplied ..."); that line is the message, and the whole text is logged at
-// debug level for whoever needs the traceback.
-std::string stage_failure(size_t stage, size_t microbatch, const std::string& what) {
-  const std::string prefix =
-      "stage " + std::to_string(stage) + " failed on micro-batch " + std::to_string(microbatch) + ": ";
-  std::string last;
-  size_t begin = 0;
-  while (begin < what.size()) {
-    size_t end = what.find('\n', begin);
-    if (end == std::string::npos) end = what.size();
-    if (what.find_first_not_of(" \t\r", begin) < end) last = what.substr(begin, end - begin);
-    begin = end + 1;
-  }
-  if (last.size() != what.size()) log::debug(prefix + what);
-  return prefix + last.substr(std::min(last.find_first_not_of(' '), last.size()));
-}
-
 int64_t since_us(Clock::time_point epoch, Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::microseconds>(t - epoch).count();
 }
@@ -117,19 +100,47 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
   if (options_.max_inflight == 0)
     options_.max_inflight = std::max<int64_t>(2 * options_.num_microbatches, 4 * static_cast<int64_t>(n));
   threads_per_stage_ = options_.threads_per_stage > 0 ? options_.threads_per_stage : default_threads_per_stage(n);
+  total_stages_ = n;
+
+  const auto& dist = options_.distributed;
+  if (dist.world_size < 1)
+    throw Error(Status::InvalidArgument, "the world size must be at least 1, got " + std::to_string(dist.world_size));
+  if (dist.transport == TransportKind::Local && !dist.connected && dist.world_size != 1)
+    throw Error(Status::InvalidArgument, "the local transport runs every stage in this process (world size 1); "
+                                         "choose the Gloo or NCCL transport to spread stages over " +
+                                             std::to_string(dist.world_size) + " processes");
+  if (dist.comm_timeout.count() <= 0)
+    throw Error(Status::InvalidArgument,
+                "the comm timeout must be positive, got " + std::to_string(dist.comm_timeout.count()) + " ms");
+  const bool distributed = dist.world_size > 1;
+  if (distributed && dist.transport == TransportKind::Nccl) device_ = nccl_device(0);
+  const auto ranges = place_stages(n, dist.world_size);
+  const size_t local = ranges[0].second;
 
   auto checkpoint = options_.stage.weights.empty() ? nullptr : stage::Checkpoint::open(options_.stage.weights);
-  for (size_t s = 0; s < n; ++s) {
-    stages_.push_back(stage::build_stage_module(*plan_, s));
+  for (size_t s = 0; s < local; ++s) {
+    stages_.push_back(stage::build_stage_module(*plan_, s, device_));
     stage::load_stage_weights(stages_.back(), *plan_, s, options_.stage, checkpoint.get());
+    if (!device_.is_cpu()) stages_.back().to(device_);
   }
-  for (size_t s = 0; s < n; ++s) {
+  for (size_t s = 0; s < n; ++s) stage_io_.push_back(stage_io(*plan_, s));
+  if (distributed) {
+    group_ = std::make_unique<WorkerGroup>(*plan_, ranges, dist, options_.stage, threads_per_stage_);
+    outbound_ = std::make_unique<BoundedQueue<MicroBatch>>(static_cast<size_t>(options_.max_inflight));
+  }
+  for (size_t s = 0; s < local; ++s) {
     auto w = std::make_unique<Worker>();
     // Admission bounds what is inside the pipeline, so a queue never holds more than that.
     w->queue = std::make_unique<BoundedQueue<MicroBatch>>(static_cast<size_t>(options_.max_inflight));
     workers_.push_back(std::move(w));
   }
-  for (size_t s = 0; s < n; ++s) workers_[s]->thread = std::thread([this, s] { worker_loop(s); });
+  for (size_t s = 0; s < local; ++s) workers_[s]->thread = std::thread([this, s] { worker_loop(s); });
+  if (group_) {
+    last_progress_ = Clock::now();
+    sender_ = std::thread([this] { sender_loop(); });
+    receiver_ = std::thread([this] { receiver_loop(); });
+    watchdog_ = std::thread([this] { watchdog_loop(); });
+  }
 }
 
 Session::~Session() {
@@ -141,6 +152,7 @@ Session::~Session() {
   admission_cv_.notify_all();
   for (auto& w : workers_) w->queue->close();
   for (auto& w : workers_) w->thread.join();
+  if (group_) stop_ring();
 }
 
 void Session::admit(const std::shared_ptr<Request>& request) {
@@ -179,7 +191,7 @@ int64_t Session::promise_microbatches() {
   // busy.
   const int64_t others = inflight_ + promised_;
   if (options_.adaptive_microbatches && others > 0)
-    count = std::clamp<int64_t>(static_cast<int64_t>(stages_.size()) - others, 1, requested);
+    count = std::clamp<int64_t>(static_cast<int64_t>(total_stages_) - others, 1, requested);
   promised_ += count;
   return count;
 }
@@ -189,7 +201,8 @@ void Session::worker_loop(size_t s) {
   at::set_num_threads(threads_per_stage_);
   c10::InferenceMode inference;
   Worker& me = *workers_[s];
-  const bool last = s + 1 == stages_.size();
+  const bool last = s + 1 == total_stages_;
+  const bool to_ring = !last && s + 1 == stages_.size();
   auto waited_from = Clock::now();
   while (auto item = me.queue->pop()) {
     const auto start = Clock::now();
@@ -236,7 +249,8 @@ void Session::worker_loop(size_t s) {
       continue;
     }
     auto r = mb.request;
-    if (!workers_[s + 1]->queue->push(std::move(mb))) {
+    auto& next = to_ring ? *outbound_ : *workers_[s + 1]->queue;
+    if (!next.push(std::move(mb))) {
       r->fail(Status::Cancelled, "the session was destroyed while the call was running");
       release();
       r->finish_one();
@@ -245,24 +259,168 @@ void Session::worker_loop(size_t s) {
 }
 
 void Session::run_stage(size_t s, MicroBatch& mb) {
-  const graph::StagePlan& sp = plan_->stage(s);
-  std::vector<c10::IValue> args;
-  args.reserve(sp.inputs.size());
-  for (size_t id : sp.inputs) args.push_back(mb.env[id]);
-  c10::IValue out = stages_[s].forward(std::move(args));
+  c10::IValue out = run_stage_step(stages_[s], stage_io_[s], mb.env);
+  if (stage_io_[s].last) mb.request->results_[mb.index] = std::move(out);  // each micro-batch owns its slot
+}
 
-  if (s + 1 == stages_.size()) {
-    mb.request->results_[mb.index] = std::move(out);  // each micro-batch owns its own slot
-    return;
+// ---- the ring through worker processes ----
+
+std::string Session::broken() const {
+  std::lock_guard lock(ring_mutex_);
+  return broken_;
+}
+
+void Session::retire(const std::shared_ptr<Request>& request, Status status, const std::string& why) {
+  if (status != Status::Ok) request->fail(status, why);
+  release();
+  request->finish_one();
+}
+
+void Session::sender_loop() {
+  while (auto item = outbound_->pop()) {
+    MicroBatch mb = std::move(*item);
+    auto request = std::move(mb.request);
+    std::string why;
+    Status status = Status::Ok;
+    {
+      std::lock_guard lock(ring_mutex_);
+      if (!broken_.empty()) {
+        status = Status::Communication;
+        why = "the session is broken: " + broken_;
+      } else if (shutting_down_) {
+        status = Status::Cancelled;
+        why = "the session was destroyed while the call was running";
+      } else if (!request->failed()) {
+        if (remote_.empty()) last_progress_ = Clock::now();  // the silence is timed from here
+        remote_[{request->id(), mb.index}] = request;
+      }
+    }
+    if (status != Status::Ok || request->failed()) {
+      retire(request, status, why);
+      continue;
+    }
+    comm::Message m{comm::Kind::Data, request->id(), mb.index, 0, std::move(mb.env), {}};
+    try {
+      group_->send(m);
+    } catch (const std::exception& e) {
+      break_session(e.what());
+    }
   }
-  const auto& items = out.toTupleRef().elements();
-  for (size_t k = 0; k < sp.outputs.size(); ++k) mb.env[sp.outputs[k]] = items[k];
-  // Drop what no later stage reads, so memory follows the pipeline rather than the call.
-  for (size_t id = 0; id < plan_->values().size(); ++id)
-    if (plan_->values()[id].last_consumer() <= static_cast<int>(s)) mb.env[id] = c10::IValue();
+  // Closed by ~Session once the local stages stopped: tell the workers to finish.
+  if (broken().empty()) {
+    try {
+      group_->send(comm::control(comm::Kind::Shutdown));
+    } catch (const std::exception& e) {
+      break_session(e.what());
+    }
+  }
+}
+
+void Session::receiver_loop() {
+  for (;;) {
+    comm::Message m;
+    try {
+      m = group_->receive();
+    } catch (const std::exception& e) {
+      break_session(e.what());
+      return;
+    }
+    std::shared_ptr<Request> request;
+    {
+      std::lock_guard lock(ring_mutex_);
+      last_progress_ = Clock::now();
+      if (m.kind == comm::Kind::Shutdown) {
+        ring_closed_ = true;
+        ring_cv_.notify_all();
+        return;
+      }
+      auto it = remote_.find({m.request, static_cast<size_t>(m.microbatch)});
+      if (it == remote_.end()) continue;  // already failed when the session broke
+      request = std::move(it->second);
+      remote_.erase(it);
+    }
+    if (m.kind == comm::Kind::Result && m.values.size() == 1) {
+      request->results_.at(m.microbatch) = std::move(m.values[0]);
+      retire(request, Status::Ok, "");
+    } else if (m.kind == comm::Kind::Error) {
+      retire(request, static_cast<Status>(m.status), m.text);
+    } else {
+      retire(request, Status::Internal,
+             "a worker answered with message kind " + std::to_string(static_cast<int>(m.kind)));
+    }
+  }
+}
+
+void Session::watchdog_loop() {
+  const auto timeout = options_.distributed.comm_timeout;
+  const auto tick = std::clamp<std::chrono::milliseconds>(timeout / 20, std::chrono::milliseconds(5),
+                                                          std::chrono::milliseconds(200));
+  std::unique_lock lock(ring_mutex_);
+  while (!stop_watchdog_) {
+    ring_cv_.wait_for(lock, tick);
+    if (stop_watchdog_ || !broken_.empty() || remote_.empty()) continue;
+    if (Clock::now() - last_progress_ < timeout) continue;
+    const std::string why = "the worker processes held " + std::to_string(remote_.size()) +
+                            " micro-batch(es) and sent nothing back for " + std::to_string(timeout.count()) +
+                            " ms (the comm timeout): a worker stopped answering";
+    lock.unlock();
+    break_session(why);
+    lock.lock();
+  }
+}
+
+void Session::break_session(const std::string& why) {
+  std::map<std::pair<uint64_t, size_t>, std::shared_ptr<Request>> held;
+  {
+    std::lock_guard lock(ring_mutex_);
+    if (!broken_.empty() || ring_closed_) return;
+    broken_ = why;
+    held.swap(remote_);
+    ring_cv_.notify_all();
+  }
+  log::error("the session is broken: " + why);
+  group_->abort(why);
+  for (auto& [key, request] : held) retire(request, Status::Communication, why);
+}
+
+void Session::stop_ring() {
+  // The local stages have stopped: whatever reaches the sender now is dropped, then it sends the
+  // Shutdown, which each worker passes on after everything it holds.
+  outbound_->close();
+  sender_.join();
+  {
+    std::unique_lock lock(ring_mutex_);
+    if (!ring_cv_.wait_for(lock, options_.distributed.comm_timeout,
+                           [&] { return ring_closed_ || !broken_.empty(); })) {
+      lock.unlock();
+      break_session("the workers did not finish within the comm timeout as the session was destroyed");
+    }
+  }
+  group_->abort("the session was destroyed");
+  receiver_.join();
+  {
+    std::lock_guard lock(ring_mutex_);
+    stop_watchdog_ = true;
+  }
+  ring_cv_.notify_all();
+  watchdog_.join();
+  std::map<std::pair<uint64_t, size_t>, std::shared_ptr<Request>> held;
+  {
+    std::lock_guard lock(ring_mutex_);
+    held.swap(remote_);
+  }
+  for (auto& [key, request] : held)
+    retire(request, Status::Cancelled, "the session was destroyed while the call was running");
+  group_.reset();
 }
 
 std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs, const RunOptions& options) {
+  if (group_) {
+    const std::string why = broken();
+    if (!why.empty())
+      throw Error(Status::Communication, "the session is broken (" + why + "); destroy it, restart its workers and create "
+                                         "a new one");
+  }
   const auto& names = plan_->model().input_names();
   if (inputs.size() != names.size()) {
     std::string list;
@@ -278,11 +436,16 @@ std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs,
   }
 
   std::vector<c10::IValue> cast;
-  if (options_.stage.dtype) {
-    // The weights were cast: floating inputs follow, so the first stage sees one dtype.
+  if (options_.stage.dtype || !device_.is_cpu()) {
+    // The weights were cast: floating inputs follow, so the first stage sees one dtype; and they
+    // go where the first stage runs.
     cast = inputs;
-    for (auto& v : cast)
-      if (v.isTensor() && at::isFloatingType(v.toTensor().scalar_type())) v = v.toTensor().to(*options_.stage.dtype);
+    for (auto& v : cast) {
+      if (!v.isTensor()) continue;
+      at::Tensor t = v.toTensor().to(device_);
+      if (options_.stage.dtype && at::isFloatingType(t.scalar_type())) t = t.to(*options_.stage.dtype);
+      v = t;
+    }
   }
   // Whatever happens below, the micro-batches promised and not admitted are given back.
   struct Unpromise {
@@ -290,8 +453,7 @@ std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs,
     int64_t left;
     ~Unpromise() { session.unpromise(left); }
   } promised{*this, promise_microbatches()};
-  auto microbatches =
-      chunk::split_inputs(options_.stage.dtype ? cast : inputs, names, promised.left, options_.input_specs);
+  auto microbatches = chunk::split_inputs(cast.empty() ? inputs : cast, names, promised.left, options_.input_specs);
   auto request = std::make_shared<Request>(next_request_id_++, microbatches.size(), options.deadline);
   for (size_t m = 0; m < microbatches.size(); ++m) {
     try {
@@ -329,8 +491,10 @@ std::vector<NamedTensor> Session::run(const std::vector<c10::IValue>& inputs, co
 }
 
 StageStats Session::stats(size_t stage) const {
-  const Worker& w = *workers_.at(stage);
   StageStats st;
+  if (stage >= total_stages_) throw Error(Status::InvalidArgument, "no stage " + std::to_string(stage));
+  if (stage >= workers_.size()) return st;  // hosted by a worker process
+  const Worker& w = *workers_.at(stage);
   st.microbatches = w.microbatches.load();
   st.failures = w.failures.load();
   st.busy_ms = static_cast<double>(w.busy_ns.load()) / 1e6;

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -23,6 +24,8 @@
 #include "runtime/graph/plan.h"
 #include "runtime/named_tensor.h"
 #include "runtime/schedule/bounded_queue.h"
+#include "runtime/schedule/stage_step.h"
+#include "runtime/schedule/worker_group.h"
 #include "runtime/stage/weights.h"
 
 namespace libpipe::schedule {
@@ -42,6 +45,8 @@ struct SessionOptions {
   std::vector<chunk::InputSpec> input_specs;    // by forward argument; missing: default
   std::vector<chunk::OutputSpec> output_specs;  // by flattened output; missing: concat along 0
   stage::StageOptions stage;                    // weights and dtype of every stage
+  // Stages spread over worker processes (rank 0, this process, keeps the first ones).
+  DistributedOptions distributed;
 };
 
 struct RunOptions {
@@ -115,9 +120,13 @@ class Session {
   // drained, so the caller's inputs are free to go when run() returns. Thread-safe.
   std::vector<NamedTensor> run(const std::vector<c10::IValue>& inputs, const RunOptions& options = {});
 
-  size_t num_stages() const { return stages_.size(); }
+  size_t num_stages() const { return total_stages_; }
   const SessionOptions& options() const { return options_; }
+  // Stages hosted by other processes report zeros here.
   StageStats stats(size_t stage) const;
+  // Empty while the session works; why it broke once a transport failure broke it (every later
+  // call then fails with Status::Communication).
+  std::string broken() const;
 
   // Chrome trace ("Trace Event Format") of the micro-batches run between the two calls, one
   // track per stage; viewable in Perfetto or chrome://tracing.
@@ -147,6 +156,16 @@ class Session {
 
   void worker_loop(size_t stage);
   void run_stage(size_t stage, MicroBatch& mb);
+  // The ring through the worker processes: the sender takes micro-batches that left the last
+  // local stage, the receiver completes them when they come back, and the watchdog breaks the
+  // session when the workers hold work but stay silent for longer than the comm timeout.
+  void sender_loop();
+  void receiver_loop();
+  void watchdog_loop();
+  void break_session(const std::string& why);  // fails every call the workers hold
+  void stop_ring();                            // ~Session: end the workers, then the threads
+  // Finishes one micro-batch of `request` that left the pipeline (status Ok: it did not fail).
+  void retire(const std::shared_ptr<Request>& request, Status status, const std::string& why);
   void admit(const std::shared_ptr<Request>& request);  // waits for a slot; false if refused
   void release();                                       // a micro-batch left the pipeline
   // How many micro-batches the next call gets; they are promised (counted as in flight for
@@ -156,7 +175,10 @@ class Session {
 
   std::shared_ptr<const graph::Plan> plan_;
   SessionOptions options_;
-  std::vector<torch::jit::Module> stages_;
+  size_t total_stages_ = 0;
+  std::vector<torch::jit::Module> stages_;  // the stages this process hosts: the first ones
+  std::vector<StageIO> stage_io_;
+  c10::Device device_{c10::kCPU};
   std::vector<std::unique_ptr<Worker>> workers_;
   int threads_per_stage_ = 1;
   const Clock::time_point epoch_ = Clock::now();
@@ -169,6 +191,18 @@ class Session {
   std::atomic<bool> shutting_down_{false};  // workers drop what they pop
   std::atomic<uint64_t> next_request_id_{1};
   std::atomic<bool> tracing_{false};
+
+  // Only with worker processes.
+  std::unique_ptr<WorkerGroup> group_;
+  std::unique_ptr<BoundedQueue<MicroBatch>> outbound_;
+  std::thread sender_, receiver_, watchdog_;
+  mutable std::mutex ring_mutex_;  // guards everything below
+  std::condition_variable ring_cv_;
+  std::map<std::pair<uint64_t, size_t>, std::shared_ptr<Request>> remote_;  // with the workers
+  Clock::time_point last_progress_;
+  std::string broken_;
+  bool ring_closed_ = false;   // the Shutdown came back: every worker has finished
+  bool stop_watchdog_ = false;
 };
 
 }  // namespace libpipe::schedule

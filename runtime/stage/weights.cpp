@@ -163,8 +163,21 @@ at::Tensor Checkpoint::load(const std::string& key) {
 
 namespace {
 
+// The submodule holding `dotted`'s leaf, and the leaf's name.
+std::pair<torch::jit::Module, std::string> owner_of(const torch::jit::Module& root, const std::string& dotted) {
+  torch::jit::Module m = root;
+  size_t start = 0;
+  for (size_t dot = dotted.find('.'); dot != std::string::npos; dot = dotted.find('.', start)) {
+    m = m.attr(dotted.substr(start, dot - start)).toModule();
+    start = dot + 1;
+  }
+  return {m, dotted.substr(start)};
+}
+
+}  // namespace
+
 // Names that share one tensor in the model (tied weights), keyed by each name.
-std::map<std::string, std::vector<std::string>> alias_groups(const torch::jit::Module& model) {
+AliasGroups alias_groups(const torch::jit::Module& model) {
   std::map<const void*, std::vector<std::string>> by_storage;
   auto add = [&](const std::string& name, const at::Tensor& t) {
     if (t.defined()) by_storage[t.storage().unsafeGetStorageImpl()].push_back(name);
@@ -179,20 +192,25 @@ std::map<std::string, std::vector<std::string>> alias_groups(const torch::jit::M
   return out;
 }
 
-// The submodule holding `dotted`'s leaf, and the leaf's name.
-std::pair<torch::jit::Module, std::string> owner_of(const torch::jit::Module& root, const std::string& dotted) {
-  torch::jit::Module m = root;
-  size_t start = 0;
-  for (size_t dot = dotted.find('.'); dot != std::string::npos; dot = dotted.find('.', start)) {
-    m = m.attr(dotted.substr(start, dot - start)).toModule();
-    start = dot + 1;
+void strip_stage_weights(torch::jit::Module& stage) {
+  std::vector<std::tuple<std::string, bool, at::Tensor>> slots;
+  for (const auto& p : stage.named_parameters()) slots.emplace_back(p.name, false, p.value);
+  for (const auto& b : stage.named_buffers()) slots.emplace_back(b.name, true, b.value);
+  for (const auto& [name, is_buffer, t] : slots) {
+    auto [owner, leaf] = owner_of(stage, name);
+    // One element seen through zero strides: the shape and dtype survive serialization, the
+    // bytes do not travel.
+    owner.register_parameter(leaf, at::zeros({}, t.options().device(at::kCPU)).expand(t.sizes()), is_buffer);
   }
-  return {m, dotted.substr(start)};
 }
 
-}  // namespace
-
 void load_stage_weights(torch::jit::Module& stage, const graph::Plan& plan, size_t stage_index,
+                        const StageOptions& options, Checkpoint* checkpoint) {
+  load_stage_weights(stage, checkpoint ? alias_groups(plan.model().module()) : AliasGroups{}, stage_index, options,
+                     checkpoint);
+}
+
+void load_stage_weights(torch::jit::Module& stage, const AliasGroups& aliases, size_t stage_index,
                         const StageOptions& options, Checkpoint* checkpoint) {
   const std::string where = " (stage " + std::to_string(stage_index) + ")";
   struct Slot {
@@ -205,7 +223,6 @@ void load_stage_weights(torch::jit::Module& stage, const graph::Plan& plan, size
   for (const auto& b : stage.named_buffers()) slots.push_back({b.name, true, b.value});
 
   if (checkpoint) {
-    const auto aliases = alias_groups(plan.model().module());
     std::vector<std::string> keys;
     uint64_t total = 0, done = 0;
     for (const auto& slot : slots) {

@@ -69,4 +69,16 @@ class Checkpoint {
 void load_stage_weights(torch::jit::Module& stage, const graph::Plan& plan, size_t stage_index,
                         const StageOptions& options, Checkpoint* checkpoint);
 
+// Every parameter or buffer name -> the other names of the same tensor in `model` (tied weights).
+using AliasGroups = std::map<std::string, std::vector<std::string>>;
+AliasGroups alias_groups(const torch::jit::Module& model);
+
+// Replaces every parameter and buffer with a placeholder of the same shape and dtype that holds
+// one element, so the stage serializes small; load_stage_weights with a checkpoint fills it.
+void strip_stage_weights(torch::jit::Module& stage);
+
+// As above, for a stage without its plan (a worker process receives the aliases with the stage).
+void load_stage_weights(torch::jit::Module& stage, const AliasGroups& aliases, size_t stage_index,
+                        const StageOptions& options, Checkpoint* checkpoint);
+
 }  // namespace libpipe::stage

@@ -39,7 +39,7 @@ _Static_assert(sizeof(pipe_stage_options) == 32 && offsetof(pipe_stage_options, 
                "pipe_stage_options");
 _Static_assert(PIPE_DTYPE_KEEP == 0 && PIPE_DTYPE_FLOAT32 == 1 && PIPE_DTYPE_FLOAT16 == 2 && PIPE_DTYPE_BFLOAT16 == 3,
                "dtypes");
-_Static_assert(sizeof(pipe_session_options) == 64 && offsetof(pipe_session_options, struct_size) == 0 &&
+_Static_assert(sizeof(pipe_session_options) == 88 && offsetof(pipe_session_options, struct_size) == 0 &&
                    offsetof(pipe_session_options, num_microbatches) == 4 &&
                    offsetof(pipe_session_options, threads_per_stage) == 8 &&
                    offsetof(pipe_session_options, max_inflight) == 12 &&
@@ -48,8 +48,19 @@ _Static_assert(sizeof(pipe_session_options) == 64 && offsetof(pipe_session_optio
                    offsetof(pipe_session_options, output_specs) == 32 &&
                    offsetof(pipe_session_options, num_output_specs) == 40 &&
                    offsetof(pipe_session_options, stage_options) == 48 &&
-                   offsetof(pipe_session_options, microbatching) == 56,
+                   offsetof(pipe_session_options, microbatching) == 56 &&
+                   offsetof(pipe_session_options, transport) == 60 &&
+                   offsetof(pipe_session_options, world_size) == 64 && offsetof(pipe_session_options, store) == 72 &&
+                   offsetof(pipe_session_options, comm_timeout_ms) == 80,
                "pipe_session_options");
+_Static_assert(sizeof(pipe_worker_options) == 32 && offsetof(pipe_worker_options, rank) == 4 &&
+                   offsetof(pipe_worker_options, world_size) == 8 && offsetof(pipe_worker_options, store) == 16 &&
+                   offsetof(pipe_worker_options, comm_timeout_ms) == 24 &&
+                   offsetof(pipe_worker_options, threads_per_stage) == 28,
+               "pipe_worker_options");
+_Static_assert(PIPE_ERR_COMMUNICATION == 14 && PIPE_TRANSPORT_LOCAL == 0 && PIPE_TRANSPORT_GLOO == 1 &&
+                   PIPE_TRANSPORT_NCCL == 2,
+               "transports");
 _Static_assert(PIPE_MICROBATCHING_ADAPTIVE == 0 && PIPE_MICROBATCHING_FIXED == 1, "microbatching");
 _Static_assert(sizeof(pipe_run_options) == 16 && offsetof(pipe_run_options, struct_size) == 0 &&
                    offsetof(pipe_run_options, timeout_ms) == 8,

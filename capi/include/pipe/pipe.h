@@ -48,7 +48,7 @@ extern "C" {
 /* ---- Version ------------------------------------------------------------------------------- */
 
 #define PIPE_VERSION_MAJOR 0
-#define PIPE_VERSION_MINOR 3
+#define PIPE_VERSION_MINOR 4
 #define PIPE_VERSION_PATCH 0
 
 /* "MAJOR.MINOR.PATCH" of the loaded library; equals the PIPE_VERSION_* it was built with.
@@ -89,6 +89,11 @@ typedef int32_t pipe_status;
 #define PIPE_ERR_CANCELLED 12
 /* The call did not finish before its deadline (pipe_run_options.timeout_ms). */
 #define PIPE_ERR_DEADLINE_EXCEEDED 13
+/* Talking to another process failed: a worker died, stopped answering for longer than the
+ * session's comm_timeout_ms, could not be reached, or the rendezvous store address is wrong. A
+ * session that reports this is broken for good (pipe_session_check says so): destroy it, start
+ * its workers again and create a new one. Since 0.4. */
+#define PIPE_ERR_COMMUNICATION 14
 
 /* The name of a status code ("PIPE_OK", "PIPE_ERR_INPUT", ...), or "PIPE_ERR_UNKNOWN" for a code
  * this version does not define. Global. Never fails; the string is static. */
@@ -367,7 +372,28 @@ typedef struct pipe_session_options {
   const pipe_stage_options *stage_options;
   /* PIPE_MICROBATCHING_ADAPTIVE (default) or PIPE_MICROBATCHING_FIXED. Since 0.3. */
   int32_t microbatching;
+  /* How stages talk: PIPE_TRANSPORT_LOCAL (default: every stage in this process),
+   * PIPE_TRANSPORT_GLOO (CPU stages spread over world_size processes) or PIPE_TRANSPORT_NCCL
+   * (GPU stages spread over world_size processes, one GPU each). Since 0.4. */
+  int32_t transport;
+  /* Processes taking part, this one (rank 0, the driver) included; the others are workers
+   * (pipe_worker_run / `pipe worker`) with ranks 1 .. world_size-1. The stages are spread over
+   * the ranks in order, in contiguous groups as equal in count as possible (rank 0 gets the first
+   * stages, and every rank at least one). 1 with PIPE_TRANSPORT_LOCAL. Since 0.4. */
+  int32_t world_size;
+  /* "HOST:PORT" of the rendezvous store (c10d's TCPStore), which this process hosts: it listens
+   * on PORT, and HOST is this machine's address as the workers reach it (also the address its
+   * transport listens on). Required unless the transport is local. Since 0.4. */
+  const char *store;
+  /* How long a worker may stay silent while it holds work (and how long joining and loading the
+   * stages may take) before the session fails its calls with PIPE_ERR_COMMUNICATION and reports
+   * itself broken. A worker that dies is noticed at once. 0 means 60000 (one minute). Since 0.4. */
+  int32_t comm_timeout_ms;
 } pipe_session_options;
+
+#define PIPE_TRANSPORT_LOCAL 0
+#define PIPE_TRANSPORT_GLOO 1
+#define PIPE_TRANSPORT_NCCL 2
 
 /* A call that finds the pipeline empty is cut into num_microbatches; a call that arrives while
  * others are in flight gets only as many as bring the pipeline to one micro-batch per stage
@@ -379,11 +405,19 @@ typedef struct pipe_session_options {
 #define PIPE_MICROBATCHING_FIXED 1
 
 #define PIPE_SESSION_OPTIONS_INIT \
-  {(uint32_t)sizeof(pipe_session_options), 1, 0, 0, NULL, 0, NULL, 0, NULL, PIPE_MICROBATCHING_ADAPTIVE}
+  {(uint32_t)sizeof(pipe_session_options), 1, 0, 0, NULL, 0, NULL, 0, NULL, PIPE_MICROBATCHING_ADAPTIVE, \
+   PIPE_TRANSPORT_LOCAL, 1, NULL, 0}
 
 /* Build every stage of `plan` on the CPU (loading weights as options->stage_options says) and
  * start one worker thread per stage. `options` NULL means PIPE_SESSION_OPTIONS_INIT; the spec
- * arrays are copied. Weight errors as for pipe_plan_save_stage. Thread-safe on `plan`. */
+ * arrays are copied. Weight errors as for pipe_plan_save_stage. Thread-safe on `plan`.
+ * With a Gloo or NCCL transport this process hosts the rendezvous store at options->store, waits
+ * (up to comm_timeout_ms) for the world_size-1 workers to join, sends each one its stages
+ * (without their weights when stage_options->weights names a checkpoint: each worker then reads
+ * its own stages' tensors from that path, which must be readable there), waits for them to load,
+ * and warms up every connection. PIPE_ERR_COMMUNICATION (naming the missing ranks or the
+ * unusable address) when that fails; PIPE_ERR_INVALID_ARGUMENT for fewer stages than processes or
+ * a malformed address; PIPE_ERR_UNSUPPORTED for NCCL in a build or on a machine without it. */
 PIPE_API pipe_status pipe_session_create(const pipe_plan *plan, const pipe_session_options *options,
                                          pipe_session **session);
 
@@ -463,10 +497,48 @@ PIPE_API pipe_status pipe_session_trace_start(pipe_session *session);
  * `path` NULL discards it. Thread-safe. */
 PIPE_API pipe_status pipe_session_trace_stop(pipe_session *session, const char *path);
 
+/* PIPE_OK while the session works; PIPE_ERR_COMMUNICATION (with the reason as the last error)
+ * once a transport failure broke it: every later call fails with that status at once, and the
+ * session should be destroyed and created again. Thread-safe. Since 0.4. */
+PIPE_API pipe_status pipe_session_check(const pipe_session *session);
+
 /* Stop the workers and free the session. Calls still in flight fail with PIPE_ERR_CANCELLED
- * (their requests stay valid). No pipe_session_run or pipe_session_submit on this session may be
- * running in another thread. NULL is ignored. Exclusive. */
+ * (their requests stay valid). Worker processes of a Gloo or NCCL session are told to finish and
+ * pipe_worker_run returns PIPE_OK there (a broken session just closes its connections; its
+ * workers then return PIPE_ERR_COMMUNICATION). Never blocks longer than comm_timeout_ms.
+ * No pipe_session_run or pipe_session_submit on this session may be running in another thread.
+ * NULL is ignored. Exclusive. */
 PIPE_API void pipe_session_destroy(pipe_session *session);
+
+/* ---- Workers ---------------------------------------------------------------------------------- */
+
+/* What a worker process needs to join a session. Start from PIPE_WORKER_OPTIONS_INIT. Since 0.4. */
+typedef struct pipe_worker_options {
+  uint32_t struct_size;
+  /* This worker's rank, 1 .. world_size-1 (rank 0 is the driver that creates the session). */
+  int32_t rank;
+  /* Processes in the session, the driver included; must match the driver's. */
+  int32_t world_size;
+  /* "HOST:PORT" of the driver's rendezvous store. */
+  const char *store;
+  /* How long to keep trying to reach the store, and to wait for the driver's stages, before
+   * failing with PIPE_ERR_COMMUNICATION. 0 means 60000 (one minute). Once serving, a worker waits
+   * for work as long as its driver is alive. */
+  int32_t comm_timeout_ms;
+  /* Intra-op threads per stage; 0 takes the driver's setting (its share of the cores when all
+   * processes share one machine). */
+  int32_t threads_per_stage;
+} pipe_worker_options;
+
+#define PIPE_WORKER_OPTIONS_INIT {(uint32_t)sizeof(pipe_worker_options), 0, 0, NULL, 0, 0}
+
+/* Join the session whose driver hosts the store at options->store, receive this rank's stages,
+ * and run them for that session until it is destroyed (then PIPE_OK). PIPE_ERR_COMMUNICATION if
+ * the store cannot be reached within comm_timeout_ms (the message names the address), the rank is
+ * taken, the driver's libpipe version differs, or the driver goes away; PIPE_ERR_INVALID_ARGUMENT
+ * for a rank or world size out of range. Errors in this worker's stages are reported to the
+ * driver's calls, not here. Blocks; serves one session. Global. Since 0.4. */
+PIPE_API pipe_status pipe_worker_run(const pipe_worker_options *options);
 
 #ifdef __cplusplus
 } /* extern "C" */

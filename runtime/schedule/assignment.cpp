@@ -1,0 +1,88 @@
+#include "runtime/schedule/assignment.h"
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <cstring>
+
+#include "runtime/error.h"
+
+namespace libpipe::schedule {
+
+using Json = nlohmann::json;
+
+std::vector<std::pair<size_t, size_t>> place_stages(size_t num_stages, int world_size) {
+  const auto ranks = static_cast<size_t>(world_size);
+  if (world_size < 1 || num_stages < ranks)
+    throw Error(Status::InvalidArgument, "the plan has " + std::to_string(num_stages) + " stage" +
+                                             (num_stages == 1 ? "" : "s") + " but " + std::to_string(world_size) +
+                                             " processes were asked for; every process hosts at least one stage, so "
+                                             "use at most " + std::to_string(num_stages) + " processes or split into more stages");
+  std::vector<std::pair<size_t, size_t>> ranges;
+  size_t first = 0;
+  for (size_t r = 0; r < ranks; ++r) {
+    const size_t count = num_stages / ranks + (r < num_stages % ranks ? 1 : 0);
+    ranges.emplace_back(first, first + count);
+    first += count;
+  }
+  return ranges;
+}
+
+comm::Message encode_assignment(const WorkerAssignment& a) {
+  Json stages = Json::array();
+  for (size_t i = 0; i < a.stages.size(); ++i) {
+    const auto& io = a.stages[i];
+    stages.push_back({{"index", io.index}, {"inputs", io.inputs}, {"outputs", io.outputs},
+                      {"dead_after", io.dead_after}, {"last", io.last}, {"aliases", a.aliases.at(i)}});
+  }
+  Json j = {{"world_size", a.world_size}, {"num_values", a.num_values}, {"stages", stages},
+            {"threads_per_stage", a.threads_per_stage}, {"weights", a.weights},
+            {"dtype", a.dtype ? static_cast<int>(*a.dtype) : -1}};
+  comm::Message m;
+  m.kind = comm::Kind::Setup;
+  m.text = j.dump();
+  for (const auto& bytes : a.modules) {
+    auto t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+    std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+    m.values.emplace_back(t);
+  }
+  return m;
+}
+
+WorkerAssignment decode_assignment(const comm::Message& m) {
+  if (m.kind != comm::Kind::Setup)
+    throw Error(Status::Communication, "the driver sent message kind " + std::to_string(static_cast<int>(m.kind)) +
+                                           " where the stage assignment was expected");
+  WorkerAssignment a;
+  try {
+    const Json j = Json::parse(m.text);
+    a.world_size = j.at("world_size").get<int>();
+    a.num_values = j.at("num_values").get<size_t>();
+    for (const auto& s : j.at("stages")) {
+      StageIO io;
+      io.index = s.at("index").get<size_t>();
+      io.inputs = s.at("inputs").get<std::vector<size_t>>();
+      io.outputs = s.at("outputs").get<std::vector<size_t>>();
+      io.dead_after = s.at("dead_after").get<std::vector<size_t>>();
+      io.last = s.at("last").get<bool>();
+      a.stages.push_back(std::move(io));
+      a.aliases.push_back(s.at("aliases").get<stage::AliasGroups>());
+    }
+    a.threads_per_stage = j.at("threads_per_stage").get<int>();
+    a.weights = j.at("weights").get<std::string>();
+    const int dtype = j.at("dtype").get<int>();
+    if (dtype >= 0) a.dtype = static_cast<at::ScalarType>(dtype);
+  } catch (const Json::exception& e) {
+    throw Error(Status::Communication, std::string("the driver's stage assignment is malformed: ") + e.what());
+  }
+  if (m.values.size() != a.stages.size())
+    throw Error(Status::Communication, "the driver's stage assignment has " + std::to_string(m.values.size()) +
+                                           " modules for " + std::to_string(a.stages.size()) + " stages");
+  for (const auto& v : m.values) {
+    const at::Tensor t = v.toTensor().contiguous();
+    a.modules.emplace_back(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel()));
+  }
+  return a;
+}
+
+}  // namespace libpipe::schedule

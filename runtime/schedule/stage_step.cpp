@@ -1,0 +1,49 @@
+#include "runtime/schedule/stage_step.h"
+
+#include <algorithm>
+
+#include "runtime/log.h"
+
+namespace libpipe::schedule {
+
+StageIO stage_io(const graph::Plan& plan, size_t s) {
+  const graph::StagePlan& sp = plan.stage(s);
+  StageIO io;
+  io.index = s;
+  io.inputs = sp.inputs;
+  io.outputs = sp.outputs;
+  io.last = s + 1 == plan.num_stages();
+  for (size_t id = 0; id < plan.values().size(); ++id)
+    if (plan.values()[id].last_consumer() <= static_cast<int>(s)) io.dead_after.push_back(id);
+  return io;
+}
+
+c10::IValue run_stage_step(torch::jit::Module& stage, const StageIO& io, std::vector<c10::IValue>& env) {
+  std::vector<c10::IValue> args;
+  args.reserve(io.inputs.size());
+  for (size_t id : io.inputs) args.push_back(env.at(id));
+  c10::IValue out = stage.forward(std::move(args));
+  if (io.last) return out;
+  const auto& items = out.toTupleRef().elements();
+  for (size_t k = 0; k < io.outputs.size(); ++k) env.at(io.outputs[k]) = items[k];
+  // Drop what no later stage reads, so memory follows the pipeline rather than the call.
+  for (size_t id : io.dead_after) env[id] = c10::IValue();
+  return c10::IValue();
+}
+
+std::string stage_failure(size_t stage, size_t microbatch, const std::string& what) {
+  const std::string prefix =
+      "stage " + std::to_string(stage) + " failed on micro-batch " + std::to_string(microbatch) + ": ";
+  std::string last;
+  size_t begin = 0;
+  while (begin < what.size()) {
+    size_t end = what.find('\n', begin);
+    if (end == std::string::npos) end = what.size();
+    if (what.find_first_not_of(" \t\r", begin) < end) last = what.substr(begin, end - begin);
+    begin = end + 1;
+  }
+  if (last.size() != what.size()) log::debug(prefix + what);
+  return prefix + last.substr(std::min(last.find_first_not_of(' '), last.size()));
+}
+
+}  // namespace libpipe::schedule

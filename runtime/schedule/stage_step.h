@@ -1,0 +1,34 @@
+// One stage's step on one micro-batch, shared by the session's stage threads and by worker
+// processes: read the stage's inputs from the micro-batch's environment of crossing values, run
+// the stage, write its outputs back and drop what no later stage reads.
+#pragma once
+
+#include <torch/csrc/jit/api/module.h>
+
+#include <string>
+#include <vector>
+
+#include "runtime/graph/plan.h"
+
+namespace libpipe::schedule {
+
+struct StageIO {
+  size_t index = 0;
+  std::vector<size_t> inputs;     // crossing-value ids: the stage's forward arguments
+  std::vector<size_t> outputs;    // crossing-value ids it defines (not for the last stage)
+  std::vector<size_t> dead_after; // ids no stage after this one reads
+  bool last = false;              // returns the model's own result
+};
+
+StageIO stage_io(const graph::Plan& plan, size_t stage);
+
+// Runs the stage on `env` (indexed by crossing-value id). The last stage's result is returned;
+// other stages update `env` and return None.
+c10::IValue run_stage_step(torch::jit::Module& stage, const StageIO& io, std::vector<c10::IValue>& env);
+
+// A stage's error as one line, for the caller: "stage S failed on micro-batch M: <error>".
+// TorchScript errors carry the interpreter's traceback; its last line is the error itself, and
+// the whole text is logged at debug level.
+std::string stage_failure(size_t stage, size_t microbatch, const std::string& what);
+
+}  // namespace libpipe::schedule

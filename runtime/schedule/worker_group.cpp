@@ -1,0 +1,130 @@
+#include "runtime/schedule/worker_group.h"
+
+#include <condition_variable>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "runtime/comm/gloo_transport.h"
+#include "runtime/comm/nccl_transport.h"
+#include "runtime/comm/rendezvous.h"
+#include "runtime/error.h"
+#include "runtime/log.h"
+#include "runtime/schedule/assignment.h"
+#include "runtime/schedule/worker_host.h"
+#include "runtime/stage/stage_module.h"
+
+namespace libpipe::schedule {
+
+namespace {
+
+using comm::Kind;
+using comm::Message;
+
+// Aborts `transport` if the setup has not finished by the deadline: Gloo's own timeouts do not
+// bound a peer that is alive but silent.
+class SetupDeadline {
+ public:
+  SetupDeadline(comm::Transport& transport, std::chrono::milliseconds timeout) {
+    thread_ = std::thread([this, &transport, timeout] {
+      std::unique_lock lock(mutex_);
+      if (!cv_.wait_for(lock, timeout, [&] { return done_; }))
+        transport.abort("the workers did not finish setting up within " + std::to_string(timeout.count()) +
+                        " ms (joining, loading their stages, warming up); raise comm_timeout_ms for big stages");
+    });
+  }
+  ~SetupDeadline() {
+    {
+      std::lock_guard lock(mutex_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+std::string serialize(torch::jit::Module& module) {
+  std::ostringstream out;
+  module.save(out);
+  return out.str();
+}
+
+}  // namespace
+
+WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<size_t, size_t>>& ranges,
+                         const DistributedOptions& o, const stage::StageOptions& stage_options, int threads_per_stage)
+    : world_size_(o.world_size) {
+  if (o.connected) {
+    transport_ = o.connected;
+  } else {
+    if (o.store.empty())
+      throw Error(Status::InvalidArgument, "a session over several processes needs a store address (HOST:PORT) that "
+                                           "its workers can reach");
+    const auto address = comm::parse_address(o.store, "the store address");
+    store_ = comm::host_store(address, o.world_size, o.comm_timeout);
+    const char* name = o.transport == TransportKind::Nccl ? "nccl" : "gloo";
+    comm::announce_session(*store_, o.world_size, name);
+    comm::wait_for_workers(*store_, o.world_size, o.store, o.comm_timeout);
+    if (o.transport == TransportKind::Nccl)
+      transport_ = comm::make_nccl_transport(store_, 0, o.world_size, nccl_device(0), o.comm_timeout);
+    else
+      transport_ = comm::make_gloo_transport(store_, 0, o.world_size, address.host, o.comm_timeout);
+  }
+
+  SetupDeadline deadline(*transport_, o.comm_timeout);
+  const auto aliases = stage_options.weights.empty() ? stage::AliasGroups{} : stage::alias_groups(plan.model().module());
+  for (int r = 1; r < world_size_; ++r) {
+    // Device constants baked in by tracing are rewritten for the GPU the rank will use (the
+    // same numbering on every machine is assumed).
+    const c10::Device device = o.transport == TransportKind::Nccl ? nccl_device(r) : c10::Device(c10::kCPU);
+    WorkerAssignment a;
+    a.world_size = world_size_;
+    a.num_values = plan.values().size();
+    a.threads_per_stage = threads_per_stage;
+    a.weights = stage_options.weights;
+    a.dtype = stage_options.dtype;
+    for (size_t s = ranges[r].first; s < ranges[r].second; ++s) {
+      a.stages.push_back(stage_io(plan, s));
+      auto module = stage::build_stage_module(plan, s, device);
+      // With a checkpoint, each worker reads its own stages' tensors: only shapes travel.
+      if (!stage_options.weights.empty()) stage::strip_stage_weights(module);
+      a.modules.push_back(serialize(module));
+      stage::AliasGroups mine;
+      for (const auto& p : module.named_parameters()) {
+        auto it = aliases.find(p.name);
+        if (it != aliases.end()) mine.insert(*it);
+      }
+      for (const auto& b : module.named_buffers()) {
+        auto it = aliases.find(b.name);
+        if (it != aliases.end()) mine.insert(*it);
+      }
+      a.aliases.push_back(std::move(mine));
+    }
+    transport_->send(r, encode_assignment(a));
+  }
+  for (int r = 1; r < world_size_; ++r) {
+    const Message ready = transport_->recv(r);
+    if (ready.kind != Kind::Ready)
+      throw Error(Status::Communication, "rank " + std::to_string(r) + " answered its stages with message kind " +
+                                             std::to_string(static_cast<int>(ready.kind)));
+    if (ready.status != 0) throw Error(static_cast<Status>(ready.status), ready.text);
+  }
+  transport_->send(1, comm::control(Kind::Warmup));
+  const Message back = transport_->recv(world_size_ - 1);
+  if (back.kind != Kind::Warmup)
+    throw Error(Status::Communication, "the warm-up message came back as message kind " +
+                                           std::to_string(static_cast<int>(back.kind)));
+  log::info("session spread over " + std::to_string(world_size_) + " processes; every worker is ready");
+}
+
+WorkerGroup::~WorkerGroup() {
+  transport_.reset();  // the connections first: the store's server goes with store_
+}
+
+}  // namespace libpipe::schedule

@@ -1,0 +1,56 @@
+// The driver's side of a session spread over processes: the rendezvous, handing each worker
+// process its stages, and the two ends of the ring the micro-batches travel (out to rank 1, back
+// from the last rank).
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runtime/comm/transport.h"
+#include "runtime/graph/plan.h"
+#include "runtime/stage/weights.h"
+
+namespace libpipe::schedule {
+
+enum class TransportKind { Local, Gloo, Nccl };
+
+struct DistributedOptions {
+  TransportKind transport = TransportKind::Local;
+  int world_size = 1;                               // the driver included
+  std::string store;                                // "HOST:PORT" the driver hosts
+  std::chrono::milliseconds comm_timeout{60000};
+  // Tests: rank 0's end of an already connected transport (e.g. in-process ranks); no store.
+  std::shared_ptr<comm::Transport> connected;
+};
+
+class WorkerGroup {
+ public:
+  // Hosts the store and waits for the workers (unless options.connected), sends rank r the
+  // stages ranges[r], waits until every worker has loaded them and warms up the ring, all
+  // within options.comm_timeout. Throws Error: Communication for a worker that does not come,
+  // cannot be reached or fails to load (with its own status when it reported one).
+  WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<size_t, size_t>>& ranges,
+              const DistributedOptions& options, const stage::StageOptions& stage_options, int threads_per_stage);
+  ~WorkerGroup();
+
+  // The ring: micro-batches go to rank 1 and come back from the last rank. Both throw
+  // Error(Communication) once the transport failed or was aborted.
+  void send(const comm::Message& message) { transport_->send(1, message); }
+  comm::Message receive() { return transport_->recv(world_size_ - 1); }
+  // Makes every blocked send/receive fail; the group can only be destroyed afterwards.
+  void abort(const std::string& why) { transport_->abort(why); }
+
+  int world_size() const { return world_size_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::shared_ptr<comm::Transport> transport_;
+  int world_size_ = 1;
+};
+
+}  // namespace libpipe::schedule

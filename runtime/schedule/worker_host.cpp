@@ -1,0 +1,194 @@
+#include "runtime/schedule/worker_host.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/csrc/jit/serialization/import.h>
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "runtime/comm/gloo_transport.h"
+#include "runtime/comm/nccl_transport.h"
+#include "runtime/comm/rendezvous.h"
+#include "runtime/error.h"
+#include "runtime/log.h"
+#include "runtime/schedule/assignment.h"
+#include "runtime/schedule/bounded_queue.h"
+
+namespace libpipe::schedule {
+
+namespace {
+
+using comm::Kind;
+using comm::Message;
+
+// Loads this rank's stages; throws Error as load_stage_weights does.
+std::vector<torch::jit::Module> load_stages(const WorkerAssignment& a, int rank, const c10::Device& device) {
+  std::vector<torch::jit::Module> stages;
+  auto checkpoint = a.weights.empty() ? nullptr : stage::Checkpoint::open(a.weights);
+  stage::StageOptions options;
+  options.weights = a.weights;
+  options.dtype = a.dtype;
+  for (size_t i = 0; i < a.stages.size(); ++i) {
+    std::istringstream in(a.modules[i]);
+    torch::jit::Module m;
+    try {
+      m = torch::jit::load(in, c10::Device(c10::kCPU));
+    } catch (const c10::Error& e) {
+      throw Error(Status::InvalidFormat, "rank " + std::to_string(rank) + " could not load stage " +
+                                             std::to_string(a.stages[i].index) + ": " + e.what_without_backtrace());
+    }
+    stage::load_stage_weights(m, a.aliases[i], a.stages[i].index, options, checkpoint.get());
+    m.to(device);
+    m.eval();
+    stages.push_back(std::move(m));
+  }
+  return stages;
+}
+
+}  // namespace
+
+c10::Device nccl_device(int rank) {
+  // LibTorch's CUDA kernels live in libtorch_cuda, which libpipe does not link (CPU users would
+  // load cuBLAS, cuDNN and more for nothing): load it now, found through libpipe's run path.
+  static void* torch_cuda = dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_GLOBAL);
+  if (!torch_cuda)
+    throw Error(Status::Unsupported, std::string("the NCCL transport needs LibTorch's CUDA library: ") + dlerror());
+  const auto count = at::detail::getCUDAHooks().deviceCount();
+  if (count < 1) throw Error(Status::Unsupported, "the NCCL transport needs a CUDA device and this machine has none");
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(rank % count));
+}
+
+void serve(comm::Transport& transport, const c10::Device& device, std::chrono::milliseconds setup_timeout,
+           int threads_per_stage) {
+  const int rank = transport.rank(), world = transport.world_size();
+  const int prev = rank - 1, next = (rank + 1) % world;
+  const WorkerAssignment a = decode_assignment(transport.recv(0, setup_timeout));
+  std::vector<torch::jit::Module> stages;
+  try {
+    stages = load_stages(a, rank, device);
+  } catch (const Error& e) {
+    Message ready = comm::control(Kind::Ready);
+    ready.status = static_cast<int32_t>(e.status());
+    ready.text = "rank " + std::to_string(rank) + ": " + e.what();
+    transport.send(0, ready);
+    throw;
+  }
+  transport.send(0, comm::control(Kind::Ready));
+  const int threads = threads_per_stage > 0 ? threads_per_stage : a.threads_per_stage;
+  log::info("rank " + std::to_string(rank) + " serves stages " + std::to_string(a.stages.front().index) + ".." +
+            std::to_string(a.stages.back().index) + " on " + device.str() + " with " + std::to_string(threads) +
+            " thread(s) each");
+
+  // receiver -> queues[0] -> stage 0 -> queues[1] -> ... -> queues[k] -> sender. The driver's
+  // admission bounds what is in flight; the bound here only keeps memory finite if it did not.
+  const size_t k = stages.size();
+  std::vector<std::unique_ptr<BoundedQueue<Message>>> queues;
+  for (size_t i = 0; i <= k; ++i) queues.push_back(std::make_unique<BoundedQueue<Message>>(4096));
+  std::mutex failure_mutex;
+  std::string failure;
+  auto fail = [&](const std::string& why) {
+    {
+      std::lock_guard lock(failure_mutex);
+      if (failure.empty()) failure = why;
+    }
+    transport.abort(why);
+    for (auto& q : queues) q->close();
+  };
+
+  std::vector<std::thread> threads_;
+  for (size_t i = 0; i < k; ++i)
+    threads_.emplace_back([&, i] {
+      at::set_num_threads(threads);
+      c10::InferenceMode inference;
+      const StageIO& io = a.stages[i];
+      while (auto item = queues[i]->pop()) {
+        Message m = std::move(*item);
+        if (m.kind == Kind::Data) {
+          try {
+            if (m.values.size() != a.num_values)
+              throw Error(Status::Internal, "a micro-batch arrived with " + std::to_string(m.values.size()) +
+                                                " values instead of " + std::to_string(a.num_values));
+            c10::IValue out = run_stage_step(stages[i], io, m.values);
+            if (io.last) {
+              m.kind = Kind::Result;
+              m.values = {std::move(out)};
+            }
+          } catch (const Error& e) {
+            m = Message{Kind::Error, m.request, m.microbatch, static_cast<int32_t>(e.status()), {}, e.what()};
+          } catch (const c10::Error& e) {
+            m = Message{Kind::Error, m.request, m.microbatch, static_cast<int32_t>(Status::Execution), {},
+                        stage_failure(io.index, m.microbatch, e.what_without_backtrace())};
+          } catch (const std::exception& e) {
+            m = Message{Kind::Error, m.request, m.microbatch, static_cast<int32_t>(Status::Execution), {},
+                        stage_failure(io.index, m.microbatch, e.what())};
+          }
+        }
+        const bool last = m.kind == Kind::Shutdown;
+        if (!queues[i + 1]->push(std::move(m)) || last) return;
+      }
+    });
+  threads_.emplace_back([&] {
+    while (auto item = queues[k]->pop()) {
+      const bool last = item->kind == Kind::Shutdown;
+      try {
+        transport.send(next, *item);
+      } catch (const std::exception& e) {
+        fail(e.what());
+        return;
+      }
+      if (last) return;
+    }
+  });
+  for (;;) {
+    Message m;
+    try {
+      m = transport.recv(prev);
+    } catch (const std::exception& e) {
+      fail(e.what());
+      break;
+    }
+    const bool last = m.kind == Kind::Shutdown;
+    if (!queues[0]->push(std::move(m)) || last) break;
+  }
+  // A Shutdown passes every queue after what was queued before it; each thread returns once it
+  // passed it on (or when a failure closed the queues).
+  for (auto& t : threads_) t.join();
+  std::lock_guard lock(failure_mutex);
+  if (!failure.empty())
+    throw Error(Status::Communication, "rank " + std::to_string(rank) + " lost its session: " + failure);
+}
+
+void serve_worker(const WorkerOptions& o) {
+  if (o.world_size < 2)
+    throw Error(Status::InvalidArgument, "a worker's world size must be at least 2 (the driver and this worker), got " +
+                                             std::to_string(o.world_size));
+  if (o.rank < 1 || o.rank >= o.world_size)
+    throw Error(Status::InvalidArgument, "a worker's rank must be in 1.." + std::to_string(o.world_size - 1) +
+                                             " (rank 0 is the driver), got " + std::to_string(o.rank));
+  if (o.comm_timeout.count() <= 0)
+    throw Error(Status::InvalidArgument, "the comm timeout must be positive, got " + std::to_string(o.comm_timeout.count()));
+  const auto address = comm::parse_address(o.store, "the store address");
+  std::string local_host;
+  auto store = comm::connect_store(address, o.comm_timeout, &local_host);
+  const std::string transport_name = comm::join_session(*store, o.rank, o.world_size);
+  std::unique_ptr<comm::Transport> transport;
+  c10::Device device(c10::kCPU);
+  if (transport_name == "gloo") {
+    transport = comm::make_gloo_transport(store, o.rank, o.world_size, local_host, o.comm_timeout);
+  } else if (transport_name == "nccl") {
+    device = nccl_device(o.rank);
+    transport = comm::make_nccl_transport(store, o.rank, o.world_size, device, o.comm_timeout);
+  } else {
+    throw Error(Status::Communication, "the driver asked for transport '" + transport_name +
+                                           "', which this worker does not know");
+  }
+  serve(*transport, device, o.comm_timeout, o.threads_per_stage);
+}
+
+}  // namespace libpipe::schedule
