@@ -1,0 +1,268 @@
+// The transports and the ring through worker processes, inside one process: the wire format,
+// the local transport, Gloo between two threads over loopback, and a session whose stages are
+// partly served by a worker running in a thread (serve() on the local transport).
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <gtest/gtest.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <future>
+#include <thread>
+
+#include "fixtures.h"
+#include "runtime/comm/gloo_transport.h"
+#include "runtime/comm/local_transport.h"
+#include "runtime/comm/rendezvous.h"
+#include "runtime/comm/wire.h"
+#include "runtime/graph/model.h"
+#include "runtime/graph/plan.h"
+#include "runtime/schedule/assignment.h"
+#include "runtime/schedule/session.h"
+#include "runtime/schedule/worker_host.h"
+
+namespace libpipe {
+namespace {
+
+using comm::Kind;
+using comm::Message;
+using std::chrono::milliseconds;
+using test::status_of;
+
+// What a receiver rebuilds from a frame: the tensors allocated from the meta, filled with the
+// sent bytes (what a transport does through its engine).
+Message through_the_wire(const Message& sent) {
+  comm::wire::Frame f = comm::wire::encode(sent);
+  auto tensors = comm::wire::allocate(f.meta, at::TensorOptions());
+  EXPECT_EQ(tensors.size(), f.tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (tensors[i].nbytes() > 0) comm::wire::byte_view(tensors[i]).copy_(comm::wire::byte_view(f.tensors[i]));
+  return comm::wire::decode(f.preamble, f.bytes, std::move(tensors));
+}
+
+TEST(Wire, EveryKindOfValueArrivesAsItWasSent) {
+  Message m;
+  m.kind = Kind::Data;
+  m.request = 41;
+  m.microbatch = 3;
+  m.text = "some text";
+  const at::Tensor strided = at::arange(24, at::kFloat).reshape({4, 6}).t();  // not contiguous
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
+  dict.insert("k", at::ones({2}, at::kBFloat16));
+  m.values = {at::randn({3, 5}), strided, at::tensor({1, 0}).to(at::kBool), at::empty({0, 7}, at::kLong),
+              at::scalar_tensor(2.5), c10::IValue(), c10::IValue(int64_t{7}),
+              c10::ivalue::Tuple::create({at::ones({1}), c10::IValue(std::string("s"))}), dict};
+  const Message got = through_the_wire(m);
+  EXPECT_EQ(got.kind, Kind::Data);
+  EXPECT_EQ(got.request, 41u);
+  EXPECT_EQ(got.microbatch, 3u);
+  EXPECT_EQ(got.text, "some text");
+  ASSERT_EQ(got.values.size(), m.values.size());
+  for (size_t i : {0, 1, 2, 3, 4}) {
+    const auto a = m.values[i].toTensor(), b = got.values[i].toTensor();
+    EXPECT_EQ(a.sizes(), b.sizes()) << i;
+    EXPECT_EQ(a.scalar_type(), b.scalar_type()) << i;
+    EXPECT_TRUE(at::equal(a, b)) << i;
+  }
+  EXPECT_TRUE(got.values[5].isNone());
+  EXPECT_EQ(got.values[6].toInt(), 7);
+  const auto& tuple = got.values[7].toTupleRef().elements();
+  EXPECT_TRUE(at::equal(tuple[0].toTensor(), at::ones({1})));
+  EXPECT_EQ(tuple[1].toStringRef(), "s");
+  EXPECT_TRUE(at::equal(got.values[8].toGenericDict().at("k").toTensor(), at::ones({2}, at::kBFloat16)));
+}
+
+TEST(Wire, APreambleFromAnotherProgramIsRefused) {
+  comm::wire::Preamble p{};
+  p[0] = 12345;
+  EXPECT_EQ(status_of([&] { comm::wire::announced(p); }), Status::Communication);
+  EXPECT_EQ(status_of([&] { comm::wire::allocate({1, 5, 2}, at::TensorOptions()); }), Status::Communication);
+}
+
+TEST(LocalTransport, MessagesArriveInOrderAndAbortWakesAWaitingReceiver) {
+  auto ends = comm::make_local_transports(2);
+  for (int i = 0; i < 5; ++i) {
+    Message m;
+    m.request = static_cast<uint64_t>(i);
+    ends[0]->send(1, m);
+  }
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(ends[1]->recv(0).request, static_cast<uint64_t>(i));
+  auto waiting = std::async(std::launch::async, [&] { return status_of([&] { ends[1]->recv(0); }); });
+  std::this_thread::sleep_for(milliseconds(50));
+  ends[0]->abort("peer gone");
+  EXPECT_EQ(waiting.get(), Status::Communication);
+  EXPECT_EQ(status_of([&] { ends[0]->send(1, Message{}); }), Status::Communication);
+}
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+TEST(GlooTransport, TwoRanksExchangeMessagesOfChangingShapesBothWays) {
+  const std::string address = "127.0.0.1:" + std::to_string(free_port());
+  const auto timeout = milliseconds(20000);
+  auto rank1 = std::async(std::launch::async, [&] {
+    std::string local;
+    auto store = comm::connect_store(comm::parse_address(address, "store"), timeout, &local);
+    EXPECT_EQ(local, "127.0.0.1");
+    auto t = comm::make_gloo_transport(store, 1, 2, local, timeout);
+    for (int i = 0; i < 3; ++i) {
+      Message m = t->recv(0);
+      m.values[0] = m.values[0].toTensor() * 2;
+      t->send(0, m);
+    }
+  });
+  auto store = comm::host_store(comm::parse_address(address, "store"), 2, timeout);
+  auto t = comm::make_gloo_transport(store, 0, 2, "127.0.0.1", timeout);
+  for (int i = 0; i < 3; ++i) {
+    Message m;
+    m.request = static_cast<uint64_t>(i);
+    const at::Tensor x = at::randn({i + 1, 3 + i});
+    m.values = {x, c10::IValue()};
+    t->send(1, m);
+    const Message back = t->recv(1);
+    EXPECT_EQ(back.request, static_cast<uint64_t>(i));
+    EXPECT_TRUE(at::equal(back.values[0].toTensor(), x * 2));
+    EXPECT_TRUE(back.values[1].isNone());
+  }
+  rank1.get();
+}
+
+TEST(Rendezvous, AddressesAreCheckedBeforeAnythingWaits) {
+  EXPECT_EQ(status_of([] { comm::parse_address("no-port", "store"); }), Status::InvalidArgument);
+  EXPECT_EQ(status_of([] { comm::parse_address("host:99999", "store"); }), Status::InvalidArgument);
+  EXPECT_EQ(comm::parse_address("[::1]:80", "store").host, "::1");
+  std::string message;
+  // 192.0.2.1 (TEST-NET-1) is never an address of this machine.
+  EXPECT_EQ(status_of([] { comm::host_store(comm::parse_address("192.0.2.1:29400", "store"), 2, milliseconds(1000)); },
+                      &message),
+            Status::Communication);
+  EXPECT_NE(message.find("not an address of this machine"), std::string::npos) << message;
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(status_of([] {
+              std::string local;
+              comm::connect_store(comm::parse_address("127.0.0.1:" + std::to_string(free_port()), "store"),
+                                  milliseconds(300), &local);
+            },
+                      &message),
+            Status::Communication);
+  EXPECT_NE(message.find("no rendezvous store answered"), std::string::npos) << message;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));  // bounded, not a hang
+}
+
+TEST(Placement, StagesSpreadInContiguousGroupsLargerFirst) {
+  using Ranges = std::vector<std::pair<size_t, size_t>>;
+  EXPECT_EQ(schedule::place_stages(5, 2), (Ranges{{0, 3}, {3, 5}}));
+  EXPECT_EQ(schedule::place_stages(4, 3), (Ranges{{0, 2}, {2, 3}, {3, 4}}));
+  EXPECT_EQ(status_of([] { schedule::place_stages(2, 3); }), Status::InvalidArgument);
+}
+
+at::Tensor eager(const graph::Model& model, const std::vector<c10::IValue>& inputs) {
+  c10::InferenceMode inference;
+  return const_cast<torch::jit::Module&>(model.module()).forward(inputs).toTensor();
+}
+
+// A session with world size 2 on the local transport: rank 1 is serve() in a thread.
+struct TwoRanks {
+  explicit TwoRanks(const std::string& model_file, milliseconds timeout = milliseconds(20000)) {
+    model = graph::Model::load(test::fixture(model_file));
+    auto ends = comm::make_local_transports(2);
+    worker_end = std::move(ends[1]);
+    worker = std::async(std::launch::async, [this, timeout] {
+      return status_of([&] { schedule::serve(*worker_end, c10::Device(c10::kCPU), timeout, 1); }, &worker_message);
+    });
+    schedule::SessionOptions o;
+    o.num_microbatches = 2;
+    o.distributed.world_size = 2;
+    o.distributed.comm_timeout = timeout;
+    o.distributed.connected = std::shared_ptr<comm::Transport>(std::move(ends[0]));
+    session = std::make_unique<schedule::Session>(graph::Plan::from_markers(model), o);
+  }
+  std::shared_ptr<const graph::Model> model;
+  std::unique_ptr<comm::Transport> worker_end;
+  std::future<Status> worker;
+  std::string worker_message;
+  std::unique_ptr<schedule::Session> session;
+};
+
+TEST(DistributedSession, AWorkerRankRunsTheLaterStagesAndBatchSizesMayChange) {
+  TwoRanks ranks("multi_mlp.traced.pt");
+  EXPECT_EQ(ranks.session->num_stages(), 4u);
+  for (int64_t batch : {6, 1, 9}) {
+    const at::Tensor x = at::randn({batch, 512}), y = at::randn({batch, 512});
+    auto out = ranks.session->run({x, y});
+    ASSERT_EQ(out.size(), 1u);
+    EXPECT_TRUE(at::allclose(out[0].tensor, eager(*ranks.model, {x, y}), 1e-5, 1e-5)) << batch;
+  }
+  EXPECT_EQ(ranks.session->stats(3).microbatches, 0u);  // stage 3 runs in the worker
+  EXPECT_GT(ranks.session->stats(0).microbatches, 0u);
+  ranks.session.reset();  // ends the worker cleanly
+  EXPECT_EQ(ranks.worker.get(), Status::Ok) << ranks.worker_message;
+}
+
+TEST(DistributedSession, AFailedCallLeavesTheSessionWorking) {
+  TwoRanks ranks("multi_mlp.traced.pt");
+  std::string message;
+  // Wrong width: stage 0 (here) rejects it before anything is sent.
+  EXPECT_EQ(status_of([&] { ranks.session->run({at::randn({2, 5}), at::randn({2, 5})}); }, &message),
+            Status::Execution);
+  const at::Tensor x = at::randn({2, 512}), y = at::randn({2, 512});
+  EXPECT_TRUE(at::allclose(ranks.session->run({x, y})[0].tensor, eager(*ranks.model, {x, y}), 1e-5, 1e-5));
+  EXPECT_TRUE(ranks.session->broken().empty());
+}
+
+TEST(DistributedSession, AWorkerThatGoesAwayBreaksTheSessionAndItsCalls) {
+  TwoRanks ranks("slow_loop.scripted.pt");
+  auto request = ranks.session->submit({at::randn({4, 64}), at::scalar_tensor(50000, at::kLong)});
+  std::this_thread::sleep_for(milliseconds(100));
+  ranks.worker_end->abort("the worker process died");  // what a closed connection looks like
+  std::string message;
+  EXPECT_EQ(status_of([&] { request->result({}); }, &message), Status::Communication);
+  EXPECT_NE(ranks.session->broken().find("died"), std::string::npos) << ranks.session->broken();
+  EXPECT_EQ(status_of([&] { ranks.session->run({at::randn({4, 64}), at::scalar_tensor(1, at::kLong)}); }, &message),
+            Status::Communication);
+  EXPECT_NE(message.find("destroy it"), std::string::npos) << message;
+  ranks.session.reset();
+  EXPECT_EQ(ranks.worker.get(), Status::Communication);
+}
+
+TEST(DistributedSession, AWorkerThatStaysSilentIsNoticedWithinTheCommTimeout) {
+  // Rank 1 takes its stages and warms up, then swallows every micro-batch without answering.
+  auto model = graph::Model::load(test::fixture("multi_mlp.traced.pt"));
+  auto ends = comm::make_local_transports(2);
+  std::shared_ptr<comm::Transport> worker_end(std::move(ends[1]));
+  auto silent = std::async(std::launch::async, [worker_end] {
+    return status_of([&] {
+      worker_end->recv(0);  // the assignment
+      worker_end->send(0, comm::control(Kind::Ready));
+      worker_end->send(0, worker_end->recv(0));  // the warm-up
+      for (;;) worker_end->recv(0);
+    });
+  });
+  schedule::SessionOptions o;
+  o.distributed.world_size = 2;
+  o.distributed.comm_timeout = milliseconds(500);
+  o.distributed.connected = std::shared_ptr<comm::Transport>(std::move(ends[0]));
+  schedule::Session session(graph::Plan::from_markers(model), o);
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  EXPECT_EQ(status_of([&] { session.run({at::randn({2, 512}), at::randn({2, 512})}); }, &message),
+            Status::Communication);
+  EXPECT_NE(message.find("stopped answering"), std::string::npos) << message;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));  // not a hang
+  EXPECT_EQ(silent.get(), Status::Communication);  // the broken session aborted the transport
+}
+
+}  // namespace
+}  // namespace libpipe
