@@ -446,6 +446,74 @@ static void bad_options(void **state) {
   unload(&l);
 }
 
+/* Sessions over processes: every option is checked before anything listens or waits, and each
+ * unusable address or missing worker is a PIPE_ERR_COMMUNICATION that says what to do. */
+static void distributed_options(void **state) {
+  (void)state;
+  loaded l;
+  load_fixture(&l, "multi_mlp.traced.pt", "multi_mlp"); /* 4 stages */
+  pipe_session *session = NULL;
+  assert_string_equal(pipe_status_string(PIPE_ERR_COMMUNICATION), "PIPE_ERR_COMMUNICATION");
+
+  pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
+  o.transport = 7;
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "PIPE_TRANSPORT_GLOO");
+  o.transport = PIPE_TRANSPORT_GLOO;
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "world_size >= 2");
+  o.transport = PIPE_TRANSPORT_LOCAL;
+  o.world_size = 2;
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "choose the Gloo or NCCL");
+  o.transport = PIPE_TRANSPORT_GLOO;
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "store address");
+  o.store = "no-port-here";
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "HOST:PORT");
+  o.store = "127.0.0.1:29999";
+  o.world_size = 5;
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "at most 4 processes");
+  o.world_size = 2;
+  o.comm_timeout_ms = -1;
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "comm_timeout_ms");
+  o.comm_timeout_ms = 300;
+  o.store = "192.0.2.1:29999"; /* TEST-NET-1: never this machine's */
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_COMMUNICATION, "not an address of this machine");
+  o.store = "nosuchhost.invalid:29999";
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_COMMUNICATION, "does not resolve");
+  o.store = "127.0.0.1:0";
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "not in 1..65535");
+  /* Nobody comes: the session names the missing rank and how to start it, after the timeout. */
+  char address[64];
+  snprintf(address, sizeof address, "127.0.0.1:%d", 20000 + (int)(getpid() % 20000));
+  o.store = address;
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_COMMUNICATION, "pipe worker --rank R");
+  assert_non_null(strstr(pipe_last_error(), "missing rank 1"));
+  o.transport = PIPE_TRANSPORT_NCCL;
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_UNSUPPORTED, "");
+
+  /* A working local session says so; NULL is refused. */
+  ASSERT_OK(pipe_session_create(l.plan, NULL, &session));
+  ASSERT_OK(pipe_session_check(session));
+  pipe_session_destroy(session);
+  ASSERT_FAILS(pipe_session_check(NULL), PIPE_ERR_INVALID_ARGUMENT, "session");
+
+  /* Workers: arguments first, then a store nobody hosts, within the timeout. */
+  ASSERT_FAILS(pipe_worker_run(NULL), PIPE_ERR_INVALID_ARGUMENT, "options");
+  pipe_worker_options w = PIPE_WORKER_OPTIONS_INIT;
+  ASSERT_FAILS(pipe_worker_run(&w), PIPE_ERR_INVALID_ARGUMENT, "options->store");
+  w.store = address;
+  w.world_size = 2;
+  w.rank = 0;
+  ASSERT_FAILS(pipe_worker_run(&w), PIPE_ERR_INVALID_ARGUMENT, "rank 0 is the driver");
+  w.rank = 1;
+  w.world_size = 1;
+  ASSERT_FAILS(pipe_worker_run(&w), PIPE_ERR_INVALID_ARGUMENT, "at least 2");
+  w.world_size = 2;
+  w.comm_timeout_ms = 300;
+  ASSERT_FAILS(pipe_worker_run(&w), PIPE_ERR_COMMUNICATION, "no rendezvous store answered at 127.0.0.1:");
+  w.struct_size = 4;
+  ASSERT_FAILS(pipe_worker_run(&w), PIPE_ERR_INVALID_ARGUMENT, "PIPE_WORKER_OPTIONS_INIT");
+  unload(&l);
+}
+
 /* A stage that raises (a wrong feature size reaches the first matmul) fails that call with a
  * message naming the stage; the session keeps serving. */
 static void stage_failure_keeps_session_usable(void **state) {
@@ -1270,6 +1338,7 @@ int main(void) {
       cmocka_unit_test(specs_stats_and_trace),
       cmocka_unit_test(remaining_null_arguments),
       cmocka_unit_test(weights_from_a_sharded_checkpoint),
+      cmocka_unit_test(distributed_options),
   };
   return cmocka_run_group_tests_name("capi", tests, NULL, NULL);
 }
