@@ -20,6 +20,5 @@ void write(Level level, const std::string& message);
 inline void warning(const std::string& message) { write(Warning, message); }
 inline void debug(const std::string& message) { write(Debug, message); }
 inline void info(const std::string& message) { write(Info, message); }
-inline void error(const std::string& message) { write(Error, message); }
 
 }  // namespace libpipe::log

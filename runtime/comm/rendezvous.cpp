@@ -1,5 +1,6 @@
 #include "runtime/comm/rendezvous.h"
 
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <arpa/inet.h>
@@ -88,6 +89,13 @@ int try_connect(const addrinfo* ai, milliseconds budget, std::string* local_host
   return 0;
 }
 
+// c10d logs its retries and failures to stderr itself, with C++ backtraces, before throwing the
+// error libpipe reports anyway: only fatal messages may pass (process-wide; LibTorch offers no
+// per-component switch).
+void quiet_c10d_logging() {
+  if (FLAGS_caffe2_log_level < 3) FLAGS_caffe2_log_level = 3;
+}
+
 }  // namespace
 
 Address parse_address(const std::string& value, const std::string& what) {
@@ -115,6 +123,7 @@ Address parse_address(const std::string& value, const std::string& what) {
 }
 
 c10::intrusive_ptr<c10d::Store> host_store(const Address& address, int world_size, milliseconds timeout) {
+  quiet_c10d_logging();
   // The workers are told to reach this process at address.host, and its transport listens
   // there: it must be one of this machine's addresses. Binding to it proves that at once,
   // where a wrong address would otherwise only show as workers that never arrive.
@@ -150,6 +159,7 @@ c10::intrusive_ptr<c10d::Store> host_store(const Address& address, int world_siz
 }
 
 c10::intrusive_ptr<c10d::Store> connect_store(const Address& address, milliseconds timeout, std::string* local_host) {
+  quiet_c10d_logging();
   AddrInfo ai;
   resolve(address, ai, "the store");
   const auto deadline = Clock::now() + timeout;

@@ -1,6 +1,7 @@
 // Rendezvous through c10d's TCPStore: the driver (rank 0) hosts the store, workers connect to it.
 // Every step is bounded by our own deadline: TCPStore's client retries a refused connect with a
-// backoff that overruns its timeout, so the address is probed first with plain sockets.
+// backoff that overruns its timeout, so the address is probed first with plain sockets. Both
+// ends silence c10's own stderr logging (process-wide) below fatal: libpipe reports the errors.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>

@@ -378,7 +378,8 @@ void Session::break_session(const std::string& why) {
     held.swap(remote_);
     ring_cv_.notify_all();
   }
-  log::error("the session is broken: " + why);
+  // Info, not error: every call it fails says why, and a caller's one-line error report stays one line.
+  log::info("the session is broken: " + why);
   group_->abort(why);
   for (auto& [key, request] : held) retire(request, Status::Communication, why);
 }
