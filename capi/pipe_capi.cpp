@@ -678,7 +678,7 @@ pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_option
                                                    "; use PIPE_TRANSPORT_LOCAL, PIPE_TRANSPORT_GLOO or PIPE_TRANSPORT_NCCL");
       }
     }
-    if (PIPE_HAS(world_size)) dist.world_size = o->world_size;
+    if (PIPE_HAS(world_size)) dist.world_size = o->world_size == 0 ? 1 : o->world_size;  // zeroed structs
     if (PIPE_HAS(store) && o->store) dist.store = o->store;
     if (PIPE_HAS(comm_timeout_ms)) {
       if (o->comm_timeout_ms < 0)

@@ -379,7 +379,7 @@ typedef struct pipe_session_options {
   /* Processes taking part, this one (rank 0, the driver) included; the others are workers
    * (pipe_worker_run / `pipe worker`) with ranks 1 .. world_size-1. The stages are spread over
    * the ranks in order, in contiguous groups as equal in count as possible (rank 0 gets the first
-   * stages, and every rank at least one). 1 with PIPE_TRANSPORT_LOCAL. Since 0.4. */
+   * stages, and every rank at least one). 1 (or 0) with PIPE_TRANSPORT_LOCAL. Since 0.4. */
   int32_t world_size;
   /* "HOST:PORT" of the rendezvous store (c10d's TCPStore), which this process hosts: it listens
    * on PORT, and HOST is this machine's address as the workers reach it (also the address its

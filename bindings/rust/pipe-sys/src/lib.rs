@@ -20,8 +20,15 @@ pub fn pipe_session_options_init() -> pipe_session_options {
         struct_size: size_of::<pipe_session_options>() as u32,
         num_microbatches: 1,
         microbatching: PIPE_MICROBATCHING_ADAPTIVE,
+        transport: PIPE_TRANSPORT_LOCAL,
+        world_size: 1,
         ..Default::default()
     }
+}
+
+/// `PIPE_WORKER_OPTIONS_INIT`.
+pub fn pipe_worker_options_init() -> pipe_worker_options {
+    pipe_worker_options { struct_size: size_of::<pipe_worker_options>() as u32, ..Default::default() }
 }
 
 /// `PIPE_STAGE_OPTIONS_INIT`.
@@ -62,6 +69,8 @@ mod tests {
         assert_eq!(pipe_session_options_init().struct_size as usize, size_of::<pipe_session_options>());
         assert_eq!(pipe_session_options_init().num_microbatches, 1);
         assert_eq!(pipe_session_options_init().microbatching, PIPE_MICROBATCHING_ADAPTIVE);
+        assert_eq!(pipe_session_options_init().world_size, 1);
+        assert_eq!(pipe_worker_options_init().struct_size as usize, size_of::<pipe_worker_options>());
         assert_eq!(pipe_stage_stats_init().struct_size as usize, size_of::<pipe_stage_stats>());
         assert_eq!(pipe_run_options_init().struct_size as usize, size_of::<pipe_run_options>());
         assert_eq!(pipe_stage_options_init().struct_size as usize, size_of::<pipe_stage_options>());
