@@ -8,10 +8,13 @@ For model authors (pure Python over torch; no compiled libpipe needed):
 For running models (the native module `libpipe._native`, a SWIG wrapper of libpipe's C ABI,
 imported on first use):
   `Model.load(path)` -> `model.split(...)` -> `plan.session(...)` -> `session.run(*inputs)`;
+  `plan.session(transport="gloo", world_size=N, store="HOST:PORT")` spreads the stages over
+  processes that serve them with `run_worker(rank, N, "HOST:PORT")`;
   failures raise `libpipe.Error` subclasses carrying a `Status`. See libpipe.runtime.
 """
 from .errors import (
     CancelledError,
+    CommunicationError,
     DeadlineExceededError,
     Error,
     ExecutionError,
@@ -33,6 +36,7 @@ from .runtime import (
     LOG_INFO,
     LOG_WARNING,
     MICROBATCHING_MODES,
+    TRANSPORTS,
     DLPackTensor,
     Model,
     ModuleInfo,
@@ -40,6 +44,7 @@ from .runtime import (
     Request,
     Session,
     load_safetensors,
+    run_worker,
     set_log_level,
     version,
 )
@@ -76,6 +81,7 @@ __all__ = [
     "DLPackTensor",
     "ModuleInfo",
     "load_safetensors",
+    "run_worker",
     "set_log_level",
     "version",
     "LOG_DEBUG",
@@ -83,6 +89,7 @@ __all__ = [
     "LOG_WARNING",
     "LOG_ERROR",
     "MICROBATCHING_MODES",
+    "TRANSPORTS",
     "Status",
     "Error",
     "InvalidArgumentError",
@@ -98,4 +105,5 @@ __all__ = [
     "WaitTimeoutError",
     "CancelledError",
     "DeadlineExceededError",
+    "CommunicationError",
 ]

@@ -28,6 +28,7 @@ class Status(enum.IntEnum):
     TIMEOUT = 11
     CANCELLED = 12
     DEADLINE_EXCEEDED = 13
+    COMMUNICATION = 14
 
     @property
     def c_name(self):
@@ -112,6 +113,13 @@ class DeadlineExceededError(Error):
     """The call did not finish within its `timeout` (PIPE_ERR_DEADLINE_EXCEEDED)."""
 
 
+class CommunicationError(Error):
+    """Talking to another process failed (PIPE_ERR_COMMUNICATION, libpipe >= 0.4): a worker died,
+    stayed silent longer than the session's comm_timeout, could not be reached, or the store
+    address is wrong. A session that raised it is broken for good (Session.check() raises it
+    again): close it, start its workers again and create a new one."""
+
+
 _BY_STATUS = {
     Status.INVALID_ARGUMENT: InvalidArgumentError,
     Status.NOT_FOUND: NotFoundError,
@@ -126,6 +134,7 @@ _BY_STATUS = {
     Status.TIMEOUT: WaitTimeoutError,
     Status.CANCELLED: CancelledError,
     Status.DEADLINE_EXCEEDED: DeadlineExceededError,
+    Status.COMMUNICATION: CommunicationError,
 }
 
 

@@ -13,6 +13,12 @@ torch out; otherwise numpy) and own the memory libpipe produced.
 Every call that can block (load, split, session creation, run, wait) releases the GIL, so other
 Python threads keep running, and one Session may be used from many threads at once.
 
+Stages may also run in other processes (libpipe >= 0.4): the driver creates the session with
+`plan.session(transport="gloo", world_size=2, store="HOST:PORT")` and hosts the rendezvous store
+there; each other process calls `libpipe.run_worker(rank, 2, "HOST:PORT")`, which serves its
+stages until the driver closes the session. A worker that dies or stops answering fails the
+calls with CommunicationError, and the session stays broken (`session.check()` raises it).
+
 The native module is imported on first use, so `import libpipe` (for pipe_split and the export
 helpers) works where it was never built.
 """
@@ -21,6 +27,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -37,6 +44,7 @@ __all__ = [
     "Request",
     "Session",
     "load_safetensors",
+    "run_worker",
     "set_log_level",
     "version",
     "LOG_DEBUG",
@@ -44,6 +52,7 @@ __all__ = [
     "LOG_WARNING",
     "LOG_ERROR",
     "MICROBATCHING_MODES",
+    "TRANSPORTS",
 ]
 
 LOG_DEBUG, LOG_INFO, LOG_WARNING, LOG_ERROR = 0, 1, 2, 3
@@ -56,6 +65,11 @@ _OUTPUT_TYPES = (None, "numpy", "torch", "dlpack")
 # Session(microbatching=...): how calls are cut, named as pipe.h's PIPE_MICROBATCHING_* (whose
 # values are looked up in the native module, not copied here).
 MICROBATCHING_MODES = ("adaptive", "fixed")
+# Session(transport=...): how stages talk, named as pipe.h's PIPE_TRANSPORT_* (values looked up
+# in the native module). "local": every stage in this process; "gloo": CPU stages spread over
+# processes; "nccl": GPU stages spread over processes, one GPU each.
+TRANSPORTS = ("local", "gloo", "nccl")
+_INT32_MAX = 2**31 - 1
 _NAMES_PARAMETERS, _NAMES_BUFFERS = 0, 1
 # DLPack type codes numpy holds: int, uint, float, complex, bool (not bfloat16, code 4).
 _NUMPY_DLPACK_CODES = (0, 1, 2, 5, 6)
@@ -291,6 +305,24 @@ def _timeout_ms(timeout, what):
     return max(1, math.ceil(timeout * 1000))
 
 
+def _comm_timeout_ms(comm_timeout):
+    """comm_timeout in seconds (None: libpipe's default, one minute) -> comm_timeout_ms (0 is
+    libpipe's default)."""
+    if comm_timeout is None:
+        return 0
+    ms = _timeout_ms(comm_timeout, "comm_timeout")
+    if ms > _INT32_MAX:
+        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"comm_timeout must be at most {_INT32_MAX / 1000:g} seconds, not {comm_timeout!r}")
+    return ms
+
+
+def _store(store):
+    """The rendezvous store's "HOST:PORT" (libpipe parses and checks it)."""
+    if not isinstance(store, str):
+        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"store must be a \"HOST:PORT\" string, not {store!r}")
+    return store
+
+
 def _arguments(input_names, inputs, named):
     """Positional inputs, then the remaining forward arguments by name, in forward's order."""
     if not named:
@@ -436,7 +468,8 @@ class Plan(_Closeable):
             _lib().pipe_plan_save_stage(h, stage, _stage_options(dtype, weights), os.fsdecode(os.fspath(path)))
 
     def session(self, microbatches=4, threads_per_stage=0, max_inflight=0, input_specs=None,
-                output_specs=None, *, microbatching="adaptive", dtype=None, weights=None):
+                output_specs=None, *, microbatching="adaptive", dtype=None, weights=None,
+                transport="local", world_size=1, store=None, comm_timeout=None):
         """Build the stages and start one worker thread per stage.
 
         microbatches: micro-batches per call (see microbatching). threads_per_stage: intra-op
@@ -449,11 +482,29 @@ class Plan(_Closeable):
         micro-batches run (stats()) differs. input_specs: per forward argument (a sequence, or a
         dict by name) "default" | "split" | ("split", dim) | "replicate"; output_specs: per
         output "concat" | ("concat", dim) | "sum" | "equal". dtype: "float32" | "float16" |
-        "bfloat16" for floating weights and inputs. weights: a safetensors checkpoint or index."""
+        "bfloat16" for floating weights and inputs. weights: a safetensors checkpoint or index.
+
+        Stages in other processes (libpipe >= 0.4): transport "local" (default: every stage in
+        this process) | "gloo" (CPU stages over `world_size` processes) | "nccl" (GPU stages,
+        one GPU per process). This process is rank 0 and gets the first stages; ranks 1 ..
+        world_size-1 are workers running `libpipe.run_worker(rank, world_size, store)`, each
+        given a contiguous group of the following stages. store: "HOST:PORT" of the rendezvous
+        store, which this process hosts (it listens on PORT; HOST is this machine's address as
+        the workers reach it); required unless the transport is "local". Creating the session
+        waits for the workers to join and load their stages. comm_timeout: seconds a worker may
+        stay silent while it holds work, and joining may take, before the session's calls fail
+        with CommunicationError (None: libpipe's default, one minute); a worker that dies is
+        noticed at once. CommunicationError also when the workers do not come or the address is
+        unusable; InvalidArgumentError for a malformed address, world_size > 1 with "local", or
+        fewer stages than processes; UnsupportedError for "nccl" where NCCL is missing."""
         if not isinstance(microbatching, str) or microbatching not in MICROBATCHING_MODES:
             raise InvalidArgumentError(
                 Status.INVALID_ARGUMENT,
                 f"microbatching must be one of {MICROBATCHING_MODES}, not {microbatching!r}",
+            )
+        if not isinstance(transport, str) or transport not in TRANSPORTS:
+            raise InvalidArgumentError(
+                Status.INVALID_ARGUMENT, f"transport must be one of {TRANSPORTS}, not {transport!r}"
             )
         lib = _lib()
         options = {
@@ -463,10 +514,17 @@ class Plan(_Closeable):
             "microbatching": getattr(lib, f"PIPE_MICROBATCHING_{microbatching.upper()}"),
             "input_specs": _specs(input_specs, _INPUT_KINDS, "input_specs", self.input_names),
             "output_specs": _specs(output_specs, _OUTPUT_KINDS, "output_specs"),
+            "transport": getattr(lib, f"PIPE_TRANSPORT_{transport.upper()}"),
+            "world_size": int(world_size),
+            "comm_timeout_ms": _comm_timeout_ms(comm_timeout),
         }
+        if store is not None:
+            options["store"] = _store(store)
         options.update(_stage_options(dtype, weights) or {})
         with self._handle.use() as h:
-            return Session(lib.pipe_session_create(h, options), self.input_names)
+            session = Session(lib.pipe_session_create(h, options), self.input_names)
+        session.transport, session.world_size, session.store = transport, int(world_size), store
+        return session
 
     def __repr__(self):
         return f"<libpipe.Plan {self.num_stages} stages{' closed' if self.closed else ''}>"
@@ -486,13 +544,25 @@ def _stage_options(dtype, weights):
 class Session(_Closeable):
     """Stage workers running a plan. run() and submit() are safe from many threads at once;
     close() waits for the runs in progress, and fails submitted requests still running with
-    CancelledError."""
+    CancelledError. Closing a session whose stages run in worker processes tells them to finish
+    (their run_worker returns); it never blocks much longer than comm_timeout."""
+
+    transport = "local"
+    world_size = 1
+    store = None
 
     def __init__(self, ptr, input_names):
         lib = _lib()
         self._handle = _Handle(ptr, lib.pipe_session_destroy, "session", 1)
         self.input_names = input_names
         self.num_stages = lib.pipe_session_num_stages(ptr)
+
+    def check(self):
+        """None while the session works. CommunicationError (with the reason) once a transport
+        failure broke it (a worker died or stayed silent too long): every later call then fails
+        at once with that error; close the session, restart its workers and create a new one."""
+        with self._handle.use() as h:
+            _lib().pipe_session_check(h)
 
     def run(self, *inputs, timeout=None, output_type=None, **named):
         """Run one call and return {output name: tensor} ("output" for a tensor result,
@@ -537,7 +607,8 @@ class Session(_Closeable):
             _lib().pipe_session_trace_stop(h, None if path is None else os.fsdecode(os.fspath(path)))
 
     def __repr__(self):
-        return f"<libpipe.Session {self.num_stages} stages{' closed' if self.closed else ''}>"
+        where = "" if self.transport == "local" else f" {self.transport} world_size={self.world_size} store={self.store!r}"
+        return f"<libpipe.Session {self.num_stages} stages{where}{' closed' if self.closed else ''}>"
 
 
 class Request(_Closeable):
@@ -642,3 +713,46 @@ def load_safetensors(path, output_type="numpy"):
     if output_type not in ("numpy", "torch", "dlpack"):
         raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"output_type must be 'numpy', 'torch' or 'dlpack', not {output_type!r}")
     return _convert(_lib().pipe_safetensors_read(os.fsdecode(os.fspath(path))), output_type)
+
+
+@contextlib.contextmanager
+def _interruptible_by_default_sigint():
+    """While a C call blocks with the GIL released, Python's own SIGINT handler only sets a flag
+    that is looked at when the call returns, so Ctrl-C would do nothing. Where Python's default
+    handler is in place (and only in the main thread, where handlers live), SIGINT gets the
+    system's default action for the call instead: it ends the process, as it ends `pipe worker`."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def run_worker(rank, world_size, store, *, comm_timeout=None, threads_per_stage=0):
+    """Serve as worker `rank` (1 .. world_size-1) of the session whose driver (rank 0) creates it
+    with plan.session(transport="gloo" | "nccl", world_size=world_size, store=store): join it
+    through the rendezvous store at `store` ("HOST:PORT"), receive this rank's stages and run
+    them until the driver closes the session; then return None. Blocks (with the GIL released;
+    Ctrl-C ends the process when Python's default SIGINT handler is in place); serves one
+    session, so call it again (or start a new process) for the next.
+
+    comm_timeout: seconds to keep trying to reach the store and to wait for the driver's stages
+    (None: libpipe's default, one minute); once serving, the worker waits for work as long as the
+    driver is alive. threads_per_stage: intra-op threads per stage (0: the driver's setting).
+    CommunicationError when the store cannot be reached in time (the message names the
+    address), the rank is taken, the driver's libpipe version differs, or the driver goes away
+    (also after its session broke); InvalidArgumentError for a rank or world_size out of range.
+    Errors in this worker's stages are reported to the driver's calls, not here."""
+    options = {
+        "rank": int(rank),
+        "world_size": int(world_size),
+        "store": _store(store),
+        "comm_timeout_ms": _comm_timeout_ms(comm_timeout),
+        "threads_per_stage": int(threads_per_stage),
+    }
+    lib = _lib()
+    with _interruptible_by_default_sigint():
+        lib.pipe_worker_run(options)

@@ -17,7 +17,8 @@
  * The GIL: the module is generated with -threads, so every wrapped pipe_* call runs with the GIL
  * released (argument conversion and result conversion hold it). That covers the blocking calls
  * (pipe_model_load, pipe_plan_create, pipe_session_create, pipe_session_run, pipe_session_submit,
- * pipe_request_wait, the destroy functions that join worker threads, file reads and writes) and
+ * pipe_request_wait, the destroy functions that join worker threads, file reads and writes,
+ * pipe_worker_run, which serves a whole session) and
  * costs nothing measurable on the quick ones. Helpers below that touch Python objects are marked
  * %nothread. Nothing in this module calls back into Python from libpipe's worker threads.
  */
@@ -200,12 +201,34 @@ static int libpipe_check_keys(PyObject *d, const char *const *allowed, const cha
   return 0;
 }
 
+/* Optional str field `key` of dict `d` as UTF-8 into *out (left as it is when absent or None).
+ * `keep` receives the bytes object that holds the string; the caller releases it after the call. */
+static int libpipe_dict_str(PyObject *d, const char *key, const char **out, PyObject **keep) {
+  PyObject *v = PyDict_GetItemString(d, key);
+  if (!v || v == Py_None) return 0;
+  if (!PyUnicode_Check(v)) {
+    PyErr_Format(PyExc_TypeError, "%s must be a str, not %s", key, Py_TYPE(v)->tp_name);
+    return -1;
+  }
+  PyObject *bytes = PyUnicode_AsUTF8String(v);
+  if (!bytes) return -1;
+  if (strlen(PyBytes_AS_STRING(bytes)) != (size_t)PyBytes_GET_SIZE(bytes)) {
+    Py_DECREF(bytes);
+    PyErr_Format(PyExc_ValueError, "%s must not contain NUL characters", key);
+    return -1;
+  }
+  *out = PyBytes_AS_STRING(bytes);
+  *keep = bytes;
+  return 0;
+}
+
 typedef struct {
   pipe_session_options session;
   pipe_stage_options stage;
   pipe_chunk_spec *input_specs;
   pipe_chunk_spec *output_specs;
   PyObject *keep;
+  PyObject *keep_store;
 } libpipe_session_options_holder;
 %}
 
@@ -326,8 +349,9 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
 %typemap(freearg) const pipe_stage_options * { Py_XDECREF(keep$argnum); }
 
 /* None or a dict with the fields of pipe_session_options (specs as lists of (kind, dim);
- * "microbatching" as PIPE_MICROBATCHING_ADAPTIVE / _FIXED, which libpipe checks), plus "dtype"
- * and "weights" for the stage options. Absent keys keep PIPE_SESSION_OPTIONS_INIT's defaults. */
+ * "microbatching" as PIPE_MICROBATCHING_ADAPTIVE / _FIXED and "transport" as PIPE_TRANSPORT_*,
+ * which libpipe checks; "store" a str kept alive for the call), plus "dtype" and "weights" for
+ * the stage options. Absent keys keep PIPE_SESSION_OPTIONS_INIT's defaults. */
 %typemap(in) const pipe_session_options * (libpipe_session_options_holder tmp, libpipe_session_options_holder *holder = NULL) {
   memset(&tmp, 0, sizeof tmp);
   holder = &tmp;
@@ -336,7 +360,8 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
   } else {
     static const char *const allowed[] = {"num_microbatches", "threads_per_stage", "max_inflight",
                                           "microbatching", "input_specs", "output_specs", "dtype",
-                                          "weights", NULL};
+                                          "weights", "transport", "world_size", "store",
+                                          "comm_timeout_ms", NULL};
     pipe_session_options init = PIPE_SESSION_OPTIONS_INIT;
     tmp.session = init;
     if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "session options must be a dict or None");
@@ -345,6 +370,10 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
         libpipe_dict_int32($input, "threads_per_stage", &tmp.session.threads_per_stage) < 0 ||
         libpipe_dict_int32($input, "max_inflight", &tmp.session.max_inflight) < 0 ||
         libpipe_dict_int32($input, "microbatching", &tmp.session.microbatching) < 0 ||
+        libpipe_dict_int32($input, "transport", &tmp.session.transport) < 0 ||
+        libpipe_dict_int32($input, "world_size", &tmp.session.world_size) < 0 ||
+        libpipe_dict_int32($input, "comm_timeout_ms", &tmp.session.comm_timeout_ms) < 0 ||
+        libpipe_dict_str($input, "store", &tmp.session.store, &tmp.keep_store) < 0 ||
         libpipe_dict_specs($input, "input_specs", &tmp.input_specs, &tmp.session.num_input_specs) < 0 ||
         libpipe_dict_specs($input, "output_specs", &tmp.output_specs, &tmp.session.num_output_specs) < 0)
       SWIG_fail;
@@ -362,8 +391,33 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
     free(holder$argnum->input_specs);
     free(holder$argnum->output_specs);
     Py_XDECREF(holder$argnum->keep);
+    Py_XDECREF(holder$argnum->keep_store);
   }
 }
+
+/* None or a dict with the fields of pipe_worker_options: "rank", "world_size", "store" (a str,
+ * kept alive for the call), "comm_timeout_ms", "threads_per_stage". Absent keys keep
+ * PIPE_WORKER_OPTIONS_INIT's defaults (libpipe refuses rank 0 and a missing store). */
+%typemap(in) const pipe_worker_options * (pipe_worker_options tmp, PyObject *keep = NULL) {
+  if ($input == Py_None) {
+    $1 = NULL;
+  } else {
+    static const char *const allowed[] = {"rank", "world_size", "store", "comm_timeout_ms",
+                                          "threads_per_stage", NULL};
+    pipe_worker_options init = PIPE_WORKER_OPTIONS_INIT;
+    tmp = init;
+    if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "worker options must be a dict or None");
+    if (libpipe_check_keys($input, allowed, "worker") < 0) SWIG_fail;
+    if (libpipe_dict_int32($input, "rank", &tmp.rank) < 0 ||
+        libpipe_dict_int32($input, "world_size", &tmp.world_size) < 0 ||
+        libpipe_dict_int32($input, "comm_timeout_ms", &tmp.comm_timeout_ms) < 0 ||
+        libpipe_dict_int32($input, "threads_per_stage", &tmp.threads_per_stage) < 0 ||
+        libpipe_dict_str($input, "store", &tmp.store, &keep) < 0)
+      SWIG_fail;
+    $1 = &tmp;
+  }
+}
+%typemap(freearg) const pipe_worker_options * { Py_XDECREF(keep$argnum); }
 
 /* ---- what is not wrapped ------------------------------------------------------------------------ */
 
@@ -384,6 +438,7 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
 %ignore pipe_session_options;
 %ignore pipe_run_options;
 %ignore pipe_stage_stats;
+%ignore pipe_worker_options;
 
 %include <pipe/pipe.h>
 
