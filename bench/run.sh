@@ -18,6 +18,16 @@ echo "## Scheduler"
 "$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/bench/pytorch_pipelining.py" --microbatches 8 2>/dev/null
 "$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/bench/pytorch_pipelining.py" --microbatches 2 2>/dev/null
 echo
+echo "## Across processes (Gloo)"
+for processes in 1 2; do
+  "$LIBPIPE_BUILD/pipe" bench "$models/mlp.pt" --input "$models/mlp.inputs.safetensors" --microbatches 8 \
+    --requests 60 --concurrency 2 --processes "$processes" --json
+done
+for processes in 1 2 4; do
+  "$LIBPIPE_BUILD/pipe" bench "$models/trivial.pt" --input "$models/trivial.inputs.safetensors" --microbatches 1 \
+    --requests 300 --concurrency 1 --processes "$processes" --json
+done
+echo
 echo "## Split balance"
 "$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/bench/split_balance.py" "$LIBPIPE_BUILD/pipe" --runs 5
 echo
