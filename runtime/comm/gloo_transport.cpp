@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <atomic>
+#include <cstring>
 #include <mutex>
 #include <set>
 
@@ -26,6 +27,14 @@ using std::chrono::milliseconds;
 // overflows inside Gloo), and the session's own watchdog decides when a peer is gone.
 constexpr milliseconds kPatience = std::chrono::hours(24 * 30);
 constexpr int kTag = 0;  // one ordered stream per pair and direction
+
+// Every Gloo transfer is a rendezvous (the send completes once the receiver posted its receive),
+// so a message's small parts travel together: a fixed-size head carries the preamble and, when
+// they fit, the meta and the bytes; otherwise they follow as one overflow transfer. Tensors
+// follow, one transfer each.
+constexpr size_t kHeadBytes = 4096;
+constexpr size_t kPreambleBytes = wire::kPreambleWords * sizeof(int64_t);
+constexpr size_t kInlineBytes = kHeadBytes - kPreambleBytes;
 
 std::string short_what(const std::exception& e) {
   if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
@@ -57,12 +66,18 @@ class GlooTransport final : public Transport {
 
   void send(int peer, const Message& message) override {
     wire::Frame frame = wire::encode(message);
+    const size_t meta_bytes = frame.meta.size() * sizeof(int64_t);
+    const size_t small = meta_bytes + frame.bytes.size();
+    std::vector<uint8_t> head(kHeadBytes), overflow(small > kInlineBytes ? small : 0);
+    std::memcpy(head.data(), frame.preamble.data(), kPreambleBytes);
+    uint8_t* rest = small > kInlineBytes ? overflow.data() : head.data() + kPreambleBytes;
+    if (meta_bytes) std::memcpy(rest, frame.meta.data(), meta_bytes);
+    if (!frame.bytes.empty()) std::memcpy(rest + meta_bytes, frame.bytes.data(), frame.bytes.size());
+
     std::vector<std::vector<at::Tensor>> parts;  // kept alive until every send completed
-    parts.push_back({at::from_blob(frame.preamble.data(), {static_cast<int64_t>(frame.preamble.size())}, at::kLong)});
-    if (!frame.meta.empty())
-      parts.push_back({at::from_blob(frame.meta.data(), {static_cast<int64_t>(frame.meta.size())}, at::kLong)});
-    if (!frame.bytes.empty())
-      parts.push_back({at::from_blob(frame.bytes.data(), {static_cast<int64_t>(frame.bytes.size())}, at::kByte)});
+    parts.push_back({at::from_blob(head.data(), {static_cast<int64_t>(head.size())}, at::kByte)});
+    if (!overflow.empty())
+      parts.push_back({at::from_blob(overflow.data(), {static_cast<int64_t>(overflow.size())}, at::kByte)});
     for (const auto& t : frame.tensors)
       if (t.nbytes() > 0) {
         if (!t.device().is_cpu())
@@ -76,13 +91,21 @@ class GlooTransport final : public Transport {
 
   Message recv(int peer, milliseconds timeout) override {
     const milliseconds patience = timeout.count() > 0 ? timeout : kPatience;
+    std::vector<uint8_t> head(kHeadBytes);
+    receive(peer, at::from_blob(head.data(), {static_cast<int64_t>(head.size())}, at::kByte), patience);
     wire::Preamble preamble{};
-    receive(peer, at::from_blob(preamble.data(), {static_cast<int64_t>(preamble.size())}, at::kLong), patience);
+    std::memcpy(preamble.data(), head.data(), kPreambleBytes);
     const auto sizes = wire::announced(preamble);
+    const size_t meta_bytes = sizes.meta_words * sizeof(int64_t);
+    const size_t small = meta_bytes + sizes.bytes;
+    std::vector<uint8_t> overflow(small > kInlineBytes ? small : 0);
+    if (!overflow.empty())
+      receive(peer, at::from_blob(overflow.data(), {static_cast<int64_t>(overflow.size())}, at::kByte), patience);
+    const uint8_t* rest = overflow.empty() ? head.data() + kPreambleBytes : overflow.data();
     std::vector<int64_t> meta(sizes.meta_words);
-    if (!meta.empty()) receive(peer, at::from_blob(meta.data(), {static_cast<int64_t>(meta.size())}, at::kLong), patience);
-    std::vector<uint8_t> bytes(sizes.bytes);
-    if (!bytes.empty()) receive(peer, at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, at::kByte), patience);
+    if (meta_bytes) std::memcpy(meta.data(), rest, meta_bytes);
+    std::vector<uint8_t> bytes(rest + meta_bytes, rest + small);
+
     auto tensors = wire::allocate(meta, at::TensorOptions());
     std::vector<std::vector<at::Tensor>> parts;
     for (const auto& t : tensors)

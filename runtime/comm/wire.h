@@ -1,5 +1,5 @@
-// The wire format shared by the Gloo and NCCL transports. A message goes out as up to four
-// transfers, in this order:
+// The wire format shared by the Gloo and NCCL transports. A message consists of four parts, in
+// this order (a transport may pack the small first three into fewer transfers):
 //   1. the preamble: kPreambleWords int64 (magic, kind, request, micro-batch, status, text bytes,
 //      pickle bytes, meta words);
 //   2. the meta, int64 (when meta words > 0): per tensor its dtype, rank and sizes, so the

@@ -122,6 +122,7 @@ TEST(GlooTransport, TwoRanksExchangeMessagesOfChangingShapesBothWays) {
       m.values[0] = m.values[0].toTensor() * 2;
       t->send(0, m);
     }
+    t->send(0, t->recv(0));  // the big one, echoed
   });
   auto store = comm::host_store(comm::parse_address(address, "store"), 2, timeout);
   auto t = comm::make_gloo_transport(store, 0, 2, "127.0.0.1", timeout);
@@ -136,6 +137,18 @@ TEST(GlooTransport, TwoRanksExchangeMessagesOfChangingShapesBothWays) {
     EXPECT_TRUE(at::equal(back.values[0].toTensor(), x * 2));
     EXPECT_TRUE(back.values[1].isNone());
   }
+  // Meta and structure too big for the fixed head travel in an overflow transfer.
+  std::vector<c10::IValue> many;
+  for (int i = 0; i < 600; ++i) many.emplace_back(at::full({1, 2, 3}, static_cast<double>(i)));
+  Message big;
+  big.values = {c10::ivalue::Tuple::create(many)};
+  big.text = std::string(5000, 'x');
+  t->send(1, big);
+  const Message got = t->recv(1);
+  EXPECT_EQ(got.text, big.text);
+  const std::vector<c10::IValue> items = got.values.at(0).toTupleRef().elements().vec();
+  ASSERT_EQ(items.size(), 600u);
+  EXPECT_TRUE(at::equal(items[599].toTensor(), at::full({1, 2, 3}, 599.0)));
   rank1.get();
 }
 
