@@ -686,6 +686,9 @@ pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_option
                                                  std::to_string(o->comm_timeout_ms) + "; give 0 (one minute) or more");
       if (o->comm_timeout_ms > 0) dist.comm_timeout = std::chrono::milliseconds(o->comm_timeout_ms);
     }
+    if (dist.transport == libpipe::schedule::TransportKind::Local && !dist.store.empty())
+      throw Error(Status::InvalidArgument, std::string(fn) + ": options->store is set but the transport is local; "
+                                                             "choose PIPE_TRANSPORT_GLOO or NCCL, or leave store NULL");
     if (dist.transport != libpipe::schedule::TransportKind::Local && dist.world_size < 2)
       throw Error(Status::InvalidArgument, std::string(fn) + ": a Gloo or NCCL session needs options->world_size >= 2 "
                                                              "(this process and at least one worker), got " +

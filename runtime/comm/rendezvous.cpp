@@ -224,7 +224,7 @@ void wait_for_workers(c10d::Store& store, int world_size, const std::string& add
               std::to_string(world_size - 1 - static_cast<int>(missing.size())) + " of " + std::to_string(world_size - 1) +
                   " workers joined within " + std::to_string(timeout.count()) + " ms (missing rank" +
                   (missing.size() == 1 ? " " : "s ") + list + "); start each with `pipe worker --rank R --world-size " +
-                  std::to_string(world_size) + " --store " + address + "`");
+                  std::to_string(world_size) + " --store " + address + "` (or pipe_worker_run)");
 }
 
 std::string join_session(c10d::Store& store, int rank, int world_size) {

@@ -461,6 +461,10 @@ static void distributed_options(void **state) {
   o.transport = PIPE_TRANSPORT_GLOO;
   ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "world_size >= 2");
   o.transport = PIPE_TRANSPORT_LOCAL;
+  o.store = "127.0.0.1:29999";
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "store is set but the transport is local");
+  o.store = NULL;
+  o.transport = PIPE_TRANSPORT_LOCAL;
   o.world_size = 2;
   ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "choose the Gloo or NCCL");
   o.transport = PIPE_TRANSPORT_GLOO;
