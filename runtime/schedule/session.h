@@ -6,6 +6,9 @@
 // belongs to. Admission is bounded: at most `max_inflight` micro-batches are inside the
 // pipeline at once, and submitting more waits (backpressure instead of unbounded memory).
 // Under concurrent load, calls are cut more coarsely (SessionOptions::adaptive_microbatches).
+// With worker processes (SessionOptions::distributed), this process runs the first stages; a
+// micro-batch that leaves them goes around a ring through the workers and comes back as a
+// result, and a watchdog breaks the session when the workers hold work but stay silent.
 #pragma once
 
 #include <torch/csrc/jit/api/module.h>

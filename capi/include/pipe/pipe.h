@@ -469,7 +469,7 @@ PIPE_API pipe_status pipe_request_cancel(pipe_request *request);
  * ignored. Exclusive. */
 PIPE_API void pipe_request_destroy(pipe_request *request);
 
-/* Number of stages (and worker threads) of the session. Thread-safe. */
+/* Number of stages of the session (those in worker processes included). Thread-safe. */
 PIPE_API pipe_status pipe_session_num_stages(const pipe_session *session, size_t *count);
 
 /* What one stage worker has done since the session was created. Start from
@@ -485,7 +485,8 @@ typedef struct pipe_stage_stats {
 
 #define PIPE_STAGE_STATS_INIT {(uint32_t)sizeof(pipe_stage_stats), 0, 0, 0.0, 0.0, 0}
 
-/* Statistics of stage `stage`. Thread-safe. */
+/* Statistics of stage `stage`. A stage hosted by a worker process reports zeros (its process
+ * keeps no statistics for the driver yet). Thread-safe. */
 PIPE_API pipe_status pipe_session_stage_stats(const pipe_session *session, size_t stage, pipe_stage_stats *stats);
 
 /* Record a timeline of every micro-batch each stage runs from now on (clears an earlier one).
