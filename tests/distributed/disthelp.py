@@ -74,11 +74,11 @@ def children(pid):
 
 
 def descendants(pid):
-    out, todo = [], [pid]
-    while todo:
-        for kid in children(todo.pop()):
+    out, unvisited = [], [pid]
+    while unvisited:
+        for kid in children(unvisited.pop()):
             out.append(kid)
-            todo.append(kid)
+            unvisited.append(kid)
     return out
 
 
