@@ -1,0 +1,76 @@
+/* pipe: the libpipe command-line tool. Written against the public C ABI (pipe/pipe.h) only, so
+ * it is also a working example of that ABI. Every error ends with one line on stderr and a
+ * non-zero exit status: 1 for a failed operation, 2 for a usage error. This file holds the usage
+ * text and dispatches to one file per command. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+
+static const char usage_text[] =
+    "usage: pipe <command> [arguments]\n"
+    "\n"
+    "commands:\n"
+    "  inspect MODEL\n"
+    "      Print MODEL's module tree with parameter counts and bytes.\n"
+    "  split MODEL [SPLIT] [--input IN.safetensors] [--json] [--save-stages DIR [--stage K]]\n"
+    "      Cut MODEL (a TorchScript file) into stages and print the plan. With --input, each\n"
+    "      stage is timed on those inputs; --save-stages writes DIR/stage<i>.pt (only stage K\n"
+    "      with --stage), each a standalone TorchScript module holding only its weights.\n"
+    "  run MODEL [SPLIT] --input IN.safetensors --output OUT.safetensors [--microbatches M]\n"
+    "      [--microbatching adaptive|fixed] [--trace TRACE.json]\n"
+    "      Run MODEL through the pipeline. IN holds one tensor per forward argument, named as\n"
+    "      in the model code; OUT receives 'output' (or output.0, output.1, ... for tuples,\n"
+    "      output.<key> for dicts). --trace writes a Chrome trace of the run (one track per\n"
+    "      stage), viewable in Perfetto.\n"
+    "  bench MODEL [SPLIT] --input IN.safetensors [--microbatches M] [--requests R]\n"
+    "      [--concurrency C] [--threads-per-stage T] [--microbatching adaptive|fixed] [--json]\n"
+    "      Run R requests (default 100) of IN from C threads at once (default 2) after a\n"
+    "      warm-up, and report throughput, latency percentiles and each stage's busy fraction.\n"
+    "      --microbatching fixed cuts every request into M micro-batches; adaptive (the\n"
+    "      default) cuts a request that arrives while others are in flight more coarsely.\n"
+    "  worker --rank R --world-size N --store HOST:PORT [--comm-timeout-ms T] [--threads T]\n"
+    "      Host stages for a session whose driver (a `pipe run`/`bench` with --world-size, or a\n"
+    "      program of the C ABI) listens at HOST:PORT; exits when that session ends.\n"
+    "  version\n"
+    "      Print the libpipe version.\n"
+    "\n"
+    "SPLIT is one of:\n"
+    "  (nothing)                       cut at the pipe::split() markers in the model code\n"
+    "  --split-at FQN:begin|FQN:end    cut before/after module FQN (repeatable; FQN@K:end\n"
+    "                                  for the K-th call of a module called several times)\n"
+    "  --stages N --policy P           N stages balanced by P: uniform (equal layers), params\n"
+    "                                  (equal parameter bytes) or time (measured on --input)\n"
+    "and may add:\n"
+    "  --weights FILE_OR_INDEX         load each stage's weights from a .safetensors file or a\n"
+    "                                  *.safetensors.index.json (needed for skeleton models)\n"
+    "  --dtype fp32|fp16|bf16          convert floating weights (and inputs) to this dtype\n"
+    "\n"
+    "run and bench spread the stages over processes with:\n"
+    "  --processes N                   start N-1 local workers (`pipe worker`) and use them\n"
+    "  --world-size N --store HOST:PORT  drive N-1 workers started elsewhere; this process\n"
+    "                                  hosts the rendezvous store at HOST:PORT\n"
+    "  --transport gloo|nccl           how stages talk (default gloo: CPU tensors over TCP)\n"
+    "  --comm-timeout-ms T             how long workers may stay silent (default 60000)\n";
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    fputs(usage_text, stderr);
+    return 2;
+  }
+  const char *cmd = argv[1];
+  if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
+    fputs(usage_text, stdout);
+    return 0;
+  }
+  if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
+    printf("pipe %s\n", pipe_version());
+    return 0;
+  }
+  if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc - 2, argv + 2);
+  if (strcmp(cmd, "split") == 0) return cmd_split(argc - 2, argv + 2);
+  if (strcmp(cmd, "run") == 0) return cmd_run(argc - 2, argv + 2);
+  if (strcmp(cmd, "bench") == 0) return cmd_bench(argc - 2, argv + 2);
+  if (strcmp(cmd, "worker") == 0) return cmd_worker(argc - 2, argv + 2);
+  return usage_error("unknown command '%s'", cmd);
+}

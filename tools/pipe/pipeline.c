@@ -1,0 +1,136 @@
+/* What run and bench share: the model loaded, its inputs read and lined up with its forward
+ * arguments, the plan made as SPLIT says, local workers started, and the session created. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+
+int make_plan(pipe_model *model, const split_args *split, const DLManagedTensor *const *examples,
+                     size_t num_examples, pipe_plan **plan) {
+  pipe_plan_options *options = NULL;
+  pipe_status st = pipe_plan_options_create(&options);
+  for (int i = 0; i < split->num_points && st == PIPE_OK; ++i)
+    st = pipe_plan_options_add_split_point(options, split->points[i]);
+  if (st == PIPE_OK && (split->has_stages || split->policy))
+    st = pipe_plan_options_set_stages(options, split->stages, split->policy ? split->policy : "uniform");
+  if (st == PIPE_OK && examples) st = pipe_plan_options_set_example_inputs(options, examples, num_examples);
+  if (st == PIPE_OK) st = pipe_plan_create(model, options, plan);
+  pipe_plan_options_destroy(options);
+  return st == PIPE_OK ? 0 : fail("cannot split model", st);
+}
+
+/* Lists the model's forward argument names, comma-separated, into buf. */
+static void input_list(const pipe_model *model, char *buf, size_t size) {
+  size_t n = 0, used = 0;
+  buf[0] = '\0';
+  pipe_model_num_inputs(model, &n);
+  for (size_t i = 0; i < n && used < size; ++i) {
+    const char *name = NULL;
+    pipe_model_input_name(model, i, &name);
+    int w = snprintf(buf + used, size - used, "%s%s", i ? ", " : "", name);
+    if (w < 0) break;
+    used += (size_t)w;
+  }
+}
+
+int read_inputs(const pipe_model *model, const char *path, pipe_tensor_list **list,
+                       const DLManagedTensor ***args, size_t *num_args) {
+  pipe_status st = pipe_safetensors_read(path, list);
+  if (st != PIPE_OK) return fail("cannot read inputs", st);
+  char names[1024];
+  size_t num_inputs = 0, num_tensors = 0;
+  pipe_model_num_inputs(model, &num_inputs);
+  pipe_tensor_list_size(*list, &num_tensors);
+  input_list(model, names, sizeof names);
+  for (size_t t = 0; t < num_tensors; ++t) {
+    const char *tensor_name = NULL;
+    int known = 0;
+    pipe_tensor_list_name(*list, t, &tensor_name);
+    for (size_t i = 0; i < num_inputs && !known; ++i) {
+      const char *input_name = NULL;
+      pipe_model_input_name(model, i, &input_name);
+      known = strcmp(input_name, tensor_name) == 0;
+    }
+    if (!known) {
+      fprintf(stderr, "pipe: error: '%s' holds tensor '%s', which is not an input of the model (inputs: %s)\n",
+              path, tensor_name, names);
+      return 1;
+    }
+  }
+  *args = calloc(num_inputs ? num_inputs : 1, sizeof **args);
+  if (!*args) {
+    fprintf(stderr, "pipe: error: out of memory\n");
+    return 1;
+  }
+  for (size_t i = 0; i < num_inputs; ++i) {
+    const char *input_name = NULL;
+    size_t index = 0;
+    pipe_model_input_name(model, i, &input_name);
+    if (pipe_tensor_list_find(*list, input_name, &index) != PIPE_OK) {
+      fprintf(stderr, "pipe: error: '%s' has no tensor named '%s' (the model's inputs are: %s)\n", path,
+              input_name, names);
+      return 1;
+    }
+    pipe_tensor_list_get(*list, index, &(*args)[i]);
+  }
+  *num_args = num_inputs;
+  return 0;
+}
+
+void close_pipeline(pipeline *p) {
+  free(p->args);
+  pipe_tensor_list_destroy(p->in);
+  /* A session that works tells its workers to finish; a broken one cannot. */
+  int broken = p->session && pipe_session_check(p->session) != PIPE_OK;
+  pipe_session_destroy(p->session);
+  reap_workers(&p->workers, broken || !p->session);
+  pipe_plan_destroy(p->plan);
+  pipe_model_destroy(p->model);
+  memset(p, 0, sizeof *p);
+}
+
+int open_pipeline(pipeline *p, const char *model_path, const char *in_path, const split_args *split,
+                         session_args *s) {
+  memset(p, 0, sizeof *p);
+  p->workers.comm_timeout_ms = s->options.comm_timeout_ms;
+  pipe_status st = pipe_model_load(model_path, &p->model);
+  if (st != PIPE_OK) {
+    fail("cannot load model", st);
+    return 1;
+  }
+  if (read_inputs(p->model, in_path, &p->in, &p->args, &p->num_args) != 0) goto failed;
+  /* Policy time measures the model on the inputs being run. */
+  int timed = split->policy && strcmp(split->policy, "time") == 0;
+  if (make_plan(p->model, split, timed ? p->args : NULL, p->num_args, &p->plan) != 0) goto failed;
+  if (s->processes > 1) {
+    size_t stages = 0;
+    pipe_plan_num_stages(p->plan, &stages);
+    if (stages < (size_t)s->processes) {
+      fprintf(stderr, "pipe: error: --processes %d: the plan has only %zu stage%s and every process hosts at least "
+              "one; use at most %zu processes or cut more stages\n", s->processes, stages, stages == 1 ? "" : "s", stages);
+      goto failed;
+    }
+    if (!s->options.store) {
+      int port = free_port();
+      if (port < 0) {
+        fprintf(stderr, "pipe: error: cannot find a free port for the workers' rendezvous: %s\n", strerror(errno));
+        goto failed;
+      }
+      snprintf(s->store, sizeof s->store, "127.0.0.1:%d", port);
+      s->options.store = s->store;
+    }
+    if (start_workers(&p->workers, s) != 0) goto failed;
+  }
+  pipe_session_options with_weights = s->options;
+  with_weights.stage_options = &split->weights;
+  if ((st = pipe_session_create(p->plan, &with_weights, &p->session)) != PIPE_OK) {
+    fail("cannot create session", st);
+    goto failed;
+  }
+  return 0;
+failed:
+  close_pipeline(p);
+  return 1;
+}

@@ -1,0 +1,125 @@
+/* pipe split MODEL [SPLIT]: the plan, as text or JSON, optionally timed on inputs, and each
+ * stage saved as a standalone TorchScript file. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+
+static void print_names(const pipe_plan *plan, size_t stage, int32_t kind, const char *label) {
+  size_t n = 0;
+  pipe_plan_stage_count_names(plan, stage, kind, &n);
+  if (n == 0) return;
+  printf("    %s:", label);
+  for (size_t i = 0; i < n; ++i) {
+    const char *name = NULL;
+    pipe_plan_stage_name(plan, stage, kind, i, &name);
+    printf(" %s", name);
+  }
+  printf("\n");
+}
+
+static void print_plan(const char *model_path, const pipe_plan *plan) {
+  size_t stages = 0;
+  pipe_plan_num_stages(plan, &stages);
+  printf("%s: %zu stage%s\n", model_path, stages, stages == 1 ? "" : "s");
+  double total = 0, slowest = 0;
+  for (size_t s = 0; s < stages; ++s) {
+    uint64_t bytes = 0;
+    size_t params = 0, buffers = 0;
+    double ms = -1;
+    pipe_plan_stage_param_bytes(plan, s, &bytes);
+    pipe_plan_stage_count_names(plan, s, PIPE_NAMES_PARAMETERS, &params);
+    pipe_plan_stage_count_names(plan, s, PIPE_NAMES_BUFFERS, &buffers);
+    pipe_plan_stage_estimated_ms(plan, s, &ms);
+    printf("  stage %zu: %zu parameters, %zu buffers, %.2f MiB", s, params, buffers,
+           (double)bytes / (1024.0 * 1024.0));
+    if (ms >= 0) {
+      printf(", %.3f ms", ms);
+      total += ms;
+      slowest = ms > slowest ? ms : slowest;
+    }
+    printf("\n");
+    print_names(plan, s, PIPE_NAMES_PARAMETERS, "parameters");
+    print_names(plan, s, PIPE_NAMES_BUFFERS, "buffers");
+  }
+  if (slowest > 0) printf("  balance: %.3f (sum of stage times / (stages x slowest))\n", total / ((double)stages * slowest));
+}
+
+int cmd_split(int argc, char **argv) {
+  const char *model_path = NULL, *in_path = NULL, *save_dir = NULL;
+  split_args split = SPLIT_ARGS_INIT;
+  int json = 0;
+  int32_t only_stage = -1;
+  for (int i = 0; i < argc; ++i) {
+    int r = parse_split_arg(argc, argv, &i, &split);
+    if (r == 2) return 2;
+    if (r == 1) continue;
+    const char *a = argv[i];
+    if (strcmp(a, "--json") == 0) {
+      json = 1;
+    } else if (strcmp(a, "--input") == 0 || strcmp(a, "--save-stages") == 0) {
+      if (i + 1 >= argc) return usage_error("split: %s needs a value", a);
+      *(strcmp(a, "--input") == 0 ? &in_path : &save_dir) = argv[++i];
+    } else if (strcmp(a, "--stage") == 0) {
+      if (i + 1 >= argc) return usage_error("split: --stage needs a value");
+      if (parse_int(a, argv[++i], &only_stage) != 0) return 2;
+    } else if (a[0] == '-') {
+      return usage_error("split: unknown option '%s'", a);
+    } else if (!model_path) {
+      model_path = a;
+    } else {
+      return usage_error("split: unexpected argument '%s'", a);
+    }
+  }
+  if (!model_path) return usage_error("split: MODEL is required");
+  if (check_split_args("split", &split)) return 2;
+
+  int rc = 1;
+  pipe_model *model = NULL;
+  pipe_plan *plan = NULL;
+  pipe_tensor_list *in = NULL;
+  const DLManagedTensor **args = NULL;
+  size_t num_args = 0;
+  pipe_status st = pipe_model_load(model_path, &model);
+  if (st != PIPE_OK) {
+    fail("cannot load model", st);
+    goto done;
+  }
+  if (in_path && read_inputs(model, in_path, &in, &args, &num_args) != 0) goto done;
+  if (make_plan(model, &split, args, num_args, &plan) != 0) goto done;
+  if (json) {
+    const char *text = NULL;
+    pipe_plan_describe(plan, &text);
+    printf("%s\n", text);
+  } else {
+    print_plan(model_path, plan);
+  }
+  if (save_dir) {
+    size_t stages = 0;
+    pipe_plan_num_stages(plan, &stages);
+    if (only_stage >= (int32_t)stages) {
+      fprintf(stderr, "pipe: error: --stage %d but the plan has %zu stages\n", only_stage, stages);
+      goto done;
+    }
+    size_t saved = 0;
+    for (size_t s = 0; s < stages; ++s) {
+      if (only_stage >= 0 && (size_t)only_stage != s) continue;
+      char path[4096];
+      snprintf(path, sizeof path, "%s/stage%zu.pt", save_dir, s);
+      if ((st = pipe_plan_save_stage(plan, s, &split.weights, path)) != PIPE_OK) {
+        fail("cannot save stage", st);
+        goto done;
+      }
+      ++saved;
+    }
+    fprintf(stderr, "pipe: saved %zu stage%s to %s/stage<i>.pt\n", saved, saved == 1 ? "" : "s", save_dir);
+  }
+  rc = 0;
+done:
+  free(args);
+  pipe_tensor_list_destroy(in);
+  pipe_plan_destroy(plan);
+  pipe_model_destroy(model);
+  return rc;
+}
