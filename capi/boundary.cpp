@@ -1,0 +1,95 @@
+#include "capi/boundary.h"
+
+#include <cstddef>
+
+#include "capi/dlpack_bridge.h"
+
+
+// The DLPack layout the bridge assumes (see capi/dlpack_bridge.h).
+static_assert(sizeof(DLTensor) == 48 && offsetof(DLTensor, shape) == 24 &&
+                  offsetof(DLTensor, byte_offset) == 40,
+              "DLTensor layout differs from LibTorch's");
+static_assert(sizeof(DLManagedTensor) == 64 && offsetof(DLManagedTensor, deleter) == 56,
+              "DLManagedTensor layout differs from LibTorch's");
+
+namespace libpipe::capi {
+
+std::string& last_error() {
+  thread_local std::string message;
+  return message;
+}
+
+pipe_status fail(pipe_status code, const std::string& message) {
+  try {
+    last_error() = message;
+  } catch (...) {
+    // Out of memory while storing the message: the status still says what happened.
+  }
+  return code;
+}
+
+void require(const void* arg, const char* function, const char* name) {
+  if (!arg)
+    throw Error(Status::InvalidArgument, std::string(function) + ": " + name + " is NULL");
+}
+
+void require_index(size_t index, size_t size, const char* function, const char* what) {
+  if (index >= size)
+    throw Error(Status::InvalidArgument, std::string(function) + ": " + what + " " +
+                                             std::to_string(index) + " is out of range (there are " +
+                                             std::to_string(size) + ")");
+}
+
+pipe_tensor_list* make_list(std::vector<libpipe::NamedTensor> tensors) {
+  auto list = std::make_unique<libpipe::capi::TensorListHandle>();
+  for (auto& t : tensors) list->entries.push_back({std::move(t.name), std::move(t.tensor)});
+  return handle(list.release());
+}
+
+std::vector<c10::IValue> borrow_inputs(const DLManagedTensor* const* inputs, size_t num_inputs, const char* function) {
+  if (num_inputs > 0) require(inputs, function, "inputs");
+  std::vector<c10::IValue> args;
+  args.reserve(num_inputs);
+  for (size_t i = 0; i < num_inputs; ++i) {
+    if (!inputs[i])
+      throw Error(Status::InvalidArgument, std::string(function) + ": inputs[" + std::to_string(i) + "] is NULL");
+    try {
+      args.emplace_back(libpipe::capi::tensor_from_borrowed_dlpack(inputs[i]));
+    } catch (const c10::Error& e) {
+      throw Error(Status::Input, std::string(function) + ": inputs[" + std::to_string(i) +
+                                     "] is not a tensor LibTorch can read: " + e.what_without_backtrace());
+    }
+  }
+  return args;
+}
+
+libpipe::stage::StageOptions stage_options(const pipe_stage_options* o, const char* function) {
+  libpipe::stage::StageOptions opts;
+  if (!o) return opts;
+  if (o->struct_size < sizeof(uint32_t))
+    throw Error(Status::InvalidArgument, std::string(function) + ": stage options struct_size is " +
+                                             std::to_string(o->struct_size) +
+                                             "; initialise them with PIPE_STAGE_OPTIONS_INIT");
+#define PIPE_HAS(field) (o->struct_size >= offsetof(pipe_stage_options, field) + sizeof(o->field))
+  if (PIPE_HAS(dtype)) {
+    switch (o->dtype) {
+      case PIPE_DTYPE_KEEP: break;
+      case PIPE_DTYPE_FLOAT32: opts.dtype = at::kFloat; break;
+      case PIPE_DTYPE_FLOAT16: opts.dtype = at::kHalf; break;
+      case PIPE_DTYPE_BFLOAT16: opts.dtype = at::kBFloat16; break;
+      default:
+        throw Error(Status::InvalidArgument, std::string(function) + ": stage options dtype " +
+                                                 std::to_string(o->dtype) + " is not a PIPE_DTYPE_* value");
+    }
+  }
+  if (PIPE_HAS(weights) && o->weights) opts.weights = o->weights;
+  if (PIPE_HAS(progress_user_data) && o->progress) {
+    auto fn = o->progress;
+    void* user = o->progress_user_data;
+    opts.progress = [fn, user](size_t stage, uint64_t done, uint64_t total) { fn(user, stage, done, total); };
+  }
+#undef PIPE_HAS
+  return opts;
+}
+
+}  // namespace libpipe::capi

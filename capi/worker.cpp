@@ -1,0 +1,43 @@
+// The C ABI: running a worker process that hosts stages for a session driven elsewhere.
+#include <cstddef>
+
+#include "capi/boundary.h"
+#include "runtime/schedule/worker_host.h"
+
+using namespace libpipe::capi;
+using libpipe::Error;
+using libpipe::Status;
+
+extern "C" {
+
+pipe_status pipe_worker_run(const pipe_worker_options* options) {
+  return guarded(__func__, [&](const char* fn) {
+    require(options, fn, "options");
+    if (options->struct_size < offsetof(pipe_worker_options, store) + sizeof(options->store))
+      throw Error(Status::InvalidArgument, std::string(fn) + ": options->struct_size is " +
+                                               std::to_string(options->struct_size) +
+                                               "; initialise the options with PIPE_WORKER_OPTIONS_INIT");
+#define PIPE_HAS(field) (options->struct_size >= offsetof(pipe_worker_options, field) + sizeof(options->field))
+    require(options->store, fn, "options->store");
+    libpipe::schedule::WorkerOptions w;
+    w.rank = options->rank;
+    w.world_size = options->world_size;
+    w.store = options->store;
+    if (PIPE_HAS(comm_timeout_ms)) {
+      if (options->comm_timeout_ms < 0)
+        throw Error(Status::InvalidArgument, std::string(fn) + ": options->comm_timeout_ms is " +
+                                                 std::to_string(options->comm_timeout_ms) + "; give 0 (one minute) or more");
+      if (options->comm_timeout_ms > 0) w.comm_timeout = std::chrono::milliseconds(options->comm_timeout_ms);
+    }
+    if (PIPE_HAS(threads_per_stage)) {
+      if (options->threads_per_stage < 0)
+        throw Error(Status::InvalidArgument, std::string(fn) + ": options->threads_per_stage is " +
+                                                 std::to_string(options->threads_per_stage) + "; give 0 (the driver's) or more");
+      w.threads_per_stage = options->threads_per_stage;
+    }
+#undef PIPE_HAS
+    libpipe::schedule::serve_worker(w);
+  });
+}
+
+}  // extern "C"
