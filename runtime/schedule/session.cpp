@@ -14,64 +14,6 @@
 
 namespace libpipe::schedule {
 
-// ---- Request ----
-
-void Request::fail(Status status, const std::string& why) {
-  std::lock_guard lock(mutex_);
-  if (failed_ || remaining_ == 0) return;  // the first failure is the one reported
-  failed_ = true;
-  status_ = status;
-  message_ = why;
-  done_.notify_all();
-}
-
-void Request::finish_one() {
-  std::lock_guard lock(mutex_);
-  if (remaining_ > 0 && --remaining_ == 0) done_.notify_all();
-}
-
-bool Request::failed() {
-  std::lock_guard lock(mutex_);
-  return failed_;
-}
-
-void Request::cancel() { fail(Status::Cancelled, "the call was cancelled"); }
-
-void Request::drain() {
-  std::unique_lock lock(mutex_);
-  done_.wait(lock, [&] { return remaining_ == 0; });
-}
-
-bool Request::wait_until(Clock::time_point until) {
-  std::unique_lock lock(mutex_);
-  const auto limit = std::min(until, deadline_);
-  done_.wait_until(lock, limit, [&] { return finished_locked(); });
-  if (finished_locked()) return true;
-  if (Clock::now() >= deadline_) {
-    failed_ = true;
-    status_ = Status::DeadlineExceeded;
-    message_ = "the call did not finish before its deadline";
-    done_.notify_all();
-    return true;
-  }
-  return false;
-}
-
-std::vector<NamedTensor> Request::result(const std::vector<chunk::OutputSpec>& specs) {
-  wait_until(Clock::time_point::max());
-  std::lock_guard lock(mutex_);
-  if (failed_) throw Error(status_, message_);
-  if (!merged_) {
-    c10::InferenceMode inference;
-    outputs_ = chunk::merge_outputs(results_, specs);
-    results_.clear();
-    merged_ = true;
-  }
-  return outputs_;
-}
-
-// ---- Session ----
-
 namespace {
 
 int64_t since_us(Clock::time_point epoch, Clock::time_point t) {
@@ -124,10 +66,8 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
     if (!device_.is_cpu()) stages_.back().to(device_);
   }
   for (size_t s = 0; s < n; ++s) stage_io_.push_back(stage_io(*plan_, s));
-  if (distributed) {
-    group_ = std::make_unique<WorkerGroup>(*plan_, ranges, dist, options_.stage, threads_per_stage_);
-    outbound_ = std::make_unique<BoundedQueue<MicroBatch>>(static_cast<size_t>(options_.max_inflight));
-  }
+  std::unique_ptr<WorkerGroup> group;
+  if (distributed) group = std::make_unique<WorkerGroup>(*plan_, ranges, dist, options_.stage, threads_per_stage_);
   for (size_t s = 0; s < local; ++s) {
     auto w = std::make_unique<Worker>();
     // Admission bounds what is inside the pipeline, so a queue never holds more than that.
@@ -135,12 +75,12 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
     workers_.push_back(std::move(w));
   }
   for (size_t s = 0; s < local; ++s) workers_[s]->thread = std::thread([this, s] { worker_loop(s); });
-  if (group_) {
-    last_progress_ = Clock::now();
-    sender_ = std::thread([this] { sender_loop(); });
-    receiver_ = std::thread([this] { receiver_loop(); });
-    watchdog_ = std::thread([this] { watchdog_loop(); });
-  }
+  if (group)
+    ring_ = std::make_unique<Ring>(std::move(group), static_cast<size_t>(options_.max_inflight), dist.comm_timeout,
+                                   shutting_down_,
+                                   [this](const std::shared_ptr<Request>& r, Status st, const std::string& why) {
+                                     retire(r, st, why);
+                                   });
 }
 
 Session::~Session() {
@@ -152,7 +92,7 @@ Session::~Session() {
   admission_cv_.notify_all();
   for (auto& w : workers_) w->queue->close();
   for (auto& w : workers_) w->thread.join();
-  if (group_) stop_ring();
+  if (ring_) ring_->stop();
 }
 
 void Session::admit(const std::shared_ptr<Request>& request) {
@@ -249,8 +189,8 @@ void Session::worker_loop(size_t s) {
       continue;
     }
     auto r = mb.request;
-    auto& next = to_ring ? *outbound_ : *workers_[s + 1]->queue;
-    if (!next.push(std::move(mb))) {
+    const bool pushed = to_ring ? ring_->push(std::move(mb)) : workers_[s + 1]->queue->push(std::move(mb));
+    if (!pushed) {
       r->fail(Status::Cancelled, "the session was destroyed while the call was running");
       release();
       r->finish_one();
@@ -263,12 +203,7 @@ void Session::run_stage(size_t s, MicroBatch& mb) {
   if (stage_io_[s].last) mb.request->results_[mb.index] = std::move(out);  // each micro-batch owns its slot
 }
 
-// ---- the ring through worker processes ----
-
-std::string Session::broken() const {
-  std::lock_guard lock(ring_mutex_);
-  return broken_;
-}
+std::string Session::broken() const { return ring_ ? ring_->broken() : std::string(); }
 
 void Session::retire(const std::shared_ptr<Request>& request, Status status, const std::string& why) {
   if (status != Status::Ok) request->fail(status, why);
@@ -276,148 +211,9 @@ void Session::retire(const std::shared_ptr<Request>& request, Status status, con
   request->finish_one();
 }
 
-void Session::sender_loop() {
-  while (auto item = outbound_->pop()) {
-    MicroBatch mb = std::move(*item);
-    auto request = std::move(mb.request);
-    std::string why;
-    Status status = Status::Ok;
-    {
-      std::lock_guard lock(ring_mutex_);
-      if (!broken_.empty()) {
-        status = Status::Communication;
-        why = "the session is broken: " + broken_;
-      } else if (shutting_down_) {
-        status = Status::Cancelled;
-        why = "the session was destroyed while the call was running";
-      } else if (!request->failed()) {
-        if (remote_.empty()) last_progress_ = Clock::now();  // the silence is timed from here
-        remote_[{request->id(), mb.index}] = request;
-      }
-    }
-    if (status != Status::Ok || request->failed()) {
-      retire(request, status, why);
-      continue;
-    }
-    comm::Message m{comm::Kind::Data, request->id(), mb.index, 0, std::move(mb.env), {}};
-    try {
-      group_->send(m);
-    } catch (const std::exception& e) {
-      break_session(e.what());
-    }
-  }
-  // Closed by ~Session once the local stages stopped: tell the workers to finish.
-  if (broken().empty()) {
-    try {
-      group_->send(comm::control(comm::Kind::Shutdown));
-    } catch (const std::exception& e) {
-      break_session(e.what());
-    }
-  }
-}
-
-void Session::receiver_loop() {
-  for (;;) {
-    comm::Message m;
-    try {
-      m = group_->receive();
-    } catch (const std::exception& e) {
-      break_session(e.what());
-      return;
-    }
-    std::shared_ptr<Request> request;
-    {
-      std::lock_guard lock(ring_mutex_);
-      last_progress_ = Clock::now();
-      if (m.kind == comm::Kind::Shutdown) {
-        ring_closed_ = true;
-        ring_cv_.notify_all();
-        return;
-      }
-      auto it = remote_.find({m.request, static_cast<size_t>(m.microbatch)});
-      if (it == remote_.end()) continue;  // already failed when the session broke
-      request = std::move(it->second);
-      remote_.erase(it);
-    }
-    if (m.kind == comm::Kind::Result && m.values.size() == 1) {
-      request->results_.at(m.microbatch) = std::move(m.values[0]);
-      retire(request, Status::Ok, "");
-    } else if (m.kind == comm::Kind::Error) {
-      retire(request, static_cast<Status>(m.status), m.text);
-    } else {
-      retire(request, Status::Internal,
-             "a worker answered with message kind " + std::to_string(static_cast<int>(m.kind)));
-    }
-  }
-}
-
-void Session::watchdog_loop() {
-  const auto timeout = options_.distributed.comm_timeout;
-  const auto tick = std::clamp<std::chrono::milliseconds>(timeout / 20, std::chrono::milliseconds(5),
-                                                          std::chrono::milliseconds(200));
-  std::unique_lock lock(ring_mutex_);
-  while (!stop_watchdog_) {
-    ring_cv_.wait_for(lock, tick);
-    if (stop_watchdog_ || !broken_.empty() || remote_.empty()) continue;
-    if (Clock::now() - last_progress_ < timeout) continue;
-    const std::string why = "the worker processes held " + std::to_string(remote_.size()) +
-                            " micro-batch(es) and sent nothing back for " + std::to_string(timeout.count()) +
-                            " ms (the comm timeout): a worker stopped answering";
-    lock.unlock();
-    break_session(why);
-    lock.lock();
-  }
-}
-
-void Session::break_session(const std::string& why) {
-  std::map<std::pair<uint64_t, size_t>, std::shared_ptr<Request>> held;
-  {
-    std::lock_guard lock(ring_mutex_);
-    if (!broken_.empty() || ring_closed_) return;
-    broken_ = why;
-    held.swap(remote_);
-    ring_cv_.notify_all();
-  }
-  // Info, not error: every call it fails says why, and a caller's one-line error report stays one line.
-  log::info("the session is broken: " + why);
-  group_->abort(why);
-  for (auto& [key, request] : held) retire(request, Status::Communication, why);
-}
-
-void Session::stop_ring() {
-  // The local stages have stopped: whatever reaches the sender now is dropped, then it sends the
-  // Shutdown, which each worker passes on after everything it holds.
-  outbound_->close();
-  sender_.join();
-  {
-    std::unique_lock lock(ring_mutex_);
-    if (!ring_cv_.wait_for(lock, options_.distributed.comm_timeout,
-                           [&] { return ring_closed_ || !broken_.empty(); })) {
-      lock.unlock();
-      break_session("the workers did not finish within the comm timeout as the session was destroyed");
-    }
-  }
-  group_->abort("the session was destroyed");
-  receiver_.join();
-  {
-    std::lock_guard lock(ring_mutex_);
-    stop_watchdog_ = true;
-  }
-  ring_cv_.notify_all();
-  watchdog_.join();
-  std::map<std::pair<uint64_t, size_t>, std::shared_ptr<Request>> held;
-  {
-    std::lock_guard lock(ring_mutex_);
-    held.swap(remote_);
-  }
-  for (auto& [key, request] : held)
-    retire(request, Status::Cancelled, "the session was destroyed while the call was running");
-  group_.reset();
-}
-
 std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs, const RunOptions& options) {
-  if (group_) {
-    const std::string why = broken();
+  if (ring_) {
+    const std::string why = ring_->broken();
     if (!why.empty())
       throw Error(Status::Communication, "the session is broken (" + why + "); destroy it, restart its workers and create "
                                          "a new one");

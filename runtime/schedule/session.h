@@ -27,13 +27,13 @@
 #include "runtime/graph/plan.h"
 #include "runtime/named_tensor.h"
 #include "runtime/schedule/bounded_queue.h"
+#include "runtime/schedule/request.h"
+#include "runtime/schedule/ring.h"
 #include "runtime/schedule/stage_step.h"
 #include "runtime/schedule/worker_group.h"
 #include "runtime/stage/weights.h"
 
 namespace libpipe::schedule {
-
-using Clock = std::chrono::steady_clock;
 
 struct SessionOptions {
   int64_t num_microbatches = 1;
@@ -54,47 +54,6 @@ struct SessionOptions {
 
 struct RunOptions {
   Clock::time_point deadline = Clock::time_point::max();  // the call fails once it is past
-};
-
-// One submitted call. Thread-safe; outlives its session (a session destroyed with calls in flight
-// fails them).
-class Request {
- public:
-  explicit Request(uint64_t id, size_t microbatches, Clock::time_point deadline)
-      : id_(id), deadline_(deadline), remaining_(microbatches), results_(microbatches) {}
-
-  // Waits until the call is finished or `until` passes; true if finished. A call still running
-  // at its deadline fails then with Status::DeadlineExceeded.
-  bool wait_until(Clock::time_point until);
-  // Stops the call: micro-batches not yet run are dropped, and it fails with Status::Cancelled.
-  void cancel();
-  // Waits until none of the call's micro-batches is queued or running (they finish or are
-  // dropped), after which nothing reads the call's inputs any more.
-  void drain();
-  // The merged outputs; throws the call's Error if it failed. Waits for the call to finish.
-  std::vector<NamedTensor> result(const std::vector<chunk::OutputSpec>& specs);
-
-  uint64_t id() const { return id_; }
-  bool failed();
-  Clock::time_point deadline() const { return deadline_; }
-
- private:
-  friend class Session;
-  void fail(Status status, const std::string& why);
-  void finish_one();
-  bool finished_locked() const { return failed_ || remaining_ == 0; }
-
-  const uint64_t id_;
-  const Clock::time_point deadline_;
-  std::mutex mutex_;
-  std::condition_variable done_;
-  size_t remaining_;
-  std::vector<c10::IValue> results_;  // one per micro-batch, written by the last stage
-  bool failed_ = false;
-  Status status_ = Status::Ok;
-  std::string message_;
-  bool merged_ = false;
-  std::vector<NamedTensor> outputs_;
 };
 
 struct StageStats {
@@ -137,11 +96,6 @@ class Session {
   std::string stop_trace();
 
  private:
-  struct MicroBatch {
-    std::shared_ptr<Request> request;
-    size_t index = 0;
-    std::vector<c10::IValue> env;  // indexed by crossing-value id
-  };
   struct TraceEvent {
     uint64_t request;
     size_t microbatch;
@@ -159,14 +113,6 @@ class Session {
 
   void worker_loop(size_t stage);
   void run_stage(size_t stage, MicroBatch& mb);
-  // The ring through the worker processes: the sender takes micro-batches that left the last
-  // local stage, the receiver completes them when they come back, and the watchdog breaks the
-  // session when the workers hold work but stay silent for longer than the comm timeout.
-  void sender_loop();
-  void receiver_loop();
-  void watchdog_loop();
-  void break_session(const std::string& why);  // fails every call the workers hold
-  void stop_ring();                            // ~Session: end the workers, then the threads
   // Finishes one micro-batch of `request` that left the pipeline (status Ok: it did not fail).
   void retire(const std::shared_ptr<Request>& request, Status status, const std::string& why);
   void admit(const std::shared_ptr<Request>& request);  // waits for a slot; false if refused
@@ -195,17 +141,7 @@ class Session {
   std::atomic<uint64_t> next_request_id_{1};
   std::atomic<bool> tracing_{false};
 
-  // Only with worker processes.
-  std::unique_ptr<WorkerGroup> group_;
-  std::unique_ptr<BoundedQueue<MicroBatch>> outbound_;
-  std::thread sender_, receiver_, watchdog_;
-  mutable std::mutex ring_mutex_;  // guards everything below
-  std::condition_variable ring_cv_;
-  std::map<std::pair<uint64_t, size_t>, std::shared_ptr<Request>> remote_;  // with the workers
-  Clock::time_point last_progress_;
-  std::string broken_;
-  bool ring_closed_ = false;   // the Shutdown came back: every worker has finished
-  bool stop_watchdog_ = false;
+  std::unique_ptr<Ring> ring_;  // only with worker processes
 };
 
 }  // namespace libpipe::schedule

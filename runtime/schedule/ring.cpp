@@ -1,0 +1,170 @@
+#include "runtime/schedule/ring.h"
+
+#include <algorithm>
+
+#include "runtime/log.h"
+
+namespace libpipe::schedule {
+
+Ring::Ring(std::unique_ptr<WorkerGroup> group, size_t capacity, std::chrono::milliseconds comm_timeout,
+           const std::atomic<bool>& shutting_down, Retire retire)
+    : group_(std::move(group)),
+      comm_timeout_(comm_timeout),
+      shutting_down_(shutting_down),
+      retire_(std::move(retire)),
+      outbound_(capacity) {
+  last_progress_ = Clock::now();
+  sender_ = std::thread([this] { sender_loop(); });
+  receiver_ = std::thread([this] { receiver_loop(); });
+  watchdog_ = std::thread([this] { watchdog_loop(); });
+}
+
+Ring::~Ring() { stop(); }
+
+std::string Ring::broken() const {
+  std::lock_guard lock(mutex_);
+  return broken_;
+}
+
+void Ring::sender_loop() {
+  while (auto item = outbound_.pop()) {
+    MicroBatch mb = std::move(*item);
+    auto request = std::move(mb.request);
+    std::string why;
+    Status status = Status::Ok;
+    {
+      std::lock_guard lock(mutex_);
+      if (!broken_.empty()) {
+        status = Status::Communication;
+        why = "the session is broken: " + broken_;
+      } else if (shutting_down_) {
+        status = Status::Cancelled;
+        why = "the session was destroyed while the call was running";
+      } else if (!request->failed()) {
+        if (remote_.empty()) last_progress_ = Clock::now();  // the silence is timed from here
+        remote_[{request->id(), mb.index}] = request;
+      }
+    }
+    if (status != Status::Ok || request->failed()) {
+      retire_(request, status, why);
+      continue;
+    }
+    comm::Message m{comm::Kind::Data, request->id(), mb.index, 0, std::move(mb.env), {}};
+    try {
+      group_->send(m);
+    } catch (const std::exception& e) {
+      break_ring(e.what());
+    }
+  }
+  // Closed by stop() once the local stages stopped: tell the workers to finish.
+  if (broken().empty()) {
+    try {
+      group_->send(comm::control(comm::Kind::Shutdown));
+    } catch (const std::exception& e) {
+      break_ring(e.what());
+    }
+  }
+}
+
+void Ring::receiver_loop() {
+  for (;;) {
+    comm::Message m;
+    try {
+      m = group_->receive();
+    } catch (const std::exception& e) {
+      break_ring(e.what());
+      return;
+    }
+    std::shared_ptr<Request> request;
+    {
+      std::lock_guard lock(mutex_);
+      last_progress_ = Clock::now();
+      if (m.kind == comm::Kind::Shutdown) {
+        closed_ = true;
+        cv_.notify_all();
+        return;
+      }
+      auto it = remote_.find({m.request, static_cast<size_t>(m.microbatch)});
+      if (it == remote_.end()) continue;  // already failed when the session broke
+      request = std::move(it->second);
+      remote_.erase(it);
+    }
+    if (m.kind == comm::Kind::Result && m.values.size() == 1) {
+      request->results_.at(m.microbatch) = std::move(m.values[0]);
+      retire_(request, Status::Ok, "");
+    } else if (m.kind == comm::Kind::Error) {
+      retire_(request, static_cast<Status>(m.status), m.text);
+    } else {
+      retire_(request, Status::Internal,
+             "a worker answered with message kind " + std::to_string(static_cast<int>(m.kind)));
+    }
+  }
+}
+
+void Ring::watchdog_loop() {
+  const auto timeout = comm_timeout_;
+  const auto tick = std::clamp<std::chrono::milliseconds>(timeout / 20, std::chrono::milliseconds(5),
+                                                          std::chrono::milliseconds(200));
+  std::unique_lock lock(mutex_);
+  while (!stop_watchdog_) {
+    cv_.wait_for(lock, tick);
+    if (stop_watchdog_ || !broken_.empty() || remote_.empty()) continue;
+    if (Clock::now() - last_progress_ < timeout) continue;
+    const std::string why = "the worker processes held " + std::to_string(remote_.size()) +
+                            " micro-batch(es) and sent nothing back for " + std::to_string(timeout.count()) +
+                            " ms (the comm timeout): a worker stopped answering";
+    lock.unlock();
+    break_ring(why);
+    lock.lock();
+  }
+}
+
+void Ring::break_ring(const std::string& why) {
+  std::map<std::pair<uint64_t, size_t>, std::shared_ptr<Request>> held;
+  {
+    std::lock_guard lock(mutex_);
+    if (!broken_.empty() || closed_) return;
+    broken_ = why;
+    held.swap(remote_);
+    cv_.notify_all();
+  }
+  // Info, not error: every call it fails says why, and a caller's one-line error report stays one line.
+  log::info("the session is broken: " + why);
+  group_->abort(why);
+  for (auto& [key, request] : held) retire_(request, Status::Communication, why);
+}
+
+void Ring::stop() {
+  if (stopped_) return;
+  stopped_ = true;
+  // The local stages have stopped: whatever reaches the sender now is dropped, then it sends the
+  // Shutdown, which each worker passes on after everything it holds.
+  outbound_.close();
+  sender_.join();
+  {
+    std::unique_lock lock(mutex_);
+    if (!cv_.wait_for(lock, comm_timeout_,
+                           [&] { return closed_ || !broken_.empty(); })) {
+      lock.unlock();
+      break_ring("the workers did not finish within the comm timeout as the session was destroyed");
+    }
+  }
+  group_->abort("the session was destroyed");
+  receiver_.join();
+  {
+    std::lock_guard lock(mutex_);
+    stop_watchdog_ = true;
+  }
+  cv_.notify_all();
+  watchdog_.join();
+  std::map<std::pair<uint64_t, size_t>, std::shared_ptr<Request>> held;
+  {
+    std::lock_guard lock(mutex_);
+    held.swap(remote_);
+  }
+  for (auto& [key, request] : held)
+    retire_(request, Status::Cancelled, "the session was destroyed while the call was running");
+  group_.reset();
+}
+
+}  // namespace libpipe::schedule
