@@ -234,22 +234,32 @@ func (s *Session) Run(ctx context.Context, inputs ...*Tensor) (TensorList, error
 }
 
 func (s *Session) runBlocking(op string, inputs []*Tensor) (TensorList, error) {
-	c, err := wrapTensors(op, inputs)
-	if err != nil {
-		return nil, err
-	}
-	defer c.free()
-	ptr, err := s.acquire(op)
-	if err != nil {
-		return nil, err
-	}
 	var out capi.SwigcptrPipe_tensor_list
-	err = call("pipe_session_run", func() int { return capi.Pipe_session_run(ptr, c.handles, nil, &out) })
-	s.mu.RUnlock()
+	err := s.callWithInputs(op, "pipe_session_run", inputs,
+		func(ptr capi.SwigcptrPipe_session, handles []capi.SwigcptrDLManagedTensor) int {
+			return capi.Pipe_session_run(ptr, handles, nil, &out)
+		})
 	if err != nil {
 		return nil, err
 	}
 	return takeList(op, out)
+}
+
+// callWithInputs runs one C call of the session on inputs lent to libpipe as DLPack handles,
+// holding the session open (against Close) for the duration of the call.
+func (s *Session) callWithInputs(op, function string, inputs []*Tensor,
+	body func(capi.SwigcptrPipe_session, []capi.SwigcptrDLManagedTensor) int) error {
+	c, err := wrapTensors(op, inputs)
+	if err != nil {
+		return err
+	}
+	defer c.free()
+	ptr, err := s.acquire(op)
+	if err != nil {
+		return err
+	}
+	defer s.mu.RUnlock()
+	return call(function, func() int { return body(ptr, c.handles) })
 }
 
 // Submit starts one call and returns without waiting for it (it may wait for room in the
@@ -276,18 +286,11 @@ func (s *Session) Submit(ctx context.Context, inputs ...*Tensor) (*Request, erro
 		ms := (left + time.Millisecond - 1) / time.Millisecond
 		ro.SetTimeout_ms(int64(ms))
 	}
-	c, err := wrapTensors(op, inputs)
-	if err != nil {
-		return nil, err
-	}
-	defer c.free()
-	ptr, err := s.acquire(op)
-	if err != nil {
-		return nil, err
-	}
 	var rptr capi.SwigcptrPipe_request
-	err = call("pipe_session_submit", func() int { return capi.Pipe_session_submit(ptr, c.handles, ro, &rptr) })
-	s.mu.RUnlock()
+	err := s.callWithInputs(op, "pipe_session_submit", inputs,
+		func(ptr capi.SwigcptrPipe_session, handles []capi.SwigcptrDLManagedTensor) int {
+			return capi.Pipe_session_submit(ptr, handles, ro, &rptr)
+		})
 	if err != nil {
 		return nil, err
 	}

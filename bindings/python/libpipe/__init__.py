@@ -30,6 +30,7 @@ from .errors import (
     UnsupportedError,
     WaitTimeoutError,
 )
+from . import runtime
 from .runtime import (
     LOG_DEBUG,
     LOG_ERROR,
@@ -74,22 +75,7 @@ __all__ = [
     "pipe_split",
     "save_checkpoint",
     "save_skeleton",
-    "Model",
-    "Plan",
-    "Session",
-    "Request",
-    "DLPackTensor",
-    "ModuleInfo",
-    "load_safetensors",
-    "run_worker",
-    "set_log_level",
-    "version",
-    "LOG_DEBUG",
-    "LOG_INFO",
-    "LOG_WARNING",
-    "LOG_ERROR",
-    "MICROBATCHING_MODES",
-    "TRANSPORTS",
+    *runtime.__all__,  # the names imported from .runtime above
     "Status",
     "Error",
     "InvalidArgumentError",
