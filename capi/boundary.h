@@ -12,10 +12,10 @@
 
 #include "pipe/pipe.h"
 #include "runtime/error.h"
-#include "runtime/graph/model.h"
+#include "runtime/graph/program.h"
 #include "runtime/graph/plan.h"
 #include "runtime/named_tensor.h"
-#include "runtime/planner.h"
+#include "runtime/planner/planner.h"
 #include "runtime/schedule/session.h"
 #include "runtime/stage/weights.h"
 
@@ -25,8 +25,7 @@
 namespace libpipe::capi {
 
 struct ModelHandle {
-  std::shared_ptr<const libpipe::graph::Model> impl;
-  std::vector<libpipe::graph::ModuleInfo> modules;  // computed once; the strings live here
+  std::shared_ptr<const libpipe::graph::Program> impl;
 };
 
 struct PlanOptionsHandle {

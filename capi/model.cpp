@@ -1,5 +1,6 @@
 // The C ABI: loading a model and reading its inputs and module tree.
 #include "capi/boundary.h"
+#include "runtime/graph/torchscript/model.h"
 
 using namespace libpipe::capi;
 using libpipe::Error;
@@ -13,7 +14,6 @@ pipe_status pipe_model_load(const char* path, pipe_model** model) {
     require(model, fn, "model");
     auto m = std::make_unique<libpipe::capi::ModelHandle>();
     m->impl = libpipe::graph::Model::load(path);
-    m->modules = m->impl->modules();
     *model = handle(m.release());
   });
 }
@@ -40,7 +40,7 @@ pipe_status pipe_model_num_modules(const pipe_model* model, size_t* count) {
   return guarded(__func__, [&](const char* fn) {
     require(model, fn, "model");
     require(count, fn, "count");
-    *count = get(model)->modules.size();
+    *count = get(model)->impl->modules().size();
   });
 }
 
@@ -48,8 +48,8 @@ pipe_status pipe_model_module(const pipe_model* model, size_t index, const char*
                               int32_t* depth, uint64_t* num_params, uint64_t* param_bytes) {
   return guarded(__func__, [&](const char* fn) {
     require(model, fn, "model");
-    require_index(index, get(model)->modules.size(), fn, "module");
-    const auto& m = get(model)->modules[index];
+    require_index(index, get(model)->impl->modules().size(), fn, "module");
+    const auto& m = get(model)->impl->modules()[index];
     if (path) *path = m.path.c_str();
     if (type_name) *type_name = m.type.c_str();
     if (depth) *depth = m.depth;

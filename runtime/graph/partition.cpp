@@ -6,20 +6,14 @@
 #include <set>
 
 #include "runtime/error.h"
-#include "runtime/graph/plan.h"
-#include "runtime/graph/split_marker.h"
 #include "runtime/graph/split_spec.h"
 
 namespace libpipe::graph {
 
-using torch::jit::Node;
-using torch::jit::Value;
-
-std::vector<Node*> top_level_sequence(const Model& model) {
-  const Value* self = model.graph()->inputs()[0];
-  std::vector<Node*> out;
-  for (Node* n : model.graph()->nodes())
-    if (n->kind() != split_marker_kind() && !is_floating_node(n, self)) out.push_back(n);
+std::vector<size_t> top_level_sequence(const Program& model) {
+  std::vector<size_t> out;
+  for (size_t id = 0; id < model.nodes().size(); ++id)
+    if (model.nodes()[id].role != NodeRole::SplitMarker) out.push_back(id);
   return out;
 }
 
@@ -38,7 +32,7 @@ bool is_prefix_path(const std::string& prefix, const std::string& path) {
 
 }  // namespace
 
-Segmentation segment(const Model& model, const std::vector<Node*>& sequence) {
+Segmentation segment(const Program& model, const std::vector<size_t>& sequence) {
   const auto ranges = call_site_ranges(model, sequence);
   const auto& sites = model.call_sites();
 
@@ -46,24 +40,11 @@ Segmentation segment(const Model& model, const std::vector<Node*>& sequence) {
   // Sequential items: transformer.h.*, layers.*, layer1..layer4). Of all such groups of sibling
   // calls (two or more), the one covering the most of the model wins, so four projections inside
   // one attention block never beat the decoder layers that hold them.
+  std::map<std::string, std::string> classes;
+  for (const auto& m : model.modules()) classes[m.path] = m.class_name;
   auto class_of = [&](const std::string& path) {
-    c10::intrusive_ptr<c10::ivalue::Object> obj = model.module()._ivalue();
-    size_t start = 0;
-    while (start <= path.size()) {
-      size_t dot = path.find('.', start);
-      if (dot == std::string::npos) dot = path.size();
-      obj = obj->getAttr(path.substr(start, dot - start)).toObject();
-      start = dot + 1;
-    }
-    // Tracing gives every instance its own class (__torch__.x.___torch_mangle_7.Block); the
-    // mangling component is dropped so instances of one Python class compare equal.
-    std::string name = obj->type()->name() ? obj->type()->name()->qualifiedName() : "?";
-    const std::string marker = "___torch_mangle_";
-    for (size_t at = name.find(marker); at != std::string::npos; at = name.find(marker)) {
-      const size_t end = name.find('.', at);
-      name.erase(at, end == std::string::npos ? std::string::npos : end - at + 1);
-    }
-    return name;
+    auto it = classes.find(path);
+    return it == classes.end() ? "?" : it->second;
   };
   struct Group {
     size_t calls = 0;
@@ -108,7 +89,7 @@ Segmentation segment(const Model& model, const std::vector<Node*>& sequence) {
     std::sort(seg.layer_starts.begin(), seg.layer_starts.end());
     seg.layer_starts.erase(std::unique(seg.layer_starts.begin(), seg.layer_starts.end()), seg.layer_starts.end());
   }
-  const auto contexts = open_contexts(sequence);
+  const auto contexts = open_contexts(model, sequence);
   for (size_t p = 1; p < sequence.size(); ++p)
     if (!blocked[p] && !contexts[p]) seg.allowed_cuts.push_back(p);
   return seg;
@@ -147,31 +128,15 @@ std::vector<size_t> min_max_partition(const std::vector<double>& costs, size_t p
   return starts;
 }
 
-std::vector<double> segment_param_bytes(const Model& model, const std::vector<Node*>& sequence,
+std::vector<double> segment_param_bytes(const Program& model, const std::vector<size_t>& sequence,
                                         const std::vector<size_t>& bounds) {
-  const Value* self = model.graph()->inputs()[0];
-  std::set<std::string> seen;
+  std::set<size_t> seen;  // each tensor counts for the first segment that reads it
   std::vector<double> bytes;
-  std::function<void(const Node*, double&)> visit = [&](const Node* n, double& total) {
-    for (const Value* v : n->inputs()) {
-      auto path = attribute_path(v, self);
-      if (path.empty()) continue;
-      c10::intrusive_ptr<c10::ivalue::Object> obj = model.module()._ivalue();
-      std::string dotted;
-      for (size_t i = 0; i + 1 < path.size(); ++i) {
-        obj = obj->getAttr(path[i]).toObject();
-        dotted += path[i] + ".";
-      }
-      dotted += path.back();
-      const c10::IValue value = obj->getAttr(path.back());
-      if (value.isTensor() && seen.insert(dotted).second) total += static_cast<double>(value.toTensor().nbytes());
-    }
-    for (const auto* b : n->blocks())
-      for (const Node* inner : b->nodes()) visit(inner, total);
-  };
   for (size_t i = 0; i + 1 < bounds.size(); ++i) {
     double total = 0;
-    for (size_t p = bounds[i]; p < bounds[i + 1]; ++p) visit(sequence[p], total);
+    for (size_t p = bounds[i]; p < bounds[i + 1]; ++p)
+      for (size_t a : model.nodes()[sequence[p]].attributes)
+        if (seen.insert(a).second) total += static_cast<double>(model.attributes()[a].tensor_bytes);
     bytes.push_back(total);
   }
   return bytes;

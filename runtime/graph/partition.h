@@ -9,18 +9,15 @@
 //   time     the allowed cut minimising the slowest stage, from measured segment times
 #pragma once
 
-#include <torch/csrc/jit/ir/ir.h>
-
 #include <string>
 #include <vector>
 
-#include "runtime/graph/model.h"
+#include "runtime/graph/program.h"
 
 namespace libpipe::graph {
 
-// The model's top-level nodes that belong to stages: not constants, not attribute reads of self,
-// not pipe::split() markers.
-std::vector<torch::jit::Node*> top_level_sequence(const Model& model);
+// The program's nodes that belong to stages (not pipe::split() markers), as node ids in order.
+std::vector<size_t> top_level_sequence(const Program& model);
 
 struct Segmentation {
   std::string container;               // the module whose children are the layers ("" = root)
@@ -28,7 +25,7 @@ struct Segmentation {
   std::vector<size_t> allowed_cuts;    // positions a cut may take, ascending, within (0, size)
 };
 
-Segmentation segment(const Model& model, const std::vector<torch::jit::Node*>& sequence);
+Segmentation segment(const Program& model, const std::vector<size_t>& sequence);
 
 // Splits costs[0..K) (contiguous segments) into `parts` non-empty contiguous groups minimising the
 // largest group sum. Returns the index of the first segment of each group after the first
@@ -36,7 +33,7 @@ Segmentation segment(const Model& model, const std::vector<torch::jit::Node*>& s
 std::vector<size_t> min_max_partition(const std::vector<double>& costs, size_t parts);
 
 // Parameter and buffer bytes first read by each segment [bounds[i], bounds[i+1]) of `sequence`.
-std::vector<double> segment_param_bytes(const Model& model, const std::vector<torch::jit::Node*>& sequence,
+std::vector<double> segment_param_bytes(const Program& model, const std::vector<size_t>& sequence,
                                         const std::vector<size_t>& bounds);
 
 }  // namespace libpipe::graph

@@ -8,8 +8,6 @@
 
 namespace libpipe::graph {
 
-using torch::jit::Node;
-
 namespace {
 
 [[noreturn]] void bad_syntax(const std::string& text, const std::string& why) {
@@ -75,7 +73,7 @@ SplitPoint parse_split_point(const std::string& text) {
   return sp;
 }
 
-std::vector<std::string> nearest_module_paths(const Model& model, const std::string& path, size_t count) {
+std::vector<std::string> nearest_module_paths(const Program& model, const std::string& path, size_t count) {
   std::vector<std::pair<size_t, std::string>> scored;
   for (const auto& m : model.modules())
     if (!m.path.empty()) scored.emplace_back(edit_distance(m.path, path), m.path);
@@ -85,11 +83,11 @@ std::vector<std::string> nearest_module_paths(const Model& model, const std::str
   return out;
 }
 
-std::vector<std::pair<size_t, size_t>> call_site_ranges(const Model& model, const std::vector<Node*>& sequence) {
+std::vector<std::pair<size_t, size_t>> call_site_ranges(const Program& model, const std::vector<size_t>& sequence) {
   std::vector<std::pair<size_t, size_t>> ranges(model.call_sites().size(), {0, 0});
   std::vector<bool> seen(ranges.size(), false);
   for (size_t p = 0; p < sequence.size(); ++p) {
-    for (int site : model.sites_of(sequence[p])) {
+    for (int site : model.nodes()[sequence[p]].sites) {
       if (!seen[site]) ranges[site] = {p, p + 1};
       ranges[site].second = p + 1;
       seen[site] = true;
@@ -98,23 +96,23 @@ std::vector<std::pair<size_t, size_t>> call_site_ranges(const Model& model, cons
   return ranges;
 }
 
-std::vector<const Node*> open_contexts(const std::vector<Node*>& sequence) {
-  std::vector<const Node*> open(sequence.size() + 1, nullptr);
-  std::vector<const Node*> stack;
+std::vector<const ProgramNode*> open_contexts(const Program& model, const std::vector<size_t>& sequence) {
+  std::vector<const ProgramNode*> open(sequence.size() + 1, nullptr);
+  std::vector<const ProgramNode*> stack;
   for (size_t p = 0; p < sequence.size(); ++p) {
     open[p] = stack.empty() ? nullptr : stack.back();
-    const Node* n = sequence[p];
-    if (n->kind() == torch::jit::prim::Enter) stack.push_back(n);
-    if (n->kind() == torch::jit::prim::Exit && !stack.empty()) stack.pop_back();
+    const ProgramNode* n = &model.nodes()[sequence[p]];
+    if (n->role == NodeRole::ContextEnter) stack.push_back(n);
+    if (n->role == NodeRole::ContextExit && !stack.empty()) stack.pop_back();
   }
   open[sequence.size()] = stack.empty() ? nullptr : stack.back();
   return open;
 }
 
-std::vector<Cut> resolve_split_points(const Model& model, const std::vector<Node*>& sequence,
+std::vector<Cut> resolve_split_points(const Program& model, const std::vector<size_t>& sequence,
                                       const std::vector<SplitPoint>& points) {
   const auto ranges = call_site_ranges(model, sequence);
-  const auto contexts = open_contexts(sequence);
+  const auto contexts = open_contexts(model, sequence);
   std::set<std::string> known;
   for (const auto& m : model.modules()) known.insert(m.path);
 
@@ -146,9 +144,8 @@ std::vector<Cut> resolve_split_points(const Model& model, const std::vector<Node
                                        (position == 0 ? std::string("0 empty: nothing runs before ")
                                                       : "after it empty: nothing runs after ") +
                                        sp.path + (sp.begin ? " begins" : " ends") + "; drop this split point");
-      if (const Node* ctx = contexts[position])
-        throw Error(Status::Split, "split point '" + sp.text + "' falls inside a `with` block (" +
-                                       ctx->input(0)->type()->str() +
+      if (const ProgramNode* ctx = contexts[position])
+        throw Error(Status::Split, "split point '" + sp.text + "' falls inside a `with` block (" + ctx->context +
                                        ") that changes how the code inside runs; cut before or after the "
                                        "whole `with` statement");
       cuts.push_back({position, sp.text + " (call " + std::to_string(cs.call) + ")"});

@@ -3,12 +3,10 @@
 // call; "FQN@K:begin" / "FQN@K:end" selects the K-th call (0-based) alone.
 #pragma once
 
-#include <torch/csrc/jit/ir/ir.h>
-
 #include <string>
 #include <vector>
 
-#include "runtime/graph/model.h"
+#include "runtime/graph/program.h"
 
 namespace libpipe::graph {
 
@@ -33,19 +31,18 @@ struct Cut {
 // module (with the nearest existing paths), a module never called by forward, a call inside an
 // if/loop block, a cut inside a `with` block that is not grad-mode, or a cut that would leave a
 // stage empty.
-std::vector<Cut> resolve_split_points(const Model& model, const std::vector<torch::jit::Node*>& sequence,
+std::vector<Cut> resolve_split_points(const Program& model, const std::vector<size_t>& sequence,
                                       const std::vector<SplitPoint>& points);
 
 // Module paths of `model` closest to `path` by edit distance, best first.
-std::vector<std::string> nearest_module_paths(const Model& model, const std::string& path, size_t count);
+std::vector<std::string> nearest_module_paths(const Program& model, const std::string& path, size_t count);
 
 // Position ranges [start, end) of each call site's nodes in `sequence`; {0, 0} for a call site with
 // no top-level node (called inside a block).
-std::vector<std::pair<size_t, size_t>> call_site_ranges(const Model& model,
-                                                        const std::vector<torch::jit::Node*>& sequence);
+std::vector<std::pair<size_t, size_t>> call_site_ranges(const Program& model, const std::vector<size_t>& sequence);
 
-// For each position p of `sequence`, the `with` context (non-grad-mode prim::Enter) a cut before
-// p would fall inside, or nullptr.
-std::vector<const torch::jit::Node*> open_contexts(const std::vector<torch::jit::Node*>& sequence);
+// For each position p of `sequence`, the `with` block (its ContextEnter node) a cut before p would
+// fall inside, or nullptr.
+std::vector<const ProgramNode*> open_contexts(const Program& model, const std::vector<size_t>& sequence);
 
 }  // namespace libpipe::graph

@@ -7,7 +7,7 @@
 #include <algorithm>
 
 #include "runtime/log.h"
-#include "runtime/planner.h"
+#include "runtime/planner/planner.h"
 #include "runtime/schedule/assignment.h"
 #include "runtime/schedule/worker_host.h"
 #include "runtime/stage/stage_module.h"

@@ -9,6 +9,7 @@
 #include "runtime/comm/nccl_transport.h"
 #include "runtime/comm/rendezvous.h"
 #include "runtime/error.h"
+#include "runtime/graph/torchscript/model.h"
 #include "runtime/log.h"
 #include "runtime/schedule/assignment.h"
 #include "runtime/schedule/worker_host.h"
@@ -78,7 +79,7 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
   }
 
   SetupDeadline deadline(*transport_, o.comm_timeout);
-  const auto aliases = stage_options.weights.empty() ? stage::AliasGroups{} : stage::alias_groups(plan.model().module());
+  const auto aliases = stage_options.weights.empty() ? stage::AliasGroups{} : stage::alias_groups(graph::torchscript_model(plan).module());
   for (int r = 1; r < world_size_; ++r) {
     // Device constants baked in by tracing are rewritten for the GPU the rank will use (the
     // same numbering on every machine is assumed).

@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "runtime/error.h"
+#include "runtime/graph/torchscript/model.h"
 
 namespace libpipe::stage {
 
@@ -98,19 +99,20 @@ void rewrite_device_constants(torch::jit::Block* block, const c10::Device& devic
 
 Module build_stage_module(const graph::Plan& plan, size_t stage_index, c10::Device device) {
   const graph::StagePlan& sp = plan.stage(stage_index);
-  const auto& model_graph = plan.model().graph();
+  const graph::Model& model = graph::torchscript_model(plan);
+  const auto& model_graph = model.graph();
   const Value* model_self = model_graph->inputs()[0];
   const bool last = stage_index + 1 == plan.num_stages();
 
-  ModuleTree tree(plan.model().module(), stage_index);
-  for (const auto& path : sp.attributes) tree.add(path);
+  ModuleTree tree(model.module(), stage_index);
+  for (size_t a : sp.attributes) tree.add(model.attributes()[a].path);
 
   auto graph = std::make_shared<Graph>();
   std::unordered_map<const Value*, Value*> env;
   Value* self = graph->addInput("self")->setType(tree.root().type());
   env[model_self] = self;
   for (size_t id : sp.inputs) {
-    const Value* v = plan.values()[id].value;
+    const Value* v = model.value(plan.values()[id].value);
     // Unshaped: traced graphs record the example's sizes, but micro-batches vary in size.
     env[v] = graph->addInput(readable_name(v))->setType(c10::unshapedType(v->type()));
   }
@@ -136,7 +138,8 @@ Module build_stage_module(const graph::Plan& plan, size_t stage_index, c10::Devi
     return made;
   };
 
-  for (Node* node : sp.nodes) {
+  for (size_t id : sp.nodes) {
+    Node* node = model.node(id);
     Node* clone = graph->createClone(node, lookup);
     graph->insertNode(clone);
     for (size_t i = 0; i < node->outputs().size(); ++i) env[node->output(i)] = clone->output(i);
@@ -150,7 +153,7 @@ Module build_stage_module(const graph::Plan& plan, size_t stage_index, c10::Devi
                               : graph->insertNode(graph->createTuple(results))->output());
   } else {
     std::vector<Value*> outs;
-    for (size_t id : sp.outputs) outs.push_back(env.at(plan.values()[id].value));
+    for (size_t id : sp.outputs) outs.push_back(env.at(model.value(plan.values()[id].value)));
     graph->registerOutput(graph->insertNode(graph->createTuple(outs))->output());
   }
 

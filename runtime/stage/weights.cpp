@@ -13,6 +13,7 @@
 #include <set>
 
 #include "runtime/error.h"
+#include "runtime/graph/torchscript/model.h"
 #include "runtime/io/safetensors.h"
 
 namespace libpipe::stage {
@@ -206,7 +207,7 @@ void strip_stage_weights(torch::jit::Module& stage) {
 
 void load_stage_weights(torch::jit::Module& stage, const graph::Plan& plan, size_t stage_index,
                         const StageOptions& options, Checkpoint* checkpoint) {
-  load_stage_weights(stage, checkpoint ? alias_groups(plan.model().module()) : AliasGroups{}, stage_index, options,
+  load_stage_weights(stage, checkpoint ? alias_groups(graph::torchscript_model(plan).module()) : AliasGroups{}, stage_index, options,
                      checkpoint);
 }
 

@@ -10,7 +10,7 @@
 
 #include "fixtures.h"
 #include "runtime/error.h"
-#include "runtime/graph/model.h"
+#include "runtime/graph/torchscript/model.h"
 #include "runtime/io/archive_check.h"
 
 namespace libpipe {

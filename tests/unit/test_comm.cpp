@@ -18,7 +18,7 @@
 #include "runtime/comm/local_transport.h"
 #include "runtime/comm/rendezvous.h"
 #include "runtime/comm/wire.h"
-#include "runtime/graph/model.h"
+#include "runtime/graph/torchscript/model.h"
 #include "runtime/graph/plan.h"
 #include "runtime/schedule/assignment.h"
 #include "runtime/schedule/session.h"

@@ -7,7 +7,7 @@
 
 #include "fixtures.h"
 #include "runtime/error.h"
-#include "runtime/graph/model.h"
+#include "runtime/graph/torchscript/model.h"
 #include "runtime/graph/plan.h"
 #include "runtime/io/safetensors.h"
 #include "runtime/stage/stage_module.h"

@@ -5,10 +5,10 @@
 
 #include "fixtures.h"
 #include "runtime/error.h"
-#include "runtime/graph/model.h"
+#include "runtime/graph/torchscript/model.h"
 #include "runtime/graph/partition.h"
 #include "runtime/graph/split_spec.h"
-#include "runtime/planner.h"
+#include "runtime/planner/planner.h"
 #include "runtime/stage/stage_module.h"
 
 namespace libpipe {

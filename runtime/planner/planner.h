@@ -1,6 +1,7 @@
 // The planner: turns what the user asked for (pipe::split() markers, split points by module path,
 // or a stage count with a balancing policy) into a Plan, measuring stage times on example inputs
-// when they are given.
+// when they are given. It sits above runtime/graph (the split rules) and runtime/stage (which
+// builds and times stages).
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -22,7 +23,7 @@ struct PlanRequest {
 
 // Throws Error(InvalidArgument) for a malformed request and Error(Split) when the model cannot be
 // cut as asked; each message names the offending split point, policy or count.
-std::shared_ptr<const graph::Plan> make_plan(std::shared_ptr<const graph::Model> model, const PlanRequest& request);
+std::shared_ptr<const graph::Plan> make_plan(std::shared_ptr<const graph::Program> model, const PlanRequest& request);
 
 // Checks num_stages >= 1 and a known policy name. Throws Error(InvalidArgument).
 void validate_stage_request(const PlanRequest& request);

@@ -1,4 +1,4 @@
-#include "runtime/graph/split_marker.h"
+#include "runtime/graph/torchscript/split_marker.h"
 
 #include <torch/library.h>
 

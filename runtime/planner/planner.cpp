@@ -1,4 +1,4 @@
-#include "runtime/planner.h"
+#include "runtime/planner/planner.h"
 
 #include <algorithm>
 #include <thread>
@@ -19,7 +19,7 @@ int default_threads_per_stage(size_t num_stages) {
 
 namespace {
 
-std::shared_ptr<Plan> by_split_points(const std::shared_ptr<const graph::Model>& model,
+std::shared_ptr<Plan> by_split_points(const std::shared_ptr<const graph::Program>& model,
                                       const std::vector<std::string>& texts) {
   std::vector<graph::SplitPoint> points;
   for (const auto& t : texts) points.push_back(graph::parse_split_point(t));
@@ -36,7 +36,7 @@ std::shared_ptr<Plan> by_split_points(const std::shared_ptr<const graph::Model>&
   return plan;
 }
 
-std::shared_ptr<Plan> by_policy(const std::shared_ptr<const graph::Model>& model, const PlanRequest& request) {
+std::shared_ptr<Plan> by_policy(const std::shared_ptr<const graph::Program>& model, const PlanRequest& request) {
   const size_t n = static_cast<size_t>(request.num_stages);
   const auto sequence = graph::top_level_sequence(*model);
   const auto seg = graph::segment(*model, sequence);
@@ -117,18 +117,17 @@ void validate_stage_request(const PlanRequest& request) {
 namespace {
 
 // Timing needs real weights: a skeleton's stages would run on the meta device and measure nothing.
-void require_real_weights(const graph::Model& model, const char* what) {
-  for (const auto& p : model.module().named_parameters())
-    if (p.value.is_meta())
-      throw Error(Status::InvalidArgument,
-                  std::string(what) + " runs the model on the example inputs, but its weights are on the meta "
-                                      "device (a skeleton; '" + p.name + "' is one): use policy params or "
-                                      "uniform, or time the full model");
+void require_real_weights(const graph::Program& model, const char* what) {
+  if (!model.parameter_without_data().empty())
+    throw Error(Status::InvalidArgument,
+                std::string(what) + " runs the model on the example inputs, but its weights are on the meta "
+                                    "device (a skeleton; '" + model.parameter_without_data() + "' is one): use policy params or "
+                                    "uniform, or time the full model");
 }
 
 }  // namespace
 
-std::shared_ptr<const Plan> make_plan(std::shared_ptr<const graph::Model> model, const PlanRequest& request) {
+std::shared_ptr<const Plan> make_plan(std::shared_ptr<const graph::Program> model, const PlanRequest& request) {
   const bool by_points = !request.split_points.empty();
   const bool by_count = request.num_stages != 0 || !request.policy.empty();
   if (by_points && by_count)
