@@ -14,6 +14,7 @@ apt_packages=(
   abigail-tools binutils xz-utils                # ABI check (abidw/abidiff), export check (nm, objdump)
   swig                                           # the Python and Go bindings are generated from pipe.h
   clang libclang-dev                             # bindgen (the Rust binding's -sys crate)
+  libclang-rt-dev                                # clang's fuzzer and sanitizer runtimes (scripts/fuzz.sh links them)
   libgloo-dev                                    # gloo's headers for c10d's Gloo transport (its code is in LibTorch)
 )
 missing=()
