@@ -3,6 +3,7 @@
 #include <cstddef>
 
 #include "capi/dlpack_bridge.h"
+#include "runtime/device/cuda_library.h"
 
 
 // The DLPack layout the bridge assumes (see capi/dlpack_bridge.h).
@@ -53,6 +54,11 @@ std::vector<c10::IValue> borrow_inputs(const DLManagedTensor* const* inputs, siz
   for (size_t i = 0; i < num_inputs; ++i) {
     if (!inputs[i])
       throw Error(Status::InvalidArgument, std::string(function) + ": inputs[" + std::to_string(i) + "] is NULL");
+    const DLTensor& dl = inputs[i]->dl_tensor;
+    if (dl.device.device_type == kDLCUDA)
+      libpipe::device::require_device_memory(
+          dl.data, c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(dl.device.device_id)),
+          std::string(function) + ": inputs[" + std::to_string(i) + "]");
     try {
       args.emplace_back(libpipe::capi::tensor_from_borrowed_dlpack(inputs[i]));
     } catch (const c10::Error& e) {

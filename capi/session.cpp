@@ -121,6 +121,13 @@ pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_option
                                                  std::to_string(o->comm_timeout_ms) + "; give 0 (one minute) or more");
       if (o->comm_timeout_ms > 0) dist.comm_timeout = std::chrono::milliseconds(o->comm_timeout_ms);
     }
+    if (PIPE_HAS(devices) && o->devices) opts.devices = o->devices;
+    if (PIPE_HAS(outputs)) {
+      if (o->outputs != PIPE_OUTPUTS_ON_CPU && o->outputs != PIPE_OUTPUTS_ON_DEVICE)
+        throw Error(Status::InvalidArgument, std::string(fn) + ": options->outputs is " + std::to_string(o->outputs) +
+                                                 "; use PIPE_OUTPUTS_ON_CPU or PIPE_OUTPUTS_ON_DEVICE");
+      opts.outputs_on_device = o->outputs == PIPE_OUTPUTS_ON_DEVICE;
+    }
     if (dist.transport == libpipe::schedule::TransportKind::Local && !dist.store.empty())
       throw Error(Status::InvalidArgument, std::string(fn) + ": options->store is set but the transport is local; "
                                                              "choose PIPE_TRANSPORT_GLOO or NCCL, or leave store NULL");

@@ -33,7 +33,8 @@ comm::Message encode_assignment(const WorkerAssignment& a) {
   for (size_t i = 0; i < a.stages.size(); ++i) {
     const auto& io = a.stages[i];
     stages.push_back({{"index", io.index}, {"inputs", io.inputs}, {"outputs", io.outputs},
-                      {"dead_after", io.dead_after}, {"last", io.last}, {"aliases", a.aliases.at(i)}});
+                      {"dead_after", io.dead_after}, {"producers", io.producers}, {"last", io.last},
+                      {"device", a.devices.at(i).str()}, {"aliases", a.aliases.at(i)}});
   }
   Json j = {{"world_size", a.world_size}, {"num_values", a.num_values}, {"stages", stages},
             {"threads_per_stage", a.threads_per_stage}, {"weights", a.weights},
@@ -64,8 +65,10 @@ WorkerAssignment decode_assignment(const comm::Message& m) {
       io.inputs = s.at("inputs").get<std::vector<size_t>>();
       io.outputs = s.at("outputs").get<std::vector<size_t>>();
       io.dead_after = s.at("dead_after").get<std::vector<size_t>>();
+      io.producers = s.at("producers").get<std::vector<int>>();
       io.last = s.at("last").get<bool>();
       a.stages.push_back(std::move(io));
+      a.devices.emplace_back(s.at("device").get<std::string>());
       a.aliases.push_back(s.at("aliases").get<stage::AliasGroups>());
     }
     a.threads_per_stage = j.at("threads_per_stage").get<int>();
@@ -74,6 +77,9 @@ WorkerAssignment decode_assignment(const comm::Message& m) {
     if (dtype >= 0) a.dtype = static_cast<at::ScalarType>(dtype);
   } catch (const Json::exception& e) {
     throw Error(Status::Communication, std::string("the driver's stage assignment is malformed: ") + e.what());
+  } catch (const c10::Error& e) {  // a device name this LibTorch does not know
+    throw Error(Status::Communication,
+                std::string("the driver's stage assignment is malformed: ") + e.what_without_backtrace());
   }
   if (m.values.size() != a.stages.size())
     throw Error(Status::Communication, "the driver's stage assignment has " + std::to_string(m.values.size()) +

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/core/ScalarType.h>
+#include <c10/core/Device.h>
 
 #include <optional>
 #include <string>
@@ -25,6 +26,7 @@ struct WorkerAssignment {
   int world_size = 0;
   size_t num_values = 0;                // size of a micro-batch's environment
   std::vector<StageIO> stages;          // this rank's, in order
+  std::vector<c10::Device> devices;     // where each of them runs (on the worker's machine)
   std::vector<std::string> modules;     // serialized stage modules, one per stage
   std::vector<stage::AliasGroups> aliases;  // tied-weight names per stage (checkpoint lookups)
   int threads_per_stage = 1;

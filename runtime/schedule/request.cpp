@@ -53,11 +53,37 @@ std::vector<NamedTensor> Request::result(const std::vector<chunk::OutputSpec>& s
   if (failed_) throw Error(status_, message_);
   if (!merged_) {
     c10::InferenceMode inference;
+    device::wait(result_ready_);
+    if (outputs_on_device_) {
+      for (const auto& r : results_) device::lend_to_current_streams(r);
+    } else {
+      // Results that reached this process on a GPU (through NCCL) still come down.
+      device::Place cpu;
+      cpu.receive(results_, {});
+    }
     outputs_ = chunk::merge_outputs(results_, specs);
     results_.clear();
     merged_ = true;
   }
   return outputs_;
+}
+
+device::Ready MicroBatch::ready_for(const std::vector<int>& producers) const {
+  device::Ready ready;
+  for (int p : producers) {
+    if (p < 0)
+      ready.insert(ready.end(), input_ready.begin(), input_ready.end());
+    else if (static_cast<size_t>(p) < stage_ready.size() && stage_ready[p])
+      ready.push_back(stage_ready[p]);
+  }
+  return ready;
+}
+
+device::Ready MicroBatch::ready_all() const {
+  device::Ready ready = input_ready;
+  for (const auto& e : stage_ready)
+    if (e) ready.push_back(e);
+  return ready;
 }
 
 }  // namespace libpipe::schedule

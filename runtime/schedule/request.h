@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "runtime/chunk/microbatch.h"
+#include "runtime/device/place.h"
 #include "runtime/error.h"
 #include "runtime/named_tensor.h"
 
@@ -24,8 +25,15 @@ using Clock = std::chrono::steady_clock;
 // fails them).
 class Request {
  public:
-  explicit Request(uint64_t id, size_t microbatches, Clock::time_point deadline)
-      : id_(id), deadline_(deadline), remaining_(microbatches), results_(microbatches) {}
+  // `outputs_on_device`: results stay where the last stage left them (a GPU) instead of coming
+  // to the CPU.
+  explicit Request(uint64_t id, size_t microbatches, Clock::time_point deadline, bool outputs_on_device = false)
+      : id_(id),
+        deadline_(deadline),
+        outputs_on_device_(outputs_on_device),
+        remaining_(microbatches),
+        results_(microbatches),
+        result_ready_(microbatches) {}
 
   // Waits until the call is finished or `until` passes; true if finished. A call still running
   // at its deadline fails then with Status::DeadlineExceeded.
@@ -35,7 +43,9 @@ class Request {
   // Waits until none of the call's micro-batches is queued or running (they finish or are
   // dropped), after which nothing reads the call's inputs any more.
   void drain();
-  // The merged outputs; throws the call's Error if it failed. Waits for the call to finish.
+  // The merged outputs; throws the call's Error if it failed. Waits for the call to finish, and
+  // for the GPU work that writes the results. GPU outputs are handed to the calling thread's
+  // current streams (their memory is not reused before the caller's kernels have read it).
   std::vector<NamedTensor> result(const std::vector<chunk::OutputSpec>& specs);
 
   uint64_t id() const { return id_; }
@@ -51,10 +61,12 @@ class Request {
 
   const uint64_t id_;
   const Clock::time_point deadline_;
+  const bool outputs_on_device_;
   std::mutex mutex_;
   std::condition_variable done_;
   size_t remaining_;
   std::vector<c10::IValue> results_;  // one per micro-batch, written by the last stage
+  std::vector<std::shared_ptr<c10::Event>> result_ready_;  // per micro-batch: GPU work writing it
   bool failed_ = false;
   Status status_ = Status::Ok;
   std::string message_;
@@ -68,6 +80,14 @@ struct MicroBatch {
   std::shared_ptr<Request> request;
   size_t index = 0;
   std::vector<c10::IValue> env;  // indexed by crossing-value id
+  // GPU work the values wait for: the caller's pending work on its GPU inputs, and per stage the
+  // work it queued for this micro-batch (empty while no GPU stage has run it).
+  device::Ready input_ready;
+  std::vector<std::shared_ptr<c10::Event>> stage_ready;
+  // The events a stage reading values from `producers` (stage indices, -1 the caller) waits for.
+  device::Ready ready_for(const std::vector<int>& producers) const;
+  // Everything the micro-batch waits for (before it leaves the process).
+  device::Ready ready_all() const;
 };
 
 }  // namespace libpipe::schedule

@@ -7,10 +7,11 @@
 namespace libpipe::schedule {
 
 Ring::Ring(std::unique_ptr<WorkerGroup> group, size_t capacity, std::chrono::milliseconds comm_timeout,
-           const std::atomic<bool>& shutting_down, Retire retire)
+           const std::atomic<bool>& shutting_down, device::Place transport_place, Retire retire)
     : group_(std::move(group)),
       comm_timeout_(comm_timeout),
       shutting_down_(shutting_down),
+      transport_place_(std::move(transport_place)),
       retire_(std::move(retire)),
       outbound_(capacity) {
   last_progress_ = Clock::now();
@@ -32,7 +33,16 @@ void Ring::sender_loop() {
     auto request = std::move(mb.request);
     std::string why;
     Status status = Status::Ok;
-    {
+    if (!request->failed()) {
+      try {
+        transport_place_.receive(mb.env, mb.ready_all());
+      } catch (const c10::Error& e) {
+        status = Status::Execution;
+        why = "could not bring micro-batch " + std::to_string(mb.index) + " to " + transport_place_.device().str() +
+              " for the transport: " + e.what_without_backtrace();
+      }
+    }
+    if (status == Status::Ok) {
       std::lock_guard lock(mutex_);
       if (!broken_.empty()) {
         status = Status::Communication;
@@ -90,6 +100,9 @@ void Ring::receiver_loop() {
       remote_.erase(it);
     }
     if (m.kind == comm::Kind::Result && m.values.size() == 1) {
+      // A result received on a GPU (NCCL) is ordered after this thread's current stream there.
+      if (device::holds_gpu_tensor(m.values[0]))
+        request->result_ready_.at(m.microbatch) = device::mark_current(transport_place_.device());
       request->results_.at(m.microbatch) = std::move(m.values[0]);
       retire_(request, Status::Ok, "");
     } else if (m.kind == comm::Kind::Error) {

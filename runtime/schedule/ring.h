@@ -15,6 +15,7 @@
 #include <string>
 #include <thread>
 
+#include "runtime/device/place.h"
 #include "runtime/schedule/bounded_queue.h"
 #include "runtime/schedule/request.h"
 #include "runtime/schedule/worker_group.h"
@@ -28,9 +29,10 @@ class Ring {
 
   // Starts the sender, receiver and watchdog over `group`, whose workers are connected and loaded.
   // `capacity` bounds the micro-batches waiting to be sent; once the owner sets `shutting_down`,
-  // micro-batches that reach the sender are cancelled instead of sent.
+  // micro-batches that reach the sender are cancelled instead of sent. The sender brings what
+  // travels to `transport_place` first (the CPU for Gloo, the GPU for NCCL).
   Ring(std::unique_ptr<WorkerGroup> group, size_t capacity, std::chrono::milliseconds comm_timeout,
-       const std::atomic<bool>& shutting_down, Retire retire);
+       const std::atomic<bool>& shutting_down, device::Place transport_place, Retire retire);
   Ring(const Ring&) = delete;
   Ring& operator=(const Ring&) = delete;
   // Stops the ring if stop() was not called.
@@ -53,6 +55,7 @@ class Ring {
   std::unique_ptr<WorkerGroup> group_;
   const std::chrono::milliseconds comm_timeout_;
   const std::atomic<bool>& shutting_down_;
+  device::Place transport_place_;  // used by the sender thread only
   const Retire retire_;
   BoundedQueue<MicroBatch> outbound_;
   std::thread sender_, receiver_, watchdog_;

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 
+#include "runtime/device/cuda_library.h"
+#include "runtime/device/placement.h"
 #include "runtime/log.h"
 #include "runtime/planner/planner.h"
 #include "runtime/schedule/assignment.h"
@@ -41,7 +43,6 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
                                              " inputs");
   if (options_.max_inflight == 0)
     options_.max_inflight = std::max<int64_t>(2 * options_.num_microbatches, 4 * static_cast<int64_t>(n));
-  threads_per_stage_ = options_.threads_per_stage > 0 ? options_.threads_per_stage : default_threads_per_stage(n);
   total_stages_ = n;
 
   const auto& dist = options_.distributed;
@@ -55,19 +56,34 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
     throw Error(Status::InvalidArgument,
                 "the comm timeout must be positive, got " + std::to_string(dist.comm_timeout.count()) + " ms");
   const bool distributed = dist.world_size > 1;
-  if (distributed && dist.transport == TransportKind::Nccl) device_ = nccl_device(0);
+  const bool nccl = distributed && dist.transport == TransportKind::Nccl;
   const auto ranges = place_stages(n, dist.world_size);
   const size_t local = ranges[0].second;
+  if (nccl) {
+    if (!options_.devices.empty())
+      throw Error(Status::InvalidArgument, "with the NCCL transport each process runs its stages on its own GPU; leave "
+                                           "the device list empty (it was '" + options_.devices + "')");
+    for (size_t r = 0; r < ranges.size(); ++r)
+      for (size_t s = ranges[r].first; s < ranges[r].second; ++s) devices_.push_back(nccl_device(static_cast<int>(r)));
+  } else {
+    devices_ = device::stage_devices(options_.devices, n);
+  }
+  // The cores go to the stages that compute on them; a GPU stage's thread only queues kernels.
+  const size_t cpu_stages = std::count_if(devices_.begin(), devices_.end(), [](const c10::Device& d) { return d.is_cpu(); });
+  threads_per_stage_ = options_.threads_per_stage > 0 ? options_.threads_per_stage
+                                                      : default_threads_per_stage(std::max<size_t>(cpu_stages, 1));
 
   auto checkpoint = options_.stage.weights.empty() ? nullptr : stage::Checkpoint::open(options_.stage.weights);
   for (size_t s = 0; s < local; ++s) {
-    stages_.push_back(stage::build_stage_module(*plan_, s, device_));
-    stage::load_stage_weights(stages_.back(), *plan_, s, options_.stage, checkpoint.get());
-    if (!device_.is_cpu()) stages_.back().to(device_);
+    stages_.push_back(stage::build_stage_module(*plan_, s, devices_[s]));
+    stage::load_stage_weights(stages_.back(), *plan_, s, options_.stage, checkpoint.get(), devices_[s]);
+    // NCCL orders its transfers with the default stream, so its stages queue there too.
+    places_.push_back(nccl ? device::Place::with_default_stream(devices_[s]) : device::Place::with_own_stream(devices_[s]));
   }
   for (size_t s = 0; s < n; ++s) stage_io_.push_back(stage_io(*plan_, s));
   std::unique_ptr<WorkerGroup> group;
-  if (distributed) group = std::make_unique<WorkerGroup>(*plan_, ranges, dist, options_.stage, threads_per_stage_);
+  if (distributed)
+    group = std::make_unique<WorkerGroup>(*plan_, ranges, devices_, dist, options_.stage, threads_per_stage_);
   for (size_t s = 0; s < local; ++s) {
     auto w = std::make_unique<Worker>();
     // Admission bounds what is inside the pipeline, so a queue never holds more than that.
@@ -78,6 +94,8 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
   if (group)
     ring_ = std::make_unique<Ring>(std::move(group), static_cast<size_t>(options_.max_inflight), dist.comm_timeout,
                                    shutting_down_,
+                                   // What travels must be where the transport carries it from.
+                                   nccl ? device::Place::with_default_stream(devices_[local]) : device::Place(),
                                    [this](const std::shared_ptr<Request>& r, Status st, const std::string& why) {
                                      retire(r, st, why);
                                    });
@@ -158,15 +176,10 @@ void Session::worker_loop(size_t s) {
       ran = true;
       try {
         run_stage(s, mb);
-      } catch (const Error& e) {
-        ok = false;
-        request->fail(e.status(), e.what());
-      } catch (const c10::Error& e) {
-        ok = false;
-        request->fail(Status::Execution, stage_failure(s, mb.index, e.what_without_backtrace()));
       } catch (const std::exception& e) {
         ok = false;
-        request->fail(Status::Execution, stage_failure(s, mb.index, e.what()));
+        const StageError err = stage_error(s, mb.index, e);
+        request->fail(err.status, err.message);
       }
     }
     waited_from = Clock::now();
@@ -199,8 +212,19 @@ void Session::worker_loop(size_t s) {
 }
 
 void Session::run_stage(size_t s, MicroBatch& mb) {
-  c10::IValue out = run_stage_step(stages_[s], stage_io_[s], mb.env);
-  if (stage_io_[s].last) mb.request->results_[mb.index] = std::move(out);  // each micro-batch owns its slot
+  device::Place& place = places_[s];
+  const StageIO& io = stage_io_[s];
+  c10::IValue out = run_stage_step(stages_[s], io, mb.env, place, mb.ready_for(io.producers));
+  if (io.last) {
+    // Each micro-batch owns its slot. Results for the CPU come down on the stage's stream; the
+    // caller waits for that (Request::result), this thread goes on.
+    if (!options_.outputs_on_device) out = place.send_to_cpu(out);
+    mb.request->result_ready_[mb.index] = place.mark();
+    mb.request->results_[mb.index] = std::move(out);
+  } else if (place.on_gpu()) {
+    if (mb.stage_ready.size() <= s) mb.stage_ready.resize(s + 1);
+    mb.stage_ready[s] = place.mark();
+  }
 }
 
 std::string Session::broken() const { return ring_ ? ring_->broken() : std::string(); }
@@ -226,24 +250,31 @@ std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs,
                                    (names.size() == 1 ? "" : "s") + " (" + list + ") but " +
                                    std::to_string(inputs.size()) + " were given");
   }
+  // Inputs may be on any device this process can use; the stages that read them bring them over
+  // once the caller's work queued on them so far (its current streams) is done.
+  std::vector<c10::Device> input_devices;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i].isTensor() && !inputs[i].toTensor().device().is_cpu())
-      throw Error(Status::Input, "input '" + names[i] + "' is on " + inputs[i].toTensor().device().str() +
-                                     " but this session's first stage runs on the CPU; pass a CPU tensor");
+    if (!inputs[i].isTensor() || inputs[i].toTensor().device().is_cpu()) continue;
+    const c10::Device d = inputs[i].toTensor().device();
+    try {
+      device::require_device(d, "input '" + names[i] + "'");
+    } catch (const Error& e) {
+      throw Error(Status::Input, e.what());
+    }
+    if (std::find(input_devices.begin(), input_devices.end(), d) == input_devices.end()) input_devices.push_back(d);
   }
-
   std::vector<c10::IValue> cast;
-  if (options_.stage.dtype || !device_.is_cpu()) {
-    // The weights were cast: floating inputs follow, so the first stage sees one dtype; and they
-    // go where the first stage runs.
+  if (options_.stage.dtype) {
+    // The weights were cast: floating inputs follow, so the first stage sees one dtype.
     cast = inputs;
     for (auto& v : cast) {
       if (!v.isTensor()) continue;
-      at::Tensor t = v.toTensor().to(device_);
-      if (options_.stage.dtype && at::isFloatingType(t.scalar_type())) t = t.to(*options_.stage.dtype);
-      v = t;
+      const at::Tensor& t = v.toTensor();
+      if (at::isFloatingType(t.scalar_type())) v = t.to(*options_.stage.dtype);
     }
   }
+  device::Ready input_ready;
+  for (const auto& d : input_devices) input_ready.push_back(device::mark_current(d));
   // Whatever happens below, the micro-batches promised and not admitted are given back.
   struct Unpromise {
     Session& session;
@@ -251,7 +282,8 @@ std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs,
     ~Unpromise() { session.unpromise(left); }
   } promised{*this, promise_microbatches()};
   auto microbatches = chunk::split_inputs(cast.empty() ? inputs : cast, names, promised.left, options_.input_specs);
-  auto request = std::make_shared<Request>(next_request_id_++, microbatches.size(), options.deadline);
+  auto request =
+      std::make_shared<Request>(next_request_id_++, microbatches.size(), options.deadline, options_.outputs_on_device);
   for (size_t m = 0; m < microbatches.size(); ++m) {
     try {
       admit(request);
@@ -262,7 +294,7 @@ std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs,
       for (size_t rest = m; rest < microbatches.size(); ++rest) request->finish_one();
       break;
     }
-    MicroBatch mb{request, m, std::vector<c10::IValue>(plan_->values().size())};
+    MicroBatch mb{request, m, std::vector<c10::IValue>(plan_->values().size()), input_ready, {}};
     for (size_t id = 0; id < plan_->values().size(); ++id) {
       const auto& cv = plan_->values()[id];
       if (cv.producer < 0) mb.env[id] = microbatches[m][cv.input_index];

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "runtime/chunk/microbatch.h"
+#include "runtime/device/place.h"
 #include "runtime/error.h"
 #include "runtime/graph/plan.h"
 #include "runtime/named_tensor.h"
@@ -48,6 +49,12 @@ struct SessionOptions {
   std::vector<chunk::InputSpec> input_specs;    // by forward argument; missing: default
   std::vector<chunk::OutputSpec> output_specs;  // by flattened output; missing: concat along 0
   stage::StageOptions stage;                    // weights and dtype of every stage
+  // Where each stage runs (device::stage_devices): "" every stage on the CPU, "auto", one device
+  // for all, or one per stage ("cpu,cuda:0"). With the NCCL transport it stays empty: each
+  // process's stages run on its own GPU.
+  std::string devices;
+  // Results stay on the last stage's device (a GPU) instead of coming to the CPU.
+  bool outputs_on_device = false;
   // Stages spread over worker processes (rank 0, this process, keeps the first ones).
   DistributedOptions distributed;
 };
@@ -83,6 +90,8 @@ class Session {
   std::vector<NamedTensor> run(const std::vector<c10::IValue>& inputs, const RunOptions& options = {});
 
   size_t num_stages() const { return total_stages_; }
+  // The device of every stage, those in worker processes included.
+  const std::vector<c10::Device>& devices() const { return devices_; }
   const SessionOptions& options() const { return options_; }
   // Stages hosted by other processes report zeros here.
   StageStats stats(size_t stage) const;
@@ -127,7 +136,8 @@ class Session {
   size_t total_stages_ = 0;
   std::vector<torch::jit::Module> stages_;  // the stages this process hosts: the first ones
   std::vector<StageIO> stage_io_;
-  c10::Device device_{c10::kCPU};
+  std::vector<c10::Device> devices_;   // every stage's
+  std::vector<device::Place> places_;  // the local stages', each used by its worker thread only
   std::vector<std::unique_ptr<Worker>> workers_;
   int threads_per_stage_ = 1;
   const Clock::time_point epoch_ = Clock::now();

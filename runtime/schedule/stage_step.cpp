@@ -1,5 +1,7 @@
 #include "runtime/schedule/stage_step.h"
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 
 #include "runtime/log.h"
@@ -15,14 +17,25 @@ StageIO stage_io(const graph::Plan& plan, size_t s) {
   io.last = s + 1 == plan.num_stages();
   for (size_t id = 0; id < plan.values().size(); ++id)
     if (plan.values()[id].last_consumer() <= static_cast<int>(s)) io.dead_after.push_back(id);
+  for (size_t id : io.inputs) {
+    const int producer = plan.values()[id].producer;
+    if (std::find(io.producers.begin(), io.producers.end(), producer) == io.producers.end())
+      io.producers.push_back(producer);
+  }
   return io;
 }
 
-c10::IValue run_stage_step(torch::jit::Module& stage, const StageIO& io, std::vector<c10::IValue>& env) {
+c10::IValue run_stage_step(torch::jit::Module& stage, const StageIO& io, std::vector<c10::IValue>& env,
+                           device::Place& place, const device::Ready& ready) {
   std::vector<c10::IValue> args;
   args.reserve(io.inputs.size());
   for (size_t id : io.inputs) args.push_back(env.at(id));
-  c10::IValue out = stage.forward(std::move(args));
+  place.receive(args, ready);
+  c10::IValue out;
+  {
+    auto on_stream = place.activate();
+    out = stage.forward(std::move(args));
+  }
   if (io.last) return out;
   const auto& items = out.toTupleRef().elements();
   for (size_t k = 0; k < io.outputs.size(); ++k) env.at(io.outputs[k]) = items[k];
@@ -44,6 +57,17 @@ std::string stage_failure(size_t stage, size_t microbatch, const std::string& wh
   }
   if (last.size() != what.size()) log::debug(prefix + what);
   return prefix + last.substr(std::min(last.find_first_not_of(' '), last.size()));
+}
+
+StageError stage_error(size_t stage, size_t microbatch, const std::exception& e) {
+  if (const auto* own = dynamic_cast<const Error*>(&e)) return {own->status(), own->what()};
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  const std::string what = c10_error ? c10_error->what_without_backtrace() : e.what();
+  const bool out_of_memory = dynamic_cast<const c10::OutOfMemoryError*>(&e) ||
+                             what.find("out of memory") != std::string::npos ||
+                             what.find("OutOfMemoryError") != std::string::npos ||
+                             what.find("can't allocate memory") != std::string::npos;
+  return {out_of_memory ? Status::OutOfMemory : Status::Execution, stage_failure(stage, microbatch, what)};
 }
 
 }  // namespace libpipe::schedule

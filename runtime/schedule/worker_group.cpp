@@ -59,7 +59,8 @@ std::string serialize(torch::jit::Module& module) {
 }  // namespace
 
 WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<size_t, size_t>>& ranges,
-                         const DistributedOptions& o, const stage::StageOptions& stage_options, int threads_per_stage)
+                         const std::vector<c10::Device>& devices, const DistributedOptions& o,
+                         const stage::StageOptions& stage_options, int threads_per_stage)
     : world_size_(o.world_size) {
   if (o.connected) {
     transport_ = o.connected;
@@ -81,9 +82,6 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
   SetupDeadline deadline(*transport_, o.comm_timeout);
   const auto aliases = stage_options.weights.empty() ? stage::AliasGroups{} : stage::alias_groups(graph::torchscript_model(plan).module());
   for (int r = 1; r < world_size_; ++r) {
-    // Device constants baked in by tracing are rewritten for the GPU the rank will use (the
-    // same numbering on every machine is assumed).
-    const c10::Device device = o.transport == TransportKind::Nccl ? nccl_device(r) : c10::Device(c10::kCPU);
     WorkerAssignment a;
     a.world_size = world_size_;
     a.num_values = plan.values().size();
@@ -92,7 +90,10 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
     a.dtype = stage_options.dtype;
     for (size_t s = ranges[r].first; s < ranges[r].second; ++s) {
       a.stages.push_back(stage_io(plan, s));
-      auto module = stage::build_stage_module(plan, s, device);
+      a.devices.push_back(devices.at(s));
+      // Device constants baked in by tracing are rewritten for the device the stage will use
+      // (the same GPU numbering on every machine is assumed).
+      auto module = stage::build_stage_module(plan, s, devices.at(s));
       // With a checkpoint, each worker reads its own stages' tensors: only shapes travel.
       if (!stage_options.weights.empty()) stage::strip_stage_weights(module);
       a.modules.push_back(serialize(module));

@@ -31,11 +31,13 @@ struct DistributedOptions {
 class WorkerGroup {
  public:
   // Hosts the store and waits for the workers (unless options.connected), sends rank r the
-  // stages ranges[r], waits until every worker has loaded them and warms up the ring, all
-  // within options.comm_timeout. Throws Error: Communication for a worker that does not come,
-  // cannot be reached or fails to load (with its own status when it reported one).
+  // stages ranges[r] to run on devices[s] (of the worker's machine), waits until every worker
+  // has loaded them and warms up the ring, all within options.comm_timeout. Throws Error:
+  // Communication for a worker that does not come, cannot be reached or fails to load (with its
+  // own status when it reported one, e.g. Unsupported for a device it does not have).
   WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<size_t, size_t>>& ranges,
-              const DistributedOptions& options, const stage::StageOptions& stage_options, int threads_per_stage);
+              const std::vector<c10::Device>& devices, const DistributedOptions& options,
+              const stage::StageOptions& stage_options, int threads_per_stage);
   ~WorkerGroup();
 
   // The ring: micro-batches go to rank 1 and come back from the last rank. Both throw

@@ -1,11 +1,8 @@
 #include "runtime/schedule/worker_host.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/jit/serialization/import.h>
-
-#include <dlfcn.h>
 
 #include <atomic>
 #include <mutex>
@@ -15,6 +12,7 @@
 #include "runtime/comm/gloo_transport.h"
 #include "runtime/comm/nccl_transport.h"
 #include "runtime/comm/rendezvous.h"
+#include "runtime/device/cuda_library.h"
 #include "runtime/error.h"
 #include "runtime/log.h"
 #include "runtime/schedule/assignment.h"
@@ -27,8 +25,22 @@ namespace {
 using comm::Kind;
 using comm::Message;
 
+// Where each of this rank's stages runs: with NCCL, on the transport's GPU (queued on its default
+// stream, which NCCL orders its transfers with); otherwise where the driver placed it.
+std::vector<c10::Device> stage_devices(const WorkerAssignment& a, int rank, const c10::Device& transport_device,
+                                       bool nccl) {
+  std::vector<c10::Device> devices;
+  for (size_t i = 0; i < a.stages.size(); ++i) {
+    const c10::Device d = nccl ? transport_device : a.devices.at(i);
+    device::require_device(d, "stage " + std::to_string(a.stages[i].index) + " (on rank " + std::to_string(rank) + ")");
+    devices.push_back(d);
+  }
+  return devices;
+}
+
 // Loads this rank's stages; throws Error as load_stage_weights does.
-std::vector<torch::jit::Module> load_stages(const WorkerAssignment& a, int rank, const c10::Device& device) {
+std::vector<torch::jit::Module> load_stages(const WorkerAssignment& a, int rank,
+                                            const std::vector<c10::Device>& devices) {
   std::vector<torch::jit::Module> stages;
   auto checkpoint = a.weights.empty() ? nullptr : stage::Checkpoint::open(a.weights);
   stage::StageOptions options;
@@ -43,24 +55,25 @@ std::vector<torch::jit::Module> load_stages(const WorkerAssignment& a, int rank,
       throw Error(Status::InvalidFormat, "rank " + std::to_string(rank) + " could not load stage " +
                                              std::to_string(a.stages[i].index) + ": " + e.what_without_backtrace());
     }
-    stage::load_stage_weights(m, a.aliases[i], a.stages[i].index, options, checkpoint.get());
-    m.to(device);
+    stage::load_stage_weights(m, a.aliases[i], a.stages[i].index, options, checkpoint.get(), devices[i]);
     m.eval();
     stages.push_back(std::move(m));
   }
   return stages;
 }
 
+// A message inside this worker, with the GPU work its values wait for.
+struct Envelope {
+  Message message;
+  device::Ready ready;
+};
+
 }  // namespace
 
 c10::Device nccl_device(int rank) {
-  // LibTorch's CUDA kernels live in libtorch_cuda, which libpipe does not link (CPU users would
-  // load cuBLAS, cuDNN and more for nothing): load it now, found through libpipe's run path.
-  static void* torch_cuda = dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_GLOBAL);
-  if (!torch_cuda)
-    throw Error(Status::Unsupported, std::string("the NCCL transport needs LibTorch's CUDA library: ") + dlerror());
-  const auto count = at::detail::getCUDAHooks().deviceCount();
-  if (count < 1) throw Error(Status::Unsupported, "the NCCL transport needs a CUDA device and this machine has none");
+  std::string why;
+  const int count = device::cuda_device_count(&why);
+  if (count < 1) throw Error(Status::Unsupported, "the NCCL transport needs a CUDA device, but " + why);
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(rank % count));
 }
 
@@ -69,9 +82,14 @@ void serve(comm::Transport& transport, const c10::Device& device, std::chrono::m
   const int rank = transport.rank(), world = transport.world_size();
   const int prev = rank - 1, next = (rank + 1) % world;
   const WorkerAssignment a = decode_assignment(transport.recv(0, setup_timeout));
+  const bool nccl = !device.is_cpu();
   std::vector<torch::jit::Module> stages;
+  std::vector<device::Place> places;
   try {
-    stages = load_stages(a, rank, device);
+    const auto devices = stage_devices(a, rank, device, nccl);
+    stages = load_stages(a, rank, devices);
+    for (const auto& d : devices)
+      places.push_back(nccl ? device::Place::with_default_stream(d) : device::Place::with_own_stream(d));
   } catch (const Error& e) {
     Message ready = comm::control(Kind::Ready);
     ready.status = static_cast<int32_t>(e.status());
@@ -82,14 +100,13 @@ void serve(comm::Transport& transport, const c10::Device& device, std::chrono::m
   transport.send(0, comm::control(Kind::Ready));
   const int threads = threads_per_stage > 0 ? threads_per_stage : a.threads_per_stage;
   log::info("rank " + std::to_string(rank) + " serves stages " + std::to_string(a.stages.front().index) + ".." +
-            std::to_string(a.stages.back().index) + " on " + device.str() + " with " + std::to_string(threads) +
-            " thread(s) each");
+            std::to_string(a.stages.back().index) + " with " + std::to_string(threads) + " thread(s) each");
 
   // receiver -> queues[0] -> stage 0 -> queues[1] -> ... -> queues[k] -> sender. The driver's
   // admission bounds what is in flight; the bound here only keeps memory finite if it did not.
   const size_t k = stages.size();
-  std::vector<std::unique_ptr<BoundedQueue<Message>>> queues;
-  for (size_t i = 0; i <= k; ++i) queues.push_back(std::make_unique<BoundedQueue<Message>>(4096));
+  std::vector<std::unique_ptr<BoundedQueue<Envelope>>> queues;
+  for (size_t i = 0; i <= k; ++i) queues.push_back(std::make_unique<BoundedQueue<Envelope>>(4096));
   std::mutex failure_mutex;
   std::string failure;
   auto fail = [&](const std::string& why) {
@@ -108,36 +125,46 @@ void serve(comm::Transport& transport, const c10::Device& device, std::chrono::m
       c10::InferenceMode inference;
       const StageIO& io = a.stages[i];
       while (auto item = queues[i]->pop()) {
-        Message m = std::move(*item);
+        Envelope env = std::move(*item);
+        Message& m = env.message;
         if (m.kind == Kind::Data) {
           try {
             if (m.values.size() != a.num_values)
               throw Error(Status::Internal, "a micro-batch arrived with " + std::to_string(m.values.size()) +
                                                 " values instead of " + std::to_string(a.num_values));
-            c10::IValue out = run_stage_step(stages[i], io, m.values);
+            // Waiting for all the work before it (not only its producers') costs nothing here:
+            // the earlier stages of this rank already waited for the rest.
+            c10::IValue out = run_stage_step(stages[i], io, m.values, places[i], env.ready);
             if (io.last) {
               m.kind = Kind::Result;
               m.values = {std::move(out)};
             }
-          } catch (const Error& e) {
-            m = Message{Kind::Error, m.request, m.microbatch, static_cast<int32_t>(e.status()), {}, e.what()};
-          } catch (const c10::Error& e) {
-            m = Message{Kind::Error, m.request, m.microbatch, static_cast<int32_t>(Status::Execution), {},
-                        stage_failure(io.index, m.microbatch, e.what_without_backtrace())};
+            if (auto done = places[i].mark()) env.ready.push_back(std::move(done));
           } catch (const std::exception& e) {
-            m = Message{Kind::Error, m.request, m.microbatch, static_cast<int32_t>(Status::Execution), {},
-                        stage_failure(io.index, m.microbatch, e.what())};
+            const StageError err = stage_error(io.index, m.microbatch, e);
+            m = Message{Kind::Error, m.request, m.microbatch, static_cast<int32_t>(err.status), {}, err.message};
           }
         }
         const bool last = m.kind == Kind::Shutdown;
-        if (!queues[i + 1]->push(std::move(m)) || last) return;
+        if (!queues[i + 1]->push(std::move(env)) || last) return;
       }
     });
   threads_.emplace_back([&] {
+    // What travels must be where the transport carries it from: the CPU for Gloo, the GPU's
+    // default stream for NCCL.
+    device::Place transport_place = nccl ? device::Place::with_default_stream(device) : device::Place();
     while (auto item = queues[k]->pop()) {
-      const bool last = item->kind == Kind::Shutdown;
+      Message& m = item->message;
+      const bool last = m.kind == Kind::Shutdown;
       try {
-        transport.send(next, *item);
+        transport_place.receive(m.values, item->ready);
+      } catch (const c10::Error& e) {
+        m = Message{Kind::Error, m.request, m.microbatch, static_cast<int32_t>(Status::Execution), {},
+                    "rank " + std::to_string(rank) + " could not bring micro-batch " + std::to_string(m.microbatch) +
+                        " to " + device.str() + " for the transport: " + e.what_without_backtrace()};
+      }
+      try {
+        transport.send(next, m);
       } catch (const std::exception& e) {
         fail(e.what());
         return;
@@ -154,7 +181,14 @@ void serve(comm::Transport& transport, const c10::Device& device, std::chrono::m
       break;
     }
     const bool last = m.kind == Kind::Shutdown;
-    if (!queues[0]->push(std::move(m)) || last) break;
+    Envelope env{std::move(m), {}};
+    // Values received on a GPU (NCCL) are ordered after this thread's current stream there.
+    for (const auto& v : env.message.values)
+      if (device::holds_gpu_tensor(v)) {
+        env.ready.push_back(device::mark_current(device));
+        break;
+      }
+    if (!queues[0]->push(std::move(env)) || last) break;
   }
   // A Shutdown passes every queue after what was queued before it; each thread returns once it
   // passed it on (or when a failure closed the queues).

@@ -12,6 +12,7 @@
 #include <iterator>
 #include <set>
 
+#include "runtime/device/upload.h"
 #include "runtime/error.h"
 #include "runtime/graph/torchscript/model.h"
 #include "runtime/io/safetensors.h"
@@ -206,13 +207,13 @@ void strip_stage_weights(torch::jit::Module& stage) {
 }
 
 void load_stage_weights(torch::jit::Module& stage, const graph::Plan& plan, size_t stage_index,
-                        const StageOptions& options, Checkpoint* checkpoint) {
+                        const StageOptions& options, Checkpoint* checkpoint, const c10::Device& device) {
   load_stage_weights(stage, checkpoint ? alias_groups(graph::torchscript_model(plan).module()) : AliasGroups{}, stage_index, options,
-                     checkpoint);
+                     checkpoint, device);
 }
 
 void load_stage_weights(torch::jit::Module& stage, const AliasGroups& aliases, size_t stage_index,
-                        const StageOptions& options, Checkpoint* checkpoint) {
+                        const StageOptions& options, Checkpoint* checkpoint, const c10::Device& device) {
   const std::string where = " (stage " + std::to_string(stage_index) + ")";
   struct Slot {
     std::string name;
@@ -259,17 +260,27 @@ void load_stage_weights(torch::jit::Module& stage, const AliasGroups& aliases, s
       slot.current = t;
     }
   }
+  std::unique_ptr<device::Uploader> uploader;
+  if (device.is_cuda()) uploader = std::make_unique<device::Uploader>(device);
+  std::map<const c10::TensorImpl*, at::Tensor> placed;  // tied tensors are placed once
   for (auto& slot : slots) {
-    if (options.dtype && at::isFloatingType(slot.current.scalar_type()) && slot.current.scalar_type() != *options.dtype &&
-        !slot.current.is_meta())
-      slot.current = slot.current.to(*options.dtype);
     if (slot.current.is_meta())
       throw Error(Status::InvalidArgument, "tensor '" + slot.name + "'" + where +
                                                " has no data (it is on the meta device): give its weights with a "
                                                "checkpoint (--weights / pipe_stage_options.weights)");
+    const bool cast = options.dtype && at::isFloatingType(slot.current.scalar_type()) &&
+                      slot.current.scalar_type() != *options.dtype;
+    if (uploader) {
+      auto [it, fresh] = placed.try_emplace(slot.current.unsafeGetTensorImpl());
+      if (fresh) it->second = uploader->upload(slot.current, cast ? options.dtype : std::nullopt);
+      slot.current = it->second;
+    } else if (cast) {
+      slot.current = slot.current.to(*options.dtype);
+    }
     auto [owner, leaf] = owner_of(stage, slot.name);
     owner.register_parameter(leaf, slot.current, slot.is_buffer);
   }
+  if (uploader) uploader->finish();
   // Tensors held as plain attributes (not parameters or buffers) cannot be loaded; they must not
   // be left on meta either.
   for (const auto& a : stage.named_attributes())

@@ -62,12 +62,15 @@ class Checkpoint {
 };
 
 // Replaces the stage module's parameters and buffers with the checkpoint's (when `options.weights`
-// is set), casts floating ones to `options.dtype` (when set), and fails if any tensor of the stage
-// is still on the meta device. Throws Error naming the tensor and the stage: NotFound for a tensor
+// is set), casts floating ones to `options.dtype` (when set), places them on `device`, and fails
+// if any tensor of the stage is still on the meta device. A GPU gets only this stage's tensors,
+// straight from the (mapped) file through pinned memory, cast there; tensors tied within the
+// stage stay one tensor. Throws Error naming the tensor and the stage: NotFound for a tensor
 // missing from the checkpoint or a missing shard, Input for a shape or dtype mismatch,
 // InvalidFormat for a corrupt shard.
 void load_stage_weights(torch::jit::Module& stage, const graph::Plan& plan, size_t stage_index,
-                        const StageOptions& options, Checkpoint* checkpoint);
+                        const StageOptions& options, Checkpoint* checkpoint,
+                        const c10::Device& device = c10::Device(c10::kCPU));
 
 // Every parameter or buffer name -> the other names of the same tensor in `model` (tied weights).
 using AliasGroups = std::map<std::string, std::vector<std::string>>;
@@ -79,6 +82,7 @@ void strip_stage_weights(torch::jit::Module& stage);
 
 // As above, for a stage without its plan (a worker process receives the aliases with the stage).
 void load_stage_weights(torch::jit::Module& stage, const AliasGroups& aliases, size_t stage_index,
-                        const StageOptions& options, Checkpoint* checkpoint);
+                        const StageOptions& options, Checkpoint* checkpoint,
+                        const c10::Device& device = c10::Device(c10::kCPU));
 
 }  // namespace libpipe::stage

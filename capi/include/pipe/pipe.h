@@ -20,6 +20,10 @@
  *   - Tensors cross as DLPack DLManagedTensor. Inputs are borrowed for the duration of the call
  *     (libpipe never calls their deleter); outputs belong to the caller, who frees them by calling
  *     their deleter.
+ *   - Tensors may be in CPU memory (kDLCPU) or on a CUDA device (kDLCUDA) of this process. libpipe
+ *     reads a CUDA input after the work queued so far on the calling thread's current CUDA stream
+ *     of that device (LibTorch's current stream; the legacy default stream for callers that set
+ *     none), as PyTorch itself would.
  *   - Strings returned as `const char *` are owned by libpipe; their lifetime is stated per function.
  *
  * Thread-safety notes use three words:
@@ -48,7 +52,7 @@ extern "C" {
 /* ---- Version ------------------------------------------------------------------------------- */
 
 #define PIPE_VERSION_MAJOR 0
-#define PIPE_VERSION_MINOR 4
+#define PIPE_VERSION_MINOR 5
 #define PIPE_VERSION_PATCH 0
 
 /* "MAJOR.MINOR.PATCH" of the loaded library; equals the PIPE_VERSION_* it was built with.
@@ -68,9 +72,9 @@ typedef int32_t pipe_status;
 #define PIPE_ERR_INVALID_FORMAT 3
 /* The model cannot be split as asked (no markers where required, marker inside a block, ...). */
 #define PIPE_ERR_SPLIT 4
-/* Inputs do not fit the call, as checked before anything runs: wrong count, a device other than
- * the first stage's, a DLPack tensor libpipe cannot read, batch sizes that disagree or specs that
- * do not fit. */
+/* Inputs do not fit the call, as checked before anything runs: wrong count, a device this process
+ * cannot use (a CUDA tensor without a GPU), a DLPack tensor libpipe cannot read, batch sizes that
+ * disagree or specs that do not fit. */
 #define PIPE_ERR_INPUT 5
 /* A stage failed while running: the model's own code raised an error, which includes a dtype or
  * shape its operators reject (the message names the stage and quotes the operator's error). */
@@ -389,7 +393,26 @@ typedef struct pipe_session_options {
    * stages may take) before the session fails its calls with PIPE_ERR_COMMUNICATION and reports
    * itself broken. A worker that dies is noticed at once. 0 means 60000 (one minute). Since 0.4. */
   int32_t comm_timeout_ms;
+  /* Where each stage runs, as a comma-separated list: one device per stage ("cpu,cuda:0"), one
+   * device for every stage ("cuda:0"), or "auto" (the visible GPUs in order, each taking a
+   * contiguous group of stages; every stage on the CPU when there is no GPU). Devices are "cpu",
+   * "cuda" (cuda:0) and "cuda:N". NULL or "": every stage on the CPU. Each stage's weights go
+   * only to its own device (from a checkpoint through pinned memory); each GPU stage queues its
+   * work on a CUDA stream of its own, and a micro-batch passes to the next stage with an event,
+   * not a host synchronisation. Stages in worker processes (Gloo) run on the devices named here,
+   * of the machine they run on. With PIPE_TRANSPORT_NCCL it must be NULL: every process runs its
+   * stages on its own GPU. PIPE_ERR_UNSUPPORTED, naming the stage, for a device this machine
+   * does not have (or a libpipe whose LibTorch has no CUDA); PIPE_ERR_INVALID_ARGUMENT for a
+   * malformed list or one whose length is neither 1 nor the number of stages. Copied. Since 0.5. */
+  const char *devices;
+  /* PIPE_OUTPUTS_ON_CPU (default): results come back in CPU memory. PIPE_OUTPUTS_ON_DEVICE:
+   * results stay on the last stage's device (DLPack kDLCUDA for a GPU), ready to read on the
+   * calling thread's current CUDA stream when the call returns. Since 0.5. */
+  int32_t outputs;
 } pipe_session_options;
+
+#define PIPE_OUTPUTS_ON_CPU 0
+#define PIPE_OUTPUTS_ON_DEVICE 1
 
 #define PIPE_TRANSPORT_LOCAL 0
 #define PIPE_TRANSPORT_GLOO 1
@@ -406,10 +429,10 @@ typedef struct pipe_session_options {
 
 #define PIPE_SESSION_OPTIONS_INIT \
   {(uint32_t)sizeof(pipe_session_options), 1, 0, 0, NULL, 0, NULL, 0, NULL, PIPE_MICROBATCHING_ADAPTIVE, \
-   PIPE_TRANSPORT_LOCAL, 1, NULL, 0}
+   PIPE_TRANSPORT_LOCAL, 1, NULL, 0, NULL, PIPE_OUTPUTS_ON_CPU}
 
-/* Build every stage of `plan` on the CPU (loading weights as options->stage_options says) and
- * start one worker thread per stage. `options` NULL means PIPE_SESSION_OPTIONS_INIT; the spec
+/* Build every stage of `plan` on its device (options->devices; the CPU by default), loading weights
+ * as options->stage_options says, and start one worker thread per stage. `options` NULL means PIPE_SESSION_OPTIONS_INIT; the spec
  * arrays are copied. Weight errors as for pipe_plan_save_stage. Thread-safe on `plan`.
  * With a Gloo or NCCL transport this process hosts the rendezvous store at options->store, waits
  * (up to comm_timeout_ms) for the world_size-1 workers to join, sends each one its stages
@@ -436,9 +459,12 @@ typedef struct pipe_run_options {
  * status, libpipe no longer reads them. `options` may be NULL. On success `*outputs` is a new list
  * the caller destroys: one entry "output" for a tensor result, "output.0", "output.1", ... for a
  * tuple or list, "output.<key>" for a dict (nested containers join with '.').
+ * Inputs may be on any device: each stage brings what it reads to its own device.
  * PIPE_ERR_INPUT for a wrong input count or inputs that do not split; PIPE_ERR_EXECUTION if a
- * stage raised (the message names the stage); PIPE_ERR_DEADLINE_EXCEEDED; PIPE_ERR_CANCELLED if
- * the session is being destroyed. The session stays usable after a failed call.
+ * stage raised (the message names the stage); PIPE_ERR_OUT_OF_MEMORY if a stage ran out of
+ * memory on its device (e.g. a GPU; only that call fails); PIPE_ERR_DEADLINE_EXCEEDED;
+ * PIPE_ERR_CANCELLED if the session is being destroyed. The session stays usable after a failed
+ * call.
  * Thread-safe: many threads may run on one session at once; their micro-batches interleave. */
 PIPE_API pipe_status pipe_session_run(pipe_session *session, const DLManagedTensor *const *inputs,
                                       size_t num_inputs, const pipe_run_options *options,
@@ -478,7 +504,7 @@ typedef struct pipe_stage_stats {
   uint32_t struct_size;
   uint64_t microbatches; /* micro-batches run (failed ones included) */
   uint64_t failures;     /* micro-batches whose stage code raised */
-  double busy_ms;        /* time spent running the stage */
+  double busy_ms;        /* time spent running the stage (a GPU stage: queueing its work) */
   double idle_ms;        /* time spent waiting for work */
   uint64_t queue_depth;  /* micro-batches waiting for this stage now */
 } pipe_stage_stats;
