@@ -95,6 +95,11 @@ type SessionOptions struct {
 	OutputSpecs []ChunkSpec
 	// Weights and dtype of every stage; nil keeps the model's own.
 	Stage *StageOptions
+	// Where each stage runs: one device per stage ("cpu,cuda:0"), one for all ("cuda:0"), or
+	// "auto" (the visible GPUs in order, else the CPU); "" puts every stage on the CPU. A device
+	// the machine lacks fails NewSession with ErrUnsupported naming the stage. Results always
+	// come back in CPU memory.
+	Devices string
 }
 
 // Session runs a plan: one worker per stage. All methods are safe for concurrent use; many
@@ -106,7 +111,8 @@ type Session struct {
 	numStages int
 }
 
-// NewSession builds every stage on the CPU and starts the workers.
+// NewSession builds every stage on its device (SessionOptions.Devices; the CPU by default) and
+// starts the workers.
 func (p *Plan) NewSession(opts *SessionOptions) (*Session, error) {
 	const op = "Plan.NewSession"
 	pptr, err := p.acquire(op)
@@ -130,6 +136,7 @@ func (p *Plan) NewSession(opts *SessionOptions) (*Session, error) {
 	// Always set: the zero value is PIPE_MICROBATCHING_ADAPTIVE, the header's default, and
 	// anything else is passed on for libpipe to accept or refuse.
 	so.SetMicrobatching(int(opts.Microbatching))
+	so.Set_devices_list(opts.Devices)
 	if len(opts.InputSpecs) > 0 {
 		so.Set_input_specs(specPairs(opts.InputSpecs))
 	}

@@ -95,7 +95,7 @@ void init_session_args(session_args *s) {
 
 int parse_session_arg(int argc, char **argv, int *i, const char *command, session_args *s) {
   static const char *const flags[] = {"--microbatches", "--microbatching", "--processes", "--world-size",
-                                      "--store", "--transport", "--comm-timeout-ms"};
+                                      "--store", "--transport", "--devices", "--comm-timeout-ms"};
   const char *a = argv[*i];
   size_t k = 0;
   while (k < sizeof flags / sizeof *flags && strcmp(a, flags[k]) != 0) ++k;
@@ -118,6 +118,7 @@ int parse_session_arg(int argc, char **argv, int *i, const char *command, sessio
       else if (strcmp(v, "local") == 0) o->transport = PIPE_TRANSPORT_LOCAL;
       else return usage_error("%s: --transport is gloo, nccl or local, got '%s'", command, v);
       return 1;
+    case 6: o->devices = v; return 1; /* libpipe checks the list against the plan */
     default:
       if (parse_int(a, v, &o->comm_timeout_ms)) return 2;
       if (o->comm_timeout_ms < 1) return usage_error("%s: --comm-timeout-ms must be positive, got %d", command, o->comm_timeout_ms);

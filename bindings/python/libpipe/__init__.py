@@ -37,6 +37,7 @@ from .runtime import (
     LOG_INFO,
     LOG_WARNING,
     MICROBATCHING_MODES,
+    OUTPUT_PLACEMENTS,
     TRANSPORTS,
     DLPackTensor,
     Model,

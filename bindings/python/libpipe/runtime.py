@@ -52,6 +52,7 @@ __all__ = [
     "LOG_WARNING",
     "LOG_ERROR",
     "MICROBATCHING_MODES",
+    "OUTPUT_PLACEMENTS",
     "TRANSPORTS",
 ]
 
@@ -69,10 +70,14 @@ MICROBATCHING_MODES = ("adaptive", "fixed")
 # in the native module). "local": every stage in this process; "gloo": CPU stages spread over
 # processes; "nccl": GPU stages spread over processes, one GPU each.
 TRANSPORTS = ("local", "gloo", "nccl")
+# Session(outputs=...): where results come back, named as pipe.h's PIPE_OUTPUTS_* (values looked
+# up in the native module). "cpu": CPU memory; "device": the last stage's device (a GPU).
+OUTPUT_PLACEMENTS = {"cpu": "ON_CPU", "device": "ON_DEVICE"}
 _INT32_MAX = 2**31 - 1
 _NAMES_PARAMETERS, _NAMES_BUFFERS = 0, 1
 # DLPack type codes numpy holds: int, uint, float, complex, bool (not bfloat16, code 4).
 _NUMPY_DLPACK_CODES = (0, 1, 2, 5, 6)
+_DLPACK_CPU = 1  # kDLCPU
 
 _native = None
 
@@ -281,10 +286,11 @@ def _convert(entries, output_type):
             import numpy as np
 
             code, bits, lanes = t.dtype
-            if code in _NUMPY_DLPACK_CODES and lanes == 1:
+            if code in _NUMPY_DLPACK_CODES and lanes == 1 and t.device[0] == _DLPACK_CPU:
                 out[name] = np.from_dlpack(t)
             else:
-                out[name] = t  # a dtype numpy cannot hold (bfloat16): torch.from_dlpack takes it
+                # A dtype numpy cannot hold (bfloat16), or GPU memory: torch.from_dlpack takes it.
+                out[name] = t
     return out
 
 
@@ -469,7 +475,8 @@ class Plan(_Closeable):
 
     def session(self, microbatches=4, threads_per_stage=0, max_inflight=0, input_specs=None,
                 output_specs=None, *, microbatching="adaptive", dtype=None, weights=None,
-                transport="local", world_size=1, store=None, comm_timeout=None):
+                transport="local", world_size=1, store=None, comm_timeout=None, devices=None,
+                outputs="cpu"):
         """Build the stages and start one worker thread per stage.
 
         microbatches: micro-batches per call (see microbatching). threads_per_stage: intra-op
@@ -483,6 +490,14 @@ class Plan(_Closeable):
         dict by name) "default" | "split" | ("split", dim) | "replicate"; output_specs: per
         output "concat" | ("concat", dim) | "sum" | "equal". dtype: "float32" | "float16" |
         "bfloat16" for floating weights and inputs. weights: a safetensors checkpoint or index.
+
+        Devices (libpipe >= 0.5): devices places the stages: "cpu,cuda:0" (one per stage), "cuda:0"
+        (every stage), "auto" (the visible GPUs in order, else the CPU), or None (every stage on
+        the CPU); each stage's weights go only to its device and each GPU stage runs on a CUDA
+        stream of its own. Inputs may be CUDA torch tensors (read after the work queued on
+        torch.cuda.current_stream()). outputs: "cpu" (default) or "device": results stay on the
+        last stage's device and come back as CUDA torch tensors without a copy, ready on the
+        current stream. UnsupportedError names the stage whose device this machine lacks.
 
         Stages in other processes (libpipe >= 0.4): transport "local" (default: every stage in
         this process) | "gloo" (CPU stages over `world_size` processes) | "nccl" (GPU stages,
@@ -502,6 +517,14 @@ class Plan(_Closeable):
                 Status.INVALID_ARGUMENT,
                 f"microbatching must be one of {MICROBATCHING_MODES}, not {microbatching!r}",
             )
+        if not isinstance(outputs, str) or outputs not in OUTPUT_PLACEMENTS:
+            raise InvalidArgumentError(
+                Status.INVALID_ARGUMENT, f"outputs must be one of {tuple(OUTPUT_PLACEMENTS)}, not {outputs!r}"
+            )
+        if devices is not None and not isinstance(devices, str):
+            raise InvalidArgumentError(
+                Status.INVALID_ARGUMENT, f"devices must be a str such as 'cpu,cuda:0' or 'auto', not {devices!r}"
+            )
         if not isinstance(transport, str) or transport not in TRANSPORTS:
             raise InvalidArgumentError(
                 Status.INVALID_ARGUMENT, f"transport must be one of {TRANSPORTS}, not {transport!r}"
@@ -517,7 +540,10 @@ class Plan(_Closeable):
             "transport": getattr(lib, f"PIPE_TRANSPORT_{transport.upper()}"),
             "world_size": int(world_size),
             "comm_timeout_ms": _comm_timeout_ms(comm_timeout),
+            "outputs": getattr(lib, f"PIPE_OUTPUTS_{OUTPUT_PLACEMENTS[outputs]}"),
         }
+        if devices is not None:
+            options["devices"] = devices
         if store is not None:
             options["store"] = _store(store)
         options.update(_stage_options(dtype, weights) or {})

@@ -229,6 +229,7 @@ typedef struct {
   pipe_chunk_spec *output_specs;
   PyObject *keep;
   PyObject *keep_store;
+  PyObject *keep_devices;
 } libpipe_session_options_holder;
 %}
 
@@ -350,7 +351,8 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
 
 /* None or a dict with the fields of pipe_session_options (specs as lists of (kind, dim);
  * "microbatching" as PIPE_MICROBATCHING_ADAPTIVE / _FIXED and "transport" as PIPE_TRANSPORT_*,
- * which libpipe checks; "store" a str kept alive for the call), plus "dtype" and "weights" for
+ * which libpipe checks; "store" and "devices" strs kept alive for the call; "outputs" as
+ * PIPE_OUTPUTS_*), plus "dtype" and "weights" for
  * the stage options. Absent keys keep PIPE_SESSION_OPTIONS_INIT's defaults. */
 %typemap(in) const pipe_session_options * (libpipe_session_options_holder tmp, libpipe_session_options_holder *holder = NULL) {
   memset(&tmp, 0, sizeof tmp);
@@ -361,7 +363,7 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
     static const char *const allowed[] = {"num_microbatches", "threads_per_stage", "max_inflight",
                                           "microbatching", "input_specs", "output_specs", "dtype",
                                           "weights", "transport", "world_size", "store",
-                                          "comm_timeout_ms", NULL};
+                                          "comm_timeout_ms", "devices", "outputs", NULL};
     pipe_session_options init = PIPE_SESSION_OPTIONS_INIT;
     tmp.session = init;
     if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "session options must be a dict or None");
@@ -374,6 +376,8 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
         libpipe_dict_int32($input, "world_size", &tmp.session.world_size) < 0 ||
         libpipe_dict_int32($input, "comm_timeout_ms", &tmp.session.comm_timeout_ms) < 0 ||
         libpipe_dict_str($input, "store", &tmp.session.store, &tmp.keep_store) < 0 ||
+        libpipe_dict_str($input, "devices", &tmp.session.devices, &tmp.keep_devices) < 0 ||
+        libpipe_dict_int32($input, "outputs", &tmp.session.outputs) < 0 ||
         libpipe_dict_specs($input, "input_specs", &tmp.input_specs, &tmp.session.num_input_specs) < 0 ||
         libpipe_dict_specs($input, "output_specs", &tmp.output_specs, &tmp.session.num_output_specs) < 0)
       SWIG_fail;
@@ -392,6 +396,7 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
     free(holder$argnum->output_specs);
     Py_XDECREF(holder$argnum->keep);
     Py_XDECREF(holder$argnum->keep_store);
+    Py_XDECREF(holder$argnum->keep_devices);
   }
 }
 

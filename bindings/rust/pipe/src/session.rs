@@ -1,4 +1,5 @@
 use std::borrow::Borrow;
+use std::ffi::CString;
 use std::marker::PhantomData;
 use std::path::Path;
 use std::ptr::{self, NonNull};
@@ -114,6 +115,7 @@ pub struct SessionOptions {
     input_specs: Vec<ChunkSpec>,
     output_specs: Vec<ChunkSpec>,
     stage_options: Option<StageOptions>,
+    devices: Option<String>,
 }
 
 impl Default for SessionOptions {
@@ -126,6 +128,7 @@ impl Default for SessionOptions {
             input_specs: Vec::new(),
             output_specs: Vec::new(),
             stage_options: None,
+            devices: None,
         }
     }
 }
@@ -184,6 +187,15 @@ impl SessionOptions {
         self.stage_options = Some(options);
         self
     }
+
+    /// Where each stage runs: one device per stage (`"cpu,cuda:0"`), one for all (`"cuda:0"`),
+    /// or `"auto"` (the visible GPUs in order, else the CPU). Default: every stage on the CPU.
+    /// A device the machine lacks fails [`Session::new`] with [`Status::Unsupported`] naming the
+    /// stage. Results always come back in CPU memory.
+    pub fn devices(mut self, devices: &str) -> SessionOptions {
+        self.devices = Some(devices.to_owned());
+        self
+    }
 }
 
 /// Per-call options.
@@ -237,8 +249,16 @@ unsafe impl Send for Session {}
 unsafe impl Sync for Session {}
 
 impl Session {
-    /// Build every stage of `plan` on the CPU and start one worker thread per stage.
+    /// Build every stage of `plan` on its device ([`SessionOptions::devices`]; the CPU by
+    /// default) and start one worker thread per stage.
     pub fn new(plan: &Plan, options: &SessionOptions) -> Result<Session> {
+        let devices = options
+            .devices
+            .as_deref()
+            .map(|d| {
+                CString::new(d).map_err(|_| Error::new(Status::InvalidArgument, "devices contains a NUL byte"))
+            })
+            .transpose()?;
         let input_specs: Vec<sys::pipe_chunk_spec> = options.input_specs.iter().map(|s| s.to_raw()).collect();
         let output_specs: Vec<sys::pipe_chunk_spec> = options.output_specs.iter().map(|s| s.to_raw()).collect();
         let stage = options.stage_options.as_ref().map(StageOptions::to_raw).transpose()?;
@@ -256,6 +276,7 @@ impl Session {
             raw.num_output_specs = output_specs.len();
         }
         raw.stage_options = stage.as_ref().map_or(ptr::null(), |s| &s.raw as *const _);
+        raw.devices = devices.as_ref().map_or(ptr::null(), |d| d.as_ptr());
         let mut session = ptr::null_mut();
         // SAFETY: thread-safe on the plan; every pointer in `raw` outlives the call (the spec
         // arrays are copied by libpipe).
