@@ -39,7 +39,7 @@ _Static_assert(sizeof(pipe_stage_options) == 32 && offsetof(pipe_stage_options, 
                "pipe_stage_options");
 _Static_assert(PIPE_DTYPE_KEEP == 0 && PIPE_DTYPE_FLOAT32 == 1 && PIPE_DTYPE_FLOAT16 == 2 && PIPE_DTYPE_BFLOAT16 == 3,
                "dtypes");
-_Static_assert(sizeof(pipe_session_options) == 88 && offsetof(pipe_session_options, struct_size) == 0 &&
+_Static_assert(sizeof(pipe_session_options) == 104 && offsetof(pipe_session_options, struct_size) == 0 &&
                    offsetof(pipe_session_options, num_microbatches) == 4 &&
                    offsetof(pipe_session_options, threads_per_stage) == 8 &&
                    offsetof(pipe_session_options, max_inflight) == 12 &&
@@ -51,8 +51,10 @@ _Static_assert(sizeof(pipe_session_options) == 88 && offsetof(pipe_session_optio
                    offsetof(pipe_session_options, microbatching) == 56 &&
                    offsetof(pipe_session_options, transport) == 60 &&
                    offsetof(pipe_session_options, world_size) == 64 && offsetof(pipe_session_options, store) == 72 &&
-                   offsetof(pipe_session_options, comm_timeout_ms) == 80,
+                   offsetof(pipe_session_options, comm_timeout_ms) == 80 &&
+                   offsetof(pipe_session_options, devices) == 88 && offsetof(pipe_session_options, outputs) == 96,
                "pipe_session_options");
+_Static_assert(PIPE_OUTPUTS_ON_CPU == 0 && PIPE_OUTPUTS_ON_DEVICE == 1, "output placements");
 _Static_assert(sizeof(pipe_worker_options) == 32 && offsetof(pipe_worker_options, rank) == 4 &&
                    offsetof(pipe_worker_options, world_size) == 8 && offsetof(pipe_worker_options, store) == 16 &&
                    offsetof(pipe_worker_options, comm_timeout_ms) == 24 &&
@@ -441,6 +443,57 @@ static void bad_options(void **state) {
   old.struct_size = (uint32_t)offsetof(pipe_session_options, threads_per_stage);
   old.num_microbatches = 2;
   old.threads_per_stage = -99; /* beyond struct_size: must be ignored */
+  ASSERT_OK(pipe_session_create(l.plan, &old, &session));
+  pipe_session_destroy(session);
+  unload(&l);
+}
+
+/* Stages placed on devices: an explicit all-CPU placement computes what the default one does;
+ * a GPU that is not there, a malformed list and one of the wrong length are refused before any
+ * stage is built, each naming what was wrong. */
+static void device_placement(void **state) {
+  (void)state;
+  loaded l;
+  load_fixture(&l, "example_code.traced.pt", "example_code"); /* 4 stages */
+  pipe_session *session = NULL;
+  pipe_tensor_list *out = NULL;
+  const DLManagedTensor *got = NULL, *want = NULL;
+  size_t index = 0;
+  ASSERT_OK(pipe_tensor_list_find(l.expected, "output", &index));
+  ASSERT_OK(pipe_tensor_list_get(l.expected, index, &want));
+  const char *cpu_lists[] = {"cpu,cpu,cpu,cpu", " cpu , cpu,cpu,cpu ", "cpu"};
+  for (size_t i = 0; i < sizeof cpu_lists / sizeof *cpu_lists; ++i) {
+    pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
+    o.num_microbatches = 2;
+    o.devices = cpu_lists[i];
+    o.outputs = i == 2 ? PIPE_OUTPUTS_ON_DEVICE : PIPE_OUTPUTS_ON_CPU; /* the CPU is the last device */
+    ASSERT_OK(pipe_session_create(l.plan, &o, &session));
+    ASSERT_OK(pipe_session_run(session, l.args, l.num_args, NULL, &out));
+    ASSERT_OK(pipe_tensor_list_get(out, 0, &got));
+    assert_int_equal(got->dl_tensor.device.device_type, kDLCPU);
+    assert_close(got, want);
+    pipe_tensor_list_destroy(out);
+    pipe_session_destroy(session);
+  }
+  pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
+  o.devices = "cpu,cuda:64,cpu,cpu";
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_UNSUPPORTED, "stage 1 is on cuda:64");
+  o.devices = "cpu,gpu0,cpu,cpu";
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "'gpu0'");
+  o.devices = "cpu,,cpu,cpu";
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "empty entry");
+  o.devices = "cpu,cpu";
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT,
+               "names 2 devices but the plan has 4 stages");
+  o.devices = NULL;
+  o.outputs = 5;
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT,
+               "PIPE_OUTPUTS_ON_CPU or PIPE_OUTPUTS_ON_DEVICE");
+  /* A 0.4 caller's struct ends before `devices`: whatever lies beyond it is not read. */
+  pipe_session_options old = PIPE_SESSION_OPTIONS_INIT;
+  old.struct_size = (uint32_t)offsetof(pipe_session_options, devices);
+  old.devices = "not a device list";
+  old.outputs = 5;
   ASSERT_OK(pipe_session_create(l.plan, &old, &session));
   pipe_session_destroy(session);
   unload(&l);
@@ -1343,6 +1396,7 @@ int main(void) {
       cmocka_unit_test(remaining_null_arguments),
       cmocka_unit_test(weights_from_a_sharded_checkpoint),
       cmocka_unit_test(distributed_options),
+      cmocka_unit_test(device_placement),
   };
   return cmocka_run_group_tests_name("capi", tests, NULL, NULL);
 }
