@@ -1,7 +1,6 @@
 """The Python binding with stages on a GPU: CUDA torch tensors in and out through DLPack without
 copies, CUDA streams ordered with the caller's, each stage's weights only on its own device, a
 stage running out of GPU memory failing only its call, and many callers at once."""
-import json
 import threading
 
 import libpipe
@@ -83,7 +82,7 @@ def test_inputs_written_on_a_side_stream_are_waited_for():
 def test_each_stages_weights_only_on_its_own_device():
     case = model("multi_mlp.traced")
     plan = libpipe.Model.load(case.path).split()
-    stage_bytes = [s["param_bytes"] for s in json.loads(plan.describe())["stages"]]
+    stage_bytes = [s["param_bytes"] for s in plan.describe()["stages"]]
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(GPU)
     session = plan.session(devices="cpu,cpu,cpu,cuda:0")

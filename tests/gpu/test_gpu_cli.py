@@ -85,3 +85,23 @@ def test_bench_on_the_gpu_reports_throughput(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["samples_per_s"] > 0
+
+
+def test_a_model_traced_on_the_gpu_runs_anywhere_it_is_placed(tmp_path):
+    # Its tensors load onto the CPU and go to their stages' devices; the device constants the
+    # trace recorded (cuda:0) follow each stage's device, the CPU included.
+    case = model("hf_llama")
+    module = case.module.to("cuda:0")
+    with torch.no_grad():
+        ts = torch.jit.trace(module, tuple(v.to("cuda:0") for v in case.inputs.values()))
+    case.module.to("cpu")
+    path = tmp_path / "traced_on_gpu.pt"
+    ts.save(str(path))
+    inputs = tmp_path / "in.safetensors"
+    save_file(case.inputs, inputs)
+    want = case.eager_on_gpu()
+    for devices in ("cuda:0", "cpu,cuda:0", "cuda:0,cpu"):
+        out = tmp_path / f"out-{devices}.safetensors"
+        result = run_pipe("run", path, *case.split_args(), "--devices", devices, "--input", inputs, "--output", out)
+        assert result.returncode == 0, result.stderr
+        assert_close_outputs(load_file(out), want, TOL)

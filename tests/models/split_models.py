@@ -81,7 +81,7 @@ class Rotary(nn.Module):
 
     @torch.no_grad()
     def forward(self, x):
-        t = torch.arange(x.shape[1], dtype=torch.float32)
+        t = torch.arange(x.shape[1], dtype=torch.float32, device=x.device)
         freqs = torch.outer(t, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         # In the activations' dtype, as Hugging Face models do, so the model also runs in bf16.

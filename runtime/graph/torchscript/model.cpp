@@ -327,7 +327,10 @@ std::shared_ptr<const Model> Model::load(const std::string& path) {
   auto model = std::make_shared<Model>();
   model->path_ = path;
   try {
-    model->module_ = torch::jit::load(path);
+    // Onto the CPU whatever device the model was saved from: each stage's tensors go to that
+    // stage's device only when the session builds it (and a model saved on a GPU loads on a
+    // machine, or in a process, without one).
+    model->module_ = torch::jit::load(path, c10::Device(c10::kCPU));
   } catch (const c10::Error& e) {
     throw Error(Status::InvalidFormat,
                 "'" + path + "' is not a loadable TorchScript archive (save it with "
