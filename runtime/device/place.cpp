@@ -136,6 +136,7 @@ void Place::receive(std::vector<c10::IValue>& values, const Ready& ready) {
   for (const auto& e : ready)
     if (e) e->block(stream);
   std::set<c10::DeviceIndex> waited;  // copy streams of other GPUs that already wait for `ready`
+  bool uploaded = false;
   for (auto& v : values) {
     if (!holds_tensor_off(v, device_)) {
       for_each_tensor(v, [&](const at::Tensor& t) { used_by(t, stream); });
@@ -147,11 +148,19 @@ void Place::receive(std::vector<c10::IValue>& values, const Ready& ready) {
         return t;
       }
       if (t.is_cpu()) {
-        // Pinned, the copy is asynchronous; LibTorch's host allocator keeps the pinned block
-        // until the copy queued on `stream` is done.
-        c10::StreamGuard guard(stream);
-        const at::Tensor host = t.is_pinned() ? t : t.pin_memory();
-        return host.to(device_, /*non_blocking=*/true);
+        if (!uploader_) uploader_ = std::make_shared<Uploader>(device_);
+        at::Tensor here;
+        if (t.is_pinned()) {
+          // Already pinned: one asynchronous copy (LibTorch's host allocator keeps the block
+          // until it is done).
+          c10::StreamGuard guard(uploader_->stream());
+          here = t.to(device_, /*non_blocking=*/true);
+        } else {
+          here = uploader_->upload(t);
+        }
+        used_by(here, stream);
+        uploaded = true;
+        return here;
       }
       // Another GPU: LibTorch copies on the source GPU's current stream, ordered both ways with
       // the destination's current stream; make those the copy stream and this place's stream.
@@ -165,6 +174,11 @@ void Place::receive(std::vector<c10::IValue>& values, const Ready& ready) {
       used_by(t, copy);
       return here;
     });
+  }
+  if (uploaded) {
+    c10::Event up(c10::DeviceType::CUDA);
+    up.record(uploader_->stream());
+    up.block(stream);
   }
 }
 

@@ -16,6 +16,8 @@
 
 #include <map>
 #include <memory>
+
+#include "runtime/device/upload.h"
 #include <optional>
 #include <vector>
 
@@ -47,9 +49,10 @@ class Place {
 
   // Makes `values` readable by this place's code: after the work in `ready`, with every tensor
   // (in tuples, lists and dicts too) on this place's device. CPU tensors go up through pinned
-  // memory, GPU tensors come down into pinned memory (the one host wait), other GPUs' tensors
-  // are copied peer to peer; tensors already here stay as they are, marked as used by this
-  // stream so their memory is not reused before this place's kernels have read it.
+  // staging buffers on an upload stream (overlapping this place's earlier work), GPU tensors
+  // come down into pinned memory (the one host wait), other GPUs' tensors are copied peer to
+  // peer; tensors already here stay as they are, marked as used by this stream so their memory
+  // is not reused before this place's kernels have read it.
   void receive(std::vector<c10::IValue>& values, const Ready& ready);
 
   // `value` with its tensors on this place's GPU copied into pinned CPU memory, queued on this
@@ -61,6 +64,8 @@ class Place {
 
   c10::Device device_{c10::kCPU};
   std::optional<c10::Stream> stream_;
+  // CPU tensors come up through it, overlapping the stage's work (made on first use).
+  std::shared_ptr<Uploader> uploader_;
   // Per other GPU: the stream that copies away from it, waiting for that GPU's events without
   // holding up the stream of the stage that wrote the data.
   std::map<c10::DeviceIndex, c10::Stream> copy_streams_;

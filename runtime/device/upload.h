@@ -1,7 +1,8 @@
-// Weights to a GPU through pinned memory: a tensor in pageable CPU memory (a view of a
-// memory-mapped checkpoint, or a model loaded on the CPU) is copied in chunks through two pinned
-// staging buffers, so that reading the file and the transfer overlap and the host never pins
-// more than the two buffers, however large the stage.
+// CPU tensors to a GPU through pinned memory: a tensor in pageable CPU memory (a view of a
+// memory-mapped checkpoint, a CPU stage's output) is copied in chunks through two pinned staging
+// buffers on a stream of its own, so that the host's copy into one buffer overlaps the transfer
+// from the other, and the host never pins more than the two buffers, however large the tensor.
+// Used for stage weights and for micro-batches handed from the CPU to a GPU stage.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -25,6 +26,9 @@ class Uploader {
   at::Tensor upload(const at::Tensor& cpu, std::optional<at::ScalarType> dtype = std::nullopt);
   // Waits until every upload is done; the tensors may then be read on any stream.
   void finish();
+  // The stream the copies are queued on (and the uploaded tensors allocated from): readers on
+  // other streams wait for an event recorded on it.
+  const c10::Stream& stream() const { return stream_; }
 
  private:
   c10::Device device_;

@@ -109,7 +109,7 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         scores = q @ k.transpose(-1, -2) / (c // self.heads) ** 0.5
-        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=1)
         scores = scores.masked_fill(mask, float("-inf"))
         out = torch.softmax(scores, dim=-1) @ v
         return self.o_proj(out.transpose(1, 2).reshape(b, t, c))
