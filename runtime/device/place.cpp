@@ -44,7 +44,7 @@ c10::IValue map_tensors(const c10::IValue& value, const TensorFn& fn) {
   if (value.isList()) {
     auto in = value.toList();
     c10::impl::GenericList out(in.elementType());
-    for (const c10::IValue& e : in) out.push_back(map_tensors(e, fn));
+    for (size_t i = 0; i < in.size(); ++i) out.push_back(map_tensors(in.get(i), fn));
     return out;
   }
   if (value.isGenericDict()) {

@@ -4,7 +4,6 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
-#include <cstring>
 
 namespace libpipe::device {
 
@@ -35,7 +34,10 @@ at::Tensor Uploader::upload(const at::Tensor& cpu, std::optional<at::ScalarType>
     if (!buffers_[slot].defined())
       buffers_[slot] = at::empty({static_cast<int64_t>(chunk_bytes_)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
     if (in_use_[slot]) in_use_[slot]->synchronize();  // the copy before last from this buffer
-    std::memcpy(buffers_[slot].data_ptr(), from + offset, n);
+    // LibTorch's copy, not memcpy: it spreads a large copy over the calling thread's intra-op
+    // threads, which one core's memcpy cannot keep up with against the transfer.
+    buffers_[slot].narrow(0, 0, static_cast<int64_t>(n))
+        .copy_(at::from_blob(const_cast<char*>(from) + offset, {static_cast<int64_t>(n)}, at::kByte));
     at::Tensor device_bytes = at::from_blob(to + offset, {static_cast<int64_t>(n)},
                                             at::TensorOptions().dtype(at::kByte).device(device_));
     device_bytes.copy_(buffers_[slot].narrow(0, 0, static_cast<int64_t>(n)), /*non_blocking=*/true);
