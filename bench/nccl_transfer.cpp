@@ -21,18 +21,8 @@
 #include "runtime/comm/nccl_transport.h"
 
 #ifdef LIBPIPE_HAVE_NCCL
-extern "C" {  // the slice of NCCL/CUDA used here (see runtime/comm/nccl_transport.cpp for why)
-typedef struct CUstream_st* cudaStream_t;
-typedef struct ncclComm* ncclComm_t;
-typedef struct { char internal[128]; } ncclUniqueId;
-int cudaStreamCreateWithFlags(cudaStream_t*, unsigned);
-int cudaStreamSynchronize(cudaStream_t);
-int ncclGetUniqueId(ncclUniqueId*);
-int ncclCommInitRank(ncclComm_t*, int, ncclUniqueId, int);
-int ncclCommDestroy(ncclComm_t);
-int ncclSend(const void*, size_t, int, int, ncclComm_t, cudaStream_t);
-int ncclRecv(void*, size_t, int, int, ncclComm_t, cudaStream_t);
-}
+#include <cuda_runtime_api.h>
+#include <nccl.h>
 #endif
 
 using Clock = std::chrono::steady_clock;
@@ -64,9 +54,9 @@ static int run(int rank, uint16_t port, int trips) {
   const auto v = store->get("bench/raw_id");
   std::memcpy(&id, v.data(), sizeof(id));
   ncclComm_t comm;
-  if (ncclCommInitRank(&comm, 2, id, rank) != 0) { std::fprintf(stderr, "ncclCommInitRank failed\n"); return 1; }
+  if (ncclCommInitRank(&comm, 2, id, rank) != ncclSuccess) { std::fprintf(stderr, "ncclCommInitRank failed\n"); return 1; }
   cudaStream_t stream;
-  cudaStreamCreateWithFlags(&stream, 1);
+  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
 
   if (rank == 0) std::printf("%12s %14s %14s %12s %12s\n", "bytes", "libpipe us", "raw us", "libpipe GB/s", "raw GB/s");
   for (size_t bytes = 4096; bytes <= (size_t{256} << 20); bytes *= 4) {
@@ -84,11 +74,11 @@ static int run(int rank, uint16_t port, int trips) {
     for (int i = 0; i < trips + 2; ++i) {
       const auto s = Clock::now();
       if (rank == 0) {
-        ncclSend(x.data_ptr(), bytes, 1, peer, comm, stream); cudaStreamSynchronize(stream);
-        ncclRecv(y.data_ptr(), bytes, 1, peer, comm, stream); cudaStreamSynchronize(stream);
+        ncclSend(x.data_ptr(), bytes, ncclUint8, peer, comm, stream); cudaStreamSynchronize(stream);
+        ncclRecv(y.data_ptr(), bytes, ncclUint8, peer, comm, stream); cudaStreamSynchronize(stream);
       } else {
-        ncclRecv(y.data_ptr(), bytes, 1, peer, comm, stream); cudaStreamSynchronize(stream);
-        ncclSend(y.data_ptr(), bytes, 1, peer, comm, stream); cudaStreamSynchronize(stream);
+        ncclRecv(y.data_ptr(), bytes, ncclUint8, peer, comm, stream); cudaStreamSynchronize(stream);
+        ncclSend(y.data_ptr(), bytes, ncclUint8, peer, comm, stream); cudaStreamSynchronize(stream);
       }
       if (i >= 2) raw.push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
     }

@@ -1,14 +1,19 @@
 # Finds NCCL and the CUDA runtime for the NCCL transport (runtime/comm/nccl_transport.cpp).
 #
 # Looks next to the torch package (the pip wheel's NVIDIA packages: ../nvidia/nccl and
-# ../nvidia/cu13 or ../nvidia/cu12 / ../nvidia/cuda_runtime), then in a system CUDA/NCCL.
-# Only the shared libraries are required: nccl_transport.cpp declares the slice of the C APIs it
-# uses itself, because the wheels' headers cannot be compiled without nvcc's crt/ headers and CCCL.
+# ../nvidia/cu13 or ../nvidia/cu12 / ../nvidia/cuda_runtime), then in a system CUDA/NCCL. What
+# each pip package gives:
+#   nvidia-nccl-cu13     libnccl.so.2 and nccl.h
+#   nvidia-cuda-runtime  libcudart.so.13 and cuda_runtime_api.h (with LibTorch's wheel)
+#   nvidia-cuda-crt      crt/host_defines.h and the rest of crt/, which cuda_runtime_api.h includes
+#   nvidia-cuda-cccl     CCCL (<nv/target>, <cuda/std/...>), which nccl.h's cuda_fp16.h includes
+# (the last two are in scripts/requirements.txt: LibTorch's wheel does not pull them in). With
+# them a host compiler builds against the real headers; no nvcc is needed.
 #
 # Input:  TORCH_ROOT (cmake/LibTorch.cmake), option LIBPIPE_WITH_NCCL (default ON)
 # Output: LIBPIPE_HAVE_NCCL (ON/OFF); when ON, the INTERFACE IMPORTED target libpipe::nccl
-#         (compile definition LIBPIPE_HAVE_NCCL, include dirs when headers were found, links to
-#         libnccl and libcudart).
+#         (compile definition LIBPIPE_HAVE_NCCL, the headers' include dirs, links to libnccl and
+#         libcudart).
 
 option(LIBPIPE_WITH_NCCL "Build the NCCL transport when NCCL and the CUDA runtime are found" ON)
 set(LIBPIPE_HAVE_NCCL OFF)
@@ -28,10 +33,19 @@ find_library(LIBPIPE_CUDART_LIBRARY NAMES cudart libcudart.so.13 libcudart.so.12
   PATHS /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu)
 find_path(LIBPIPE_NCCL_INCLUDE_DIR nccl.h HINTS "${_nvidia}/nccl/include" ENV NCCL_HOME PATH_SUFFIXES include
   PATHS /usr/local/cuda/include /usr/include)
+set(_cuda_include_hints "${_nvidia}/cu13/include" "${_nvidia}/cu12/include" "${_nvidia}/cuda_runtime/include")
+find_path(LIBPIPE_CUDART_INCLUDE_DIR cuda_runtime_api.h HINTS ${_cuda_include_hints} ENV CUDA_HOME
+  PATH_SUFFIXES include PATHS /usr/local/cuda/include)
+find_path(LIBPIPE_CUDA_CRT_INCLUDE_DIR crt/host_defines.h HINTS ${_cuda_include_hints} ENV CUDA_HOME
+  PATH_SUFFIXES include PATHS /usr/local/cuda/include)
+# CCCL: a CUDA toolkit keeps <nv/target> beside the runtime headers; the pip package in cccl/.
+find_path(LIBPIPE_CCCL_INCLUDE_DIR nv/target HINTS ${_cuda_include_hints} ENV CUDA_HOME
+  PATH_SUFFIXES include/cccl cccl include PATHS /usr/local/cuda/include)
 find_library(_libpipe_torch_cuda torch_cuda PATHS "${TORCH_ROOT}/lib" NO_DEFAULT_PATH)
 
 set(_missing)
-foreach(_v LIBPIPE_NCCL_LIBRARY LIBPIPE_CUDART_LIBRARY _libpipe_torch_cuda)
+foreach(_v LIBPIPE_NCCL_LIBRARY LIBPIPE_CUDART_LIBRARY LIBPIPE_NCCL_INCLUDE_DIR LIBPIPE_CUDART_INCLUDE_DIR
+           LIBPIPE_CUDA_CRT_INCLUDE_DIR LIBPIPE_CCCL_INCLUDE_DIR _libpipe_torch_cuda)
   if(NOT ${_v})
     list(APPEND _missing ${_v})
   endif()
@@ -44,10 +58,8 @@ endif()
 set(LIBPIPE_HAVE_NCCL ON)
 add_library(libpipe::nccl INTERFACE IMPORTED)
 target_compile_definitions(libpipe::nccl INTERFACE LIBPIPE_HAVE_NCCL)
-if(LIBPIPE_NCCL_INCLUDE_DIR)
-  # Informational for code that can compile nccl.h; libpipe's own sources do not include it.
-  target_include_directories(libpipe::nccl SYSTEM INTERFACE "${LIBPIPE_NCCL_INCLUDE_DIR}")
-endif()
+target_include_directories(libpipe::nccl SYSTEM INTERFACE "${LIBPIPE_NCCL_INCLUDE_DIR}" "${LIBPIPE_CUDART_INCLUDE_DIR}"
+  "${LIBPIPE_CUDA_CRT_INCLUDE_DIR}" "${LIBPIPE_CCCL_INCLUDE_DIR}")
 # libtorch_cuda is not linked: nothing of libpipe calls into it, but loading it registers the CUDA
 # kernels and hooks (at::empty on a CUDA device, .to(cuda)), and it pulls cuBLAS, cuDNN and more
 # into every process. The NCCL transport loads it when a session first asks for a GPU

@@ -23,87 +23,20 @@
 #endif
 
 #ifdef LIBPIPE_HAVE_NCCL
-// The slice of the CUDA runtime (libcudart) and NCCL (libnccl.so.2) C APIs this file uses,
-// declared here instead of including cuda_runtime_api.h and nccl.h: the headers of the pip wheels
-// cannot be compiled by a host compiler (nvidia-cuda-runtime 13 ships no crt/ headers, and nccl.h
-// includes cuda_fp16.h, which needs CCCL's <nv/target>). Both are stable C ABIs; the values below
-// are those of CUDA 13.0's driver_types.h and NCCL 2.28's nccl.h (ncclConfig_t is the 2.28 layout,
-// checked against the library's version at run time).
-extern "C" {
-typedef int cudaError_t;
-typedef struct CUstream_st* cudaStream_t;
-typedef struct CUevent_st* cudaEvent_t;
-cudaError_t cudaGetDeviceCount(int* count);
-const char* cudaGetErrorName(cudaError_t error);
-const char* cudaGetErrorString(cudaError_t error);
-cudaError_t cudaGetLastError(void);
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags);
-cudaError_t cudaStreamDestroy(cudaStream_t stream);
-cudaError_t cudaStreamQuery(cudaStream_t stream);
-cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags);
-cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags);
-cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream);
-cudaError_t cudaEventDestroy(cudaEvent_t event);
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, int kind, cudaStream_t stream);
-cudaError_t cudaMemsetAsync(void* dst, int value, size_t count, cudaStream_t stream);
-cudaError_t cudaMallocAsync(void** ptr, size_t size, cudaStream_t stream);
-cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream);
-
-typedef enum { ncclSuccess = 0, ncclInProgress = 7 } ncclResult_t;  // other values: errors
-typedef struct ncclComm* ncclComm_t;
-typedef struct {
-  char internal[128];
-} ncclUniqueId;
-typedef enum { ncclUint8 = 1 } ncclDataType_t;
-typedef struct {
-  size_t size;
-  unsigned int magic;
-  unsigned int version;
-  int blocking;
-  int cgaClusterSize;
-  int minCTAs;
-  int maxCTAs;
-  const char* netName;
-  int splitShare;
-  int trafficClass;
-  const char* commName;
-  int collnetEnable;
-  int CTAPolicy;
-  int shrinkShare;
-  int nvlsCTAs;
-  int nChannelsPerNetPeer;
-  int nvlinkCentricSched;
-} ncclConfig_t;
-ncclResult_t ncclGetVersion(int* version);
-ncclResult_t ncclGetUniqueId(ncclUniqueId* id);
-ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t* config);
-ncclResult_t ncclCommAbort(ncclComm_t comm);
-ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* error);
-const char* ncclGetErrorString(ncclResult_t result);
-const char* ncclGetLastError(ncclComm_t comm);
-ncclResult_t ncclGroupStart(void);
-ncclResult_t ncclGroupEnd(void);
-ncclResult_t ncclSend(const void* buf, size_t count, ncclDataType_t type, int peer, ncclComm_t comm, cudaStream_t stream);
-ncclResult_t ncclRecv(void* buf, size_t count, ncclDataType_t type, int peer, ncclComm_t comm, cudaStream_t stream);
-}
+// The real headers, from the pip wheels next to LibTorch: cuda_runtime_api.h (nvidia-cuda-runtime)
+// needs crt/ (nvidia-cuda-crt), and nccl.h (nvidia-nccl) includes cuda_fp16.h, which needs CCCL's
+// <nv/target> (nvidia-cuda-cccl); cmake/NCCL.cmake finds all of them. libcudart and libnccl are
+// loaded at run time; an older libnccl than these headers describe is refused (below).
+#include <cuda_runtime_api.h>
+#include <nccl.h>
 
 namespace {
-constexpr cudaError_t cudaSuccess = 0;
-constexpr cudaError_t cudaErrorNotReady = 600;
-constexpr unsigned int cudaStreamNonBlocking = 0x01;
-constexpr unsigned int cudaEventDisableTiming = 0x02;
-constexpr int cudaMemcpyHostToDevice = 1;
-constexpr int cudaMemcpyDeviceToHost = 2;
-constexpr int kNcclConfigVersion = 22809;  // NCCL_VERSION(2, 28, 9): the layout of ncclConfig_t above
+// The ncclConfig_t layout this file was compiled with: a libnccl older than that may read it
+// differently.
+constexpr int kNcclConfigVersion = NCCL_VERSION_CODE;
 
 ncclConfig_t nonblocking_config() {
-  ncclConfig_t c;
-  c.size = sizeof(ncclConfig_t);
-  c.magic = 0xcafebeef;
-  c.version = kNcclConfigVersion;
-  c.cgaClusterSize = c.minCTAs = c.maxCTAs = c.splitShare = c.trafficClass = c.collnetEnable = c.CTAPolicy =
-      c.shrinkShare = c.nvlsCTAs = c.nChannelsPerNetPeer = c.nvlinkCentricSched = INT_MIN;  // undefined: NCCL's default
-  c.netName = nullptr;
+  ncclConfig_t c = NCCL_CONFIG_INITIALIZER;  // every field undefined: NCCL's defaults
   c.commName = "libpipe";
   c.blocking = 0;
   return c;
