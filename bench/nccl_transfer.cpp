@@ -54,7 +54,10 @@ static int run(int rank, uint16_t port, int trips) {
   const auto v = store->get("bench/raw_id");
   std::memcpy(&id, v.data(), sizeof(id));
   ncclComm_t comm;
-  if (ncclCommInitRank(&comm, 2, id, rank) != ncclSuccess) { std::fprintf(stderr, "ncclCommInitRank failed\n"); return 1; }
+  if (ncclCommInitRank(&comm, 2, id, rank) != ncclSuccess) {
+    std::fprintf(stderr, "ncclCommInitRank failed\n");
+    return 1;
+  }
   cudaStream_t stream;
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
 

@@ -677,6 +677,27 @@ func TestMicrobatchingOption(t *testing.T) {
 	}
 }
 
+func TestDevicesOption(t *testing.T) {
+	d := newDemo(t, 1)
+	// Every stage on the CPU, spelled out: the same result as the default placement.
+	s, err := d.plan.NewSession(&pipe.SessionOptions{Microbatches: 2, Devices: "cpu,cpu"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	out := must(s.Run(context.Background(), d.x))(t)
+	if diff := maxAbsDiff(t, out.Get("output"), d.expected); diff > 1e-4 {
+		t.Fatalf("max |diff| vs PyTorch = %g", diff)
+	}
+	// A GPU the machine does not have is named; a malformed list is refused.
+	_, err = d.plan.NewSession(&pipe.SessionOptions{Devices: "cpu,cuda:64"})
+	if pe := asError(t, err, pipe.StatusUnsupported); !strings.Contains(pe.Message, "stage 1 is on cuda:64") {
+		t.Fatalf("message does not name the stage and device: %q", pe.Message)
+	}
+	_, err = d.plan.NewSession(&pipe.SessionOptions{Devices: "gpu"})
+	asError(t, err, pipe.StatusInvalidArgument)
+}
+
 func TestSafetensorsRoundTrip(t *testing.T) {
 	half, err := pipe.NewHalfTensor(pipe.Float16, []uint16{0x3c00, 0xc000}, 2) // 1.0, -2.0
 	if err != nil {

@@ -32,7 +32,8 @@ at::Tensor Uploader::upload(const at::Tensor& cpu, std::optional<at::ScalarType>
     const int slot = next_;
     next_ ^= 1;
     if (!buffers_[slot].defined())
-      buffers_[slot] = at::empty({static_cast<int64_t>(chunk_bytes_)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      buffers_[slot] =
+          at::empty({static_cast<int64_t>(chunk_bytes_)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
     if (in_use_[slot]) in_use_[slot]->synchronize();  // the copy before last from this buffer
     // LibTorch's copy, not memcpy: it spreads a large copy over the calling thread's intra-op
     // threads, which one core's memcpy cannot keep up with against the transfer.

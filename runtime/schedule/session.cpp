@@ -69,7 +69,8 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
     devices_ = device::stage_devices(options_.devices, n);
   }
   // The cores go to the stages that compute on them; a GPU stage's thread only queues kernels.
-  const size_t cpu_stages = std::count_if(devices_.begin(), devices_.end(), [](const c10::Device& d) { return d.is_cpu(); });
+  const size_t cpu_stages =
+      std::count_if(devices_.begin(), devices_.end(), [](const c10::Device& d) { return d.is_cpu(); });
   threads_per_stage_ = options_.threads_per_stage > 0 ? options_.threads_per_stage
                                                       : default_threads_per_stage(std::max<size_t>(cpu_stages, 1));
 
@@ -78,7 +79,8 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
     stages_.push_back(stage::build_stage_module(*plan_, s, devices_[s]));
     stage::load_stage_weights(stages_.back(), *plan_, s, options_.stage, checkpoint.get(), devices_[s]);
     // NCCL orders its transfers with the default stream, so its stages queue there too.
-    places_.push_back(nccl ? device::Place::with_default_stream(devices_[s]) : device::Place::with_own_stream(devices_[s]));
+    places_.push_back(nccl ? device::Place::with_default_stream(devices_[s])
+                           : device::Place::with_own_stream(devices_[s]));
   }
   for (size_t s = 0; s < n; ++s) stage_io_.push_back(stage_io(*plan_, s));
   std::unique_ptr<WorkerGroup> group;

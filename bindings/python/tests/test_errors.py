@@ -120,3 +120,21 @@ def test_errors_pickle_and_subclass_builtins():
     assert type(again) is libpipe.InputError and again.status is Status.INPUT and again.message == "bad input"
     unknown = libpipe.errors.from_status(99, "from the future")
     assert type(unknown) is libpipe.Error and unknown.status == 99
+
+
+def test_device_placement_options(demo_plan, demo_x, demo_expected):
+    # The device list and the output placement reach libpipe: an all-CPU placement runs as the
+    # default does, a GPU this machine lacks is named, malformed values are refused.
+    with demo_plan.session(microbatches=2, devices="cpu,cpu", outputs="device") as session:
+        np.testing.assert_allclose(session.run(demo_x)["output"], demo_expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(libpipe.UnsupportedError, match="stage 1 is on cuda:64"):
+        demo_plan.session(devices="cpu,cuda:64")
+    with pytest.raises(libpipe.InvalidArgumentError, match="'gpu' in the device list"):
+        demo_plan.session(devices="gpu")
+    with pytest.raises(libpipe.InvalidArgumentError, match="outputs must be one of"):
+        demo_plan.session(outputs="gpu")
+    with pytest.raises(libpipe.InvalidArgumentError, match="devices must be a str"):
+        demo_plan.session(devices=["cpu"])
+    with demo_plan._handle.use() as plan:
+        with pytest.raises(libpipe.InvalidArgumentError, match="PIPE_OUTPUTS_ON_CPU"):
+            _native.pipe_session_create(plan, {"outputs": 9})

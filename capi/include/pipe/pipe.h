@@ -432,8 +432,9 @@ typedef struct pipe_session_options {
    PIPE_TRANSPORT_LOCAL, 1, NULL, 0, NULL, PIPE_OUTPUTS_ON_CPU}
 
 /* Build every stage of `plan` on its device (options->devices; the CPU by default), loading weights
- * as options->stage_options says, and start one worker thread per stage. `options` NULL means PIPE_SESSION_OPTIONS_INIT; the spec
- * arrays are copied. Weight errors as for pipe_plan_save_stage. Thread-safe on `plan`.
+ * as options->stage_options says, and start one worker thread per stage. `options` NULL means
+ * PIPE_SESSION_OPTIONS_INIT; the spec arrays and the device list are copied. Weight errors as for
+ * pipe_plan_save_stage. Thread-safe on `plan`.
  * With a Gloo or NCCL transport this process hosts the rendezvous store at options->store, waits
  * (up to comm_timeout_ms) for the world_size-1 workers to join, sends each one its stages
  * (without their weights when stage_options->weights names a checkpoint: each worker then reads

@@ -95,6 +95,14 @@ fn bad_session_options() {
     let e = Session::new(&plan, &SessionOptions::new().input_specs(vec![pipe::ChunkSpec::Sum])).err().unwrap();
     assert_eq!(e.status, Status::InvalidArgument, "{e}");
     assert!(e.message.contains("input_specs[0]"), "{}", e.message);
+    // Devices: a GPU the machine does not have is named; a malformed list is refused.
+    let e = Session::new(&plan, &SessionOptions::new().devices("cpu,cuda:64")).err().unwrap();
+    assert_eq!(e.status, Status::Unsupported, "{e}");
+    assert!(e.message.contains("stage 1 is on cuda:64"), "{}", e.message);
+    let e = Session::new(&plan, &SessionOptions::new().devices("gpu")).err().unwrap();
+    assert_eq!(e.status, Status::InvalidArgument, "{e}");
+    let e = Session::new(&plan, &SessionOptions::new().devices("cpu\0")).err().unwrap();
+    assert_eq!(e.status, Status::InvalidArgument, "{e}");
 }
 
 #[test]
