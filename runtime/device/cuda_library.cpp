@@ -4,8 +4,6 @@
 
 #include <dlfcn.h>
 
-#include <mutex>
-
 #include "runtime/error.h"
 
 namespace libpipe::device {
@@ -17,12 +15,26 @@ struct CudaLibrary {
   std::string why;  // why there are none
 };
 
+// libtorch_cuda.so beside the libtorch_cpu.so this process loaded (the same LibTorch, whatever
+// run path or interposer stands between libpipe and dlopen: AddressSanitizer's dlopen resolves
+// bare names with its own run path, not libpipe's). The bare name is the fallback.
+std::string torch_cuda_path() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<const void*>(&at::detail::getCUDAHooks), &info) && info.dli_fname) {
+    std::string path = info.dli_fname;
+    const size_t slash = path.rfind('/');
+    if (slash != std::string::npos) return path.substr(0, slash + 1) + "libtorch_cuda.so";
+  }
+  return "libtorch_cuda.so";
+}
+
 const CudaLibrary& cuda_library() {
   static const CudaLibrary library = [] {
     CudaLibrary l;
-    // Found through libpipe's run path, which holds LibTorch's library folder. RTLD_GLOBAL: its
-    // registrations must be visible to LibTorch's CPU library, which looks them up by name.
-    if (!dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_GLOBAL)) {
+    // RTLD_GLOBAL: its registrations must be visible to LibTorch's CPU library, which looks them
+    // up by name.
+    if (!dlopen(torch_cuda_path().c_str(), RTLD_NOW | RTLD_GLOBAL) &&
+        !dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_GLOBAL)) {
       l.why = std::string("LibTorch's CUDA library could not be loaded (") + dlerror() +
               "); this LibTorch may be a CPU-only build";
       return l;

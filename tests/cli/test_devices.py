@@ -38,6 +38,8 @@ def absent_gpu():
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
         return f"cuda:{n}", "visible"
+    if torch.version.cuda is None:  # a CPU-only LibTorch
+        return "cuda:0", "CUDA library could not be loaded"
     return "cuda:0", "no CUDA device"
 
 
