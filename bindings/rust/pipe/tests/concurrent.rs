@@ -128,7 +128,8 @@ fn threads_submit_and_wait() {
     }
 }
 
-// Handles are Send/Sync exactly as pipe.h allows; this fails to compile if that changes.
+// Handles are Send/Sync exactly as pipe.h allows (lib.rs, "Threads"); this fails to compile if
+// that changes, in either direction: the exclusive ones must not gain the traits they lack.
 #[test]
 fn handle_thread_safety_traits() {
     fn send_sync<T: Send + Sync>() {}
@@ -140,3 +141,8 @@ fn handle_thread_safety_traits() {
     send::<TensorList>();
     send_sync::<pipe::Tensor>();
 }
+
+// pipe_tensor_list_get is exclusive but takes &self: two threads must never share a list.
+static_assertions::assert_not_impl_any!(TensorList: Sync);
+// A DLPack deleter may not run on another thread than the one that took the tensor.
+static_assertions::assert_not_impl_any!(pipe::ManagedTensor: Send, Sync);
