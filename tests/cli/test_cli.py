@@ -1,4 +1,4 @@
-"""The `pipe` command-line contract (see DESIGN.md): split and run on the seed models, outputs
+"""The `pipe` command-line contract (see docs/DESIGN.md): split and run on the seed models, outputs
 equal to eager PyTorch, and one clear line on stderr with a non-zero exit for every error."""
 import json
 import os
