@@ -162,6 +162,22 @@ class SlowLoop(torch.nn.Module):
         return x
 
 
+class Gated(torch.nn.Module):
+    """Two stages, each held at a gate the test opens (tests/gate): a test decides when each
+    micro-batch leaves each stage, instead of guessing how long some work takes. n (a 0-d int64
+    input, replicated to every micro-batch) is the gate key; n = 0 passes every gate at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.w0 = torch.nn.Parameter(torch.randn(64, 64) / 8)
+        self.w1 = torch.nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x, n):
+        x = torch.ops.libpipe_test.gate(torch.tanh(x @ self.w0), n, "stage0")
+        pipe_split()
+        return torch.ops.libpipe_test.gate(torch.tanh(x @ self.w1), n, "stage1")
+
+
 # name -> (class, forms). Tracing refuses modules shared under two names, so the alias model is
 # scripted only.
 MODELS = {
@@ -170,18 +186,23 @@ MODELS = {
     "param_alias": (ModelWithParamAlias, ("scripted",)),
     "tuple_output": (TupleOutput, ("traced",)),
     "slow_loop": (SlowLoop, ("scripted",)),
+    "gated": (Gated, ("scripted",)),
     "marker_in_branch": (MarkerInBranch, ("scripted",)),
     "repeated_marker": (RepeatedMarker, ("traced",)),
 }
 
 
 def generate(out_dir):
+    # The gated model calls the test gate operator (tests/gate), built with the tests.
+    torch.ops.load_library(os.environ["LIBPIPE_TEST_GATE_LIB"])
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)
     for name, (cls, forms) in MODELS.items():
         model = cls().eval()
         if cls is SlowLoop:
             inputs = {"x": torch.randn(BATCH, 64), "n": torch.tensor(3)}
+        elif cls is Gated:
+            inputs = {"x": torch.randn(BATCH, 64), "n": torch.tensor(0)}
         else:
             inputs = {"x": torch.randn(BATCH, D), "y": torch.randn(BATCH, D)}
         with torch.no_grad():
