@@ -18,12 +18,18 @@ import time
 WAIT_LIMIT_S = 300
 
 
+def _library():
+    """LIBPIPE_TEST_GATE_LIB (ctest sets it), else the copy beside this file (the bindings' fixtures)."""
+    beside = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libpipe_test_gate.so")
+    return os.environ.get("LIBPIPE_TEST_GATE_LIB") or (beside if os.path.exists(beside) else "")
+
+
 class Gate:
-    library = os.environ.get("LIBPIPE_TEST_GATE_LIB", "")
+    library = _library()
 
     def __init__(self, load=True):
         if not self.library:
-            raise RuntimeError("LIBPIPE_TEST_GATE_LIB is not set (ctest sets it)")
+            raise RuntimeError("no gate library: set LIBPIPE_TEST_GATE_LIB (ctest sets it)")
         if load:
             ctypes.CDLL(self.library, mode=ctypes.RTLD_GLOBAL)
         self.dir = os.environ.get("LIBPIPE_TEST_GATE_DIR") or tempfile.mkdtemp(prefix="libpipe-gate-")
