@@ -9,7 +9,7 @@
 
 namespace libpipe {
 
-// Mirrors the PIPE_* status codes of capi/include/pipe/pipe.h (checked there by static_assert).
+// Mirrors the PIPE_* status codes of pipe.h (capi/include/pipe/pipe.h.in; checked by static_assert in capi/status.cpp).
 enum class Status : int32_t {
   Ok = 0,
   InvalidArgument = 1,

@@ -17,7 +17,13 @@ san=""
 dynamic=$(objdump -p "$build/libpipe.so")
 if [[ $dynamic =~ NEEDED[[:space:]]+libasan ]]; then san="-fsanitize=address,undefined"; fi
 
-major=$(grep -E '^#define PIPE_VERSION_MAJOR' "$src/capi/include/pipe/pipe.h" | awk '{print $3}')
+# The installed header is the one the build generated from pipe.h.in (its version filled in from
+# CMake's project()), and the SONAME's major is the header's.
+header=$prefix/include/pipe/pipe.h
+[ -f "$header" ] || { echo "missing from the install: include/pipe/pipe.h"; exit 1; }
+cmp -s "$header" "$build/include/pipe/pipe.h" || { echo "installed pipe.h is not $build/include/pipe/pipe.h"; exit 1; }
+major=$(grep -E '^#define PIPE_VERSION_MAJOR' "$header" | awk '{print $3}')
+[[ $major =~ ^[0-9]+$ ]] || { echo "installed pipe.h has no numeric PIPE_VERSION_MAJOR ('$major')"; exit 1; }
 for f in include/pipe/pipe.h lib/libpipe.so "lib/libpipe.so.$major" lib/pkgconfig/libpipe.pc \
          lib/cmake/pipe/pipeConfig.cmake lib/cmake/pipe/pipeConfigVersion.cmake bin/pipe; do
   [ -e "$prefix/$f" ] || { echo "missing from the install: $f"; exit 1; }
