@@ -36,7 +36,8 @@ std::shared_ptr<Plan> by_split_points(const std::shared_ptr<const graph::Program
   return plan;
 }
 
-std::shared_ptr<Plan> by_policy(const std::shared_ptr<const graph::Program>& model, const PlanRequest& request) {
+std::shared_ptr<Plan> by_policy(const std::shared_ptr<const graph::Program>& model, const PlanRequest& request,
+                                PolicyCosts* used) {
   const size_t n = static_cast<size_t>(request.num_stages);
   const auto sequence = graph::top_level_sequence(*model);
   const auto seg = graph::segment(*model, sequence);
@@ -95,6 +96,7 @@ std::shared_ptr<Plan> by_policy(const std::shared_ptr<const graph::Program>& mod
       for (double& c : costs) c = std::max(0.0, c - per_call);
     }
     for (size_t start : graph::min_max_partition(costs, n)) cuts.push_back(bounds[start]);
+    if (used) *used = PolicyCosts{std::move(bounds), std::move(costs)};
   }
   auto plan = Plan::from_cuts(model, sequence, cuts);
   std::vector<std::string> reasons(cuts.size(), policy_name + " over the layers of " + container);
@@ -127,7 +129,9 @@ void require_real_weights(const graph::Program& model, const char* what) {
 
 }  // namespace
 
-std::shared_ptr<const Plan> make_plan(std::shared_ptr<const graph::Program> model, const PlanRequest& request) {
+std::shared_ptr<const Plan> make_plan(std::shared_ptr<const graph::Program> model, const PlanRequest& request,
+                                      PolicyCosts* used) {
+  if (used) *used = PolicyCosts{};
   const bool by_points = !request.split_points.empty();
   const bool by_count = request.num_stages != 0 || !request.policy.empty();
   if (by_points && by_count)
@@ -138,7 +142,7 @@ std::shared_ptr<const Plan> make_plan(std::shared_ptr<const graph::Program> mode
   if (!request.example_inputs.empty()) require_real_weights(*model, "timing stages on example inputs");
   std::shared_ptr<Plan> plan;
   if (by_points) plan = by_split_points(model, request.split_points);
-  else if (by_count) plan = by_policy(model, request);
+  else if (by_count) plan = by_policy(model, request, used);
   else plan = Plan::from_markers(model);
   if (!request.example_inputs.empty())
     plan->set_estimates(stage::time_stages(*plan, request.example_inputs,

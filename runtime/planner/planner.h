@@ -21,9 +21,20 @@ struct PlanRequest {
   std::vector<c10::IValue> example_inputs;   // needed by "time"; give estimates for any plan
 };
 
+// What a "params" or "time" policy shared out among the stages: the model's parts (part i is
+// positions [bounds[i], bounds[i+1]) of graph::top_level_sequence()) and each part's cost by the
+// policy's measure (bytes, or ms less the per-call overhead). The stages are the min-max
+// partition of `costs`; reported so that a test can check that against brute force.
+struct PolicyCosts {
+  std::vector<size_t> bounds;
+  std::vector<double> costs;
+};
+
 // Throws Error(InvalidArgument) for a malformed request and Error(Split) when the model cannot be
-// cut as asked; each message names the offending split point, policy or count.
-std::shared_ptr<const graph::Plan> make_plan(std::shared_ptr<const graph::Program> model, const PlanRequest& request);
+// cut as asked; each message names the offending split point, policy or count. With `used`, a
+// balancing policy also reports there what it cut by (left empty for other requests).
+std::shared_ptr<const graph::Plan> make_plan(std::shared_ptr<const graph::Program> model, const PlanRequest& request,
+                                             PolicyCosts* used = nullptr);
 
 // Checks num_stages >= 1 and a known policy name. Throws Error(InvalidArgument).
 void validate_stage_request(const PlanRequest& request);

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <numeric>
 #include <random>
 
@@ -30,18 +31,24 @@ double largest_group(const std::vector<double>& costs, const std::vector<size_t>
   return std::max(worst, sum);
 }
 
-// Every way to cut `costs` into `parts` groups, by brute force: the optimum to compare against.
-double brute_force_optimum(const std::vector<double>& costs, size_t parts) {
-  double best = 1e300;
+// The largest group of every way to cut `costs` into `parts` contiguous groups, by brute force.
+std::vector<double> every_largest_group(const std::vector<double>& costs, size_t parts) {
+  std::vector<double> all;
   const size_t k = costs.size();
   for (uint64_t mask = 0; mask < (1ull << (k - 1)); ++mask) {
     if (static_cast<size_t>(__builtin_popcountll(mask)) != parts - 1) continue;
     std::vector<size_t> starts;
     for (size_t i = 0; i + 1 < k; ++i)
       if (mask >> i & 1) starts.push_back(i + 1);
-    best = std::min(best, largest_group(costs, starts));
+    all.push_back(largest_group(costs, starts));
   }
-  return best;
+  return all;
+}
+
+// The optimum to compare against.
+double brute_force_optimum(const std::vector<double>& costs, size_t parts) {
+  const auto all = every_largest_group(costs, parts);
+  return *std::min_element(all.begin(), all.end());
 }
 
 TEST(Partition, MinimisesTheSlowestStage) {
@@ -176,6 +183,56 @@ TEST(Planner, TimePolicyMeasuresEveryStage) {
   for (size_t s = 0; s < 3; ++s) EXPECT_GT(plan->stage(s).estimated_ms, 0) << s;
   EXPECT_GT(plan->balance(), 0);
   EXPECT_LE(plan->balance(), 1);
+}
+
+// A balancing policy's plan is min-max optimal on the part costs it computed itself (measured
+// times for "time", bytes for "params"): its slowest stage equals the brute-force optimum over
+// every contiguous partition of those costs. The plan's cuts are read from its stages, not from
+// the planner.
+TEST(Planner, PoliciesCutAtTheMinMaxOptimumOfTheirOwnCosts) {
+  auto model = graph::Model::load(test::fixture("split/resnet18.pt"));
+  const auto sequence = graph::top_level_sequence(*model);
+  for (const std::string policy : {"time", "params"}) {
+    for (int stages : {2, 3, 4}) {
+      SCOPED_TRACE(policy + ", " + std::to_string(stages) + " stages");
+      PlanRequest request;
+      request.num_stages = stages;
+      request.policy = policy;
+      if (policy == "time") request.example_inputs = {at::randn({1, 3, 32, 32})};
+      PolicyCosts used;
+      auto plan = make_plan(model, request, &used);
+      ASSERT_EQ(plan->num_stages(), static_cast<size_t>(stages));
+      ASSERT_EQ(used.bounds.size(), used.costs.size() + 1);
+      ASSERT_EQ(used.bounds.front(), 0u);
+      ASSERT_EQ(used.bounds.back(), sequence.size());
+      // Stage s begins where its first node sits in the sequence: the part that starts there.
+      std::vector<size_t> starts;
+      for (size_t s = 1; s < plan->num_stages(); ++s) {
+        const auto node = std::find(sequence.begin(), sequence.end(), plan->stage(s).nodes.front());
+        const auto part = std::find(used.bounds.begin(), used.bounds.end(), size_t(node - sequence.begin()));
+        ASSERT_NE(part, used.bounds.end()) << "stage " << s << " begins inside a part";
+        starts.push_back(size_t(part - used.bounds.begin()));
+      }
+      const auto all = every_largest_group(used.costs, stages);
+      const double optimum = *std::min_element(all.begin(), all.end());
+      // Some partition must be worse, or any plan would pass. Checked on bytes only: they are fixed,
+      // while measured times are the clock's, and no verdict may rest on it.
+      if (policy == "params")
+        ASSERT_GT(*std::max_element(all.begin(), all.end()), optimum) << "the costs do not tell plans apart";
+      for (double c : used.costs) EXPECT_GE(c, 0);
+      EXPECT_DOUBLE_EQ(largest_group(used.costs, starts), optimum);
+    }
+  }
+}
+
+TEST(Planner, OtherRequestsReportNoPolicyCosts) {
+  auto model = graph::Model::load(test::fixture("split/resnet18.pt"));
+  PlanRequest uniform;
+  uniform.num_stages = 2;
+  uniform.policy = "uniform";
+  PolicyCosts used{{0, 1}, {1.0}};
+  make_plan(model, uniform, &used);
+  EXPECT_TRUE(used.bounds.empty() && used.costs.empty());
 }
 
 }  // namespace
