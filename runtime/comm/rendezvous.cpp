@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "runtime/error.h"
+#include "runtime/log.h"
 
 namespace libpipe::comm {
 
@@ -23,10 +24,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
-
-std::string text(const Address& a) {
-  return (a.host.find(':') != std::string::npos ? "[" + a.host + "]" : a.host) + ":" + std::to_string(a.port);
-}
 
 std::string short_what(const std::exception& e) {
   if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
@@ -48,7 +45,7 @@ void resolve(const Address& address, AddrInfo& out, const std::string& role) {
   const std::string port = std::to_string(address.port);
   const int rc = getaddrinfo(address.host.c_str(), port.c_str(), &hints, &out.list);
   if (rc != 0)
-    throw Error(Status::Communication, role + " address " + text(address) + ": host '" + address.host +
+    throw Error(Status::Communication, role + " address " + format_address(address) + ": host '" + address.host +
                                            "' does not resolve (" + gai_strerror(rc) + "); give a host name or IP " +
                                            "address the processes can reach");
 }
@@ -98,7 +95,11 @@ void quiet_c10d_logging() {
 
 }  // namespace
 
-Address parse_address(const std::string& value, const std::string& what) {
+std::string format_address(const Address& a) {
+  return (a.host.find(':') != std::string::npos ? "[" + a.host + "]" : a.host) + ":" + std::to_string(a.port);
+}
+
+Address parse_address(const std::string& value, const std::string& what, PortZero zero) {
   const std::string hint = what + " must be HOST:PORT (e.g. 10.0.0.5:29500 or [::1]:29500), got '" + value + "'";
   Address a;
   std::string port;
@@ -117,12 +118,16 @@ Address parse_address(const std::string& value, const std::string& what) {
   if (a.host.empty() || port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos)
     throw Error(Status::InvalidArgument, hint);
   const long p = std::stol(port);
-  if (p < 1 || p > 65535) throw Error(Status::InvalidArgument, what + ": port " + port + " is not in 1..65535");
+  if (p == 0 && zero == PortZero::Refused)
+    throw Error(Status::InvalidArgument, what + " '" + value + "' has port 0, which only the driver may give (its " +
+                                             "store then picks a free port and reports it as \"store listening on " +
+                                             "HOST:PORT\"); give the port the driver reported");
+  if (p > 65535) throw Error(Status::InvalidArgument, what + ": port " + port + " is not in 0..65535");
   a.port = static_cast<uint16_t>(p);
   return a;
 }
 
-c10::intrusive_ptr<c10d::Store> host_store(const Address& address, int world_size, milliseconds timeout) {
+HostedStore host_store(const Address& address, int world_size, milliseconds timeout) {
   quiet_c10d_logging();
   // The workers are told to reach this process at address.host, and its transport listens
   // there: it must be one of this machine's addresses. Binding to it proves that at once,
@@ -141,7 +146,8 @@ c10::intrusive_ptr<c10d::Store> host_store(const Address& address, int world_siz
     local = bind(s.fd, reinterpret_cast<sockaddr*>(&any), p->ai_addrlen) == 0;
   }
   if (!local)
-    throw Error(Status::Communication, "the store address " + text(address) + " is not an address of this machine; " +
+    throw Error(Status::Communication, "the store address " + format_address(address) +
+                                           " is not an address of this machine; " +
                                            "the driver hosts the store, so give one of its own addresses " +
                                            "(127.0.0.1 when every process runs here)");
   c10d::TCPStoreOptions options;
@@ -150,12 +156,19 @@ c10::intrusive_ptr<c10d::Store> host_store(const Address& address, int world_siz
   options.numWorkers = static_cast<size_t>(world_size);
   options.waitWorkers = false;  // the session waits for its workers itself, with its own message
   options.timeout = timeout;
+  HostedStore hosted;
+  hosted.address = address;
   try {
-    return c10::make_intrusive<c10d::TCPStore>(address.host, options);
+    auto store = c10::make_intrusive<c10d::TCPStore>(address.host, options);
+    hosted.address.port = store->getPort();
+    hosted.store = std::move(store);
   } catch (const std::exception& e) {
-    throw Error(Status::Communication, "cannot host the rendezvous store at " + text(address) + ": " + short_what(e) +
-                                           " (is the port already in use? pick a free one)");
+    throw Error(Status::Communication, "cannot host the rendezvous store at " + format_address(address) + ": " +
+                                           short_what(e) + " (is the port already in use? pick a free one, or give " +
+                                           "port 0 to let the store pick one)");
   }
+  log::info("store listening on " + format_address(hosted.address));
+  return hosted;
 }
 
 c10::intrusive_ptr<c10d::Store> connect_store(const Address& address, milliseconds timeout, std::string* local_host) {
@@ -173,7 +186,7 @@ c10::intrusive_ptr<c10d::Store> connect_store(const Address& address, millisecon
     }
     if (connected) break;
     if (Clock::now() >= deadline)
-      throw Error(Status::Communication, "no rendezvous store answered at " + text(address) + " within " +
+      throw Error(Status::Communication, "no rendezvous store answered at " + format_address(address) + " within " +
                                              std::to_string(timeout.count()) + " ms (" + std::strerror(last) +
                                              "); is the driver running, and is that its --store address?");
     std::this_thread::sleep_for(std::min(milliseconds(100), std::chrono::duration_cast<milliseconds>(deadline - Clock::now())));
@@ -186,7 +199,8 @@ c10::intrusive_ptr<c10d::Store> connect_store(const Address& address, millisecon
   try {
     return c10::make_intrusive<c10d::TCPStore>(address.host, options);
   } catch (const std::exception& e) {
-    throw Error(Status::Communication, "cannot join the rendezvous store at " + text(address) + ": " + short_what(e));
+    throw Error(Status::Communication,
+                "cannot join the rendezvous store at " + format_address(address) + ": " + short_what(e));
   }
 }
 

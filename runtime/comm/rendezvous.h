@@ -17,12 +17,29 @@ struct Address {
   uint16_t port = 0;
 };
 
-// Parses "HOST:PORT" ("[v6]:PORT" too). Throws Error(InvalidArgument) saying what is wrong.
-Address parse_address(const std::string& text, const std::string& what);
+// Whether port 0 is accepted: the driver's store may pick a free port itself (the only way to get
+// one without racing other processes for it); a worker must be given the port the store got.
+enum class PortZero { Refused, PicksAFreePort };
 
-// Hosts the store on address.port (all interfaces), after checking that address.host resolves to
-// an address of this machine. Throws Error(Communication) naming the address and what to do.
-c10::intrusive_ptr<c10d::Store> host_store(const Address& address, int world_size, std::chrono::milliseconds timeout);
+// Parses "HOST:PORT" ("[v6]:PORT" too). Throws Error(InvalidArgument) saying what is wrong.
+Address parse_address(const std::string& text, const std::string& what, PortZero zero = PortZero::Refused);
+
+// "HOST:PORT" as parse_address reads it ("[v6]:PORT" for an IPv6 host).
+std::string format_address(const Address& address);
+
+// What the driver hosts: the store and the address it listens on (the port it got when 0 was
+// asked for).
+struct HostedStore {
+  c10::intrusive_ptr<c10d::Store> store;
+  Address address;
+};
+
+// Hosts the store on address.port (all interfaces; 0: a free port the system picks), after
+// checking that address.host resolves to an address of this machine. As soon as it listens it
+// logs, at INFO, exactly "store listening on HOST:PORT" with the port it got: the documented way
+// (pipe.h, store option) for a program to learn a picked port before waiting for its workers.
+// Throws Error(Communication) naming the address and what to do.
+HostedStore host_store(const Address& address, int world_size, std::chrono::milliseconds timeout);
 
 // Connects to the store at `address`, trying until `timeout` passes. Throws Error(Communication)
 // naming the address. `local_host` receives this machine's address on the route to the store

@@ -68,15 +68,17 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
     if (o.store.empty())
       throw Error(Status::InvalidArgument, "a session over several processes needs a store address (HOST:PORT) that "
                                            "its workers can reach");
-    const auto address = comm::parse_address(o.store, "the store address");
-    store_ = comm::host_store(address, o.world_size, o.comm_timeout);
+    // Port 0: the store picks a free port; the workers are told the one it got.
+    auto hosted = comm::host_store(comm::parse_address(o.store, "the store address", comm::PortZero::PicksAFreePort),
+                                   o.world_size, o.comm_timeout);
+    store_ = hosted.store;
     const char* name = o.transport == TransportKind::Nccl ? "nccl" : "gloo";
     comm::announce_session(*store_, o.world_size, name);
-    comm::wait_for_workers(*store_, o.world_size, o.store, o.comm_timeout);
+    comm::wait_for_workers(*store_, o.world_size, comm::format_address(hosted.address), o.comm_timeout);
     if (o.transport == TransportKind::Nccl)
       transport_ = comm::make_nccl_transport(store_, 0, o.world_size, nccl_device(0), o.comm_timeout);
     else
-      transport_ = comm::make_gloo_transport(store_, 0, o.world_size, address.host, o.comm_timeout);
+      transport_ = comm::make_gloo_transport(store_, 0, o.world_size, hosted.address.host, o.comm_timeout);
   }
 
   SetupDeadline deadline(*transport_, o.comm_timeout);

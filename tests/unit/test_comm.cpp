@@ -1,16 +1,24 @@
 // The transports and the ring through worker processes, inside one process: the wire format,
 // the local transport, Gloo between two threads over loopback, and a session whose stages are
-// partly served by a worker running in a thread (serve() on the local transport).
+// partly served by a worker running in a thread (serve() on the local transport). Stores listen
+// on port 0 and the tests use the port they got (no guessing a free one); the session tests hold
+// a stage with the test gate (tests/gate) to know what the worker holds when it goes away.
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <fstream>
 #include <future>
+#include <mutex>
 #include <thread>
 
 #include "fixtures.h"
@@ -20,9 +28,11 @@
 #include "runtime/comm/wire.h"
 #include "runtime/graph/torchscript/model.h"
 #include "runtime/graph/plan.h"
+#include "runtime/log.h"
 #include "runtime/schedule/assignment.h"
 #include "runtime/schedule/session.h"
 #include "runtime/schedule/worker_host.h"
+#include "tests/gate/gate.h"
 
 namespace libpipe {
 namespace {
@@ -82,6 +92,25 @@ TEST(Wire, APreambleFromAnotherProgramIsRefused) {
   EXPECT_EQ(status_of([&] { comm::wire::allocate({1, 5, 2}, at::TensorOptions()); }), Status::Communication);
 }
 
+// The scheduler state of thread `tid` of this process ('R' running, 'S' asleep, ...).
+char thread_state(pid_t tid) {
+  std::ifstream stat("/proc/self/task/" + std::to_string(tid) + "/stat");
+  std::string line;
+  std::getline(stat, line);
+  const auto close = line.rfind(')');
+  return close == std::string::npos || close + 2 >= line.size() ? '?' : line[close + 2];
+}
+
+// Waits until thread `tid` sleeps: once it has entered a blocking call that nothing else can hold
+// up, that is the call waiting. The bound only ends a broken test.
+void wait_until_asleep(pid_t tid) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(GATE_WAIT_LIMIT_S);
+  while (thread_state(tid) != 'S') {
+    ASSERT_LT(std::chrono::steady_clock::now(), give_up) << "thread " << tid << " never blocked";
+    std::this_thread::yield();
+  }
+}
+
 TEST(LocalTransport, MessagesArriveInOrderAndAbortWakesAWaitingReceiver) {
   auto ends = comm::make_local_transports(2);
   for (int i = 0; i < 5; ++i) {
@@ -90,28 +119,41 @@ TEST(LocalTransport, MessagesArriveInOrderAndAbortWakesAWaitingReceiver) {
     ends[0]->send(1, m);
   }
   for (int i = 0; i < 5; ++i) EXPECT_EQ(ends[1]->recv(0).request, static_cast<uint64_t>(i));
-  auto waiting = std::async(std::launch::async, [&] { return status_of([&] { ends[1]->recv(0); }); });
-  std::this_thread::sleep_for(milliseconds(50));
+  std::atomic<pid_t> receiver{0};
+  auto waiting = std::async(std::launch::async, [&] {
+    receiver = static_cast<pid_t>(syscall(SYS_gettid));
+    return status_of([&] { ends[1]->recv(0); });
+  });
+  while (receiver == 0) std::this_thread::yield();
+  wait_until_asleep(receiver);  // in recv, waiting for a message that never comes
   ends[0]->abort("peer gone");
   EXPECT_EQ(waiting.get(), Status::Communication);
   EXPECT_EQ(status_of([&] { ends[0]->send(1, Message{}); }), Status::Communication);
 }
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
+// A loopback port where nothing listens, for as long as this object lives: the socket is bound
+// but never listens, so connections are refused and no other process can take the port.
+struct RefusedPort {
+  RefusedPort() {
+    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+    port = ntohs(a.sin_port);
+  }
+  ~RefusedPort() { close(fd); }
+  int fd = -1;
+  uint16_t port = 0;
+};
 
 TEST(GlooTransport, TwoRanksExchangeMessagesOfChangingShapesBothWays) {
-  const std::string address = "127.0.0.1:" + std::to_string(free_port());
   const auto timeout = milliseconds(20000);
+  const auto hosted = comm::host_store(comm::parse_address("127.0.0.1:0", "store", comm::PortZero::PicksAFreePort),
+                                       2, timeout);
+  const std::string address = comm::format_address(hosted.address);
   auto rank1 = std::async(std::launch::async, [&] {
     std::string local;
     auto store = comm::connect_store(comm::parse_address(address, "store"), timeout, &local);
@@ -124,8 +166,7 @@ TEST(GlooTransport, TwoRanksExchangeMessagesOfChangingShapesBothWays) {
     }
     t->send(0, t->recv(0));  // the big one, echoed
   });
-  auto store = comm::host_store(comm::parse_address(address, "store"), 2, timeout);
-  auto t = comm::make_gloo_transport(store, 0, 2, "127.0.0.1", timeout);
+  auto t = comm::make_gloo_transport(hosted.store, 0, 2, "127.0.0.1", timeout);
   for (int i = 0; i < 3; ++i) {
     Message m;
     m.request = static_cast<uint64_t>(i);
@@ -156,22 +197,61 @@ TEST(Rendezvous, AddressesAreCheckedBeforeAnythingWaits) {
   EXPECT_EQ(status_of([] { comm::parse_address("no-port", "store"); }), Status::InvalidArgument);
   EXPECT_EQ(status_of([] { comm::parse_address("host:99999", "store"); }), Status::InvalidArgument);
   EXPECT_EQ(comm::parse_address("[::1]:80", "store").host, "::1");
+  EXPECT_EQ(comm::format_address(comm::parse_address("[::1]:80", "store")), "[::1]:80");
   std::string message;
+  // Port 0 asks the store to pick one: only the driver may; a worker needs the port it got.
+  EXPECT_EQ(status_of([] { comm::parse_address("127.0.0.1:0", "the store address"); }, &message),
+            Status::InvalidArgument);
+  EXPECT_NE(message.find("port 0, which only the driver may give"), std::string::npos) << message;
+  EXPECT_EQ(comm::parse_address("127.0.0.1:0", "store", comm::PortZero::PicksAFreePort).port, 0);
   // 192.0.2.1 (TEST-NET-1) is never an address of this machine.
   EXPECT_EQ(status_of([] { comm::host_store(comm::parse_address("192.0.2.1:29400", "store"), 2, milliseconds(1000)); },
                       &message),
             Status::Communication);
   EXPECT_NE(message.find("not an address of this machine"), std::string::npos) << message;
+  const RefusedPort nobody;
   const auto start = std::chrono::steady_clock::now();
-  EXPECT_EQ(status_of([] {
+  EXPECT_EQ(status_of([&] {
               std::string local;
-              comm::connect_store(comm::parse_address("127.0.0.1:" + std::to_string(free_port()), "store"),
+              comm::connect_store(comm::parse_address("127.0.0.1:" + std::to_string(nobody.port), "store"),
                                   milliseconds(300), &local);
             },
                       &message),
             Status::Communication);
-  EXPECT_NE(message.find("no rendezvous store answered"), std::string::npos) << message;
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));  // bounded, not a hang
+  EXPECT_NE(message.find("no rendezvous store answered at 127.0.0.1:" + std::to_string(nobody.port)),
+            std::string::npos)
+      << message;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));  // bounded, not a hang
+}
+
+// What the log sink received, for the test below.
+struct Logged {
+  std::mutex mutex;
+  std::vector<std::pair<int32_t, std::string>> messages;
+  static void sink(void* user_data, int32_t level, const char* message) {
+    auto* self = static_cast<Logged*>(user_data);
+    std::lock_guard lock(self->mutex);
+    self->messages.emplace_back(level, message);
+  }
+};
+
+TEST(Rendezvous, AStoreOnPortZeroListensOnAFreePortAndSaysWhichBeforeAnyoneJoins) {
+  Logged logged;
+  log::set_sink(&Logged::sink, &logged, log::Info);
+  const auto hosted = comm::host_store(comm::parse_address("127.0.0.1:0", "store", comm::PortZero::PicksAFreePort),
+                                       2, milliseconds(20000));
+  log::set_sink(nullptr, nullptr, log::Warning);
+  const uint16_t port = dynamic_cast<c10d::TCPStore&>(*hosted.store).getPort();
+  EXPECT_NE(port, 0);
+  EXPECT_EQ(hosted.address.port, port);
+  EXPECT_EQ(hosted.address.host, "127.0.0.1");
+  const std::string said = "store listening on 127.0.0.1:" + std::to_string(port);
+  EXPECT_EQ(std::count(logged.messages.begin(), logged.messages.end(), std::make_pair(int32_t{log::Info}, said)), 1);
+  // A worker given that address reaches this store.
+  hosted.store->set("key", std::vector<uint8_t>{7});
+  std::string local;
+  auto client = comm::connect_store(hosted.address, milliseconds(20000), &local);
+  EXPECT_EQ(client->get("key"), std::vector<uint8_t>{7});
 }
 
 TEST(Placement, StagesSpreadInContiguousGroupsLargerFirst) {
@@ -236,14 +316,18 @@ TEST(DistributedSession, AFailedCallLeavesTheSessionWorking) {
 }
 
 TEST(DistributedSession, AWorkerThatGoesAwayBreaksTheSessionAndItsCalls) {
-  TwoRanks ranks("slow_loop.scripted.pt");
-  auto request = ranks.session->submit({at::randn({4, 64}), at::scalar_tensor(50000, at::kLong)});
-  std::this_thread::sleep_for(milliseconds(100));
+  ASSERT_EQ(gate_init(), 0);
+  TwoRanks ranks("gated.scripted.pt");  // stage 0 here, stage 1 in the worker
+  const int64_t key = gate_new_key();
+  auto request = ranks.session->submit({at::randn({4, 64}), at::scalar_tensor(key, at::kLong)});
+  gate_open(key, "stage0");
+  ASSERT_TRUE(gate_wait(key, "stage1", "arrived", 1));  // the worker holds the call
   ranks.worker_end->abort("the worker process died");  // what a closed connection looks like
   std::string message;
   EXPECT_EQ(status_of([&] { request->result({}); }, &message), Status::Communication);
+  gate_open(key, nullptr);  // the worker's stage finishes, so that its thread can end
   EXPECT_NE(ranks.session->broken().find("died"), std::string::npos) << ranks.session->broken();
-  EXPECT_EQ(status_of([&] { ranks.session->run({at::randn({4, 64}), at::scalar_tensor(1, at::kLong)}); }, &message),
+  EXPECT_EQ(status_of([&] { ranks.session->run({at::randn({4, 64}), at::scalar_tensor(0, at::kLong)}); }, &message),
             Status::Communication);
   EXPECT_NE(message.find("destroy it"), std::string::npos) << message;
   ranks.session.reset();
