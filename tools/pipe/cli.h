@@ -54,7 +54,6 @@ int check_split_args(const char *cmd, const split_args *split);
 typedef struct {
   pipe_session_options options;
   int32_t processes; /* --processes: 0 when not given */
-  char store[64];    /* the store address chosen for local workers */
 } session_args;
 
 void init_session_args(session_args *s);
@@ -73,10 +72,9 @@ typedef struct {
   int32_t comm_timeout_ms;   /* how long a finished session's workers get to exit */
 } local_workers;
 
-/* A free TCP port on the loopback interface for the store of local workers, or -1. */
-int free_port(void);
-/* Starts `pipe worker` for ranks 1..N-1 of `s` (this same executable). 0, or 1 after reporting. */
-int start_workers(local_workers *w, const session_args *s);
+/* Starts `pipe worker` for ranks 1..N-1 of `s` (this same executable), joining the store at
+ * `store` (the address it reported). 0, or 1 after reporting. */
+int start_workers(local_workers *w, const session_args *s, const char *store);
 /* Waits for the workers to finish (a destroyed session ends them), killing any still there after
  * the comm timeout, or all of them at once with `kill_now`. */
 void reap_workers(local_workers *w, int kill_now);

@@ -31,7 +31,8 @@ static const char usage_text[] =
     "      default) cuts a request that arrives while others are in flight more coarsely.\n"
     "  worker --rank R --world-size N --store HOST:PORT [--comm-timeout-ms T] [--threads T]\n"
     "      Host stages for a session whose driver (a `pipe run`/`bench` with --world-size, or a\n"
-    "      program of the C ABI) listens at HOST:PORT; exits when that session ends.\n"
+    "      program of the C ABI) listens at HOST:PORT (the port it reported, never 0); exits\n"
+    "      when that session ends.\n"
     "  version\n"
     "      Print the libpipe version.\n"
     "\n"
@@ -54,7 +55,9 @@ static const char usage_text[] =
     "run and bench spread the stages over processes with:\n"
     "  --processes N                   start N-1 local workers (`pipe worker`) and use them\n"
     "  --world-size N --store HOST:PORT  drive N-1 workers started elsewhere; this process\n"
-    "                                  hosts the rendezvous store at HOST:PORT\n"
+    "                                  hosts the rendezvous store at HOST:PORT (PORT 0: a free\n"
+    "                                  port) and, once it listens, prints on stderr\n"
+    "                                  pipe: store listening on HOST:PORT (start workers with --store HOST:PORT)\n"
     "  --transport gloo|nccl           how stages talk (default gloo: CPU tensors over TCP)\n"
     "  --comm-timeout-ms T             how long workers may stay silent (default 60000)\n";
 

@@ -1,6 +1,5 @@
 /* What run and bench share: the model loaded, its inputs read and lined up with its forward
  * arguments, the plan made as SPLIT says, local workers started, and the session created. */
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -79,6 +78,32 @@ int read_inputs(const pipe_model *model, const char *path, pipe_tensor_list **li
   return 0;
 }
 
+/* While the session is created: libpipe logs "store listening on HOST:PORT" (pipe.h, the store
+ * option) as soon as its store listens, before it waits for the workers. Local workers are
+ * started then, with the port the store got; for workers started elsewhere the address is
+ * printed, which is how a user learns the port of --store HOST:0. */
+typedef struct {
+  local_workers *workers;
+  const session_args *args;
+} store_watch;
+
+static void watch_store(void *user_data, int32_t level, const char *message) {
+  static const char listening[] = "store listening on ";
+  static const char *const names[] = {"debug", "info", "warning", "error"};
+  const store_watch *w = user_data;
+  if (strncmp(message, listening, sizeof listening - 1) == 0) {
+    const char *address = message + sizeof listening - 1;
+    if (w->args->processes > 1) {
+      start_workers(w->workers, w->args, address);
+    } else {
+      fprintf(stderr, "pipe: store listening on %s (start workers with --store %s)\n", address, address);
+      fflush(stderr);
+    }
+  } else if (level >= PIPE_LOG_WARNING) { /* what the default logger prints */
+    fprintf(stderr, "libpipe %s: %s\n", level <= PIPE_LOG_ERROR ? names[level] : "log", message);
+  }
+}
+
 void close_pipeline(pipeline *p) {
   free(p->args);
   pipe_tensor_list_destroy(p->in);
@@ -112,20 +137,15 @@ int open_pipeline(pipeline *p, const char *model_path, const char *in_path, cons
               "one; use at most %zu processes or cut more stages\n", s->processes, stages, stages == 1 ? "" : "s", stages);
       goto failed;
     }
-    if (!s->options.store) {
-      int port = free_port();
-      if (port < 0) {
-        fprintf(stderr, "pipe: error: cannot find a free port for the workers' rendezvous: %s\n", strerror(errno));
-        goto failed;
-      }
-      snprintf(s->store, sizeof s->store, "127.0.0.1:%d", port);
-      s->options.store = s->store;
-    }
-    if (start_workers(&p->workers, s) != 0) goto failed;
+    if (!s->options.store) s->options.store = "127.0.0.1:0"; /* the store picks a free port */
   }
   pipe_session_options with_weights = s->options;
   with_weights.stage_options = &split->weights;
-  if ((st = pipe_session_create(p->plan, &with_weights, &p->session)) != PIPE_OK) {
+  store_watch watch = {&p->workers, s};
+  if (s->options.world_size > 1) pipe_set_log_callback(watch_store, &watch, PIPE_LOG_INFO);
+  st = pipe_session_create(p->plan, &with_weights, &p->session);
+  if (s->options.world_size > 1) pipe_set_log_callback(NULL, NULL, PIPE_LOG_WARNING);
+  if (st != PIPE_OK) {
     fail("cannot create session", st);
     goto failed;
   }

@@ -1,44 +1,26 @@
 /* Local worker processes for --processes: `pipe worker` started from this same executable, tied
  * to this process's life, and reaped when the session ends. */
-#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include "cli.h"
 
-int free_port(void) {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
-  struct sockaddr_in a;
-  memset(&a, 0, sizeof a);
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  int port = -1;
-  if (bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && getsockname(fd, (struct sockaddr *)&a, &len) == 0)
-    port = ntohs(a.sin_port);
-  close(fd);
-  return port;
-}
-
 /* Starts `pipe worker` for ranks 1..N-1 (this same executable). Each dies with this process
  * (PR_SET_PDEATHSIG), so no worker outlives a driver that crashed. Their stderr is discarded:
  * what goes wrong in a worker reaches the driver's calls, and this process reports it once. */
-int start_workers(local_workers *w, const session_args *s) {
+int start_workers(local_workers *w, const session_args *s, const char *store) {
   char rank[16], world[16], timeout[16];
   snprintf(world, sizeof world, "%d", s->processes);
   snprintf(timeout, sizeof timeout, "%d", s->options.comm_timeout_ms > 0 ? s->options.comm_timeout_ms : 60000);
   for (int r = 1; r < s->processes; ++r) {
     snprintf(rank, sizeof rank, "%d", r);
-    char *argv[] = {"pipe", "worker", "--rank", rank, "--world-size", world, "--store", (char *)s->options.store,
+    char *argv[] = {"pipe", "worker", "--rank", rank, "--world-size", world, "--store", (char *)store,
                     "--comm-timeout-ms", timeout, NULL};
     pid_t parent = getpid();
     pid_t pid = fork();
