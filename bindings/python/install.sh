@@ -36,6 +36,7 @@ fingerprint() {
     cd "$here"
     find pyproject.toml setup.py MANIFEST.in README.md swig libpipe -type f \
       ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z | xargs -0 sha256sum
+    sha256sum "$here/../codegen/pipe_constants.py"
     sha256sum "$prefix/include/pipe/pipe.h"
     stat -L -c '%n %s %Y' "$prefix/lib/libpipe.so"
     echo "$prefix"
@@ -72,9 +73,12 @@ if [ "$(cat "$build/.fingerprint-prefix" 2>/dev/null)" != "$prefix" ]; then
 fi
 mkdir -p "$build"
 echo "$prefix" >"$build/.fingerprint-prefix"
-rm -rf "$build/libpipe" "$build/swig"
+rm -rf "$build/libpipe" "$build/swig" "$build/codegen"
 cp -p "$here/pyproject.toml" "$here/setup.py" "$here/MANIFEST.in" "$here/README.md" "$build/"
 cp -rp "$here/libpipe" "$here/swig" "$build/"
+# The generator of libpipe/_constants.py (setup.py runs it on the installed pipe.h).
+mkdir -p "$build/codegen"
+cp -p "$here/../codegen/pipe_constants.py" "$build/codegen/"
 find "$build/libpipe" -name __pycache__ -prune -exec rm -rf {} +
 
 # The check says nothing itself (no setuptools at all, or an odd version string, is "cannot"): the

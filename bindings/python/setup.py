@@ -1,16 +1,20 @@
 """Builds libpipe._native, the SWIG wrapper of libpipe's C ABI, against the libpipe that
 pkg-config finds (set PKG_CONFIG_PATH=<prefix>/lib/pkgconfig for a libpipe outside the default
 search path). The extension records an rpath to libpipe's libdir, so it loads without
-LD_LIBRARY_PATH. All metadata is in pyproject.toml; this file only describes the extension.
+LD_LIBRARY_PATH. All metadata is in pyproject.toml; this file only describes the extension and
+generates libpipe/_constants.py (status codes, enums, option defaults, version) from that
+libpipe's pipe.h with bindings/codegen/pipe_constants.py, into the build (never the sources).
 
 Environment: SWIG (the swig executable, default "swig"), PKG_CONFIG (default "pkg-config").
 """
+import importlib.util
 import os
 import shlex
 import subprocess
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -65,6 +69,40 @@ if libdir not in library_dirs:
     library_dirs.append(libdir)
 header = next((os.path.join(d, "pipe", "pipe.h") for d in include_dirs if os.path.exists(os.path.join(d, "pipe", "pipe.h"))), None)
 
+
+def codegen():
+    """bindings/codegen/pipe_constants.py: beside this file in a copy made by install.sh (and in an
+    sdist), one folder up in the repository."""
+    for path in (
+        os.path.join(HERE, "codegen", "pipe_constants.py"),
+        os.path.join(HERE, "..", "codegen", "pipe_constants.py"),
+    ):
+        if os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location("pipe_constants", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    raise SystemExit("libpipe's Python binding needs bindings/codegen/pipe_constants.py to generate its constants")
+
+
+class BuildPyWithConstants(build_py):
+    """Adds libpipe/_constants.py, generated from the pipe.h the extension is built against, so
+    that the Python tables cannot drift from the header (libpipe/_header.py reads it)."""
+
+    def run(self):
+        super().run()
+        if header is None:
+            raise SystemExit(f"pipe/pipe.h is in none of libpipe's include folders {include_dirs}")
+        target = os.path.join(self.build_lib, "libpipe", "_constants.py")
+        generator = codegen()
+        try:
+            text = generator.generate("python", header)
+        except generator.HeaderError as e:
+            raise SystemExit(f"cannot generate libpipe/_constants.py: {e}")
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
 native = Extension(
     "libpipe._native",
     sources=["swig/native.i"],
@@ -80,5 +118,5 @@ native = Extension(
 setup(
     version=pkg_config("--modversion"),
     ext_modules=[native],
-    cmdclass={"build_ext": BuildSwigExt},
+    cmdclass={"build_ext": BuildSwigExt, "build_py": BuildPyWithConstants},
 )

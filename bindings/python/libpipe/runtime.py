@@ -34,6 +34,7 @@ import time
 import weakref
 from collections import namedtuple
 
+from ._header import constants as _constants
 from .errors import Error, InputError, InvalidArgumentError, Status, WaitTimeoutError
 
 __all__ = [
@@ -56,25 +57,37 @@ __all__ = [
     "TRANSPORTS",
 ]
 
-LOG_DEBUG, LOG_INFO, LOG_WARNING, LOG_ERROR = 0, 1, 2, 3
+# The tables below come from pipe.h (libpipe._header); only the Python spelling is chosen here.
+LOG_DEBUG, LOG_INFO, LOG_WARNING, LOG_ERROR = (_constants.LOG[n] for n in ("DEBUG", "INFO", "WARNING", "ERROR"))
 
-_CHUNK_KINDS = {"default": 0, "split": 1, "replicate": 2, "concat": 3, "sum": 4, "equal": 5}
+# PIPE_CHUNK_*, by lower-case name; which of them suit inputs and which outputs is pipe.h's prose.
+_CHUNK_KINDS = {name.lower(): value for name, value in _constants.CHUNK.items()}
 _INPUT_KINDS = ("default", "split", "replicate")
 _OUTPUT_KINDS = ("default", "concat", "sum", "equal")
-_DTYPES = {None: 0, "keep": 0, "float32": 1, "float16": 2, "bfloat16": 3}
+# PIPE_DTYPE_*, by lower-case name; None keeps the dtypes as PIPE_DTYPE_KEEP does.
+_DTYPES = {None: _constants.DTYPE["KEEP"], **{name.lower(): value for name, value in _constants.DTYPE.items()}}
 _OUTPUT_TYPES = (None, "numpy", "torch", "dlpack")
-# Session(microbatching=...): how calls are cut, named as pipe.h's PIPE_MICROBATCHING_* (whose
-# values are looked up in the native module, not copied here).
-MICROBATCHING_MODES = ("adaptive", "fixed")
-# Session(transport=...): how stages talk, named as pipe.h's PIPE_TRANSPORT_* (values looked up
-# in the native module). "local": every stage in this process; "gloo": CPU stages spread over
-# processes; "nccl": GPU stages spread over processes, one GPU each.
-TRANSPORTS = ("local", "gloo", "nccl")
-# Session(outputs=...): where results come back, named as pipe.h's PIPE_OUTPUTS_* (values looked
-# up in the native module). "cpu": CPU memory; "device": the last stage's device (a GPU).
-OUTPUT_PLACEMENTS = {"cpu": "ON_CPU", "device": "ON_DEVICE"}
+# Session(microbatching=...): how calls are cut, pipe.h's PIPE_MICROBATCHING_* by lower-case name.
+MICROBATCHING_MODES = tuple(name.lower() for name in _constants.MICROBATCHING)
+# Session(transport=...): how stages talk, pipe.h's PIPE_TRANSPORT_* by lower-case name. "local":
+# every stage in this process; "gloo": CPU stages spread over processes; "nccl": GPU stages spread
+# over processes, one GPU each.
+TRANSPORTS = tuple(name.lower() for name in _constants.TRANSPORT)
+# Session(outputs=...): where results come back, pipe.h's PIPE_OUTPUTS_ON_* by the word after ON_.
+# "cpu": CPU memory; "device": the last stage's device (a GPU).
+OUTPUT_PLACEMENTS = {name.lower().removeprefix("on_"): name for name in _constants.OUTPUTS}
+_NAMES_PARAMETERS, _NAMES_BUFFERS = _constants.NAMES["PARAMETERS"], _constants.NAMES["BUFFERS"]
+# The defaults of Plan.session and run_worker: PIPE_SESSION_OPTIONS_INIT's and PIPE_WORKER_OPTIONS_INIT's.
+_SESSION_DEFAULTS = _constants.DEFAULTS["pipe_session_options"]
+_WORKER_DEFAULTS = _constants.DEFAULTS["pipe_worker_options"]
+
+
+def _name_of(table, value):
+    """The name of the member of a PIPE_<GROUP>_* table with this value ("ADAPTIVE", "ON_CPU")."""
+    return next(name for name, v in table.items() if v == value)
+
+
 _INT32_MAX = 2**31 - 1
-_NAMES_PARAMETERS, _NAMES_BUFFERS = 0, 1
 # DLPack type codes numpy holds: int, uint, float, complex, bool (not bfloat16, code 4).
 _NUMPY_DLPACK_CODES = (0, 1, 2, 5, 6)
 _DLPACK_CPU = 1  # kDLCPU
@@ -473,15 +486,30 @@ class Plan(_Closeable):
         with self._handle.use() as h:
             _lib().pipe_plan_save_stage(h, stage, _stage_options(dtype, weights), os.fsdecode(os.fspath(path)))
 
-    def session(self, microbatches=4, threads_per_stage=0, max_inflight=0, input_specs=None,
-                output_specs=None, *, microbatching="adaptive", dtype=None, weights=None,
-                transport="local", world_size=1, store=None, comm_timeout=None, devices=None,
-                outputs="cpu"):
-        """Build the stages and start one worker thread per stage.
+    def session(
+        self,
+        microbatches=_SESSION_DEFAULTS["num_microbatches"],
+        threads_per_stage=_SESSION_DEFAULTS["threads_per_stage"],
+        max_inflight=_SESSION_DEFAULTS["max_inflight"],
+        input_specs=None,
+        output_specs=None,
+        *,
+        microbatching=_name_of(_constants.MICROBATCHING, _SESSION_DEFAULTS["microbatching"]).lower(),
+        dtype=None,
+        weights=None,
+        transport=_name_of(_constants.TRANSPORT, _SESSION_DEFAULTS["transport"]).lower(),
+        world_size=_SESSION_DEFAULTS["world_size"],
+        store=None,
+        comm_timeout=None,
+        devices=None,
+        outputs=_name_of(_constants.OUTPUTS, _SESSION_DEFAULTS["outputs"]).lower().removeprefix("on_"),
+    ):
+        """Build the stages and start one worker thread per stage. The defaults are pipe.h's
+        (PIPE_SESSION_OPTIONS_INIT), as in C, the CLI and the Go and Rust bindings.
 
-        microbatches: micro-batches per call (see microbatching). threads_per_stage: intra-op
-        threads per stage (0: cores / stages). max_inflight: micro-batches in the pipeline at
-        once over all calls (0: max(2 x microbatches, 4 x stages)). microbatching: "adaptive"
+        microbatches: micro-batches per call (default 1; see microbatching). threads_per_stage:
+        intra-op threads per stage (0: cores / stages). max_inflight: micro-batches in the pipeline
+        at once over all calls (0: max(2 x microbatches, 4 x stages)). microbatching: "adaptive"
         (default): a call that finds the pipeline empty is cut into `microbatches`, one that
         arrives while other calls are in flight into only as many as bring the pipeline to one
         micro-batch per stage (at least 1); "fixed": every call into `microbatches` (e.g. to bound
@@ -534,13 +562,13 @@ class Plan(_Closeable):
             "num_microbatches": int(microbatches),
             "threads_per_stage": int(threads_per_stage),
             "max_inflight": int(max_inflight),
-            "microbatching": getattr(lib, f"PIPE_MICROBATCHING_{microbatching.upper()}"),
+            "microbatching": _constants.MICROBATCHING[microbatching.upper()],
             "input_specs": _specs(input_specs, _INPUT_KINDS, "input_specs", self.input_names),
             "output_specs": _specs(output_specs, _OUTPUT_KINDS, "output_specs"),
-            "transport": getattr(lib, f"PIPE_TRANSPORT_{transport.upper()}"),
+            "transport": _constants.TRANSPORT[transport.upper()],
             "world_size": int(world_size),
             "comm_timeout_ms": _comm_timeout_ms(comm_timeout),
-            "outputs": getattr(lib, f"PIPE_OUTPUTS_{OUTPUT_PLACEMENTS[outputs]}"),
+            "outputs": _constants.OUTPUTS[OUTPUT_PLACEMENTS[outputs]],
         }
         if devices is not None:
             options["devices"] = devices
@@ -757,7 +785,7 @@ def _interruptible_by_default_sigint():
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def run_worker(rank, world_size, store, *, comm_timeout=None, threads_per_stage=0):
+def run_worker(rank, world_size, store, *, comm_timeout=None, threads_per_stage=_WORKER_DEFAULTS["threads_per_stage"]):
     """Serve as worker `rank` (1 .. world_size-1) of the session whose driver (rank 0) creates it
     with plan.session(transport="gloo" | "nccl", world_size=world_size, store=store): join it
     through the rendezvous store at `store` ("HOST:PORT"), receive this rank's stages and run

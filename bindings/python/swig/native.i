@@ -12,7 +12,8 @@
  *     nobody consumed frees it when it is collected;
  *   - tensor arguments are sequences of "dltensor" capsules (or objects with __dlpack__); the
  *     DLManagedTensor inside is borrowed for the call, never consumed, as pipe.h expects;
- *   - option structs are built from dicts / ints (the Python layer fills them in).
+ *   - option structs are built from dicts / ints (the Python layer fills them in), each started
+ *     from libpipe's defaults at run time (pipe_*_init).
  *
  * The GIL: the module is generated with -threads, so every wrapped pipe_* call runs with the GIL
  * released (argument conversion and result conversion hold it). That covers the blocking calls
@@ -170,11 +171,20 @@ static int libpipe_dict_specs(PyObject *d, const char *key, pipe_chunk_spec **ou
   return 0;
 }
 
+/* Starts a versioned struct from libpipe's defaults (pipe_<struct>_init); -1 with the exception set
+ * if libpipe refuses (it cannot for the sizeof this module was compiled with, unless the loaded
+ * library is older than its header). */
+#define LIBPIPE_INIT(FN, PTR) libpipe_init_status(FN((PTR), sizeof *(PTR)))
+static int libpipe_init_status(pipe_status status) {
+  if (status == PIPE_OK) return 0;
+  libpipe_raise(status);
+  return -1;
+}
+
 /* Stage options from a dict {"dtype": int, "weights": str}. `keep` receives a reference that keeps
  * the weights string alive for the call. */
 static int libpipe_stage_options(PyObject *d, pipe_stage_options *options, PyObject **keep) {
-  pipe_stage_options init = PIPE_STAGE_OPTIONS_INIT;
-  *options = init;
+  if (LIBPIPE_INIT(pipe_stage_options_init, options) < 0) return -1;
   if (libpipe_dict_int32(d, "dtype", &options->dtype) < 0) return -1;
   PyObject *weights = PyDict_GetItemString(d, "weights");
   if (weights && weights != Py_None) {
@@ -280,8 +290,7 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
 }
 
 %typemap(in, numinputs=0) pipe_stage_stats * (pipe_stage_stats tmp) {
-  pipe_stage_stats init = PIPE_STAGE_STATS_INIT;
-  tmp = init;
+  if (LIBPIPE_INIT(pipe_stage_stats_init, &tmp) < 0) SWIG_fail;
   $1 = &tmp;
 }
 %typemap(argout) pipe_stage_stats * {
@@ -327,8 +336,7 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
   if ($input == Py_None) {
     $1 = NULL;
   } else {
-    pipe_run_options init = PIPE_RUN_OPTIONS_INIT;
-    tmp = init;
+    if (LIBPIPE_INIT(pipe_run_options_init, &tmp) < 0) SWIG_fail;
     tmp.timeout_ms = (int64_t)PyLong_AsLongLong($input);
     if (tmp.timeout_ms == -1 && PyErr_Occurred()) SWIG_fail;
     $1 = &tmp;
@@ -353,7 +361,7 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
  * "microbatching" as PIPE_MICROBATCHING_ADAPTIVE / _FIXED and "transport" as PIPE_TRANSPORT_*,
  * which libpipe checks; "store" and "devices" strs kept alive for the call; "outputs" as
  * PIPE_OUTPUTS_*), plus "dtype" and "weights" for
- * the stage options. Absent keys keep PIPE_SESSION_OPTIONS_INIT's defaults. */
+ * the stage options. Absent keys keep libpipe's defaults (pipe_session_options_init). */
 %typemap(in) const pipe_session_options * (libpipe_session_options_holder tmp, libpipe_session_options_holder *holder = NULL) {
   memset(&tmp, 0, sizeof tmp);
   holder = &tmp;
@@ -364,10 +372,9 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
                                           "microbatching", "input_specs", "output_specs", "dtype",
                                           "weights", "transport", "world_size", "store",
                                           "comm_timeout_ms", "devices", "outputs", NULL};
-    pipe_session_options init = PIPE_SESSION_OPTIONS_INIT;
-    tmp.session = init;
     if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "session options must be a dict or None");
     if (libpipe_check_keys($input, allowed, "session") < 0) SWIG_fail;
+    if (LIBPIPE_INIT(pipe_session_options_init, &tmp.session) < 0) SWIG_fail;
     if (libpipe_dict_int32($input, "num_microbatches", &tmp.session.num_microbatches) < 0 ||
         libpipe_dict_int32($input, "threads_per_stage", &tmp.session.threads_per_stage) < 0 ||
         libpipe_dict_int32($input, "max_inflight", &tmp.session.max_inflight) < 0 ||
@@ -401,18 +408,17 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
 }
 
 /* None or a dict with the fields of pipe_worker_options: "rank", "world_size", "store" (a str,
- * kept alive for the call), "comm_timeout_ms", "threads_per_stage". Absent keys keep
- * PIPE_WORKER_OPTIONS_INIT's defaults (libpipe refuses rank 0 and a missing store). */
+ * kept alive for the call), "comm_timeout_ms", "threads_per_stage". Absent keys keep libpipe's
+ * defaults (pipe_worker_options_init; libpipe refuses rank 0 and a missing store). */
 %typemap(in) const pipe_worker_options * (pipe_worker_options tmp, PyObject *keep = NULL) {
   if ($input == Py_None) {
     $1 = NULL;
   } else {
     static const char *const allowed[] = {"rank", "world_size", "store", "comm_timeout_ms",
                                           "threads_per_stage", NULL};
-    pipe_worker_options init = PIPE_WORKER_OPTIONS_INIT;
-    tmp = init;
     if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "worker options must be a dict or None");
     if (libpipe_check_keys($input, allowed, "worker") < 0) SWIG_fail;
+    if (LIBPIPE_INIT(pipe_worker_options_init, &tmp) < 0) SWIG_fail;
     if (libpipe_dict_int32($input, "rank", &tmp.rank) < 0 ||
         libpipe_dict_int32($input, "world_size", &tmp.world_size) < 0 ||
         libpipe_dict_int32($input, "comm_timeout_ms", &tmp.comm_timeout_ms) < 0 ||
@@ -444,6 +450,12 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
 %ignore pipe_run_options;
 %ignore pipe_stage_stats;
 %ignore pipe_worker_options;
+/* The typemaps above start every struct with these; Python has no struct to pass them. */
+%ignore pipe_stage_options_init;
+%ignore pipe_session_options_init;
+%ignore pipe_run_options_init;
+%ignore pipe_stage_stats_init;
+%ignore pipe_worker_options_init;
 
 %include <pipe/pipe.h>
 
