@@ -9,16 +9,17 @@
 use std::env;
 use std::path::{Path, PathBuf};
 
-/// The oldest libpipe whose pipe.h has every field and constant these crates use.
-const MIN_LIBPIPE: &str = "0.3";
+/// The oldest libpipe whose pipe.h has every field, constant and function these crates use (the
+/// safe crate starts every versioned struct with pipe_*_init, new in 0.6).
+const MIN_LIBPIPE: &str = "0.6";
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-env-changed=DLPACK_INCLUDE_DIR");
 
-    // pkg-config prints cargo:rustc-link-search / cargo:rustc-link-lib=pipe itself. 0.3 appended
-    // pipe_session_options.microbatching, which the safe crate sets: an older pipe.h would not
-    // declare it, so require 0.3 here and fail with a clear message rather than a type error.
+    // pkg-config prints cargo:rustc-link-search / cargo:rustc-link-lib=pipe itself. An older
+    // pipe.h would lack what the safe crate calls (pipe_*_init), so require MIN_LIBPIPE here and
+    // fail with a clear message rather than a missing function.
     let lib = match pkg_config::Config::new().atleast_version(MIN_LIBPIPE).probe("libpipe") {
         Ok(lib) => lib,
         Err(e) => panic!(

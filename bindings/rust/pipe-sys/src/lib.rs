@@ -4,55 +4,17 @@
 //! comment above it in `pipe.h`.
 //!
 //! Function-like macros of pipe.h (`PIPE_SESSION_OPTIONS_INIT`, ...) are not visible to bindgen;
-//! the `*_init()` helpers below do what they do.
+//! libpipe's `pipe_*_init(options, size_of::<T>())` functions (0.6) do what they do, at run time.
 
 #![allow(non_upper_case_globals, non_camel_case_types, non_snake_case)]
 #![allow(clippy::all)]
 
 include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 
-use core::mem::size_of;
-
-/// `PIPE_SESSION_OPTIONS_INIT`: one micro-batch per call, adaptive micro-batching (0.3), every
-/// other field 0 / NULL.
-pub fn pipe_session_options_init() -> pipe_session_options {
-    pipe_session_options {
-        struct_size: size_of::<pipe_session_options>() as u32,
-        num_microbatches: 1,
-        microbatching: PIPE_MICROBATCHING_ADAPTIVE,
-        transport: PIPE_TRANSPORT_LOCAL,
-        world_size: 1,
-        ..Default::default()
-    }
-}
-
-/// `PIPE_WORKER_OPTIONS_INIT`.
-pub fn pipe_worker_options_init() -> pipe_worker_options {
-    pipe_worker_options { struct_size: size_of::<pipe_worker_options>() as u32, ..Default::default() }
-}
-
-/// `PIPE_STAGE_OPTIONS_INIT`.
-pub fn pipe_stage_options_init() -> pipe_stage_options {
-    pipe_stage_options {
-        struct_size: size_of::<pipe_stage_options>() as u32,
-        dtype: PIPE_DTYPE_KEEP,
-        ..Default::default()
-    }
-}
-
-/// `PIPE_RUN_OPTIONS_INIT`.
-pub fn pipe_run_options_init() -> pipe_run_options {
-    pipe_run_options { struct_size: size_of::<pipe_run_options>() as u32, timeout_ms: 0 }
-}
-
-/// `PIPE_STAGE_STATS_INIT`.
-pub fn pipe_stage_stats_init() -> pipe_stage_stats {
-    pipe_stage_stats { struct_size: size_of::<pipe_stage_stats>() as u32, ..Default::default() }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use core::mem::size_of;
     use std::ffi::CStr;
 
     // The library that gets loaded must be the one the header describes: pipe_version() is
@@ -63,17 +25,32 @@ mod tests {
         assert_eq!(v, format!("{PIPE_VERSION_MAJOR}.{PIPE_VERSION_MINOR}.{PIPE_VERSION_PATCH}"));
     }
 
-    // The *_init() helpers must agree with the C initializer macros on what the library checks.
+    // pipe_*_init must accept the sizes of the header bindgen read and give the macros' defaults
+    // (PIPE_SESSION_OPTIONS_INIT: one micro-batch, adaptive, local transport, world size 1).
     #[test]
-    fn init_helpers_fill_struct_size() {
-        assert_eq!(pipe_session_options_init().struct_size as usize, size_of::<pipe_session_options>());
-        assert_eq!(pipe_session_options_init().num_microbatches, 1);
-        assert_eq!(pipe_session_options_init().microbatching, PIPE_MICROBATCHING_ADAPTIVE);
-        assert_eq!(pipe_session_options_init().world_size, 1);
-        assert_eq!(pipe_worker_options_init().struct_size as usize, size_of::<pipe_worker_options>());
-        assert_eq!(pipe_stage_stats_init().struct_size as usize, size_of::<pipe_stage_stats>());
-        assert_eq!(pipe_run_options_init().struct_size as usize, size_of::<pipe_run_options>());
-        assert_eq!(pipe_stage_options_init().struct_size as usize, size_of::<pipe_stage_options>());
+    fn init_functions_accept_this_header_and_fill_struct_size() {
+        unsafe {
+            let mut session = pipe_session_options::default();
+            assert_eq!(pipe_session_options_init(&mut session, size_of::<pipe_session_options>()), PIPE_OK);
+            assert_eq!(session.struct_size as usize, size_of::<pipe_session_options>());
+            assert_eq!(session.num_microbatches, 1);
+            assert_eq!(session.microbatching, PIPE_MICROBATCHING_ADAPTIVE);
+            assert_eq!(session.transport, PIPE_TRANSPORT_LOCAL);
+            assert_eq!(session.world_size, 1);
+            let mut worker = pipe_worker_options::default();
+            assert_eq!(pipe_worker_options_init(&mut worker, size_of::<pipe_worker_options>()), PIPE_OK);
+            assert_eq!(worker.struct_size as usize, size_of::<pipe_worker_options>());
+            let mut stats = pipe_stage_stats::default();
+            assert_eq!(pipe_stage_stats_init(&mut stats, size_of::<pipe_stage_stats>()), PIPE_OK);
+            assert_eq!(stats.struct_size as usize, size_of::<pipe_stage_stats>());
+            let mut run = pipe_run_options::default();
+            assert_eq!(pipe_run_options_init(&mut run, size_of::<pipe_run_options>()), PIPE_OK);
+            assert_eq!(run.struct_size as usize, size_of::<pipe_run_options>());
+            let mut stage = pipe_stage_options::default();
+            assert_eq!(pipe_stage_options_init(&mut stage, size_of::<pipe_stage_options>()), PIPE_OK);
+            assert_eq!(stage.struct_size as usize, size_of::<pipe_stage_options>());
+            assert_eq!(stage.dtype, PIPE_DTYPE_KEEP);
+        }
     }
 
     // A failing call returns its status and leaves a message for this thread.

@@ -38,6 +38,7 @@
 //! built from the caller's tensors ([`TensorList::new`], [`TensorList::append`], which copies),
 //! e.g. to write them with libpipe's safetensors writer ([`safetensors::write_tensors`]).
 
+mod defaults;
 mod error;
 mod list;
 mod log;

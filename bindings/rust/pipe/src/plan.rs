@@ -139,7 +139,7 @@ pub(crate) struct RawStageOptions {
 
 impl StageOptions {
     pub(crate) fn to_raw(&self) -> Result<RawStageOptions> {
-        let mut raw = sys::pipe_stage_options_init();
+        let mut raw = crate::defaults::stage_options()?;
         raw.dtype = match self.dtype {
             WeightDType::Keep => sys::PIPE_DTYPE_KEEP,
             WeightDType::F32 => sys::PIPE_DTYPE_FLOAT32,

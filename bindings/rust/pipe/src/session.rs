@@ -97,6 +97,15 @@ pub enum Microbatching {
 }
 
 impl Microbatching {
+    /// The mode of a PIPE_MICROBATCHING_* value; None for one pipe.h does not define.
+    fn from_raw(raw: i32) -> Option<Microbatching> {
+        match raw {
+            sys::PIPE_MICROBATCHING_ADAPTIVE => Some(Microbatching::Adaptive),
+            sys::PIPE_MICROBATCHING_FIXED => Some(Microbatching::Fixed),
+            _ => None,
+        }
+    }
+
     fn to_raw(self) -> i32 {
         match self {
             Microbatching::Adaptive => sys::PIPE_MICROBATCHING_ADAPTIVE,
@@ -105,7 +114,8 @@ impl Microbatching {
     }
 }
 
-/// Session options; the defaults are pipe.h's PIPE_SESSION_OPTIONS_INIT.
+/// Session options; the defaults are libpipe's own (pipe_session_options_init, read at run time:
+/// pipe.h's PIPE_SESSION_OPTIONS_INIT).
 #[derive(Clone, Debug)]
 pub struct SessionOptions {
     microbatches: usize,
@@ -120,11 +130,16 @@ pub struct SessionOptions {
 
 impl Default for SessionOptions {
     fn default() -> SessionOptions {
+        // Fails only if the loaded libpipe refuses the size of the pipe.h this crate was built
+        // with, i.e. it is not the libpipe that header belongs to.
+        let raw = crate::defaults::session_options()
+            .unwrap_or_else(|e| panic!("libpipe does not match the pipe.h this crate was built with: {e}"));
+        let count = |n: i32| usize::try_from(n).unwrap_or(0);
         SessionOptions {
-            microbatches: 1,
-            microbatching: Microbatching::Adaptive,
-            threads_per_stage: 0,
-            max_inflight: 0,
+            microbatches: count(raw.num_microbatches),
+            microbatching: Microbatching::from_raw(raw.microbatching).unwrap_or_default(),
+            threads_per_stage: count(raw.threads_per_stage),
+            max_inflight: count(raw.max_inflight),
             input_specs: Vec::new(),
             output_specs: Vec::new(),
             stage_options: None,
@@ -211,10 +226,10 @@ impl RunOptions {
         RunOptions { timeout: Some(timeout) }
     }
 
-    fn to_raw(self) -> sys::pipe_run_options {
-        let mut raw = sys::pipe_run_options_init();
+    fn to_raw(self) -> Result<sys::pipe_run_options> {
+        let mut raw = crate::defaults::run_options()?;
         raw.timeout_ms = self.timeout.map_or(0, duration_ms);
-        raw
+        Ok(raw)
     }
 }
 
@@ -255,14 +270,12 @@ impl Session {
         let devices = options
             .devices
             .as_deref()
-            .map(|d| {
-                CString::new(d).map_err(|_| Error::new(Status::InvalidArgument, "devices contains a NUL byte"))
-            })
+            .map(|d| CString::new(d).map_err(|_| Error::new(Status::InvalidArgument, "devices contains a NUL byte")))
             .transpose()?;
         let input_specs: Vec<sys::pipe_chunk_spec> = options.input_specs.iter().map(|s| s.to_raw()).collect();
         let output_specs: Vec<sys::pipe_chunk_spec> = options.output_specs.iter().map(|s| s.to_raw()).collect();
         let stage = options.stage_options.as_ref().map(StageOptions::to_raw).transpose()?;
-        let mut raw = sys::pipe_session_options_init();
+        let mut raw = crate::defaults::session_options()?;
         raw.num_microbatches = to_i32("microbatches", options.microbatches)?;
         raw.microbatching = options.microbatching.to_raw();
         raw.threads_per_stage = to_i32("threads_per_stage", options.threads_per_stage)?;
@@ -310,7 +323,7 @@ impl Session {
     /// written to a safetensors file).
     pub fn run_list<T: Borrow<Tensor>>(&self, inputs: &[T], options: &RunOptions) -> Result<TensorList> {
         let borrowed = borrow_inputs(inputs);
-        let raw = options.to_raw();
+        let raw = options.to_raw()?;
         let mut out = ptr::null_mut();
         // SAFETY: thread-safe. The inputs are borrowed only until this returns, and `borrowed`
         // (with the tensors it borrows) lives until then.
@@ -329,7 +342,7 @@ impl Session {
     /// [`Session::submit`] with a deadline.
     pub fn submit_with<T: Borrow<Tensor>>(&self, inputs: &[T], options: &RunOptions) -> Result<Request> {
         let borrowed = borrow_inputs(inputs);
-        let raw = options.to_raw();
+        let raw = options.to_raw()?;
         let mut request = ptr::null_mut();
         // SAFETY: thread-safe; libpipe copies the inputs before returning.
         check(unsafe {
@@ -342,7 +355,7 @@ impl Session {
 
     /// Statistics of stage `stage`.
     pub fn stage_stats(&self, stage: usize) -> Result<StageStats> {
-        let mut raw = sys::pipe_stage_stats_init();
+        let mut raw = crate::defaults::stage_stats()?;
         // SAFETY: thread-safe; the library fills the fields struct_size covers.
         check(unsafe { sys::pipe_session_stage_stats(self.ptr.as_ptr(), stage, &mut raw) })?;
         Ok(StageStats {
@@ -446,15 +459,19 @@ mod tests {
         assert_eq!(duration_ms(Duration::MAX), i64::MAX);
     }
 
-    // SessionOptions::default() must be what PIPE_SESSION_OPTIONS_INIT (pipe-sys's
-    // pipe_session_options_init) says, and the modes must map to pipe.h's constants.
+    // SessionOptions::default() must be libpipe's own defaults (pipe_session_options_init), and
+    // the modes must map to pipe.h's constants both ways.
     #[test]
-    fn session_option_defaults_match_the_header() {
-        let init = sys::pipe_session_options_init();
+    fn session_option_defaults_are_libpipes() {
+        let init = crate::defaults::session_options().unwrap();
         let options = SessionOptions::default();
         assert_eq!(options.microbatches as i32, init.num_microbatches);
         assert_eq!(options.microbatching.to_raw(), init.microbatching);
-        assert_eq!(options.microbatching, Microbatching::Adaptive);
+        assert_eq!(options.threads_per_stage as i32, init.threads_per_stage);
+        assert_eq!(options.max_inflight as i32, init.max_inflight);
+        assert_eq!(Microbatching::from_raw(sys::PIPE_MICROBATCHING_FIXED), Some(Microbatching::Fixed));
+        assert_eq!(Microbatching::from_raw(sys::PIPE_MICROBATCHING_ADAPTIVE), Some(Microbatching::Adaptive));
+        assert_eq!(Microbatching::from_raw(-1), None);
         assert_eq!(Microbatching::Fixed.to_raw(), sys::PIPE_MICROBATCHING_FIXED);
         assert_ne!(Microbatching::Fixed.to_raw(), Microbatching::Adaptive.to_raw());
     }
