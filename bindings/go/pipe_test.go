@@ -16,10 +16,12 @@ import (
 
 	pipe "github.com/libpipe/libpipe/bindings/go"
 	"github.com/libpipe/libpipe/bindings/go/internal/capi"
+	"github.com/libpipe/libpipe/bindings/go/internal/testgate"
 )
 
-// The fixtures (demo.pt, slow_loop.scripted.pt and their safetensors files) come from the
-// project's generators; run-tests.sh points LIBPIPE_FIXTURES at them.
+// The fixtures (demo.pt, gated.scripted.pt and their safetensors files, the test gate's
+// libpipe_test_gate.so) come from the project's generators; run-tests.sh points
+// LIBPIPE_FIXTURES at them.
 func fixture(t testing.TB, name string) string {
 	t.Helper()
 	dir := os.Getenv("LIBPIPE_FIXTURES")
@@ -407,35 +409,9 @@ func TestErrorMessagesPerGoroutine(t *testing.T) {
 	}
 }
 
-// slowSession is slow_loop.scripted.pt: 2 stages, each looping n times over a matmul, so a
-// call with a big n keeps stage 0 busy for seconds.
-func slowSession(t *testing.T) (*pipe.Session, *pipe.Tensor) {
-	t.Helper()
-	return slowSessionWith(t, 1, pipe.MicrobatchingAdaptive)
-}
-
-func slowSessionWith(t *testing.T, microbatches int, mode pipe.Microbatching) (*pipe.Session, *pipe.Tensor) {
-	t.Helper()
-	model := must(pipe.LoadModel(fixture(t, "slow_loop.scripted.pt")))(t)
-	t.Cleanup(func() { model.Close() })
-	plan := must(model.NewPlan(nil))(t)
-	t.Cleanup(func() { plan.Close() })
-	if plan.NumStages() != 2 {
-		t.Fatalf("slow_loop has %d stages, want 2", plan.NumStages())
-	}
-	session := must(plan.NewSession(&pipe.SessionOptions{
-		Microbatches:  microbatches,
-		Microbatching: mode,
-		InputSpecs:    []pipe.ChunkSpec{{Kind: pipe.ChunkDefault}, pipe.Replicate},
-	}))(t)
-	t.Cleanup(func() { session.Close() })
-	x := must(pipe.ReadSafetensors(fixture(t, "slow_loop.inputs.safetensors")))(t).Get("x")
-	return session, x
-}
-
-// A slow call ended by its context returns while stage 0 is still running: stage 1 has run
-// nothing when Run returns, which a call that finished could not show. (No wall-clock
-// assertion: the proof is in the stage statistics.)
+// A call ended by its context, a deadline or Cancel returns while its micro-batch is still held
+// in stage 0 (its gate is shut): stage 1 has run nothing when the call returns, which a call that
+// finished could not show.
 func checkEndedEarly(t *testing.T, session *pipe.Session) {
 	t.Helper()
 	if st := must(session.StageStats(1))(t); st.Microbatches != 0 {
@@ -443,51 +419,62 @@ func checkEndedEarly(t *testing.T, session *pipe.Session) {
 	}
 }
 
-const bigN = 100000 // about 2 s per stage on the 2-core CI machines; 3 gives milliseconds
-
 func TestCancelViaContext(t *testing.T) {
-	session, x := slowSession(t)
+	g := gatedSession(t, 1, pipe.MicrobatchingAdaptive)
+	key := g.key(t)
 	ctx, cancel := context.WithCancel(context.Background())
-	time.AfterFunc(100*time.Millisecond, cancel)
-	start := time.Now()
-	_, err := session.Run(ctx, x, pipe.Scalar(int64(bigN)))
-	t.Logf("cancelled after %v", time.Since(start))
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		_, err := g.session.Run(ctx, g.inputs(key)...)
+		done <- err
+	}()
+	// The call is running in stage 0, held at its gate: it cannot finish before it is cancelled.
+	waitGate(t, key, "stage0", testgate.Arrived, 1)
+	cancel()
+	err := receive(t, done, "Run after its context was cancelled")
 	asError(t, err, pipe.StatusCancelled)
 	if !errors.Is(err, context.Canceled) || errors.Is(err, pipe.ErrDeadlineExceeded) {
 		t.Fatalf("error %v should match ErrCancelled and context.Canceled only", err)
 	}
-	checkEndedEarly(t, session)
-
-	// The session is still usable; the result equals eager PyTorch's.
-	expected := must(pipe.ReadSafetensors(fixture(t, "slow_loop.expected.safetensors")))(t).Get("output")
-	out := must(session.Run(context.Background(), x, pipe.Scalar(int64(3))))(t)
-	if diff := maxAbsDiff(t, out.Get("output"), expected); diff > 1e-4 {
-		t.Fatalf("after a cancelled call: max |diff| = %g", diff)
-	}
+	checkEndedEarly(t, g.session)
+	g.afterFailed(t, key)
 }
 
 func TestDeadlineViaContext(t *testing.T) {
-	session, x := slowSession(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	g := gatedSession(t, 1, pipe.MicrobatchingAdaptive)
+	key := g.key(t)
+	// The gate stays shut, so the call cannot finish before its deadline, however long the
+	// deadline is and wherever it finds the call (queued for stage 0 or held in it): the deadline
+	// is the one way this call can end. Run returns once the deadline has passed.
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
-	start := time.Now()
-	_, err := session.Run(ctx, x, pipe.Scalar(int64(bigN)))
-	t.Logf("deadline hit after %v", time.Since(start))
+	_, err := g.session.Run(ctx, g.inputs(key)...)
 	asError(t, err, pipe.StatusDeadlineExceeded)
 	if !errors.Is(err, context.DeadlineExceeded) || !errors.Is(err, pipe.ErrDeadlineExceeded) {
 		t.Fatalf("error %v should match both deadline sentinels", err)
 	}
-	checkEndedEarly(t, session)
+	checkEndedEarly(t, g.session)
 
-	// A context already past its deadline fails before anything is submitted.
-	_, err = session.Run(ctx, x, pipe.Scalar(int64(3)))
+	// A context past its deadline fails before anything is submitted: the gate of a new key
+	// never sees a micro-batch (it would hold it).
+	<-ctx.Done()
+	late := g.key(t)
+	_, err = g.session.Run(ctx, g.inputs(late)...)
 	asError(t, err, pipe.StatusDeadlineExceeded)
+	g.afterFailed(t, key)
+	if n := gateCount(t, late, "stage0", testgate.Arrived); n != 0 {
+		t.Fatalf("a call past its deadline reached stage 0 (%d micro-batches)", n)
+	}
 }
 
 func TestSubmitWaitTimeoutCancel(t *testing.T) {
-	session, x := slowSession(t)
-	req := must(session.Submit(context.Background(), x, pipe.Scalar(int64(bigN))))(t)
+	g := gatedSession(t, 1, pipe.MicrobatchingAdaptive)
+	key := g.key(t)
+	req := must(g.session.Submit(context.Background(), g.inputs(key)...))(t)
 	defer req.Close()
+	waitGate(t, key, "stage0", testgate.Arrived, 1)
+	// Held in stage 0: a check and a bounded wait both find it still running.
 	_, err := req.WaitTimeout(0)
 	asError(t, err, pipe.StatusTimeout)
 	_, err = req.WaitTimeout(20 * time.Millisecond)
@@ -500,6 +487,7 @@ func TestSubmitWaitTimeoutCancel(t *testing.T) {
 	if errors.Is(err, context.Canceled) {
 		t.Fatalf("an explicit Cancel is not a context cancellation: %v", err)
 	}
+	checkEndedEarly(t, g.session)
 	// A finished call gives the same result again.
 	_, err = req.Wait()
 	asError(t, err, pipe.StatusCancelled)
@@ -508,27 +496,71 @@ func TestSubmitWaitTimeoutCancel(t *testing.T) {
 	if !errors.Is(err, pipe.ErrClosed) {
 		t.Fatalf("wait on a closed request: %v", err)
 	}
+	g.afterFailed(t, key)
 }
 
-// Closing a session fails the calls still in flight with ErrCancelled; their requests outlive
-// the session.
+// Closing a session fails the calls still in flight with ErrCancelled, except that a stage
+// already running a micro-batch finishes it; their requests outlive the session. Three calls,
+// each with a gate key of its own: the first is held in stage 0, the other two queue behind it.
+// The session is closed while stage 0's gates are opened; stage 1's stay shut, so a call that
+// reaches stage 1 before the closing session stops taking work is held there, in view, and then
+// let through: it must finish with the right result, and every call that was not seen in stage 1
+// must fail with ErrCancelled. (Close cannot be observed between its start and its end, so how
+// many calls reach stage 1 is not fixed; each call's outcome follows from where it was seen.)
 func TestCloseSessionWithCallsInFlight(t *testing.T) {
-	session, x := slowSession(t)
+	g := gatedSession(t, 1, pipe.MicrobatchingAdaptive)
+	var keys []int64
 	var reqs []*pipe.Request
 	for i := 0; i < 3; i++ {
-		reqs = append(reqs, must(session.Submit(context.Background(), x, pipe.Scalar(int64(bigN))))(t))
+		keys = append(keys, g.key(t))
+		reqs = append(reqs, must(g.session.Submit(context.Background(), g.inputs(keys[i])...))(t))
+		defer reqs[i].Close()
 	}
-	if err := session.Close(); err != nil {
+	waitGate(t, keys[0], "stage0", testgate.Arrived, 1)
+
+	closed := make(chan error, 1)
+	go func() { closed <- g.session.Close() }()
+	for _, k := range keys {
+		openGate(t, k, "stage0")
+	}
+	reached := map[int64]bool{} // calls seen held in stage 1, then let through
+	closeErr := error(nil)
+	err := testgate.Until(func() (bool, error) {
+		select {
+		case closeErr = <-closed:
+			return true, nil
+		default:
+		}
+		for _, k := range keys {
+			if !reached[k] && gateCount(t, k, "stage1", testgate.Arrived) > 0 {
+				reached[k] = true
+				openGate(t, k, "stage1")
+			}
+		}
+		return false, nil
+	}, func() string { return fmt.Sprintf("Close has not returned; calls let through stage 1: %v", reached) })
+	if err != nil {
 		t.Fatal(err)
 	}
+	if closeErr != nil {
+		t.Fatal(closeErr)
+	}
+	t.Logf("calls that reached stage 1 before the session stopped: %v", reached)
+
 	for i, r := range reqs {
-		_, err := r.Wait()
+		out, err := r.Wait()
+		if reached[keys[i]] {
+			if err != nil {
+				t.Fatalf("request %d was running in the last stage, which finishes it: %v", i, err)
+			}
+			g.checkOutput(t, fmt.Sprintf("request %d", i), out)
+			continue
+		}
 		if pe := asError(t, err, pipe.StatusCancelled); errors.Is(err, context.Canceled) {
 			t.Fatalf("request %d: %#v", i, pe)
 		}
-		r.Close()
 	}
-	_, err := session.Submit(context.Background(), x, pipe.Scalar(int64(3)))
+	_, err = g.session.Submit(context.Background(), g.inputs(0)...)
 	if !errors.Is(err, pipe.ErrClosed) {
 		t.Fatalf("submit on a closed session: %v", err)
 	}
@@ -559,11 +591,12 @@ func runConcurrently(t *testing.T, d *demo, session *pipe.Session, goroutines, c
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			// Half the goroutines use the blocking call, half submit + wait.
+			// Half the goroutines use the blocking call, half submit + wait (the path a context
+			// that can end takes; this one has no deadline, so no clock can fail a call).
 			ctx := context.Background()
 			if g%2 == 1 {
 				var cancel context.CancelFunc
-				ctx, cancel = context.WithTimeout(ctx, time.Minute)
+				ctx, cancel = context.WithCancel(ctx)
 				defer cancel()
 			}
 			for i := 0; i < calls; i++ {
@@ -622,13 +655,12 @@ func TestConcurrentRuns(t *testing.T) {
 	}
 }
 
-// The rule itself, made deterministic with slow_loop: a call submitted while another one's 4
-// micro-batches fill the 2-stage pipeline is cut into just 1 micro-batch when adaptive (the
-// pipeline already holds more than one per stage), into 4 when fixed. The late call's result
-// equals the reference either way.
+// The rule itself, on states the test has seen: a call submitted while another one's 4
+// micro-batches are in the 2-stage pipeline (held at stage 0's gate) is cut into just 1
+// micro-batch when adaptive (the pipeline already holds more than one per stage), into 4 when
+// fixed. Both calls' results equal the reference either way.
 func TestAdaptiveMicrobatching(t *testing.T) {
 	const m = 4
-	expected := must(pipe.ReadSafetensors(fixture(t, "slow_loop.expected.safetensors")))(t).Get("output")
 	for _, tc := range []struct {
 		mode pipe.Microbatching
 		want uint64 // micro-batches each stage runs for both calls
@@ -637,22 +669,23 @@ func TestAdaptiveMicrobatching(t *testing.T) {
 		{pipe.MicrobatchingFixed, m + m},
 	} {
 		t.Run(tc.mode.String(), func(t *testing.T) {
-			session, x := slowSessionWith(t, m, tc.mode)
-			// 5000 loops: about 0.1 s per micro-batch and stage, so the first call is still
-			// in flight when the second is submitted microseconds later (checked below).
-			busy := must(session.Submit(context.Background(), x, pipe.Scalar(int64(5000))))(t)
+			g := gatedSession(t, m, tc.mode)
+			key := g.key(t)
+			busy := must(g.session.Submit(context.Background(), g.inputs(key)...))(t)
 			defer busy.Close()
-			late := must(session.Submit(context.Background(), x, pipe.Scalar(int64(3))))(t)
+			waitGate(t, key, "stage0", testgate.Arrived, 1)
+			late := must(g.session.Submit(context.Background(), g.inputs(0)...))(t)
 			defer late.Close()
 			if _, err := busy.WaitTimeout(0); !errors.Is(err, pipe.ErrTimeout) {
-				t.Fatalf("the first call finished before the second was submitted (%v): the machine is too slow for this test's timing", err)
+				t.Fatalf("the held call is not running: %v", err)
 			}
-			out := must(late.Wait())(t)
-			if diff := maxAbsDiff(t, out.Get("output"), expected); diff > 1e-4 {
-				t.Fatalf("late call: max |diff| = %g", diff)
+			openGate(t, key, "")
+			g.checkOutput(t, "late call", must(late.Wait())(t))
+			g.checkOutput(t, "first call", must(busy.Wait())(t))
+			if n := gateCount(t, key, "stage1", testgate.Left); n != m {
+				t.Fatalf("%d of the first call's micro-batches passed stage 1, want %d", n, m)
 			}
-			must(busy.Wait())(t)
-			for i, s := range must(session.Stats())(t) {
+			for i, s := range must(g.session.Stats())(t) {
 				if s.Microbatches != tc.want {
 					t.Errorf("stage %d ran %d micro-batches, want %d (%d for the first call, the rest for the late one)",
 						i, s.Microbatches, tc.want, m)

@@ -4,7 +4,8 @@
 #   bindings/go/run-tests.sh PREFIX FIXTURES WORKDIR
 #
 # PREFIX    an installed libpipe (PREFIX/lib/pkgconfig/libpipe.pc, PREFIX/lib/libpipe.so)
-# FIXTURES  the directory holding demo.pt, slow_loop.scripted.pt and their safetensors files
+# FIXTURES  the directory holding demo.pt, gated.scripted.pt, their safetensors files and the
+#           test gate's operator library libpipe_test_gate.so (loaded by the tests: gate_test.go)
 # WORKDIR   scratch space: test binaries and go's temporary files go here, never into the tree
 #
 # Steps: gofmt, go vet, then go test (with the race detector where Go has one, cgocheck at its
