@@ -1,7 +1,16 @@
 """Shared fixtures. The tests run against the installed package (run-tests.sh runs them with
 PYTHONPATH unset, from a directory outside the source tree) on the fixture files in
-$LIBPIPE_FIXTURES."""
+$LIBPIPE_FIXTURES.
+
+Tests about calls that are still running (cancelling, timeouts, deadlines, threads) use the gated
+model: a call with input n = key is held in each stage until the test opens gate `key` (the
+fixtures' gate.py), so that "still running" is a state the test brings about and observes, never
+a guess about how long some work takes on a loaded machine."""
+import contextlib
 import os
+import shutil
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,11 +26,15 @@ SOURCE = Path(__file__).resolve().parents[1]  # bindings/python
 SLOW_N = 50_000
 QUICK_N = 3  # what slow_loop.expected.safetensors was computed with
 
+WAIT_LIMIT_S = 300  # ends a hung test; never decides a verdict
+
 
 def pytest_configure(config):
     where = Path(libpipe.__file__).resolve()
     if SOURCE in where.parents:
-        raise pytest.UsageError(f"libpipe was imported from the source tree ({where}); run the tests through run-tests.sh")
+        raise pytest.UsageError(
+            f"libpipe was imported from the source tree ({where}); run the tests through run-tests.sh"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -86,10 +99,89 @@ def slow_plan(fixtures_dir):
 
 @pytest.fixture
 def slow_session(slow_plan):
-    # A fresh session per test: closing it waits for the micro-batch a cancelled call left
-    # running, so tests do not slow each other down or see each other's statistics.
+    # A fresh session per test, so that tests do not see each other's statistics.
     with slow_plan.session(microbatches=2, input_specs={"n": "replicate"}) as session:
         yield session
+
+
+@pytest.fixture(scope="session")
+def gate(fixtures_dir):
+    """The test gate. Creating it loads the gate operator, which the gated model calls: it comes
+    before the model is loaded (gated_plan depends on this fixture)."""
+    sys.path.insert(0, str(fixtures_dir))
+    from gate import Gate
+
+    ours = "LIBPIPE_TEST_GATE_DIR" not in os.environ
+    g = Gate()
+    yield g
+    if ours:
+        shutil.rmtree(g.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def gated_inputs(fixtures_dir):
+    return load_file(fixtures_dir / "gated.inputs.safetensors")
+
+
+@pytest.fixture(scope="session")
+def gated_expected(fixtures_dir):
+    # Computed with n = 0; the gate passes its input through, so any key gives this output.
+    return load_file(fixtures_dir / "gated.expected.safetensors")["output"]
+
+
+@pytest.fixture(scope="module")
+def gated_plan(fixtures_dir, gate):
+    with libpipe.Model.load(fixtures_dir / "gated.scripted.pt") as model:
+        assert model.input_names == ("x", "n")
+        with model.split() as plan:
+            assert plan.num_stages == 2
+            yield plan
+
+
+def open_every_gate(gate):
+    """Opens every gate issued so far (keys count up from 1)."""
+    for key in range(1, gate.new_key()):
+        gate.open(key)
+
+
+@contextlib.contextmanager
+def held_session(plan, gate, microbatches=2, **options):
+    """A session on the gated model (n replicated to every micro-batch). Before it closes, which
+    waits for the stages, every gate is opened: a test that failed while holding a stage then
+    ends at once instead of at the gate's own limit."""
+    session = plan.session(microbatches=microbatches, input_specs={"n": "replicate"}, **options)
+    try:
+        yield session
+    finally:
+        open_every_gate(gate)
+        session.close()
+
+
+@pytest.fixture
+def gated_session(gated_plan, gate):
+    # A fresh session per test, so that tests do not see each other's statistics.
+    with held_session(gated_plan, gate) as session:
+        yield session
+
+
+def wait_until(condition, what):
+    """Waits until condition() is true: for a state the test brought about. The bound only ends
+    a hung test."""
+    give_up = time.monotonic() + WAIT_LIMIT_S
+    while not condition():
+        if time.monotonic() > give_up:
+            raise AssertionError(f"not {what} after {WAIT_LIMIT_S} s")
+        time.sleep(0.002)
+
+
+def inside(thread, function):
+    """True while `thread` is running `function` (anywhere on its Python stack)."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code is function.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def assert_close(got, want):
