@@ -1,11 +1,15 @@
 """One session used from many Python threads at once, and the GIL released while libpipe works."""
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import threading
-import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import SLOW_N
+from conftest import WAIT_LIMIT_S, assert_close, inside, wait_until
 
 import libpipe
 
@@ -93,56 +97,93 @@ def test_errors_stay_with_their_thread(demo_session, demo_x, demo_expected):
             assert outcome == "ok"
 
 
-def test_gil_is_released_during_run(slow_session, slow_inputs):
-    # While one thread is inside a multi-second run, this thread keeps running Python code. If
-    # the run held the GIL, this loop could not come back from sleep until the run returned, so
-    # it would count at most a couple of ticks in all.
-    entered, finished = threading.Event(), threading.Event()
-    outcome = []
+# How long the fallback opener gives this thread to open a gate by itself. Only a held GIL (or a
+# hung machine) keeps it from doing so; then the fallback ends the held call and the test fails.
+FALLBACK_S = 120
 
-    def call():
-        entered.set()
+
+@contextlib.contextmanager
+def fallback_opener(gate, key):
+    """Opens gate `key` after FALLBACK_S from a process of its own, which needs no GIL: if libpipe
+    held the GIL while a call waits at the gate, this thread could never run to open it."""
+    path = os.path.join(gate.dir, f"gate-{key}.open")
+    proc = subprocess.Popen(["sh", "-c", f'sleep {FALLBACK_S} && touch "$0"', path], start_new_session=True)
+    try:
+        yield
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def held_while_this_thread_ran(gate, key, target, inside_libpipe):
+    """Runs target() on a thread of its own; the call with `key` stays held at the gate until this
+    thread has seen inside_libpipe() (or target finished), then it opens the gate. True if the
+    gate was still closed when this thread looked, that is, if this thread ran Python code while
+    the other was inside libpipe; False if only the fallback opener could let the call go on."""
+    finished = threading.Event()
+    errors = []
+
+    def run():
         try:
-            slow_session.run(slow_inputs["x"], n=SLOW_N, timeout=1.0)
-            outcome.append("finished")
-        except libpipe.Error as e:
-            outcome.append(e)
+            target()
+        except Exception as e:  # reported below, on this thread
+            errors.append(e)
         finally:
             finished.set()
 
-    thread = threading.Thread(target=call)
-    thread.start()
-    assert entered.wait(timeout=60)
-    ticks = 0
-    while not finished.is_set():
-        time.sleep(0.005)
-        ticks += 1
-    thread.join(timeout=60)
-    assert len(outcome) == 1 and isinstance(outcome[0], libpipe.DeadlineExceededError)
-    assert ticks >= 10, f"only {ticks} ticks while libpipe ran: the GIL was held"
+    thread = threading.Thread(target=run)
+    with fallback_opener(gate, key):
+        thread.start()
+        wait_until(lambda: finished.is_set() or inside_libpipe(), "inside libpipe")
+        held = not os.path.exists(os.path.join(gate.dir, f"gate-{key}.open"))
+        gate.open(key)
+        thread.join(timeout=WAIT_LIMIT_S)
+    assert not thread.is_alive()
+    assert errors == []
+    return held
 
 
-def test_gil_is_released_while_waiting(slow_session, slow_inputs):
-    request = slow_session.submit(slow_inputs["x"], n=SLOW_N)
-    done = threading.Event()
+def test_gil_is_released_during_run(gate, gated_session, gated_inputs, gated_expected):
+    # The call is one C function (pipe_session_run), inside which the call arrives at the gate,
+    # and which returns only once the gate opens: this thread sees the arrival while the other
+    # is inside, or, if that one held the GIL, only after the fallback opened the gate.
+    key = gate.new_key()
+    outcome = []
+
+    def call():
+        outcome.append(gated_session.run(gated_inputs["x"], n=key))
+
+    held = held_while_this_thread_ran(gate, key, call, lambda: gate.count(key, "stage0") > 0)
+    assert held, "this thread could not run while the call was inside libpipe: the GIL was held"
+    assert len(outcome) == 1
+    assert_close(outcome[0]["output"], gated_expected)
+
+
+def test_gil_is_released_while_waiting(gate, gated_session, gated_inputs, gated_expected, monkeypatch):
+    # Request.wait waits in slices (so that Ctrl-C gets through); one slice longer than the
+    # fallback makes the whole wait one C call (pipe_request_wait), which returns only once the
+    # gate opens. With switching between threads left to the threads themselves (a switch
+    # interval far beyond the test), this thread gets the GIL back from the waiter only when the
+    # waiter gives it up: inside that call if libpipe releases it, otherwise only after the
+    # fallback has opened the gate and the call has returned.
+    monkeypatch.setattr(libpipe.Request, "_POLL_S", 10 * FALLBACK_S)
+    key = gate.new_key()
+    request = gated_session.submit(gated_inputs["x"], n=key)
+    gate.wait(key, "stage0")
+    outcome = []
+    waiters = []
 
     def waiter():
-        try:
-            request.wait()
-        except libpipe.CancelledError:
-            pass
-        finally:
-            done.set()
+        waiters.append(threading.current_thread())
+        outcome.append(request.wait())
 
-    thread = threading.Thread(target=waiter)
-    thread.start()
-    ticks = 0
-    deadline = time.monotonic() + 0.5
-    while time.monotonic() < deadline:  # progress here while the other thread waits in libpipe
-        time.sleep(0.005)
-        ticks += 1
-    assert not done.is_set()
-    assert ticks >= 10
-    request.cancel()
-    thread.join(timeout=60)
-    assert done.is_set()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10 * FALLBACK_S)
+    try:
+        held = held_while_this_thread_ran(gate, key, waiter,
+                                          lambda: bool(waiters) and inside(waiters[0], libpipe.Request.wait))
+    finally:
+        sys.setswitchinterval(interval)
+    assert held, "this thread could not run while the waiter was inside libpipe: the GIL was held"
+    assert len(outcome) == 1
+    assert_close(outcome[0]["output"], gated_expected)
