@@ -96,7 +96,7 @@ def test_run_deadline(gate, gated_session, gated_inputs, gated_expected):
     assert len(outcome) == 1 and isinstance(outcome[0], libpipe.DeadlineExceededError), outcome
     assert outcome[0].status is Status.DEADLINE_EXCEEDED
     assert "deadline" in outcome[0].message
-    assert_close(gated_session.run(x, n=0, timeout=60)["output"], gated_expected)
+    assert_close(gated_session.run(x, n=0, timeout=WAIT_LIMIT_S)["output"], gated_expected)
 
 
 def test_submit_deadline(gate, gated_session, gated_inputs):
@@ -144,7 +144,7 @@ def test_closing_a_request_cancels_it(gate, gated_plan, gated_inputs, gated_expe
         with pytest.raises(libpipe.InvalidArgumentError, match="request is closed"):
             request.wait()
         gate.open(key)
-        assert_close(session.run(gated_inputs["x"], n=0, timeout=60)["output"], gated_expected)
+        assert_close(session.run(gated_inputs["x"], n=0, timeout=WAIT_LIMIT_S)["output"], gated_expected)
         # Nothing of the cancelled call ran after it was cancelled: its first micro-batch finished
         # stage 0 and went no further, its second never ran. The next call's 2 ran in both.
         assert [s["microbatches"] for s in session.stats()] == [1 + 2, 2]
