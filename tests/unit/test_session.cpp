@@ -4,10 +4,15 @@
 #include <nlohmann/json.hpp>
 
 #include <atomic>
+#include <chrono>
+#include <memory>
 #include <random>
 #include <set>
+#include <stdexcept>
 #include <thread>
 
+#include "../conformance/worker_threads.h"
+#include "../gate/gate.h"
 #include "fixtures.h"
 #include "runtime/error.h"
 #include "runtime/graph/torchscript/model.h"
@@ -158,92 +163,168 @@ TEST(Session, SpecErrorsNameTheInput) {
   EXPECT_EQ(status_of([&] { Session s(Plan::from_markers(model), too_many); }, &msg), Status::InvalidArgument);
 }
 
-// The slow model: each stage repeats a small matmul n times.
-std::vector<c10::IValue> slow_inputs(int64_t n, int64_t batch = 4) {
-  return {at::randn({batch, 64}), at::scalar_tensor(n, at::kLong)};
+// The gated model (tests/gate): each of its two stages holds a micro-batch at a gate until the
+// test opens it, so that a test knows where every micro-batch is instead of guessing how long some
+// work takes. A call's key (input n, replicated to every micro-batch) names its gate; key 0 passes.
+std::shared_ptr<const Model> gated_model() {
+  // gate_init sets an environment variable: it runs before the first gated test creates its
+  // session, while no stage thread can read the environment.
+  static const bool ready = gate_init() == 0;
+  if (!ready) throw std::runtime_error("the test gate is not available (see the message above)");
+  return Model::load(test::fixture("gated.scripted.pt"));
+}
+
+std::vector<c10::IValue> gated(const at::Tensor& x, int64_t key) { return {x, at::scalar_tensor(key, at::kLong)}; }
+
+// The gated model's output for x, computed eagerly (gates do not change values).
+at::Tensor gated_eager(const Model& model, const at::Tensor& x) { return eager(model, gated(x, 0)); }
+
+SessionOptions fixed_microbatches(int64_t m) {
+  SessionOptions o = with_microbatches(m);
+  o.adaptive_microbatches = false;  // every call gets m: the counts the tests assert are known
+  return o;
+}
+
+// Opens a gate when the test leaves, also after a failed assertion, so that a broken test ends
+// instead of holding its session's destructor until the gate's own limit. Declare it after the
+// session (it must open before the session is destroyed).
+struct OpenAtExit {
+  int64_t key;
+  ~OpenAtExit() { gate_open(key, nullptr); }
+};
+
+// Returns once the clock is past `t`: a wait for a condition, the deadline's passing.
+void wait_until_past(Clock::time_point t) {
+  while (Clock::now() <= t) std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
 TEST(Session, CancelStopsACallAndLeavesOthersAlone) {
-  auto model = Model::load(test::fixture("slow_loop.scripted.pt"));
-  SessionOptions fixed = with_microbatches(4);
-  fixed.adaptive_microbatches = false;  // so that the counts below do not depend on timing
-  Session session(Plan::from_markers(model), fixed);
-  session.run(slow_inputs(2));  // warm up the TorchScript executor
-  auto slow = session.submit(slow_inputs(20000));
-  auto quick = session.submit(slow_inputs(2));
-  slow->cancel();
-  EXPECT_EQ(status_of([&] { slow->result({}); }), Status::Cancelled);
-  EXPECT_NO_THROW(quick->result({}));
-  slow->drain();
-  // At most the slow call's first micro-batch had started in stage 0 when it was cancelled; the
-  // rest were dropped unrun, and stage 1 ran none of them: only the warm-up's and the quick call's.
-  const uint64_t stage0 = session.stats(0).microbatches;
-  EXPECT_TRUE(stage0 == 4u + 4u || stage0 == 4u + 1u + 4u) << stage0;
-  EXPECT_EQ(session.stats(1).microbatches, 4u + 4u);
+  auto model = gated_model();
+  Session session(Plan::from_markers(model), fixed_microbatches(4));
+  const int64_t key = gate_new_key();
+  OpenAtExit open_at_exit{key};
+  at::Tensor x = at::randn({4, 64}), y = at::randn({4, 64});
+  auto held = session.submit(gated(x, key));
+  ASSERT_TRUE(gate_wait(key, "stage0", "arrived", 1));  // its first micro-batch runs in stage 0
+  auto other = session.submit(gated(y, 0));             // queued behind the held call's other three
+  held->cancel();
+  std::string msg;
+  EXPECT_EQ(status_of([&] { held->result({}); }, &msg), Status::Cancelled);
+  EXPECT_NE(msg.find("cancelled"), std::string::npos) << msg;
+  gate_open(key, nullptr);
+  auto out = other->result({});
+  EXPECT_TRUE(at::allclose(out.at(0).tensor, gated_eager(*model, y), 1e-5, 1e-5));
+  held->drain();
+  // The held call's first micro-batch finished the stage it was running when cancelled; its other
+  // three were dropped unrun and none of its micro-batches reached stage 1.
+  EXPECT_EQ(session.stats(0).microbatches, 1u + 4u);
+  EXPECT_EQ(session.stats(1).microbatches, 4u);
+  EXPECT_EQ(gate_count(key, "stage1", "arrived"), 0);
 }
 
 TEST(Session, DeadlinesFailCallsThatRunLate) {
-  auto model = Model::load(test::fixture("slow_loop.scripted.pt"));
-  Session session(Plan::from_markers(model), with_microbatches(2));
-  session.run(slow_inputs(2));
+  auto model = gated_model();
+  Session session(Plan::from_markers(model), fixed_microbatches(2));
+  const int64_t key = gate_new_key();
+  OpenAtExit open_at_exit{key};
+  at::Tensor x = at::randn({4, 64}), y = at::randn({4, 64});
+  // A call holds stage 0, so the call behind it cannot finish before the test opens the gate, which
+  // it does only once the clock is past the late call's deadline.
+  auto blocker = session.submit(gated(x, key));
+  ASSERT_TRUE(gate_wait(key, "stage0", "arrived", 1));
   schedule::RunOptions soon;
-  soon.deadline = Clock::now() + std::chrono::milliseconds(20);
+  soon.deadline = Clock::now() + std::chrono::milliseconds(10);
+  std::thread opener([&] {
+    wait_until_past(soon.deadline);
+    gate_open(key, nullptr);
+  });
   std::string msg;
-  const auto start = Clock::now();
-  EXPECT_EQ(status_of([&] { session.run(slow_inputs(50000), soon); }, &msg), Status::DeadlineExceeded);
-  EXPECT_NE(msg.find("deadline"), std::string::npos) << msg;
-  // The call stops at its deadline plus at most the micro-batch running then, not after the
-  // whole call (2 x 2 micro-batches of 50000 steps).
-  EXPECT_LT(Clock::now() - start, std::chrono::seconds(30));
-  // A deadline long enough is met.
+  EXPECT_EQ(status_of([&] { session.run(gated(y, 0), soon); }, &msg), Status::DeadlineExceeded);
+  opener.join();
+  EXPECT_NE(msg.find("the call did not finish before its deadline"), std::string::npos) << msg;
+  EXPECT_TRUE(at::allclose(blocker->result({}).at(0).tensor, gated_eager(*model, x), 1e-5, 1e-5));
+  // The late call ran in no stage: its micro-batches came up after its deadline and were dropped.
+  EXPECT_EQ(session.stats(0).microbatches, 2u);
+  EXPECT_EQ(session.stats(1).microbatches, 2u);
+  // A deadline far enough away is met (10 minutes: a bound that only a hung call reaches).
   schedule::RunOptions later;
-  later.deadline = Clock::now() + std::chrono::seconds(60);
-  EXPECT_NO_THROW(session.run(slow_inputs(2), later));
+  later.deadline = Clock::now() + std::chrono::minutes(10);
+  EXPECT_TRUE(at::allclose(session.run(gated(y, 0), later).at(0).tensor, gated_eager(*model, y), 1e-5, 1e-5));
 }
 
 TEST(Session, WaitWithATimeoutReturnsEarlyAndTheCallGoesOn) {
-  auto model = Model::load(test::fixture("slow_loop.scripted.pt"));
-  Session session(Plan::from_markers(model), with_microbatches(2));
-  auto r = session.submit(slow_inputs(3000));
-  EXPECT_FALSE(r->wait_until(Clock::now() + std::chrono::milliseconds(1)));
+  auto model = gated_model();
+  Session session(Plan::from_markers(model), fixed_microbatches(2));
+  const int64_t key = gate_new_key();
+  OpenAtExit open_at_exit{key};
+  at::Tensor x = at::randn({4, 64});
+  auto r = session.submit(gated(x, key));
+  EXPECT_FALSE(r->wait_until(Clock::now() + std::chrono::milliseconds(1)));  // its gate is closed
+  gate_open(key, nullptr);
   EXPECT_TRUE(r->wait_until(Clock::time_point::max()));
-  EXPECT_NO_THROW(r->result({}));
+  EXPECT_TRUE(at::allclose(r->result({}).at(0).tensor, gated_eager(*model, x), 1e-5, 1e-5));
 }
 
-TEST(Session, DestroyingASessionFailsCallsInFlight) {
-  auto model = Model::load(test::fixture("slow_loop.scripted.pt"));
-  std::vector<std::shared_ptr<schedule::Request>> requests;
-  {
-    SessionOptions o = with_microbatches(4);
-    o.max_inflight = 64;
-    Session session(Plan::from_markers(model), o);
-    for (int i = 0; i < 6; ++i) requests.push_back(session.submit(slow_inputs(3000)));
-  }  // destroyed with work queued and running
-  int cancelled = 0;
-  for (auto& r : requests) {
+TEST(Session, DestroyingASessionCancelsCallsInFlightAndFinishedCallsKeepTheirResults) {
+  auto model = gated_model();
+  SessionOptions o = fixed_microbatches(2);
+  o.max_inflight = 64;
+  worker_threads before, after, workers;
+  worker_threads_now(&before);
+  auto session = std::make_unique<Session>(Plan::from_markers(model), o);
+  worker_threads_now(&after);
+  worker_threads_started(&before, &after, &workers);
+  ASSERT_GT(workers.count, 0u);
+  const int64_t key = gate_new_key();
+  OpenAtExit open_at_exit{key};
+  at::Tensor x = at::randn({4, 64});
+  auto finished = session->submit(gated(x, 0));
+  ASSERT_TRUE(finished->wait_until(Clock::time_point::max()));
+  std::vector<std::shared_ptr<schedule::Request>> in_flight{session->submit(gated(x, key))};
+  ASSERT_TRUE(gate_wait(key, "stage0", "arrived", 1));
+  for (int i = 0; i < 5; ++i) in_flight.push_back(session->submit(gated(x, 0)));  // queued behind it
+  // Destroy waits for the micro-batch held in stage 0. The gate opens once destroy has begun: once
+  // the idle stage 1 worker has ended (worker_threads.h says why that shows it).
+  std::thread destroyer([&] { session.reset(); });
+  const bool began = worker_threads_wait_one_ended(&workers);
+  gate_open(key, nullptr);
+  destroyer.join();
+  ASSERT_TRUE(began) << "none of the session's threads ended while it was being destroyed";
+  for (auto& r : in_flight) {
     EXPECT_TRUE(r->wait_until(Clock::time_point::max()));
-    const Status st = status_of([&] { r->result({}); });
-    EXPECT_TRUE(st == Status::Ok || st == Status::Cancelled) << static_cast<int>(st);
-    cancelled += st == Status::Cancelled;
+    std::string msg;
+    EXPECT_EQ(status_of([&] { r->result({}); }, &msg), Status::Cancelled);
+    EXPECT_NE(msg.find("the session was destroyed while the call was running"), std::string::npos) << msg;
   }
-  EXPECT_GT(cancelled, 0);
+  EXPECT_TRUE(at::allclose(finished->result({}).at(0).tensor, gated_eager(*model, x), 1e-5, 1e-5));
 }
 
 TEST(Session, AdmissionIsBounded) {
-  auto model = Model::load(test::fixture("slow_loop.scripted.pt"));
-  SessionOptions o = with_microbatches(2);
+  auto model = gated_model();
+  SessionOptions o = fixed_microbatches(2);
   o.max_inflight = 2;
   Session session(Plan::from_markers(model), o);
-  session.run(slow_inputs(2));
-  auto first = session.submit(slow_inputs(2000));
-  // The second call cannot enter until the first leaves room; with a short deadline it fails
-  // while waiting for admission.
+  const int64_t key = gate_new_key();
+  OpenAtExit open_at_exit{key};
+  at::Tensor x = at::randn({4, 64}), y = at::randn({4, 64});
+  auto first = session.submit(gated(x, key));  // both its micro-batches are admitted: no room left
+  ASSERT_TRUE(gate_wait(key, "stage0", "arrived", 1));
+  EXPECT_EQ(session.stats(0).queue_depth, 1u);
+  // The second call cannot enter while the first holds both places; with a deadline it fails
+  // waiting for admission, and none of its micro-batches entered the pipeline.
   schedule::RunOptions soon;
-  soon.deadline = Clock::now() + std::chrono::milliseconds(5);
-  auto second = session.submit(slow_inputs(2), soon);
-  EXPECT_EQ(status_of([&] { second->result({}); }), Status::DeadlineExceeded);
-  EXPECT_NO_THROW(first->result({}));
-  for (size_t s = 0; s < session.num_stages(); ++s) EXPECT_LE(session.stats(s).queue_depth, 2u);
+  soon.deadline = Clock::now() + std::chrono::milliseconds(10);
+  auto second = session.submit(gated(y, 0), soon);
+  std::string msg;
+  EXPECT_EQ(status_of([&] { second->result({}); }, &msg), Status::DeadlineExceeded);
+  EXPECT_NE(msg.find("deadline passed while it waited for room in the pipeline"), std::string::npos) << msg;
+  EXPECT_EQ(session.stats(0).queue_depth, 1u);
+  gate_open(key, nullptr);
+  EXPECT_TRUE(at::allclose(first->result({}).at(0).tensor, gated_eager(*model, x), 1e-5, 1e-5));
+  // Once the first call has left, there is room again.
+  EXPECT_TRUE(at::allclose(session.run(gated(y, 0)).at(0).tensor, gated_eager(*model, y), 1e-5, 1e-5));
+  EXPECT_EQ(session.stats(0).microbatches, 2u + 2u);
+  EXPECT_EQ(session.stats(1).microbatches, 2u + 2u);
 }
 
 TEST(Session, TraceHasOneTrackPerStage) {
