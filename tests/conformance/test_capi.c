@@ -9,11 +9,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
 
 #include <pipe/pipe.h>
+
+#include "../gate/gate.h"
+#include "worker_threads.h"
 
 /* ---- the ABI's layout, frozen: a change here is an ABI break (see README) ------------------- */
 
@@ -1034,59 +1038,79 @@ static void model_module_tree(void **state) {
 
 /* ---- asynchronous calls, specs, statistics, trace ------------------------------------------ */
 
-/* slow_loop: two stages that each repeat a small matmul n times (n a 0-d int64 input). */
+/* The gated model (tests/gate): each of its two stages holds a micro-batch at a gate until the
+ * test opens it, so that a test knows where every micro-batch is instead of guessing how long some
+ * work takes. A call's key (input n, replicated to every micro-batch) names its gate; key 0 passes
+ * at once. Every call runs on the fixture's x, so gated.expected.safetensors holds every result. */
 typedef struct {
   int64_t shape[2];
-  float x[4 * 64];
-  int64_t n;
+  float x[16 * 64];
+  int64_t key;
   DLManagedTensor tx, tn;
   const DLManagedTensor *args[2];
-} slow_inputs;
+} gated_call;
 
-static void make_slow_inputs(slow_inputs *s, int64_t n) {
-  memset(s, 0, sizeof *s);
-  s->shape[0] = 4;
-  s->shape[1] = 64;
-  for (int i = 0; i < 4 * 64; ++i) s->x[i] = (float)((i % 7) - 3) / 10.0f;
-  s->n = n;
-  s->tx.dl_tensor.data = s->x;
-  s->tx.dl_tensor.device.device_type = kDLCPU;
-  s->tx.dl_tensor.ndim = 2;
-  s->tx.dl_tensor.dtype.code = kDLFloat;
-  s->tx.dl_tensor.dtype.bits = 32;
-  s->tx.dl_tensor.dtype.lanes = 1;
-  s->tx.dl_tensor.shape = s->shape;
-  s->tn.dl_tensor.data = &s->n;
-  s->tn.dl_tensor.device.device_type = kDLCPU;
-  s->tn.dl_tensor.ndim = 0;
-  s->tn.dl_tensor.dtype.code = kDLInt;
-  s->tn.dl_tensor.dtype.bits = 64;
-  s->tn.dl_tensor.dtype.lanes = 1;
-  s->args[0] = &s->tx;
-  s->args[1] = &s->tn;
+static void make_gated_call(gated_call *c, const loaded *l, int64_t key) {
+  const DLTensor *x = &l->args[0]->dl_tensor;
+  memset(c, 0, sizeof *c);
+  assert_int_equal(x->dtype.code, kDLFloat);
+  assert_int_equal(x->ndim, 2);
+  assert_int_equal(numel(x), 16 * 64);
+  c->shape[0] = x->shape[0];
+  c->shape[1] = x->shape[1];
+  memcpy(c->x, floats(x), sizeof c->x);
+  c->key = key;
+  c->tx.dl_tensor.data = c->x;
+  c->tx.dl_tensor.device.device_type = kDLCPU;
+  c->tx.dl_tensor.ndim = 2;
+  c->tx.dl_tensor.dtype.code = kDLFloat;
+  c->tx.dl_tensor.dtype.bits = 32;
+  c->tx.dl_tensor.dtype.lanes = 1;
+  c->tx.dl_tensor.shape = c->shape;
+  c->tn.dl_tensor.data = &c->key;
+  c->tn.dl_tensor.device.device_type = kDLCPU;
+  c->tn.dl_tensor.ndim = 0;
+  c->tn.dl_tensor.dtype.code = kDLInt;
+  c->tn.dl_tensor.dtype.bits = 64;
+  c->tn.dl_tensor.dtype.lanes = 1;
+  c->args[0] = &c->tx;
+  c->args[1] = &c->tn;
 }
 
-static pipe_session *slow_session_with(pipe_model **model, pipe_plan **plan, int32_t microbatches,
-                                       int32_t microbatching) {
+static pipe_session *gated_session(const loaded *l, int32_t microbatches, int32_t microbatching) {
   pipe_session *session = NULL;
-  ASSERT_OK(pipe_model_load(fixture("slow_loop.scripted.pt"), model));
-  ASSERT_OK(pipe_plan_create(*model, NULL, plan));
   pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
   o.num_microbatches = microbatches;
   o.microbatching = microbatching;
-  ASSERT_OK(pipe_session_create(*plan, &o, &session));
+  ASSERT_OK(pipe_session_create(l->plan, &o, &session));
   return session;
 }
 
-static pipe_session *slow_session(pipe_model **model, pipe_plan **plan, int32_t microbatches) {
-  return slow_session_with(model, plan, microbatches, PIPE_MICROBATCHING_FIXED);
+/* Micro-batches stage `stage` has run so far. */
+static uint64_t stage_microbatches(pipe_session *session, size_t stage) {
+  pipe_stage_stats st = PIPE_STAGE_STATS_INIT;
+  ASSERT_OK(pipe_session_stage_stats(session, stage, &st));
+  return st.microbatches;
 }
 
-/* Micro-batches the last stage has run so far. */
-static uint64_t last_stage_microbatches(pipe_session *session) {
-  pipe_stage_stats st = PIPE_STAGE_STATS_INIT;
-  ASSERT_OK(pipe_session_stage_stats(session, 1, &st));
-  return st.microbatches;
+/* Asserts `out` is the gated model's one output for the fixture's x. */
+static void assert_gated_output(const loaded *l, pipe_tensor_list *out) {
+  size_t count = 0, index = 0;
+  const DLManagedTensor *got = NULL, *want = NULL;
+  ASSERT_OK(pipe_tensor_list_size(out, &count));
+  assert_int_equal(count, 1);
+  ASSERT_OK(pipe_tensor_list_get(out, 0, &got));
+  ASSERT_OK(pipe_tensor_list_find(l->expected, "output", &index));
+  ASSERT_OK(pipe_tensor_list_get(l->expected, index, &want));
+  assert_close(got, want);
+}
+
+/* Waits for a call and checks its result is the fixture's. */
+static void assert_request_gives_expected(const loaded *l, pipe_request *request, int64_t timeout_ms) {
+  pipe_tensor_list *out = NULL;
+  ASSERT_OK(pipe_request_wait(request, timeout_ms, &out));
+  assert_gated_output(l, out);
+  pipe_tensor_list_destroy(out);
 }
 
 /* A call that finds the pipeline empty gets all its micro-batches; one that arrives while
@@ -1096,69 +1120,65 @@ static void adaptive_microbatching(void **state) {
   (void)state;
   const int32_t modes[2] = {PIPE_MICROBATCHING_ADAPTIVE, PIPE_MICROBATCHING_FIXED};
   const uint64_t expected[2] = {4 + 1, 4 + 4};
-  pipe_tensor_list *results[2][2];
+  loaded l;
+  load_fixture(&l, "gated.scripted.pt", "gated");
   for (int m = 0; m < 2; ++m) {
-    pipe_model *model = NULL;
-    pipe_plan *plan = NULL;
-    pipe_session *session = slow_session_with(&model, &plan, 4, modes[m]);
-    slow_inputs busy, second;
-    make_slow_inputs(&busy, 20000);
-    make_slow_inputs(&second, 3);
+    pipe_session *session = gated_session(&l, 4, modes[m]);
+    const int64_t key = gate_new_key();
+    gated_call busy, second;
+    make_gated_call(&busy, &l, key);
+    make_gated_call(&second, &l, 0);
     pipe_request *a = NULL, *b = NULL;
+    /* Its gate closed, the busy call keeps its 4 micro-batches inside while the second arrives. */
     ASSERT_OK(pipe_session_submit(session, busy.args, 2, NULL, &a));
     ASSERT_OK(pipe_session_submit(session, second.args, 2, NULL, &b));
-    ASSERT_OK(pipe_request_wait(a, -1, &results[m][0]));
-    ASSERT_OK(pipe_request_wait(b, -1, &results[m][1]));
-    assert_int_equal(last_stage_microbatches(session), expected[m]);
+    gate_open(key, NULL);
+    assert_request_gives_expected(&l, a, -1);
+    assert_request_gives_expected(&l, b, -1);
+    assert_int_equal(stage_microbatches(session, 1), expected[m]);
     /* Alone again, a call gets all 4 in either mode. */
     pipe_tensor_list *out = NULL;
     ASSERT_OK(pipe_session_run(session, second.args, 2, NULL, &out));
-    assert_int_equal(last_stage_microbatches(session), expected[m] + 4);
+    assert_gated_output(&l, out);
+    assert_int_equal(stage_microbatches(session, 1), expected[m] + 4);
     pipe_tensor_list_destroy(out);
     pipe_request_destroy(a);
     pipe_request_destroy(b);
     pipe_session_destroy(session);
-    pipe_plan_destroy(plan);
-    pipe_model_destroy(model);
   }
-  for (int r = 0; r < 2; ++r) {
-    const DLManagedTensor *x = NULL, *y = NULL;
-    ASSERT_OK(pipe_tensor_list_get(results[0][r], 0, &x));
-    ASSERT_OK(pipe_tensor_list_get(results[1][r], 0, &y));
-    const float *fx = (const float *)x->dl_tensor.data, *fy = (const float *)y->dl_tensor.data;
-    for (int i = 0; i < 4 * 64; ++i) assert_true(fabsf(fx[i] - fy[i]) <= 1e-5f);
-    pipe_tensor_list_destroy(results[0][r]);
-    pipe_tensor_list_destroy(results[1][r]);
-  }
+  unload(&l);
 }
 
 static void submit_wait_cancel(void **state) {
   (void)state;
-  pipe_model *model = NULL;
-  pipe_plan *plan = NULL;
-  pipe_session *session = slow_session(&model, &plan, 2);
-  slow_inputs quick, slow;
-  make_slow_inputs(&quick, 2);
-  make_slow_inputs(&slow, 20000);
+  loaded l;
+  load_fixture(&l, "gated.scripted.pt", "gated");
+  pipe_session *session = gated_session(&l, 2, PIPE_MICROBATCHING_FIXED);
+  const int64_t key = gate_new_key();
+  gated_call held, quick;
+  make_gated_call(&held, &l, key);
+  make_gated_call(&quick, &l, 0);
 
   pipe_request *a = NULL, *b = NULL;
   pipe_tensor_list *out = (pipe_tensor_list *)0x1;
-  ASSERT_OK(pipe_session_submit(session, slow.args, 2, NULL, &a));
-  ASSERT_OK(pipe_session_submit(session, quick.args, 2, NULL, &b));
-  memset(slow.x, 0, sizeof slow.x); /* submit copied the inputs: changing them now is harmless */
+  ASSERT_OK(pipe_session_submit(session, held.args, 2, NULL, &a));
+  assert_true(gate_wait(key, "stage0", "arrived", 1)); /* a's first micro-batch runs in stage 0 */
+  ASSERT_OK(pipe_session_submit(session, quick.args, 2, NULL, &b)); /* queued behind a's second */
+  memset(quick.x, 0, sizeof quick.x); /* submit copied the inputs: b still computes the fixture's */
+  /* Held at its gate, a cannot finish: a wait of 0 ms says so and leaves outputs alone. */
   ASSERT_FAILS(pipe_request_wait(a, 0, &out), PIPE_ERR_TIMEOUT, "still running");
   assert_ptr_equal(out, (pipe_tensor_list *)0x1);
   ASSERT_OK(pipe_request_cancel(a));
   ASSERT_FAILS(pipe_request_wait(a, -1, &out), PIPE_ERR_CANCELLED, "cancelled");
-  ASSERT_OK(pipe_request_wait(b, -1, &out));
-  size_t count = 0;
-  ASSERT_OK(pipe_tensor_list_size(out, &count));
-  assert_int_equal(count, 1);
-  pipe_tensor_list_destroy(out);
+  gate_open(key, NULL);
+  assert_request_gives_expected(&l, b, -1);
+  /* a's first micro-batch finished the stage it was running; its second was dropped unrun, and
+   * stage 1 ran b's only. */
+  assert_int_equal(stage_microbatches(session, 0), 1 + 2);
+  assert_int_equal(stage_microbatches(session, 1), 2);
   /* A finished call gives its result again; cancelling it afterwards changes nothing. */
   ASSERT_OK(pipe_request_cancel(b));
-  ASSERT_OK(pipe_request_wait(b, 0, &out));
-  pipe_tensor_list_destroy(out);
+  assert_request_gives_expected(&l, b, 0);
 
   ASSERT_FAILS(pipe_request_wait(NULL, 0, &out), PIPE_ERR_INVALID_ARGUMENT, "request is NULL");
   ASSERT_FAILS(pipe_request_wait(b, 0, NULL), PIPE_ERR_INVALID_ARGUMENT, "outputs is NULL");
@@ -1169,39 +1189,135 @@ static void submit_wait_cancel(void **state) {
   pipe_request_destroy(a);
   pipe_request_destroy(b);
   pipe_request_destroy(NULL);
-
-  /* A request outlives its session, which fails it if it was still running. */
-  pipe_request *orphan = NULL;
-  ASSERT_OK(pipe_session_submit(session, slow.args, 2, NULL, &orphan));
   pipe_session_destroy(session);
-  pipe_status st = pipe_request_wait(orphan, -1, &out);
-  assert_true(st == PIPE_ERR_CANCELLED || st == PIPE_OK);
-  if (st == PIPE_OK) pipe_tensor_list_destroy(out);
-  pipe_request_destroy(orphan);
-  pipe_plan_destroy(plan);
-  pipe_model_destroy(model);
+  unload(&l);
 }
 
+static void *destroy_session(void *session) {
+  pipe_session_destroy(session);
+  return NULL;
+}
+
+/* Requests outlive their session: destroying it cancels the call it is running and the calls
+ * queued behind, and a call that had finished keeps its result. */
+static void a_request_outlives_its_session(void **state) {
+  (void)state;
+  loaded l;
+  load_fixture(&l, "gated.scripted.pt", "gated");
+  worker_threads before, after, workers;
+  worker_threads_now(&before);
+  pipe_session *session = gated_session(&l, 2, PIPE_MICROBATCHING_FIXED);
+  worker_threads_now(&after);
+  worker_threads_started(&before, &after, &workers);
+  assert_true(workers.count > 0);
+  const int64_t key = gate_new_key();
+  gated_call held, quick;
+  make_gated_call(&held, &l, key);
+  make_gated_call(&quick, &l, 0);
+  pipe_request *finished = NULL, *running = NULL, *queued = NULL;
+  pipe_tensor_list *out = NULL;
+  ASSERT_OK(pipe_session_submit(session, quick.args, 2, NULL, &finished));
+  assert_request_gives_expected(&l, finished, -1);
+  ASSERT_OK(pipe_session_submit(session, held.args, 2, NULL, &running));
+  assert_true(gate_wait(key, "stage0", "arrived", 1));
+  ASSERT_OK(pipe_session_submit(session, quick.args, 2, NULL, &queued));
+  /* Destroy waits for the micro-batch held in stage 0. Its gate opens once destroy has begun: once
+   * the idle stage 1 worker has ended (worker_threads.h says why that shows it). */
+  pthread_t destroyer;
+  assert_int_equal(pthread_create(&destroyer, NULL, destroy_session, session), 0);
+  const int began = worker_threads_wait_one_ended(&workers);
+  gate_open(key, NULL);
+  assert_int_equal(pthread_join(destroyer, NULL), 0);
+  assert_true(began);
+  ASSERT_FAILS(pipe_request_wait(running, -1, &out), PIPE_ERR_CANCELLED,
+               "the session was destroyed while the call was running");
+  ASSERT_FAILS(pipe_request_wait(queued, -1, &out), PIPE_ERR_CANCELLED,
+               "the session was destroyed while the call was running");
+  assert_null(out);
+  assert_request_gives_expected(&l, finished, 0);
+  pipe_request_destroy(finished);
+  pipe_request_destroy(running);
+  pipe_request_destroy(queued);
+  unload(&l);
+}
+
+static int64_t monotonic_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t); /* the clock libpipe's deadlines use (steady_clock) */
+  return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+typedef struct {
+  pipe_session *session;
+  int64_t key;
+  uint64_t queued;    /* stage 0's queue depth once the call is in it */
+  int64_t timeout_ms; /* the call's */
+  int saw_it;         /* the call was seen queued */
+} opener_job;
+
+/* Opens a gate once the clock is past the deadline of a call that pipe_session_run runs on another
+ * thread. That call's deadline is set before it is queued, so timeout_ms after the queue shows it,
+ * the deadline has passed. */
+static void *open_after_deadline(void *arg) {
+  opener_job *job = arg;
+  const time_t give_up = time(NULL) + GATE_WAIT_LIMIT_S;
+  pipe_stage_stats st = PIPE_STAGE_STATS_INIT;
+  while (pipe_session_stage_stats(job->session, 0, &st) == PIPE_OK && st.queue_depth < job->queued &&
+         time(NULL) <= give_up)
+    usleep(2000);
+  job->saw_it = st.queue_depth >= job->queued;
+  const int64_t past = monotonic_ns() + job->timeout_ms * 1000000;
+  while (monotonic_ns() <= past) usleep(1000);
+  gate_open(job->key, NULL);
+  return NULL;
+}
+
+/* A call still queued at its deadline fails with PIPE_ERR_DEADLINE_EXCEEDED, whether waited for
+ * (pipe_request_wait) or run (pipe_session_run), and never runs. */
 static void deadlines(void **state) {
   (void)state;
-  pipe_model *model = NULL;
-  pipe_plan *plan = NULL;
-  pipe_session *session = slow_session(&model, &plan, 2);
-  slow_inputs slow;
-  make_slow_inputs(&slow, 50000);
+  loaded l;
+  load_fixture(&l, "gated.scripted.pt", "gated");
+  pipe_session *session = gated_session(&l, 2, PIPE_MICROBATCHING_FIXED);
+  const int64_t key = gate_new_key();
+  gated_call blocking, late;
+  make_gated_call(&blocking, &l, key);
+  make_gated_call(&late, &l, 0);
+  pipe_request *blocker = NULL, *submitted = NULL;
+  pipe_tensor_list *out = NULL;
+  /* A call holds stage 0: the calls queued behind it cannot finish before the test opens its gate. */
+  ASSERT_OK(pipe_session_submit(session, blocking.args, 2, NULL, &blocker));
+  assert_true(gate_wait(key, "stage0", "arrived", 1));
   pipe_run_options ro = PIPE_RUN_OPTIONS_INIT;
   ro.timeout_ms = 10;
-  pipe_tensor_list *out = NULL;
-  ASSERT_FAILS(pipe_session_run(session, slow.args, 2, &ro, &out), PIPE_ERR_DEADLINE_EXCEEDED, "deadline");
+  ASSERT_OK(pipe_session_submit(session, late.args, 2, &ro, &submitted));
+  ASSERT_FAILS(pipe_request_wait(submitted, -1, &out), PIPE_ERR_DEADLINE_EXCEEDED,
+               "the call did not finish before its deadline");
+  /* pipe_session_run returns once its call is past its deadline and no longer queued: another
+   * thread opens the gate once the clock is past that deadline. Stage 0's queue then holds the
+   * blocker's second micro-batch, the submitted call's two and the run call's two. */
+  opener_job job = {session, key, 1 + 2 + 2, ro.timeout_ms, 0};
+  pthread_t opener;
+  assert_int_equal(pthread_create(&opener, NULL, open_after_deadline, &job), 0);
+  ASSERT_FAILS(pipe_session_run(session, late.args, 2, &ro, &out), PIPE_ERR_DEADLINE_EXCEEDED,
+               "the call did not finish before its deadline");
+  assert_int_equal(pthread_join(opener, NULL), 0);
+  assert_true(job.saw_it);
   assert_null(out);
+  assert_request_gives_expected(&l, blocker, -1);
+  /* Neither late call ran in any stage: their micro-batches came up past their deadlines. */
+  assert_int_equal(stage_microbatches(session, 0), 2);
+  assert_int_equal(stage_microbatches(session, 1), 2);
+
   ro.timeout_ms = -5;
-  ASSERT_FAILS(pipe_session_run(session, slow.args, 2, &ro, &out), PIPE_ERR_INVALID_ARGUMENT, "timeout_ms");
+  ASSERT_FAILS(pipe_session_run(session, late.args, 2, &ro, &out), PIPE_ERR_INVALID_ARGUMENT, "timeout_ms");
   pipe_run_options zero = PIPE_RUN_OPTIONS_INIT;
   zero.struct_size = 0;
-  ASSERT_FAILS(pipe_session_run(session, slow.args, 2, &zero, &out), PIPE_ERR_INVALID_ARGUMENT, "PIPE_RUN_OPTIONS_INIT");
+  ASSERT_FAILS(pipe_session_run(session, late.args, 2, &zero, &out), PIPE_ERR_INVALID_ARGUMENT, "PIPE_RUN_OPTIONS_INIT");
+  pipe_request_destroy(submitted);
+  pipe_request_destroy(blocker);
   pipe_session_destroy(session);
-  pipe_plan_destroy(plan);
-  pipe_model_destroy(model);
+  unload(&l);
 }
 
 static void specs_stats_and_trace(void **state) {
@@ -1364,6 +1480,13 @@ static void weights_from_a_sharded_checkpoint(void **state) {
   pipe_model_destroy(model);
 }
 
+/* The gated model's operator must be loaded before the model (tests/gate); gate_init also sets the
+ * gate folder's environment variable, here, before any session starts its threads. */
+static int load_gate(void **state) {
+  (void)state;
+  return gate_init();
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(version_matches_macros),
@@ -1390,6 +1513,7 @@ int main(void) {
       cmocka_unit_test(model_module_tree),
       cmocka_unit_test(input_on_a_cuda_device),
       cmocka_unit_test(submit_wait_cancel),
+      cmocka_unit_test(a_request_outlives_its_session),
       cmocka_unit_test(adaptive_microbatching),
       cmocka_unit_test(deadlines),
       cmocka_unit_test(specs_stats_and_trace),
@@ -1398,5 +1522,5 @@ int main(void) {
       cmocka_unit_test(distributed_options),
       cmocka_unit_test(device_placement),
   };
-  return cmocka_run_group_tests_name("capi", tests, NULL, NULL);
+  return cmocka_run_group_tests_name("capi", tests, load_gate, NULL);
 }
