@@ -412,7 +412,8 @@ static void wrong_number_of_inputs(void **state) {
   pipe_session *session = NULL;
   pipe_tensor_list *out = (pipe_tensor_list *)0x1;
   ASSERT_OK(pipe_session_create(l.plan, NULL, &session));
-  ASSERT_FAILS(pipe_session_run(session, l.args, 1, NULL, &out), PIPE_ERR_INPUT, "takes 2 inputs (x, y) but 1 were given");
+  ASSERT_FAILS(pipe_session_run(session, l.args, 1, NULL, &out), PIPE_ERR_INPUT,
+               "takes 2 inputs (x, y) but 1 were given");
   const DLManagedTensor *three[3] = {l.args[0], l.args[1], l.args[0]};
   ASSERT_FAILS(pipe_session_run(session, three, 3, NULL, &out), PIPE_ERR_INPUT, "but 3 were given");
   ASSERT_FAILS(pipe_session_run(session, NULL, 0, NULL, &out), PIPE_ERR_INPUT, "but 0 were given");
@@ -519,7 +520,8 @@ static void distributed_options(void **state) {
   ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "world_size >= 2");
   o.transport = PIPE_TRANSPORT_LOCAL;
   o.store = "127.0.0.1:29999";
-  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "store is set but the transport is local");
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT,
+               "store is set but the transport is local");
   o.store = NULL;
   o.transport = PIPE_TRANSPORT_LOCAL;
   o.world_size = 2;
@@ -1313,7 +1315,8 @@ static void deadlines(void **state) {
   ASSERT_FAILS(pipe_session_run(session, late.args, 2, &ro, &out), PIPE_ERR_INVALID_ARGUMENT, "timeout_ms");
   pipe_run_options zero = PIPE_RUN_OPTIONS_INIT;
   zero.struct_size = 0;
-  ASSERT_FAILS(pipe_session_run(session, late.args, 2, &zero, &out), PIPE_ERR_INVALID_ARGUMENT, "PIPE_RUN_OPTIONS_INIT");
+  ASSERT_FAILS(pipe_session_run(session, late.args, 2, &zero, &out), PIPE_ERR_INVALID_ARGUMENT,
+               "PIPE_RUN_OPTIONS_INIT");
   pipe_request_destroy(submitted);
   pipe_request_destroy(blocker);
   pipe_session_destroy(session);

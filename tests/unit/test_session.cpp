@@ -57,7 +57,8 @@ TEST(Session, AThousandRequestsFromEightThreadsAllGetTheirOwnAnswer) {
         at::Tensor x = at::randn({batch, 512}), y = at::randn({batch, 512});
         try {
           auto out = session.run({x, y});
-          if (out.size() != 1 || out[0].name != "output" || !at::allclose(out[0].tensor, eager(*model, {x, y}), 1e-5, 1e-5))
+          if (out.size() != 1 || out[0].name != "output" ||
+              !at::allclose(out[0].tensor, eager(*model, {x, y}), 1e-5, 1e-5))
             ++wrong;
         } catch (const std::exception&) {
           ++failed;
