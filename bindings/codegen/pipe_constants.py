@@ -239,8 +239,8 @@ def go(header, source):
     out = [
         _banner("//", source),
         "//",
-        "// Regenerate after pipe.h gains a status code (run-tests.sh fails until then):",
-        "//   python3 bindings/codegen/pipe_constants.py go PREFIX/include/pipe/pipe.h bindings/go/status_gen.go",
+        "// Regenerate with bindings/go/generate.sh (or go generate) after pipe.h gains a status code:",
+        "// run-tests.sh and the binding parity test fail until then.",
         "",
         "package pipe",
         "",
