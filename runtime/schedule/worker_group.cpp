@@ -82,6 +82,8 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
   }
 
   SetupDeadline deadline(*transport_, o.comm_timeout);
+  // Opened here only to see which tensors it holds.
+  const auto checkpoint = stage_options.weights.empty() ? nullptr : stage::Checkpoint::open(stage_options.weights);
   const auto aliases = stage_options.weights.empty() ? stage::AliasGroups{} : stage::alias_groups(graph::torchscript_model(plan).module());
   for (int r = 1; r < world_size_; ++r) {
     WorkerAssignment a;
@@ -96,8 +98,9 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
       // Device constants baked in by tracing are rewritten for the device the stage will use
       // (the same GPU numbering on every machine is assumed).
       auto module = stage::build_stage_module(plan, s, devices.at(s));
-      // With a checkpoint, each worker reads its own stages' tensors: only shapes travel.
-      if (!stage_options.weights.empty()) stage::strip_stage_weights(module);
+      // With a checkpoint, each worker reads its own stages' tensors from it: only their shapes
+      // travel. Those it lacks (non-persistent buffers) travel with their data.
+      if (checkpoint) stage::strip_stage_weights(module, *checkpoint, aliases);
       a.modules.push_back(serialize(module));
       stage::AliasGroups mine;
       for (const auto& p : module.named_parameters()) {

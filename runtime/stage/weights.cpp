@@ -194,11 +194,15 @@ AliasGroups alias_groups(const torch::jit::Module& model) {
   return out;
 }
 
-void strip_stage_weights(torch::jit::Module& stage) {
+void strip_stage_weights(torch::jit::Module& stage, const Checkpoint& checkpoint, const AliasGroups& aliases) {
   std::vector<std::tuple<std::string, bool, at::Tensor>> slots;
   for (const auto& p : stage.named_parameters()) slots.emplace_back(p.name, false, p.value);
   for (const auto& b : stage.named_buffers()) slots.emplace_back(b.name, true, b.value);
   for (const auto& [name, is_buffer, t] : slots) {
+    // A tensor the checkpoint lacks travels as it is: its data (the receiver keeps it), or meta
+    // (the receiver reports it as load_stage_weights does).
+    auto it = aliases.find(name);
+    if (checkpoint.resolve(name, it == aliases.end() ? std::vector<std::string>{} : it->second).empty()) continue;
     auto [owner, leaf] = owner_of(stage, name);
     // One element seen through zero strides: the shape and dtype survive serialization, the
     // bytes do not travel.
@@ -229,17 +233,26 @@ void load_stage_weights(torch::jit::Module& stage, const AliasGroups& aliases, s
     uint64_t total = 0, done = 0;
     for (const auto& slot : slots) {
       auto it = aliases.find(slot.name);
-      const std::string key = checkpoint->resolve(slot.name, it == aliases.end() ? std::vector<std::string>{} : it->second);
-      if (key.empty())
+      const std::string key =
+          checkpoint->resolve(slot.name, it == aliases.end() ? std::vector<std::string>{} : it->second);
+      // A checkpoint need not hold everything: Hugging Face never stores non-persistent buffers
+      // (rotary inv_freq, position_ids), so a tensor the model holds with data keeps it. Only a
+      // tensor with data nowhere is an error.
+      if (key.empty() && slot.current.is_meta())
         throw Error(Status::NotFound, "tensor '" + slot.name + "'" + where + " is not in checkpoint '" +
-                                          checkpoint->path() + "' (also tried tied names and with a prefix such as "
-                                          "'model.' added or removed)");
+                                          checkpoint->path() +
+                                          "' (also tried tied names and with a prefix such as "
+                                          "'model.' added or removed) and the model holds no data for it (it is on "
+                                          "the meta device): add it to the checkpoint, or keep its data in the "
+                                          "skeleton (libpipe.save_skeleton(traced, path, module=model) keeps the "
+                                          "buffers a checkpoint does not store; keep=[names] keeps others)");
       keys.push_back(key);
-      total += checkpoint->bytes(key);
+      if (!key.empty()) total += checkpoint->bytes(key);
     }
     std::map<std::string, at::Tensor> loaded;  // a tensor tied within the stage is loaded once
     for (size_t i = 0; i < slots.size(); ++i) {
       Slot& slot = slots[i];
+      if (keys[i].empty()) continue;  // the model's own data
       auto cached = loaded.find(keys[i]);
       at::Tensor t = cached != loaded.end() ? cached->second : checkpoint->load(keys[i]);
       if (t.sizes() != slot.current.sizes())

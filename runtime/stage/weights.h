@@ -63,11 +63,12 @@ class Checkpoint {
 
 // Replaces the stage module's parameters and buffers with the checkpoint's (when `options.weights`
 // is set), casts floating ones to `options.dtype` (when set), places them on `device`, and fails
-// if any tensor of the stage is still on the meta device. A GPU gets only this stage's tensors,
-// straight from the (mapped) file through pinned memory, cast there; tensors tied within the
-// stage stay one tensor. Throws Error naming the tensor and the stage: NotFound for a tensor
-// missing from the checkpoint or a missing shard, Input for a shape or dtype mismatch,
-// InvalidFormat for a corrupt shard.
+// if any tensor of the stage is still on the meta device. A tensor the checkpoint lacks keeps the
+// model's data (Hugging Face checkpoints omit non-persistent buffers). A GPU gets only this
+// stage's tensors, straight from the (mapped) file through pinned memory, cast there; tensors
+// tied within the stage stay one tensor. Throws Error naming the tensor and the stage: NotFound
+// for a tensor that is neither in the checkpoint nor held with data by the model, or a missing
+// shard, Input for a shape or dtype mismatch, InvalidFormat for a corrupt shard.
 void load_stage_weights(torch::jit::Module& stage, const graph::Plan& plan, size_t stage_index,
                         const StageOptions& options, Checkpoint* checkpoint,
                         const c10::Device& device = c10::Device(c10::kCPU));
@@ -76,9 +77,11 @@ void load_stage_weights(torch::jit::Module& stage, const graph::Plan& plan, size
 using AliasGroups = std::map<std::string, std::vector<std::string>>;
 AliasGroups alias_groups(const torch::jit::Module& model);
 
-// Replaces every parameter and buffer with a placeholder of the same shape and dtype that holds
-// one element, so the stage serializes small; load_stage_weights with a checkpoint fills it.
-void strip_stage_weights(torch::jit::Module& stage);
+// Replaces every parameter and buffer that `checkpoint` holds (by name or through `aliases`, as
+// load_stage_weights resolves it) with a placeholder of the same shape and dtype that holds one
+// element, so the stage serializes small; load_stage_weights with the checkpoint fills it. A
+// tensor the checkpoint lacks is left as it is.
+void strip_stage_weights(torch::jit::Module& stage, const Checkpoint& checkpoint, const AliasGroups& aliases);
 
 // As above, for a stage without its plan (a worker process receives the aliases with the stage).
 void load_stage_weights(torch::jit::Module& stage, const AliasGroups& aliases, size_t stage_index,
