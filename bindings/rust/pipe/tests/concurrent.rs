@@ -6,9 +6,11 @@ mod common;
 
 use std::sync::{Arc, Barrier};
 use std::thread;
+use std::time::Duration;
 
+use common::gate::{Key, ARRIVED, LEFT};
 use common::*;
-use pipe::{Microbatching, Model, Plan, Request, Session, SessionOptions, TensorList};
+use pipe::{Microbatching, Model, Plan, Request, Session, SessionOptions, Status, TensorList};
 
 const THREADS: usize = 4;
 const CALLS: usize = 3;
@@ -82,16 +84,19 @@ fn threads_share_one_session_adaptive_microbatching() {
 }
 
 /// With 2 stages and 2 micro-batches per call, a call submitted while another call's 2
-/// micro-batches are still in the pipeline (a slow one: a fraction of a second per micro-batch
-/// and stage) already has its one micro-batch per stage: adaptive cuts it into 1, fixed into 2.
+/// micro-batches are still in the pipeline (held at stage 0's gate) already has its one
+/// micro-batch per stage: adaptive cuts it into 1, fixed into 2.
 fn microbatches_run_by_two_overlapping_calls(mode: Microbatching) -> u64 {
-    let session = slow_session_with(SessionOptions::new().microbatches(2).microbatching(mode));
-    let first = session.submit(&slow_inputs(50_000)).unwrap();
-    let second = session.submit(&slow_inputs(2)).unwrap();
-    let second_out = named(second.wait(None).unwrap(), "output");
-    let first_out = named(first.wait(None).unwrap(), "output");
-    assert_eq!(second_out.shape(), &[4, 64]);
-    assert_eq!(first_out.shape(), &[4, 64]);
+    let session = gated_session(SessionOptions::new().microbatches(2).microbatching(mode));
+    let key = Key::new();
+    let first = session.submit(&gated_inputs(key.value())).unwrap();
+    key.wait("stage0", ARRIVED, 1);
+    let second = session.submit(&gated_inputs(0)).unwrap();
+    assert_eq!(first.wait(Some(Duration::ZERO)).unwrap_err().status, Status::Timeout, "the held call is not running");
+    key.open();
+    check_gated_output("the second call", second.wait(None).unwrap());
+    check_gated_output("the first call", first.wait(None).unwrap());
+    assert_eq!(key.count("stage1", LEFT), 2, "the first call's micro-batches");
     let stats = session.stats().unwrap();
     assert_eq!(stats.len(), 2);
     assert_eq!(stats[0].microbatches, stats[1].microbatches, "{stats:?}");

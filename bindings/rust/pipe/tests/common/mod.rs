@@ -2,6 +2,8 @@
 //! run-tests.sh), never from a hard-coded path.
 #![allow(dead_code)]
 
+pub mod gate;
+
 use std::path::PathBuf;
 
 use pipe::{ChunkSpec, Model, Plan, PlanOptions, Session, SessionOptions, Tensor};
@@ -67,16 +69,12 @@ pub fn rotate_rows(t: &Tensor, k: usize) -> Tensor {
     Tensor::new(t.shape().to_vec(), out).unwrap()
 }
 
-/// slow_loop.scripted.pt: forward(x: float32 [B, 64], n: int64 0-d); each of its 2 stages loops
-/// a 64x64 matmul n times, so n sets how long a call takes.
-pub fn slow_session(microbatches: usize) -> Session {
-    slow_session_with(SessionOptions::new().microbatches(microbatches))
-}
-
-/// slow_loop.scripted.pt with these options, plus the input specs it needs (x split, n
-/// replicated).
-pub fn slow_session_with(options: SessionOptions) -> Session {
-    let model = Model::load(fixture("slow_loop.scripted.pt")).unwrap();
+/// gated.scripted.pt: forward(x: float32 [B, 64], n: int64 0-d), 2 stages, each passing through
+/// the test gate with key n (n = 0: the gates pass at once; see gate.rs), with the input specs it
+/// needs (x split, n replicated so that every micro-batch carries the key).
+pub fn gated_session(options: SessionOptions) -> Session {
+    gate::init();
+    let model = Model::load(fixture("gated.scripted.pt")).unwrap();
     assert_eq!(model.input_names().unwrap(), vec!["x", "n"]);
     let plan = Plan::new(&model, &PlanOptions::new()).unwrap();
     assert_eq!(plan.num_stages().unwrap(), 2);
@@ -84,7 +82,19 @@ pub fn slow_session_with(options: SessionOptions) -> Session {
     Session::new(&plan, &options).unwrap()
 }
 
-pub fn slow_inputs(n: i64) -> Vec<Tensor> {
-    let x: Vec<f32> = (0..4 * 64).map(|i| ((i % 7) as f32 - 3.0) / 10.0).collect();
-    vec![Tensor::new(vec![4, 64], x).unwrap(), Tensor::scalar(n)]
+/// The gated fixture's x with gate key n.
+pub fn gated_inputs(n: i64) -> Vec<Tensor> {
+    let x = named(pipe::safetensors::read(fixture("gated.inputs.safetensors")).unwrap(), "x");
+    vec![x, Tensor::scalar(n)]
+}
+
+/// Eager PyTorch's output for the gated fixture's x (whatever the key: the gate returns its input).
+pub fn gated_reference() -> Tensor {
+    named(pipe::safetensors::read(fixture("gated.expected.safetensors")).unwrap(), "output")
+}
+
+/// Checks a call's outputs against eager PyTorch's.
+pub fn check_gated_output(what: &str, outputs: Vec<(String, Tensor)>) {
+    let diff = max_abs_diff(&named(outputs, "output"), &gated_reference());
+    assert!(diff <= 1e-4, "{what}: max |diff| vs PyTorch = {diff}");
 }
