@@ -57,7 +57,8 @@ type gated struct {
 func gatedSession(t *testing.T, microbatches int, mode pipe.Microbatching) *gated {
 	t.Helper()
 	if gateErr != nil {
-		t.Fatalf("no test gate: %v (set LIBPIPE_TEST_GATE_LIB or put libpipe_test_gate.so in LIBPIPE_FIXTURES)", gateErr)
+		t.Fatalf("no test gate: %v (set LIBPIPE_TEST_GATE_LIB, or put libpipe_test_gate.so in LIBPIPE_FIXTURES)",
+			gateErr)
 	}
 	model := must(pipe.LoadModel(fixture(t, "gated.scripted.pt")))(t)
 	t.Cleanup(func() { model.Close() })

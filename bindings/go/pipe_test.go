@@ -268,7 +268,8 @@ func TestStageOptions(t *testing.T) {
 	d := newDemo(t, 2)
 	// bfloat16 weights: the same result to bfloat16's precision, and a float32 result
 	// (inputs are converted, outputs come back in the stage's dtype).
-	session := must(d.plan.NewSession(&pipe.SessionOptions{Microbatches: 2, Stage: &pipe.StageOptions{DType: pipe.BFloat16}}))(t)
+	bf16 := &pipe.StageOptions{DType: pipe.BFloat16}
+	session := must(d.plan.NewSession(&pipe.SessionOptions{Microbatches: 2, Stage: bf16}))(t)
 	defer session.Close()
 	out := must(session.Run(context.Background(), d.x))(t).Get("output")
 	if out == nil {
@@ -803,7 +804,8 @@ func TestWriteSafetensorsErrors(t *testing.T) {
 		t.Fatalf("the file now holds %v", got.Names())
 	}
 	// A directory that does not exist cannot be written to.
-	err := pipe.WriteSafetensors(filepath.Join(t.TempDir(), "missing", "t.safetensors"), pipe.TensorList{{Name: "a", Tensor: a}})
+	missing := filepath.Join(t.TempDir(), "missing", "t.safetensors")
+	err := pipe.WriteSafetensors(missing, pipe.TensorList{{Name: "a", Tensor: a}})
 	asError(t, err, pipe.StatusIO)
 }
 
