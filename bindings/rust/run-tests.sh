@@ -6,7 +6,9 @@
 #   bindings/rust/run-tests.sh PREFIX FIXTURES WORKDIR
 #
 # PREFIX    a libpipe install (PREFIX/lib/pkgconfig/libpipe.pc, include/pipe/pipe.h, lib/libpipe.so)
-# FIXTURES  folder with demo.pt, demo.{inputs,expected}.safetensors, slow_loop.scripted.pt, ...
+# FIXTURES  folder with demo.pt, demo.{inputs,expected}.safetensors, gated.scripted.pt and its
+#           safetensors files, and the test gate's operator library libpipe_test_gate.so, which the
+#           tests load (pipe/tests/common/gate.rs) to hold a stage while they act
 # WORKDIR   where every build artefact goes (CARGO_TARGET_DIR=WORKDIR/target)
 #
 # Needs cargo, pkg-config and libclang (Debian: libclang-dev) for bindgen. The test binaries get
