@@ -3,6 +3,7 @@
 #include <cstddef>
 
 #include "capi/dlpack_bridge.h"
+#include "capi/struct_sizes.h"
 #include "runtime/device/cuda_library.h"
 
 
@@ -72,10 +73,7 @@ std::vector<c10::IValue> borrow_inputs(const DLManagedTensor* const* inputs, siz
 libpipe::stage::StageOptions stage_options(const pipe_stage_options* o, const char* function) {
   libpipe::stage::StageOptions opts;
   if (!o) return opts;
-  if (o->struct_size < sizeof(uint32_t))
-    throw Error(Status::InvalidArgument, std::string(function) + ": stage options struct_size is " +
-                                             std::to_string(o->struct_size) +
-                                             "; initialise them with PIPE_STAGE_OPTIONS_INIT");
+  require_struct_size(o->struct_size, kStageOptions, function, "the stage options' struct_size");
 #define PIPE_HAS(field) (o->struct_size >= offsetof(pipe_stage_options, field) + sizeof(o->field))
   if (PIPE_HAS(dtype)) {
     switch (o->dtype) {

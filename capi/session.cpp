@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "capi/boundary.h"
+#include "capi/struct_sizes.h"
 #include "runtime/comm/nccl_transport.h"
 
 using namespace libpipe::capi;
@@ -49,10 +50,7 @@ libpipe::chunk::OutputSpec output_spec(const pipe_chunk_spec& c, size_t index, c
 libpipe::schedule::RunOptions run_options(const pipe_run_options* o, const char* function) {
   libpipe::schedule::RunOptions opts;
   if (!o) return opts;
-  if (o->struct_size < sizeof(uint32_t))
-    throw Error(Status::InvalidArgument, std::string(function) + ": options->struct_size is " +
-                                             std::to_string(o->struct_size) +
-                                             "; initialise the options with PIPE_RUN_OPTIONS_INIT");
+  require_struct_size(o->struct_size, kRunOptions, function, "options->struct_size");
   if (o->struct_size >= offsetof(pipe_run_options, timeout_ms) + sizeof(int64_t)) {
     if (o->timeout_ms < 0)
       throw Error(Status::InvalidArgument, std::string(function) + ": options->timeout_ms is " +
@@ -73,10 +71,7 @@ pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_option
     require(session, fn, "session");
     const pipe_session_options defaults = PIPE_SESSION_OPTIONS_INIT;
     const pipe_session_options* o = options ? options : &defaults;
-    if (o->struct_size < offsetof(pipe_session_options, num_microbatches))
-      throw Error(Status::InvalidArgument, std::string(fn) + ": options->struct_size is " +
-                                               std::to_string(o->struct_size) +
-                                               "; initialise the options with PIPE_SESSION_OPTIONS_INIT");
+    require_struct_size(o->struct_size, kSessionOptions, fn, "options->struct_size");
     // Fields beyond what the caller's struct_size covers keep their defaults.
 #define PIPE_HAS(field) (o->struct_size >= offsetof(pipe_session_options, field) + sizeof(o->field))
     libpipe::schedule::SessionOptions opts;
@@ -151,8 +146,9 @@ pipe_status pipe_session_run(pipe_session* session, const DLManagedTensor* const
   return guarded(__func__, [&](const char* fn) {
     require(session, fn, "session");
     require(outputs, fn, "outputs");
+    const auto run = run_options(options, fn);
     auto args = borrow_inputs(inputs, num_inputs, fn);
-    *outputs = make_list(get(session)->impl->run(args, run_options(options, fn)));
+    *outputs = make_list(get(session)->impl->run(args, run));
   });
 }
 
@@ -161,12 +157,13 @@ pipe_status pipe_session_submit(pipe_session* session, const DLManagedTensor* co
   return guarded(__func__, [&](const char* fn) {
     require(session, fn, "session");
     require(request, fn, "request");
+    const auto run = run_options(options, fn);  // checked before the inputs are copied
     auto args = borrow_inputs(inputs, num_inputs, fn);
     // The call outlives this function, the caller's tensors may not: it runs on copies.
     for (auto& a : args) a = a.toTensor().clone();
     auto r = std::make_unique<libpipe::capi::RequestHandle>();
     r->output_specs = get(session)->impl->options().output_specs;
-    r->impl = get(session)->impl->submit(args, run_options(options, fn));
+    r->impl = get(session)->impl->submit(args, run);
     *request = handle(r.release());
   });
 }
@@ -210,10 +207,7 @@ pipe_status pipe_session_stage_stats(const pipe_session* session, size_t stage, 
     require(session, fn, "session");
     require(stats, fn, "stats");
     require_index(stage, get(session)->impl->num_stages(), fn, "stage");
-    if (stats->struct_size < sizeof(uint32_t))
-      throw Error(Status::InvalidArgument, std::string(fn) + ": stats->struct_size is " +
-                                               std::to_string(stats->struct_size) +
-                                               "; initialise it with PIPE_STAGE_STATS_INIT");
+    require_struct_size(stats->struct_size, kStageStats, fn, "stats->struct_size");
     const auto st = get(session)->impl->stats(stage);
     pipe_stage_stats full = PIPE_STAGE_STATS_INIT;
     full.microbatches = st.microbatches;

@@ -2,6 +2,7 @@
 #include <cstddef>
 
 #include "capi/boundary.h"
+#include "capi/struct_sizes.h"
 #include "runtime/schedule/worker_host.h"
 
 using namespace libpipe::capi;
@@ -13,10 +14,7 @@ extern "C" {
 pipe_status pipe_worker_run(const pipe_worker_options* options) {
   return guarded(__func__, [&](const char* fn) {
     require(options, fn, "options");
-    if (options->struct_size < offsetof(pipe_worker_options, store) + sizeof(options->store))
-      throw Error(Status::InvalidArgument, std::string(fn) + ": options->struct_size is " +
-                                               std::to_string(options->struct_size) +
-                                               "; initialise the options with PIPE_WORKER_OPTIONS_INIT");
+    require_struct_size(options->struct_size, kWorkerOptions, fn, "options->struct_size");
 #define PIPE_HAS(field) (options->struct_size >= offsetof(pipe_worker_options, field) + sizeof(options->field))
     require(options->store, fn, "options->store");
     libpipe::schedule::WorkerOptions w;

@@ -1,0 +1,115 @@
+// The sizes pipe.h's versioned structs (those that begin with `uint32_t struct_size`) have had, one
+// per layout a libpipe version shipped: a caller's struct_size must be one of them. Fields are only
+// ever appended, so each older layout is a prefix of today's struct, and its size is today's end of
+// its last field rounded up to that layout's alignment. Written that way the table holds on any
+// ABI; the numbers in the comments are the x86-64/AArch64 sizes each version's pipe.h gave (from
+// `git log -p --follow capi/include/pipe/pipe.h.in`), checked by the static_asserts below.
+// Internal: never installed.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+
+#include "pipe/pipe.h"
+
+namespace libpipe::capi {
+
+// The size of a layout ending with `end` bytes of fields, padded as the compiler pads a struct
+// whose strictest member needs `align`.
+constexpr uint32_t layout_size(size_t end, size_t align) {
+  return static_cast<uint32_t>((end + align - 1) / align * align);
+}
+
+// Where field `field` of `type` ends.
+#define PIPE_FIELD_END(type, field) (offsetof(type, field) + sizeof(static_cast<type*>(nullptr)->field))
+
+// Every layout below but the first of pipe_session_options holds a pointer, size_t, int64_t or
+// double, the strictest members today's structs have, so it is aligned as today's struct is.
+inline constexpr uint32_t kStageOptionsSizes[] = {
+    // 0.2.0 (32): struct_size, dtype, weights, progress, progress_user_data. Unchanged since.
+    layout_size(PIPE_FIELD_END(pipe_stage_options, progress_user_data), alignof(pipe_stage_options)),
+};
+
+inline constexpr uint32_t kSessionOptionsSizes[] = {
+    // 0.1.0, first header (12): struct_size, num_microbatches, threads_per_stage. The 0.1.0 header
+    // then grew without a version bump, so programs built against 0.1.0 have either size.
+    layout_size(PIPE_FIELD_END(pipe_session_options, threads_per_stage), alignof(int32_t)),
+    // 0.1.0 (48): + max_inflight, input_specs, num_input_specs, output_specs, num_output_specs.
+    layout_size(PIPE_FIELD_END(pipe_session_options, num_output_specs), alignof(pipe_session_options)),
+    // 0.2.0 (56): + stage_options.
+    layout_size(PIPE_FIELD_END(pipe_session_options, stage_options), alignof(pipe_session_options)),
+    // 0.3.0 (64): + microbatching.
+    layout_size(PIPE_FIELD_END(pipe_session_options, microbatching), alignof(pipe_session_options)),
+    // 0.4.0 (88): + transport, world_size, store, comm_timeout_ms.
+    layout_size(PIPE_FIELD_END(pipe_session_options, comm_timeout_ms), alignof(pipe_session_options)),
+    // 0.5.0 (104): + devices, outputs. Unchanged in 0.6.0.
+    layout_size(PIPE_FIELD_END(pipe_session_options, outputs), alignof(pipe_session_options)),
+};
+
+inline constexpr uint32_t kRunOptionsSizes[] = {
+    // 0.1.0 (16): struct_size, timeout_ms. Unchanged since.
+    layout_size(PIPE_FIELD_END(pipe_run_options, timeout_ms), alignof(pipe_run_options)),
+};
+
+inline constexpr uint32_t kStageStatsSizes[] = {
+    // 0.1.0 (48): struct_size, microbatches, failures, busy_ms, idle_ms, queue_depth. Unchanged since.
+    layout_size(PIPE_FIELD_END(pipe_stage_stats, queue_depth), alignof(pipe_stage_stats)),
+};
+
+inline constexpr uint32_t kWorkerOptionsSizes[] = {
+    // 0.4.0 (32): struct_size, rank, world_size, store, comm_timeout_ms, threads_per_stage. Unchanged since.
+    layout_size(PIPE_FIELD_END(pipe_worker_options, threads_per_stage), alignof(pipe_worker_options)),
+};
+
+#undef PIPE_FIELD_END
+
+// A struct grown without its new layout listed here would refuse its own INIT macro: the last size
+// must be today's.
+template <size_t N>
+constexpr uint32_t last(const uint32_t (&sizes)[N]) { return sizes[N - 1]; }
+static_assert(last(kStageOptionsSizes) == sizeof(pipe_stage_options), "list pipe_stage_options' new layout");
+static_assert(last(kSessionOptionsSizes) == sizeof(pipe_session_options), "list pipe_session_options' new layout");
+static_assert(last(kRunOptionsSizes) == sizeof(pipe_run_options), "list pipe_run_options' new layout");
+static_assert(last(kStageStatsSizes) == sizeof(pipe_stage_stats), "list pipe_stage_stats' new layout");
+static_assert(last(kWorkerOptionsSizes) == sizeof(pipe_worker_options), "list pipe_worker_options' new layout");
+
+#if UINTPTR_MAX == UINT64_MAX && defined(__LP64__)
+// The sizes each version's header gave on LP64, as recorded above.
+static_assert(kStageOptionsSizes[0] == 32);
+static_assert(kSessionOptionsSizes[0] == 12 && kSessionOptionsSizes[1] == 48 && kSessionOptionsSizes[2] == 56 &&
+              kSessionOptionsSizes[3] == 64 && kSessionOptionsSizes[4] == 88 && kSessionOptionsSizes[5] == 104);
+static_assert(kRunOptionsSizes[0] == 16);
+static_assert(kStageStatsSizes[0] == 48);
+static_assert(kWorkerOptionsSizes[0] == 32);
+#endif
+
+// One versioned struct: its name, how callers initialise it, and the sizes it has had.
+struct VersionedStruct {
+  const char* name;           // "pipe_session_options"
+  const char* init_macro;     // "PIPE_SESSION_OPTIONS_INIT"
+  const char* init_function;  // "pipe_session_options_init"
+  const uint32_t* sizes;      // ascending
+  size_t num_sizes;
+};
+
+inline constexpr VersionedStruct kStageOptions{"pipe_stage_options", "PIPE_STAGE_OPTIONS_INIT",
+                                               "pipe_stage_options_init", kStageOptionsSizes,
+                                               std::size(kStageOptionsSizes)};
+inline constexpr VersionedStruct kSessionOptions{"pipe_session_options", "PIPE_SESSION_OPTIONS_INIT",
+                                                 "pipe_session_options_init", kSessionOptionsSizes,
+                                                 std::size(kSessionOptionsSizes)};
+inline constexpr VersionedStruct kRunOptions{"pipe_run_options", "PIPE_RUN_OPTIONS_INIT", "pipe_run_options_init",
+                                             kRunOptionsSizes, std::size(kRunOptionsSizes)};
+inline constexpr VersionedStruct kStageStats{"pipe_stage_stats", "PIPE_STAGE_STATS_INIT", "pipe_stage_stats_init",
+                                             kStageStatsSizes, std::size(kStageStatsSizes)};
+inline constexpr VersionedStruct kWorkerOptions{"pipe_worker_options", "PIPE_WORKER_OPTIONS_INIT",
+                                                "pipe_worker_options_init", kWorkerOptionsSizes,
+                                                std::size(kWorkerOptionsSizes)};
+
+// Error(InvalidArgument) unless `size` is one of `s`'s sizes. `function` is the exported function
+// and `what` the argument as the caller knows it ("options->struct_size"), both named in the
+// message with the sizes accepted and how to initialise the struct.
+void require_struct_size(size_t size, const VersionedStruct& s, const char* function, const char* what);
+
+}  // namespace libpipe::capi
