@@ -38,6 +38,24 @@ cp "$prefix/header.c" "$prefix/header.cpp"
 "$cxx" -std=c++17 -Wall -Wextra -Werror -pedantic -I"$prefix/include" -fsyntax-only "$prefix/header.cpp"
 echo "header compiles alone as C99, C11 and C++17"
 
+# A dropped status is a warning (PIPE_WARN_UNUSED_RESULT), unless PIPE_NO_WARN_UNUSED_RESULT turns
+# the mark off; in C and in C++, with GCC or Clang as configured. Compiled to an object: GCC gives
+# this warning after parsing, so -fsyntax-only would never show it.
+printf '#include <pipe/pipe.h>\nvoid dropped(void);\nvoid dropped(void) { pipe_session_check(NULL); }\n' \
+  >"$prefix/unused.c"
+cp "$prefix/unused.c" "$prefix/unused.cpp"
+for compile in "$cc -std=c11 $prefix/unused.c" "$cxx -std=c++17 $prefix/unused.cpp"; do
+  # shellcheck disable=SC2086 # the compiler and its arguments are words
+  if $compile -Werror=unused-result -I"$prefix/include" -c -o /dev/null 2>/dev/null; then
+    echo "ignoring a pipe_status compiles without a warning: PIPE_WARN_UNUSED_RESULT is not in effect ($compile)"
+    exit 1
+  fi
+  # shellcheck disable=SC2086
+  $compile -Werror=unused-result -DPIPE_NO_WARN_UNUSED_RESULT -I"$prefix/include" -c -o /dev/null ||
+    { echo "PIPE_NO_WARN_UNUSED_RESULT does not turn the warning off ($compile)"; exit 1; }
+done
+echo "a dropped pipe_status warns, and PIPE_NO_WARN_UNUSED_RESULT turns that off"
+
 export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
 # shellcheck disable=SC2046
 "$cc" -std=c11 $san -o "$prefix/pc_example" "$src/examples/c/main.c" $(pkg-config --cflags --libs libpipe) -lm

@@ -66,6 +66,17 @@ static double bench_round(bench_state *b, int count, int threads) {
   return b->failure == PIPE_OK ? wall : -1;
 }
 
+/* Every stage's statistics into stats[0..stages); 0, or 1 after reporting. */
+static int read_stage_stats(pipe_session *session, size_t stages, pipe_stage_stats *stats) {
+  for (size_t s = 0; s < stages; ++s) {
+    pipe_stage_stats init = PIPE_STAGE_STATS_INIT;
+    stats[s] = init;
+    pipe_status st = pipe_session_stage_stats(session, s, &stats[s]);
+    if (st != PIPE_OK) return fail("cannot read the stage statistics", st);
+  }
+  return 0;
+}
+
 int cmd_bench(int argc, char **argv) {
   const char *model_path = NULL, *in_path = NULL;
   split_args split = SPLIT_ARGS_INIT;
@@ -118,7 +129,11 @@ int cmd_bench(int argc, char **argv) {
   pipe_session *session = p.session;
   const DLManagedTensor **args = p.args;
   size_t num_args = p.num_args;
-  pipe_plan_num_stages(p.plan, &stages);
+  pipe_status st = pipe_plan_num_stages(p.plan, &stages);
+  if (st != PIPE_OK) {
+    fail("cannot count the plan's stages", st);
+    goto done;
+  }
   int64_t batch = num_args > 0 && args[0]->dl_tensor.ndim > 0 ? args[0]->dl_tensor.shape[0] : 1;
   b.session = session;
   b.args = args;
@@ -130,16 +145,21 @@ int cmd_bench(int argc, char **argv) {
     fprintf(stderr, "pipe: error: warm-up failed: %s [%s]\n", b.message, pipe_status_string(b.failure));
     goto done;
   }
-  pipe_stage_stats *before = calloc(stages, sizeof *before);
+  /* Each stage's statistics before and after the measured round: the difference is the bench's. */
+  pipe_stage_stats *before = calloc(2 * stages, sizeof *before);
   if (!before) goto done;
-  for (size_t s = 0; s < stages; ++s) {
-    pipe_stage_stats init = PIPE_STAGE_STATS_INIT;
-    before[s] = init;
-    pipe_session_stage_stats(session, s, &before[s]);
+  pipe_stage_stats *after = before + stages;
+  if (read_stage_stats(session, stages, before) != 0) {
+    free(before);
+    goto done;
   }
   double wall = bench_round(&b, requests, concurrency);
   if (wall < 0) {
     fprintf(stderr, "pipe: error: request failed: %s [%s]\n", b.message, pipe_status_string(b.failure));
+    free(before);
+    goto done;
+  }
+  if (read_stage_stats(session, stages, after) != 0) {
     free(before);
     goto done;
   }
@@ -165,17 +185,15 @@ int cmd_bench(int argc, char **argv) {
            percentile(b.latency_ms, requests, 90), percentile(b.latency_ms, requests, 99), b.latency_ms[requests - 1]);
   }
   for (size_t s = 0; s < stages; ++s) {
-    pipe_stage_stats now = PIPE_STAGE_STATS_INIT;
-    pipe_session_stage_stats(session, s, &now);
-    double busy = (now.busy_ms - before[s].busy_ms) / wall;
-    before[s].microbatches = now.microbatches - before[s].microbatches; /* run during the bench */
+    double busy = (after[s].busy_ms - before[s].busy_ms) / wall;
     if (json) printf("%s%.4f", s ? ", " : "", busy);
     else printf("  stage %zu: busy %.1f%% of the run, %llu micro-batches\n", s, 100.0 * busy,
-                (unsigned long long)before[s].microbatches);
+                (unsigned long long)(after[s].microbatches - before[s].microbatches));
   }
   if (json) {
     printf("], \"stage_microbatches\": [");
-    for (size_t s = 0; s < stages; ++s) printf("%s%llu", s ? ", " : "", (unsigned long long)before[s].microbatches);
+    for (size_t s = 0; s < stages; ++s)
+      printf("%s%llu", s ? ", " : "", (unsigned long long)(after[s].microbatches - before[s].microbatches));
     printf("]}\n");
   }
   free(before);

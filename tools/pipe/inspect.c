@@ -10,13 +10,21 @@ int cmd_inspect(int argc, char **argv) {
   pipe_status st = pipe_model_load(argv[0], &model);
   if (st != PIPE_OK) return fail("cannot load model", st);
   size_t count = 0;
-  pipe_model_num_modules(model, &count);
+  if ((st = pipe_model_num_modules(model, &count)) != PIPE_OK) {
+    fail("cannot list the model's modules", st); /* before the next call replaces the message */
+    pipe_model_destroy(model);
+    return 1;
+  }
   printf("%-48s %-24s %14s %12s\n", "module", "type", "parameters", "MiB");
   for (size_t i = 0; i < count; ++i) {
     const char *path = NULL, *type = NULL;
     int32_t depth = 0;
     uint64_t params = 0, bytes = 0;
-    pipe_model_module(model, i, &path, &type, &depth, &params, &bytes);
+    if ((st = pipe_model_module(model, i, &path, &type, &depth, &params, &bytes)) != PIPE_OK) {
+      fail("cannot list the model's modules", st);
+      pipe_model_destroy(model);
+      return 1;
+    }
     const char *leaf = strrchr(path, '.');
     leaf = depth == 0 ? "(model)" : leaf ? leaf + 1 : path;
     char label[256];

@@ -20,14 +20,15 @@ int make_plan(pipe_model *model, const split_args *split, const DLManagedTensor 
   return st == PIPE_OK ? 0 : fail("cannot split model", st);
 }
 
-/* Lists the model's forward argument names, comma-separated, into buf. */
+/* Lists the model's forward argument names, comma-separated, into buf (only for messages: a name
+ * libpipe cannot give ends the list). */
 static void input_list(const pipe_model *model, char *buf, size_t size) {
   size_t n = 0, used = 0;
   buf[0] = '\0';
-  pipe_model_num_inputs(model, &n);
+  if (pipe_model_num_inputs(model, &n) != PIPE_OK) return;
   for (size_t i = 0; i < n && used < size; ++i) {
     const char *name = NULL;
-    pipe_model_input_name(model, i, &name);
+    if (pipe_model_input_name(model, i, &name) != PIPE_OK) break;
     int w = snprintf(buf + used, size - used, "%s%s", i ? ", " : "", name);
     if (w < 0) break;
     used += (size_t)w;
@@ -40,16 +41,17 @@ int read_inputs(const pipe_model *model, const char *path, pipe_tensor_list **li
   if (st != PIPE_OK) return fail("cannot read inputs", st);
   char names[1024];
   size_t num_inputs = 0, num_tensors = 0;
-  pipe_model_num_inputs(model, &num_inputs);
-  pipe_tensor_list_size(*list, &num_tensors);
+  if ((st = pipe_model_num_inputs(model, &num_inputs)) != PIPE_OK) return fail("cannot list the model's inputs", st);
+  if ((st = pipe_tensor_list_size(*list, &num_tensors)) != PIPE_OK) return fail("cannot read inputs", st);
   input_list(model, names, sizeof names);
   for (size_t t = 0; t < num_tensors; ++t) {
     const char *tensor_name = NULL;
     int known = 0;
-    pipe_tensor_list_name(*list, t, &tensor_name);
+    if ((st = pipe_tensor_list_name(*list, t, &tensor_name)) != PIPE_OK) return fail("cannot read inputs", st);
     for (size_t i = 0; i < num_inputs && !known; ++i) {
       const char *input_name = NULL;
-      pipe_model_input_name(model, i, &input_name);
+      if ((st = pipe_model_input_name(model, i, &input_name)) != PIPE_OK)
+        return fail("cannot list the model's inputs", st);
       known = strcmp(input_name, tensor_name) == 0;
     }
     if (!known) {
@@ -66,13 +68,14 @@ int read_inputs(const pipe_model *model, const char *path, pipe_tensor_list **li
   for (size_t i = 0; i < num_inputs; ++i) {
     const char *input_name = NULL;
     size_t index = 0;
-    pipe_model_input_name(model, i, &input_name);
+    if ((st = pipe_model_input_name(model, i, &input_name)) != PIPE_OK)
+      return fail("cannot list the model's inputs", st);
     if (pipe_tensor_list_find(*list, input_name, &index) != PIPE_OK) {
       fprintf(stderr, "pipe: error: '%s' has no tensor named '%s' (the model's inputs are: %s)\n", path,
               input_name, names);
       return 1;
     }
-    pipe_tensor_list_get(*list, index, &(*args)[i]);
+    if ((st = pipe_tensor_list_get(*list, index, &(*args)[i])) != PIPE_OK) return fail("cannot read inputs", st);
   }
   *num_args = num_inputs;
   return 0;
@@ -131,10 +134,14 @@ int open_pipeline(pipeline *p, const char *model_path, const char *in_path, cons
   if (make_plan(p->model, split, timed ? p->args : NULL, p->num_args, &p->plan) != 0) goto failed;
   if (s->processes > 1) {
     size_t stages = 0;
-    pipe_plan_num_stages(p->plan, &stages);
+    if ((st = pipe_plan_num_stages(p->plan, &stages)) != PIPE_OK) {
+      fail("cannot count the plan's stages", st);
+      goto failed;
+    }
     if (stages < (size_t)s->processes) {
       fprintf(stderr, "pipe: error: --processes %d: the plan has only %zu stage%s and every process hosts at least "
-              "one; use at most %zu processes or cut more stages\n", s->processes, stages, stages == 1 ? "" : "s", stages);
+              "one; use at most %zu processes or cut more stages\n",
+              s->processes, stages, stages == 1 ? "" : "s", stages);
       goto failed;
     }
     if (!s->options.store) s->options.store = "127.0.0.1:0"; /* the store picks a free port */
@@ -142,13 +149,15 @@ int open_pipeline(pipeline *p, const char *model_path, const char *in_path, cons
   pipe_session_options with_weights = s->options;
   with_weights.stage_options = &split->weights;
   store_watch watch = {&p->workers, s};
-  if (s->options.world_size > 1) pipe_set_log_callback(watch_store, &watch, PIPE_LOG_INFO);
-  st = pipe_session_create(p->plan, &with_weights, &p->session);
-  if (s->options.world_size > 1) pipe_set_log_callback(NULL, NULL, PIPE_LOG_WARNING);
-  if (st != PIPE_OK) {
-    fail("cannot create session", st);
+  if (s->options.world_size > 1 && (st = pipe_set_log_callback(watch_store, &watch, PIPE_LOG_INFO)) != PIPE_OK) {
+    fail("cannot watch libpipe's log for the store's address", st);
     goto failed;
   }
+  st = pipe_session_create(p->plan, &with_weights, &p->session);
+  if (st != PIPE_OK) fail("cannot create session", st); /* before the next call replaces its message */
+  if (s->options.world_size > 1 && pipe_set_log_callback(NULL, NULL, PIPE_LOG_WARNING) != PIPE_OK)
+    fprintf(stderr, "pipe: warning: cannot put libpipe's default logger back: %s\n", pipe_last_error());
+  if (st != PIPE_OK) goto failed;
   return 0;
 failed:
   close_pipeline(p);

@@ -59,8 +59,11 @@ int cmd_run(int argc, char **argv) {
     goto done;
   }
   size_t num_outputs = 0, stages = 0;
-  pipe_tensor_list_size(out, &num_outputs);
-  pipe_plan_num_stages(p.plan, &stages);
+  if ((st = pipe_tensor_list_size(out, &num_outputs)) != PIPE_OK ||
+      (st = pipe_plan_num_stages(p.plan, &stages)) != PIPE_OK) {
+    fail("cannot count the outputs and stages", st);
+    goto done;
+  }
   printf("pipe: ran %s as %zu stage%s in %.1f ms; wrote %zu output%s to %s\n", model_path, stages,
          stages == 1 ? "" : "s", elapsed, num_outputs, num_outputs == 1 ? "" : "s", out_path);
   rc = 0;

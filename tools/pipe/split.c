@@ -6,32 +6,38 @@
 
 #include "cli.h"
 
-static void print_names(const pipe_plan *plan, size_t stage, int32_t kind, const char *label) {
+/* Prints the names of `kind` (PIPE_NAMES_*) in stage `stage`; the status of the first call that
+ * failed, else PIPE_OK. */
+static pipe_status print_names(const pipe_plan *plan, size_t stage, int32_t kind, const char *label) {
   size_t n = 0;
-  pipe_plan_stage_count_names(plan, stage, kind, &n);
-  if (n == 0) return;
+  pipe_status st = pipe_plan_stage_count_names(plan, stage, kind, &n);
+  if (st != PIPE_OK || n == 0) return st;
   printf("    %s:", label);
   for (size_t i = 0; i < n; ++i) {
     const char *name = NULL;
-    pipe_plan_stage_name(plan, stage, kind, i, &name);
+    if ((st = pipe_plan_stage_name(plan, stage, kind, i, &name)) != PIPE_OK) return st;
     printf(" %s", name);
   }
   printf("\n");
+  return PIPE_OK;
 }
 
-static void print_plan(const char *model_path, const pipe_plan *plan) {
+/* The plan as text; the status of the first call that failed, else PIPE_OK. */
+static pipe_status print_plan(const char *model_path, const pipe_plan *plan) {
   size_t stages = 0;
-  pipe_plan_num_stages(plan, &stages);
+  pipe_status st = pipe_plan_num_stages(plan, &stages);
+  if (st != PIPE_OK) return st;
   printf("%s: %zu stage%s\n", model_path, stages, stages == 1 ? "" : "s");
   double total = 0, slowest = 0;
   for (size_t s = 0; s < stages; ++s) {
     uint64_t bytes = 0;
     size_t params = 0, buffers = 0;
     double ms = -1;
-    pipe_plan_stage_param_bytes(plan, s, &bytes);
-    pipe_plan_stage_count_names(plan, s, PIPE_NAMES_PARAMETERS, &params);
-    pipe_plan_stage_count_names(plan, s, PIPE_NAMES_BUFFERS, &buffers);
-    pipe_plan_stage_estimated_ms(plan, s, &ms);
+    if ((st = pipe_plan_stage_param_bytes(plan, s, &bytes)) != PIPE_OK ||
+        (st = pipe_plan_stage_count_names(plan, s, PIPE_NAMES_PARAMETERS, &params)) != PIPE_OK ||
+        (st = pipe_plan_stage_count_names(plan, s, PIPE_NAMES_BUFFERS, &buffers)) != PIPE_OK ||
+        (st = pipe_plan_stage_estimated_ms(plan, s, &ms)) != PIPE_OK)
+      return st;
     printf("  stage %zu: %zu parameters, %zu buffers, %.2f MiB", s, params, buffers,
            (double)bytes / (1024.0 * 1024.0));
     if (ms >= 0) {
@@ -40,10 +46,13 @@ static void print_plan(const char *model_path, const pipe_plan *plan) {
       slowest = ms > slowest ? ms : slowest;
     }
     printf("\n");
-    print_names(plan, s, PIPE_NAMES_PARAMETERS, "parameters");
-    print_names(plan, s, PIPE_NAMES_BUFFERS, "buffers");
+    if ((st = print_names(plan, s, PIPE_NAMES_PARAMETERS, "parameters")) != PIPE_OK ||
+        (st = print_names(plan, s, PIPE_NAMES_BUFFERS, "buffers")) != PIPE_OK)
+      return st;
   }
-  if (slowest > 0) printf("  balance: %.3f (sum of stage times / (stages x slowest))\n", total / ((double)stages * slowest));
+  if (slowest > 0)
+    printf("  balance: %.3f (sum of stage times / (stages x slowest))\n", total / ((double)stages * slowest));
+  return PIPE_OK;
 }
 
 int cmd_split(int argc, char **argv) {
@@ -90,14 +99,21 @@ int cmd_split(int argc, char **argv) {
   if (make_plan(model, &split, args, num_args, &plan) != 0) goto done;
   if (json) {
     const char *text = NULL;
-    pipe_plan_describe(plan, &text);
+    if ((st = pipe_plan_describe(plan, &text)) != PIPE_OK) {
+      fail("cannot describe the plan", st);
+      goto done;
+    }
     printf("%s\n", text);
-  } else {
-    print_plan(model_path, plan);
+  } else if ((st = print_plan(model_path, plan)) != PIPE_OK) {
+    fail("cannot describe the plan", st);
+    goto done;
   }
   if (save_dir) {
     size_t stages = 0;
-    pipe_plan_num_stages(plan, &stages);
+    if ((st = pipe_plan_num_stages(plan, &stages)) != PIPE_OK) {
+      fail("cannot count the plan's stages", st);
+      goto done;
+    }
     if (only_stage >= (int32_t)stages) {
       fprintf(stderr, "pipe: error: --stage %d but the plan has %zu stages\n", only_stage, stages);
       goto done;
