@@ -1,19 +1,24 @@
 /* A driver for the distributed tests, written against the C ABI only (pipe/pipe.h).
  *
- * It starts its own worker processes with posix_spawn (the `pipe` CLI's `pipe worker`, or this
- * program's own `worker` mode, which calls pipe_worker_run), creates a Gloo session with them on a
- * free loopback port, and runs one scenario. tests/distributed/test_capi_distributed.py drives it
- * and compares the outputs it writes with eager PyTorch.
+ * It creates a Gloo session whose store listens on 127.0.0.1:0 (a free port the store picks), learns
+ * the port from libpipe's INFO log message "store listening on HOST:PORT" (pipe_set_log_callback),
+ * and only then starts its worker processes with posix_spawn (the `pipe` CLI's `pipe worker`, or
+ * this program's own `worker` mode, which calls pipe_worker_run), and runs one scenario.
+ * tests/distributed/test_capi_distributed.py drives it and compares the outputs it writes with
+ * eager PyTorch.
  *
  *   dist_driver [OPTIONS] run OUTDIR IN...
  *       One session: every IN (safetensors, one tensor per forward argument) runs in turn with
  *       pipe_session_run -> OUTDIR/seq.<i>.safetensors, then all are submitted at once (their
  *       micro-batches interleave) -> OUTDIR/async.<i>.safetensors. The session is destroyed and
- *       every worker must exit 0.
- *   dist_driver [OPTIONS] kill RANK IN OUTDIR
- *   dist_driver [OPTIONS] stop RANK IN OUTDIR
- *       One run (OUTDIR/before.safetensors), then two threads stream IN through the session; after
- *       a few calls worker RANK gets SIGKILL (kill) or SIGSTOP (stop). Every streaming call must
+ *       every worker must exit 0. Prints "store HOST:PORT", the address the store reported.
+ *   dist_driver [OPTIONS] kill RANK STAGE IN OUTDIR
+ *   dist_driver [OPTIONS] stop RANK STAGE IN OUTDIR
+ *       The model is a gated one (tests/gate: inputs x and n, stage K waits at gate "stageK"), IN
+ *       its inputs with n = 0, and STAGE the first stage that worker RANK hosts. One run
+ *       (OUTDIR/before.safetensors); then calls with a gate key as n are submitted, the gates of
+ *       the stages before STAGE are opened, and once a micro-batch is held in STAGE (the worker
+ *       has work in hand) worker RANK gets SIGKILL (kill) or SIGSTOP (stop). Every held call must
  *       fail with PIPE_ERR_COMMUNICATION within comm_timeout_ms + margin; pipe_session_check then
  *       says PIPE_ERR_COMMUNICATION, later calls fail at once, pipe_session_destroy returns within
  *       comm_timeout_ms + margin and the surviving workers exit on their own. Then fresh workers
@@ -22,8 +27,8 @@
  *       pipe_session_create with store STORE (no workers) must fail with STATUS (a name such as
  *       PIPE_ERR_COMMUNICATION) within comm_timeout_ms + margin. Prints the message on stdout.
  *   dist_driver [OPTIONS] noworkers
- *       A session on a free port whose workers never come must fail with PIPE_ERR_COMMUNICATION
- *       within comm_timeout_ms + margin. Prints the message on stdout.
+ *       A session on 127.0.0.1:0 whose workers never come must fail with PIPE_ERR_COMMUNICATION
+ *       within comm_timeout_ms + margin. Prints the message and the reported store on stdout.
  *   dist_driver worker --rank R --world-size N --store HOST:PORT [--comm-timeout-ms T]
  *       pipe_worker_run. Exit 0 on PIPE_OK; otherwise "worker: STATUS: message" on stderr, exit 1.
  *
@@ -35,7 +40,6 @@
  * (a watchdog noticed; every worker is killed before exiting). */
 #define _GNU_SOURCE
 #include <errno.h>
-#include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
@@ -44,7 +48,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -52,12 +55,14 @@
 
 #include <pipe/pipe.h>
 
+#include "tests/gate/gate.h"
+
 extern char **environ;
 
 #define MAX_WORKERS 16
 #define MAX_SPLITS 16
 #define MAX_INPUTS 64
-#define STREAM_THREADS 2
+#define HELD_CALLS 2
 
 /* ---- options ------------------------------------------------------------------------------- */
 
@@ -76,7 +81,6 @@ static char g_self[4096];
 
 static pid_t g_workers[MAX_WORKERS]; /* index rank-1; 0 once reaped */
 static int g_num_workers;
-static char g_store[64];
 
 static double now_ms(void) {
   struct timespec ts;
@@ -170,26 +174,8 @@ static void on_fatal_signal(int sig) {
 
 /* ---- helpers ------------------------------------------------------------------------------- */
 
-static int free_port(void) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  struct sockaddr_in addr;
-  memset(&addr, 0, sizeof addr);
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof addr;
-  int port = -1;
-  if (bind(fd, (struct sockaddr *)&addr, sizeof addr) == 0 && getsockname(fd, (struct sockaddr *)&addr, &len) == 0)
-    port = ntohs(addr.sin_port);
-  close(fd);
-  return port;
-}
-
-static int spawn_workers(void) {
-  int port = free_port();
-  if (port < 0) return fail("no free port: %s", strerror(errno));
-  snprintf(g_store, sizeof g_store, "127.0.0.1:%d", port);
+/* Starts the workers for the store at `store` (as libpipe reported it). */
+static int spawn_workers(const char *store) {
   const char *exe = strcmp(g_pipe, "self") == 0 ? g_self : g_pipe;
   char world[16], timeout[16];
   snprintf(world, sizeof world, "%d", g_world);
@@ -198,15 +184,52 @@ static int spawn_workers(void) {
   for (int rank = 1; rank < g_world; ++rank) {
     char rank_s[16];
     snprintf(rank_s, sizeof rank_s, "%d", rank);
-    char *argv[] = {(char *)exe, "worker", "--rank", rank_s, "--world-size", world, "--store", g_store,
+    char *argv[] = {(char *)exe, "worker", "--rank", rank_s, "--world-size", world, "--store", (char *)store,
                     "--comm-timeout-ms", timeout, NULL};
     pid_t pid;
     int rc = posix_spawn(&pid, exe, NULL, NULL, argv, environ);
-    if (rc != 0) return fail("posix_spawn %s: %s", exe, strerror(rc));
+    if (rc != 0) {
+      say("posix_spawn %s: %s", exe, strerror(rc));
+      return 1;
+    }
     g_workers[rank - 1] = pid;
   }
-  say("started %d workers (%s) for store %s", g_num_workers, exe, g_store);
+  say("started %d workers (%s) for store %s", g_num_workers, exe, store);
   return 0;
+}
+
+/* ---- the store's address, from libpipe's log ---------------------------------------------------- */
+
+/* pipe.h (the store option): as soon as the store listens, before waiting for workers, libpipe logs
+ * at PIPE_LOG_INFO exactly "store listening on HOST:PORT" with the port it got. The workers are
+ * started from there, on the thread creating the session (it does not call back into libpipe). */
+static pthread_mutex_t g_log_mu = PTHREAD_MUTEX_INITIALIZER;
+static int g_spawn_on_listen;  /* start_session waits for the address */
+static int g_spawn_failed;
+static char g_store[128];      /* the address the last store reported */
+
+static void on_log(void *user_data, int32_t level, const char *message) {
+  (void)user_data;
+  static const char listening[] = "store listening on ";
+  fprintf(stderr, "dist_driver: libpipe log %d: %s\n", (int)level, message);
+  if (strncmp(message, listening, sizeof listening - 1) != 0) return;
+  pthread_mutex_lock(&g_log_mu);
+  if (level != PIPE_LOG_INFO) say("FAIL: the store's address came at log level %d, not PIPE_LOG_INFO", (int)level);
+  snprintf(g_store, sizeof g_store, "%s", message + sizeof listening - 1);
+  if (g_spawn_on_listen) {
+    g_spawn_on_listen = 0;
+    g_spawn_failed = level != PIPE_LOG_INFO || spawn_workers(g_store) != 0;
+  }
+  pthread_mutex_unlock(&g_log_mu);
+}
+
+/* 1 when `store` is 127.0.0.1:PORT with a port the store got (not 0). */
+static int picked_port(const char *store) {
+  static const char host[] = "127.0.0.1:";
+  if (strncmp(store, host, sizeof host - 1) != 0) return 0;
+  char *end = NULL;
+  long port = strtol(store + sizeof host - 1, &end, 10);
+  return end && *end == '\0' && port >= 1 && port <= 65535;
 }
 
 /* Wait until every worker but `skip_rank` has exited by itself, at most `ms`. Returns 0 when all
@@ -248,12 +271,12 @@ static int read_inputs(const pipe_model *model, const char *path, inputs *in) {
   pipe_status st = pipe_safetensors_read(path, &in->list);
   if (st != PIPE_OK) return fail("reading %s: %s: %s", path, pipe_status_string(st), pipe_last_error());
   size_t n = 0;
-  pipe_model_num_inputs(model, &n);
+  if (pipe_model_num_inputs(model, &n) != PIPE_OK) return fail("pipe_model_num_inputs: %s", pipe_last_error());
   if (n > 16) return fail("too many inputs");
   for (size_t i = 0; i < n; ++i) {
     const char *name = NULL;
     size_t index = 0;
-    pipe_model_input_name(model, i, &name);
+    if (pipe_model_input_name(model, i, &name) != PIPE_OK) return fail("pipe_model_input_name: %s", pipe_last_error());
     if (pipe_tensor_list_find(in->list, name, &index) != PIPE_OK) return fail("%s has no tensor '%s'", path, name);
     if (pipe_tensor_list_get(in->list, index, &in->tensors[i]) != PIPE_OK)
       return fail("%s: %s", path, pipe_last_error());
@@ -279,7 +302,7 @@ static int load_plan(void) {
   pipe_status st = pipe_model_load(g_model, &g_model_h);
   if (st != PIPE_OK) return fail("pipe_model_load: %s: %s", pipe_status_string(st), pipe_last_error());
   pipe_plan_options *po = NULL;
-  pipe_plan_options_create(&po);
+  if (pipe_plan_options_create(&po) != PIPE_OK) return fail("pipe_plan_options_create: %s", pipe_last_error());
   for (int i = 0; i < g_num_splits; ++i) {
     st = pipe_plan_options_add_split_point(po, g_splits[i]);
     if (st != PIPE_OK) return fail("split point %s: %s", g_splits[i], pipe_last_error());
@@ -288,7 +311,7 @@ static int load_plan(void) {
   pipe_plan_options_destroy(po);
   if (st != PIPE_OK) return fail("pipe_plan_create: %s: %s", pipe_status_string(st), pipe_last_error());
   size_t stages = 0;
-  pipe_plan_num_stages(g_plan, &stages);
+  if (pipe_plan_num_stages(g_plan, &stages) != PIPE_OK) return fail("pipe_plan_num_stages: %s", pipe_last_error());
   say("%s: %zu stages over %d processes", g_model, stages, g_world);
   return 0;
 }
@@ -307,14 +330,25 @@ static pipe_session_options session_options(const char *store) {
   return o;
 }
 
-/* Spawn workers and create a session with them. */
+/* Create a session on a free port; its workers start once its store reports the port it got. */
 static int start_session(pipe_session **session) {
-  if (spawn_workers()) return 1;
-  pipe_session_options o = session_options(g_store);
+  pthread_mutex_lock(&g_log_mu);
+  g_spawn_on_listen = 1;
+  g_spawn_failed = 0;
+  g_store[0] = '\0';
+  pthread_mutex_unlock(&g_log_mu);
+  pipe_session_options o = session_options("127.0.0.1:0");
   watchdog_arm(g_comm_timeout_ms + g_margin_ms + 30000.0, "pipe_session_create");
   double t0 = now_ms();
   pipe_status st = pipe_session_create(g_plan, &o, session);
   watchdog_disarm();
+  pthread_mutex_lock(&g_log_mu);
+  int never_listened = g_spawn_on_listen, spawn_failed = g_spawn_failed;
+  g_spawn_on_listen = 0;
+  pthread_mutex_unlock(&g_log_mu);
+  if (never_listened) return fail("the store never reported its address (\"store listening on HOST:PORT\")");
+  if (spawn_failed) return fail("the workers could not be started for the store %s", g_store);
+  if (!picked_port(g_store)) return fail("the store reported '%s', not 127.0.0.1 with the port it got", g_store);
   if (st != PIPE_OK)
     return fail("pipe_session_create: %s: %s", pipe_status_string(st), pipe_last_error());
   say("session created in %.0f ms", now_ms() - t0);
@@ -376,127 +410,132 @@ static int mode_run(int argc, char **argv) {
     pipe_request_destroy(reqs[i]);
   }
   size_t stages = 0;
-  pipe_session_num_stages(s, &stages);
+  if (pipe_session_num_stages(s, &stages) != PIPE_OK) return fail("pipe_session_num_stages: %s", pipe_last_error());
   if (pipe_session_check(s) != PIPE_OK) return fail("pipe_session_check on a healthy session: %s", pipe_last_error());
+  char store[sizeof g_store];
+  snprintf(store, sizeof store, "%s", g_store);
   if (finish_session(s)) return 1;
   for (int i = 0; i < n; ++i) pipe_tensor_list_destroy(ins[i].list);
   pipe_plan_destroy(g_plan);
   pipe_model_destroy(g_model_h);
+  printf("store %s\n", store);
   printf("ok: %d inputs, %zu stages, %d processes\n", n, stages, g_world);
   return 0;
 }
 
-/* ---- kill / stop: a worker fails while calls stream through ----------------------------------- */
+/* ---- kill / stop: a worker fails while it holds work ------------------------------------------ */
 
-typedef struct streamer {
-  pipe_session *session;
-  const inputs *in;
-  pthread_t thread;
-  pipe_status status; /* of the call that failed */
-  double failed_at;
-  char message[1024];
-  int done;
-} streamer;
-
-static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
-static int g_completed; /* successful streaming calls */
-static int g_stop_streaming;
-
-static void *stream_main(void *arg) {
-  streamer *s = arg;
-  for (;;) {
-    pthread_mutex_lock(&g_mu);
-    int stop = g_stop_streaming;
-    pthread_mutex_unlock(&g_mu);
-    if (stop) {
-      s->status = PIPE_OK;
-      break;
-    }
-    pipe_tensor_list *out = NULL;
-    pipe_status st = pipe_session_run(s->session, s->in->tensors, s->in->count, NULL, &out);
-    if (st == PIPE_OK) {
-      pipe_tensor_list_destroy(out);
-      pthread_mutex_lock(&g_mu);
-      ++g_completed;
-      pthread_cond_broadcast(&g_cv);
-      pthread_mutex_unlock(&g_mu);
-      continue;
-    }
-    s->status = st;
-    s->failed_at = now_ms();
-    snprintf(s->message, sizeof s->message, "%s", pipe_last_error());
-    break;
+/* The gate folder gate_init made for this process (and its workers), removed on the way out. */
+static void remove_gate_dir(void) {
+  const char *dir = getenv("LIBPIPE_TEST_GATE_DIR");
+  DIR *d = dir ? opendir(dir) : NULL;
+  if (!d) return;
+  char path[4096];
+  for (struct dirent *e; (e = readdir(d));) {
+    if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+    unlink(path);
   }
-  pthread_mutex_lock(&g_mu);
-  s->done = 1;
-  pthread_cond_broadcast(&g_cv);
-  pthread_mutex_unlock(&g_mu);
-  return NULL;
+  closedir(d);
+  rmdir(dir);
+}
+
+/* The scheduler state of process `pid` ('T' once a SIGSTOP took effect), or 0 if it is gone. */
+static char process_state(pid_t pid) {
+  char path[64], buf[512];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  char *close = strrchr(buf, ')');
+  return close && close[1] == ' ' ? close[2] : 0;
 }
 
 static int mode_fault(int sig, int argc, char **argv) {
-  if (argc != 3) return fail("kill/stop need RANK IN OUTDIR");
-  int rank = atoi(argv[0]);
-  const char *in_path = argv[1], *dir = argv[2];
+  if (argc != 4) return fail("kill/stop need RANK STAGE IN OUTDIR");
+  int rank = atoi(argv[0]), stage = atoi(argv[1]);
+  const char *in_path = argv[2], *dir = argv[3];
   if (rank < 1 || rank >= g_world) return fail("RANK must be 1 .. world_size-1");
   const char *what = sig == SIGKILL ? "killed" : "stopped";
   if (load_plan()) return 1;
   inputs in;
   if (read_inputs(g_model_h, in_path, &in)) return 1;
+  size_t n_index = 0, num_inputs = 0;
+  if (pipe_model_num_inputs(g_model_h, &num_inputs) != PIPE_OK)
+    return fail("pipe_model_num_inputs: %s", pipe_last_error());
+  for (const char *name = NULL; n_index < num_inputs; ++n_index) {
+    if (pipe_model_input_name(g_model_h, n_index, &name) != PIPE_OK) return fail("%s", pipe_last_error());
+    if (strcmp(name, "n") == 0) break;
+  }
+  if (n_index == num_inputs) return fail("%s is not a gated model: it has no input n", g_model);
   pipe_session *s = NULL;
   if (start_session(&s)) return 1;
   if (run_once(s, &in, dir, "before.safetensors")) return 1;
 
-  streamer st[STREAM_THREADS];
-  memset(st, 0, sizeof st);
-  g_completed = 0;
-  g_stop_streaming = 0;
-  for (int i = 0; i < STREAM_THREADS; ++i) {
-    st[i].session = s;
-    st[i].in = &in;
-    pthread_create(&st[i].thread, NULL, stream_main, &st[i]);
+  /* Calls whose gate key is n: held in every stage until the gate opens. */
+  int64_t key = gate_new_key();
+  int64_t shape_none = 0;
+  DLManagedTensor key_tensor;
+  memset(&key_tensor, 0, sizeof key_tensor);
+  key_tensor.dl_tensor.data = &key;
+  key_tensor.dl_tensor.device.device_type = kDLCPU;
+  key_tensor.dl_tensor.ndim = 0;
+  key_tensor.dl_tensor.shape = &shape_none;
+  key_tensor.dl_tensor.dtype.code = kDLInt;
+  key_tensor.dl_tensor.dtype.bits = 64;
+  key_tensor.dl_tensor.dtype.lanes = 1;
+  inputs held = in;
+  held.tensors[n_index] = &key_tensor;
+  pipe_request *reqs[HELD_CALLS];
+  for (int i = 0; i < HELD_CALLS; ++i) {
+    pipe_status st = pipe_session_submit(s, held.tensors, held.count, NULL, &reqs[i]);
+    if (st != PIPE_OK) return fail("pipe_session_submit: %s: %s", pipe_status_string(st), pipe_last_error());
   }
-  /* Let a few calls complete, so that the fault lands in a stream of requests. */
-  watchdog_arm(120000.0, "the first streaming calls");
-  pthread_mutex_lock(&g_mu);
-  int early_fail = 0;
-  while (g_completed < 6) {
-    for (int i = 0; i < STREAM_THREADS; ++i) early_fail |= st[i].done;
-    if (early_fail) break;
-    pthread_cond_wait(&g_cv, &g_mu);
+  char gate_name[32];
+  for (int k = 0; k < stage; ++k) {
+    snprintf(gate_name, sizeof gate_name, "stage%d", k);
+    gate_open(key, gate_name);
   }
-  pthread_mutex_unlock(&g_mu);
-  watchdog_disarm();
-  if (early_fail) {
-    for (int i = 0; i < STREAM_THREADS; ++i)
-      if (st[i].done) return fail("a streaming call failed before the fault: %s: %s", pipe_status_string(st[i].status), st[i].message);
-  }
+  snprintf(gate_name, sizeof gate_name, "stage%d", stage);
+  if (!gate_wait(key, gate_name, "arrived", 1)) return fail("no call reached %s of worker rank %d", gate_name, rank);
+
   pid_t victim = g_workers[rank - 1];
   double t_fault = now_ms();
   kill(victim, sig);
-  say("worker rank %d (pid %d) %s after %d calls", rank, (int)victim, what, g_completed);
+  say("worker rank %d (pid %d) %s while it holds a call in %s", rank, (int)victim, what, gate_name);
   if (sig == SIGKILL) {
     waitpid(victim, NULL, 0);
     g_workers[rank - 1] = 0;
+  } else {
+    watchdog_arm(g_margin_ms, "the worker's stop");
+    while (process_state(victim) != 'T') usleep(1000);
+    watchdog_disarm();
   }
+  /* The fault has landed: the survivors may finish what they hold (the victim cannot). */
+  gate_open(key, NULL);
 
-  /* Every streaming call must fail with PIPE_ERR_COMMUNICATION within comm_timeout + margin. */
+  /* Every held call must fail with PIPE_ERR_COMMUNICATION within comm_timeout + margin. */
   double limit = g_comm_timeout_ms + g_margin_ms;
-  watchdog_arm(limit, "pipe_session_run after the worker was stopped/killed");
-  for (int i = 0; i < STREAM_THREADS; ++i) pthread_join(st[i].thread, NULL);
-  watchdog_disarm();
   double worst = 0;
-  for (int i = 0; i < STREAM_THREADS; ++i) {
-    if (st[i].status != PIPE_ERR_COMMUNICATION)
-      return fail("a call streaming when the worker was %s returned %s (%s), not PIPE_ERR_COMMUNICATION", what,
-                  pipe_status_string(st[i].status), st[i].message);
-    if (!st[i].message[0]) return fail("PIPE_ERR_COMMUNICATION without a message");
-    if (st[i].failed_at - t_fault > worst) worst = st[i].failed_at - t_fault;
+  char message[1024] = "";
+  for (int i = 0; i < HELD_CALLS; ++i) {
+    pipe_tensor_list *out = NULL;
+    watchdog_arm(limit + 1000.0, "pipe_request_wait after the worker was stopped/killed");
+    pipe_status st = pipe_request_wait(reqs[i], (int64_t)limit, &out);
+    watchdog_disarm();
+    if (st != PIPE_ERR_COMMUNICATION)
+      return fail("a call held when the worker was %s returned %s (%s), not PIPE_ERR_COMMUNICATION", what,
+                  pipe_status_string(st), pipe_last_error());
+    if (!pipe_last_error()[0]) return fail("PIPE_ERR_COMMUNICATION without a message");
+    if (!message[0]) snprintf(message, sizeof message, "%s", pipe_last_error());
+    if (now_ms() - t_fault > worst) worst = now_ms() - t_fault;
+    pipe_request_destroy(reqs[i]);
   }
-  say("calls failed with PIPE_ERR_COMMUNICATION %.0f ms after the worker was %s: %s", worst, what, st[0].message);
+  say("calls failed with PIPE_ERR_COMMUNICATION %.0f ms after the worker was %s: %s", worst, what, message);
   printf("failed_after_ms %.0f\n", worst);
-  printf("message %s\n", st[0].message);
+  printf("message %s\n", message);
 
   /* The session says it is broken, and stays so. */
   pipe_status chk = pipe_session_check(s);
@@ -509,7 +548,8 @@ static int mode_fault(int sig, int argc, char **argv) {
   pipe_status again = pipe_session_run(s, in.tensors, in.count, NULL, &out);
   watchdog_disarm();
   if (again != PIPE_ERR_COMMUNICATION)
-    return fail("pipe_session_run on a broken session returned %s, not PIPE_ERR_COMMUNICATION", pipe_status_string(again));
+    return fail("pipe_session_run on a broken session returned %s, not PIPE_ERR_COMMUNICATION",
+                pipe_status_string(again));
   pipe_request *req = NULL;
   pipe_status sub = pipe_session_submit(s, in.tensors, in.count, NULL, &req);
   if (sub == PIPE_OK) {
@@ -569,6 +609,7 @@ static int expect_create_failure(const char *store, const char *want) {
   printf("status %s\n", pipe_status_string(st));
   printf("message %s\n", pipe_last_error());
   printf("took_ms %.0f\n", took);
+  if (g_store[0]) printf("store %s\n", g_store);
   if (strcmp(pipe_status_string(st), want) != 0)
     return fail("pipe_session_create with store '%s' returned %s (%s), not %s", store, pipe_status_string(st),
                 pipe_last_error(), want);
@@ -598,7 +639,7 @@ static int mode_worker(int argc, char **argv) {
 }
 
 static int usage(void) {
-  fputs("usage: dist_driver [OPTIONS] run OUTDIR IN... | kill RANK IN OUTDIR | stop RANK IN OUTDIR |\n"
+  fputs("usage: dist_driver [OPTIONS] run OUTDIR IN... | kill RANK STAGE IN OUTDIR | stop RANK STAGE IN OUTDIR |\n"
         "       badstore STORE STATUS | noworkers | worker --rank R --world-size N --store S\n",
         stderr);
   return 2;
@@ -627,6 +668,26 @@ int main(int argc, char **argv) {
   if (strcmp(mode, "worker") == 0) return mode_worker(argc - i, argv + i);
   if (g_world < 2 || g_world > MAX_WORKERS + 1) return usage();
 
+  /* The fault modes hold calls at the test gate: this process loads its operator before the model,
+   * and the workers (children) get it preloaded, with the gate folder in their environment. Set up
+   * before any thread starts, as it changes the environment. */
+  if (strcmp(mode, "kill") == 0 || strcmp(mode, "stop") == 0) {
+    if (gate_init() != 0) return 1;
+    atexit(remove_gate_dir);
+    const char *lib = getenv("LIBPIPE_TEST_GATE_LIB");
+    const char *preload = getenv("LD_PRELOAD"), *asan = getenv("ASAN_OPTIONS");
+    char value[8192];
+    snprintf(value, sizeof value, "%s%s%s", preload && *preload ? preload : "", preload && *preload ? " " : "", lib);
+    setenv("LD_PRELOAD", value, 1);
+    /* Sanitizer builds: the preloaded library comes before the sanitizer's runtime. */
+    snprintf(value, sizeof value, "%s%sverify_asan_link_order=0", asan && *asan ? asan : "", asan && *asan ? ":" : "");
+    setenv("ASAN_OPTIONS", value, 1);
+  }
+  if (pipe_set_log_callback(on_log, NULL, PIPE_LOG_INFO) != PIPE_OK) {
+    fprintf(stderr, "dist_driver: pipe_set_log_callback: %s\n", pipe_last_error());
+    return 1;
+  }
+
   /* No worker outlives this process: a crash or a test-level kill takes them along. */
   signal(SIGTERM, on_fatal_signal);
   signal(SIGINT, on_fatal_signal);
@@ -644,10 +705,8 @@ int main(int argc, char **argv) {
   else if (strcmp(mode, "stop") == 0) rc = mode_fault(SIGSTOP, argc - i, argv + i);
   else if (strcmp(mode, "badstore") == 0 && argc - i == 2) rc = expect_create_failure(argv[i], argv[i + 1]);
   else if (strcmp(mode, "noworkers") == 0) {
-    int port = free_port();
-    char store[64];
-    snprintf(store, sizeof store, "127.0.0.1:%d", port);
-    rc = expect_create_failure(store, "PIPE_ERR_COMMUNICATION");
+    rc = expect_create_failure("127.0.0.1:0", "PIPE_ERR_COMMUNICATION");
+    if (rc == 0 && !picked_port(g_store)) rc = fail("the store reported '%s', not the port it got", g_store);
   } else rc = usage();
   if (rc != 0) reap_all_killed();
   return rc;

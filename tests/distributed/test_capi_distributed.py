@@ -1,17 +1,21 @@
-"""The C ABI's Gloo transport, through dist_driver (dist_driver.c): a session whose stages live in
-`pipe worker` processes (or in processes calling pipe_worker_run) takes requests of different batch
-sizes and sequence lengths, one after another and all at once, and equals eager PyTorch; a worker
-killed or stopped mid-stream fails the calls with PIPE_ERR_COMMUNICATION within comm_timeout_ms,
-the session reports itself broken, is destroyed promptly, and a new one with fresh workers works;
-wrong store addresses fail clearly on both sides."""
+"""The C ABI's Gloo transport, through dist_driver (dist_driver.c): a session whose store picks its
+own port (127.0.0.1:0, reported through the log callback) and whose stages live in `pipe worker`
+processes (or in processes calling pipe_worker_run) takes requests of different batch sizes and
+sequence lengths, one after another and all at once, and equals eager PyTorch; a worker killed or
+stopped while it holds a call (the gated model, tests/gate) fails the calls with
+PIPE_ERR_COMMUNICATION within comm_timeout_ms, the session reports itself broken, is destroyed
+promptly, and a new one with fresh workers works; wrong store addresses fail clearly on both
+sides."""
+import re
 import time
 
 import libpipe  # noqa: F401  (registers the pipe::split op, so the models load in PyTorch)
 import pytest
 import torch
-from disthelp import (COMM_MS, DRIVER, FAIL_WITHIN_S, MARGIN_S, PIPE, RUN_TIMEOUT_S, Tree, free_port, seed,
+from disthelp import (COMM_MS, DRIVER, FAIL_WITHIN_S, MARGIN_S, PIPE, RUN_TIMEOUT_S, Tree, gate, gated_model, seed,
                       split_fixture)
 from safetensors.torch import load_file, save_file
+from storeport import ANY_PORT, refused_port
 
 assert DRIVER, "PIPE_DIST_DRIVER must name the dist_driver executable"
 
@@ -107,14 +111,17 @@ def test_one_session_many_batch_sizes_and_sequence_lengths(tmp_path, case, worke
     tree = finish(driver("run", tmp_path, *paths, workers=workers, world=world, model=model,
                          split=split, comm_ms=60000))
     assert tree.returncode == 0, tree.stderr
+    # The workers joined at the address the store reported through the log callback: its own port.
+    assert re.fullmatch(r"127\.0\.0\.1:[1-9][0-9]*", fields(tree.stdout)["store"]), tree.stdout
     for i, inp in enumerate(inputs):
         want = reference(model, inp)
         for kind in ("seq", "async"):
             close(load_file(tmp_path / f"{kind}.{i}.safetensors"), want, tol)
 
 
-# ---- a worker killed or stopped while requests stream ----
+# ---- a worker killed or stopped while it holds a call ----
 
+# The gated model has one stage per process: rank r hosts stage r, where its calls are held.
 @pytest.mark.parametrize("mode,workers,world,rank", [
     ("kill", "cli", 2, 1),
     ("kill", "cli", 3, 1),
@@ -123,16 +130,18 @@ def test_one_session_many_batch_sizes_and_sequence_lengths(tmp_path, case, worke
     ("stop", "cli", 3, 2),
 ])
 def test_worker_fault_breaks_the_session_and_a_new_one_works(tmp_path, mode, workers, world, rank):
-    tree = finish(driver(mode, rank, seed("multi_mlp.inputs.safetensors"), tmp_path, workers=workers, world=world,
-                         model=seed("multi_mlp.traced.pt")),
-                  # creation twice, the stream, the fault, destroy, and the workers' exits
+    gate()  # the gate folder, which dist_driver and its workers share, and the operator here
+    model = gated_model(world)
+    inputs = seed("gated.inputs.safetensors")  # n = 0: every gate passes
+    tree = finish(driver(mode, rank, rank, inputs, tmp_path, workers=workers, world=world, model=model),
+                  # creation twice, the held calls, the fault, destroy, and the workers' exits
                   timeout=RUN_TIMEOUT_S + 4 * FAIL_WITHIN_S)
     assert tree.returncode == 0, tree.stderr
     report = fields(tree.stdout)
     assert float(report["failed_after_ms"]) < FAIL_WITHIN_S * 1000
     assert float(report["destroy_ms"]) < FAIL_WITHIN_S * 1000
     assert report["message"], tree.stdout
-    want = load_file(seed("multi_mlp.expected.safetensors"))
+    want = reference(model, load_file(inputs))
     close(load_file(tmp_path / "before.safetensors"), want, 1e-5)
     close(load_file(tmp_path / "after.safetensors"), want, 1e-5)
 
@@ -141,13 +150,14 @@ def test_worker_fault_breaks_the_session_and_a_new_one_works(tmp_path, mode, wor
 
 @pytest.mark.parametrize("store,status,needle", [
     ("nosuchhost.invalid:1234", "PIPE_ERR_COMMUNICATION", "nosuchhost.invalid"),
-    ("192.0.2.1:{port}", "PIPE_ERR_COMMUNICATION", "192.0.2.1"),  # TEST-NET-1: not this machine
+    ("192.0.2.1:29500", "PIPE_ERR_COMMUNICATION", "192.0.2.1"),  # TEST-NET-1: not this machine
+    ("192.0.2.1:0", "PIPE_ERR_COMMUNICATION", "192.0.2.1"),
     ("127.0.0.1", "PIPE_ERR_INVALID_ARGUMENT", "127.0.0.1"),  # no port
     ("127.0.0.1:notaport", "PIPE_ERR_INVALID_ARGUMENT", "notaport"),
+    ("127.0.0.1:65536", "PIPE_ERR_INVALID_ARGUMENT", "65536"),
     ("", "PIPE_ERR_INVALID_ARGUMENT", ""),
 ])
 def test_session_with_a_wrong_store_address(store, status, needle):
-    store = store.format(port=free_port())
     start = time.monotonic()
     tree = finish(driver("badstore", store, status, model=seed("example_code.traced.pt")), FAIL_WITHIN_S + 60)
     took = time.monotonic() - start
@@ -159,8 +169,7 @@ def test_session_with_a_wrong_store_address(store, status, needle):
 
 
 def test_session_with_more_processes_than_stages():
-    store = f"127.0.0.1:{free_port()}"
-    tree = finish(driver("badstore", store, "PIPE_ERR_INVALID_ARGUMENT", world=5,
+    tree = finish(driver("badstore", ANY_PORT, "PIPE_ERR_INVALID_ARGUMENT", world=5,
                          model=seed("example_code.traced.pt")), FAIL_WITHIN_S + 60)
     assert tree.returncode == 0, tree.stderr + tree.stdout
 
@@ -170,18 +179,20 @@ def test_session_whose_workers_never_come():
     assert tree.returncode == 0, tree.stderr + tree.stdout
     report = fields(tree.stdout)
     assert report["status"] == "PIPE_ERR_COMMUNICATION"
-    assert "rank" in report["message"].lower(), report["message"]
+    assert "missing ranks 1, 2" in report["message"], report["message"]
+    # How to start them: with the port the store got, which the log callback reported.
+    assert f"--store {report['store']}`" in report["message"], report
 
 
 @pytest.mark.parametrize("store,needle", [("127.0.0.1:{port}", "127.0.0.1:{port}"),
                                           ("nosuchhost.invalid:1234", "nosuchhost.invalid")])
 def test_pipe_worker_run_with_nothing_at_the_store(store, needle):
-    port = free_port()
-    store, needle = store.format(port=port), needle.format(port=port)
-    start = time.monotonic()
-    tree = finish(Tree([DRIVER, "worker", "--rank", 1, "--world-size", 2, "--store", store, "--comm-timeout-ms",
-                        COMM_MS], name="pipe_worker_run"), FAIL_WITHIN_S + 30)
-    took = time.monotonic() - start
+    with refused_port() as port:  # nothing listens there while the worker tries
+        store, needle = store.format(port=port), needle.format(port=port)
+        start = time.monotonic()
+        tree = finish(Tree([DRIVER, "worker", "--rank", 1, "--world-size", 2, "--store", store, "--comm-timeout-ms",
+                            COMM_MS], name="pipe_worker_run"), FAIL_WITHIN_S + 30)
+        took = time.monotonic() - start
     assert tree.returncode == 1, tree.stderr
     assert "PIPE_ERR_COMMUNICATION" in tree.stderr and needle in tree.stderr, tree.stderr
     assert took < FAIL_WITHIN_S, f"took {took:.1f} s"
@@ -189,8 +200,16 @@ def test_pipe_worker_run_with_nothing_at_the_store(store, needle):
 
 @pytest.mark.parametrize("rank,world", [(0, 2), (2, 2), (1, 1), (-1, 3)])
 def test_pipe_worker_run_with_a_rank_out_of_range(rank, world):
-    tree = finish(Tree([DRIVER, "worker", "--rank", rank, "--world-size", world, "--store",
-                        f"127.0.0.1:{free_port()}", "--comm-timeout-ms", COMM_MS], name="pipe_worker_run"),
-                  FAIL_WITHIN_S)
+    # Refused before any store is looked for (nothing is at port 1 to be found anyway).
+    tree = finish(Tree([DRIVER, "worker", "--rank", rank, "--world-size", world, "--store", "127.0.0.1:1",
+                        "--comm-timeout-ms", COMM_MS], name="pipe_worker_run"), FAIL_WITHIN_S)
     assert tree.returncode == 1, tree.stderr
     assert "PIPE_ERR_INVALID_ARGUMENT" in tree.stderr, tree.stderr
+
+
+def test_pipe_worker_run_refuses_port_zero():
+    # Port 0 lets a driver's store pick a port; a worker needs the port the store got.
+    tree = finish(Tree([DRIVER, "worker", "--rank", 1, "--world-size", 2, "--store", ANY_PORT, "--comm-timeout-ms",
+                        COMM_MS], name="pipe_worker_run"), FAIL_WITHIN_S)
+    assert tree.returncode == 1, tree.stderr
+    assert "PIPE_ERR_INVALID_ARGUMENT" in tree.stderr and "port 0" in tree.stderr, tree.stderr

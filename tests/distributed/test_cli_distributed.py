@@ -1,15 +1,17 @@
 """`pipe run` / `pipe bench` with the stages spread over several local processes (Gloo on
 loopback): `--processes N` launching its own `pipe worker` children, and `--world-size N --store`
-driving workers started by someone else. Outputs equal eager PyTorch; every refused command is one
-clear line on stderr; no process is left behind."""
+driving workers started by someone else. Drivers are given the store address 127.0.0.1:0 and
+report the port their store picked (storeport.py); the tests start workers with it. Outputs equal
+eager PyTorch; every refused command is one clear line on stderr; no process is left behind."""
 import json
 import time
 
 import pytest
 import torch
-from disthelp import (COMM_MS, FAIL_WITHIN_S, RUN_TIMEOUT_S, assert_error_line, assert_one_line_error, error_lines,
-                      free_port, free_store, pipe_tree, run_pipe, seed, split_fixture, start_worker, weights_fixture)
+from disthelp import (COMM_MS, FAIL_WITHIN_S, JOIN_MS, RUN_TIMEOUT_S, assert_error_line, assert_one_line_error,
+                      error_lines, run_pipe, seed, split_fixture, start_driver, start_worker, weights_fixture)
 from safetensors.torch import load_file
+from storeport import ANY_PORT, CLI_LINE, refused_port
 
 LLAMA_SPLIT = ["--split-at", "layers.0:end", "--split-at", "layers.1:end"]
 HF_LLAMA_SPLIT = ["--split-at", "model.layers.0:end", "--split-at", "model.layers.1:end"]
@@ -84,11 +86,13 @@ def test_run_over_as_many_processes_as_stages(tmp_path, microbatches):
 
 
 def test_run_over_processes_on_a_given_store(tmp_path):
+    # Port 0: the store picks one, and the local workers are started with the port it got.
     out = tmp_path / "out.safetensors"
     result = run_pipe("run", seed("example_code.traced.pt"), "--input", seed("example_code.inputs.safetensors"),
-                      "--output", out, "--microbatches", 2, "--processes", 3, "--store", free_store(),
+                      "--output", out, "--microbatches", 2, "--processes", 3, "--store", ANY_PORT,
                       "--comm-timeout-ms", 30000)
     assert result.returncode == 0, result.stderr
+    assert "store listening" not in result.stderr, result.stderr  # the workers are its own
     assert_outputs_equal(out, seed("example_code.expected.safetensors"), 1e-5)
 
 
@@ -113,35 +117,32 @@ def test_bench_over_processes_text():
 
 # ---- workers started by someone else: `pipe worker` + `pipe run --world-size N --store` ----
 
-@pytest.mark.parametrize("order", ["workers_first", "driver_first"])
-def test_run_drives_workers_started_separately(tmp_path, order):
-    store = free_store()
+def test_run_drives_workers_started_separately(tmp_path):
     out = tmp_path / "out.safetensors"
-    driver_args = ["run", split_fixture("tiny_llama.pt"), *LLAMA_SPLIT, "--input",
-                   split_fixture("tiny_llama.inputs.safetensors"), "--output", out, "--microbatches", 2,
-                   "--world-size", 3, "--store", store, "--comm-timeout-ms", 60000]
-    workers, driver = [], None
-    if order == "driver_first":
-        driver = pipe_tree(*driver_args, name="pipe run")
-        time.sleep(1.0)
-    workers = [start_worker(rank, 3, store, comm_ms=60000) for rank in (1, 2)]
-    if driver is None:
-        driver = pipe_tree(*driver_args, name="pipe run")
+    driver, store = start_driver("run", split_fixture("tiny_llama.pt"), *LLAMA_SPLIT, "--input",
+                                 split_fixture("tiny_llama.inputs.safetensors"), "--output", out, "--microbatches", 2,
+                                 "--world-size", 3, "--comm-timeout-ms", JOIN_MS, name="pipe run")
+    # The documented line, once, before the driver waited for anyone: these workers joined from it.
+    assert CLI_LINE.match(driver.stderr.splitlines()[0]), driver.stderr
+    assert store.startswith("127.0.0.1:") and not store.endswith(":0"), store
+    workers = [start_worker(rank, 3, store, comm_ms=JOIN_MS) for rank in (1, 2)]
     driver.wait(RUN_TIMEOUT_S)
     assert driver.returncode == 0, driver.stderr
+    assert [line for line in driver.stderr.splitlines() if "store listening" in line] == \
+        [f"pipe: store listening on {store} (start workers with --store {store})"], driver.stderr
     for w in workers:
         w.wait(FAIL_WITHIN_S)  # the session is destroyed: each worker exits 0
         assert w.returncode == 0, w.stderr
-        assert not [l for l in w.stderr.splitlines() if l.startswith("pipe: error")], w.stderr
+        assert not error_lines(w.stderr), w.stderr
     assert_outputs_equal(out, split_fixture("tiny_llama.expected.safetensors"), 1e-4)
 
 
 def test_bench_drives_workers_started_separately():
-    store = free_store()
-    workers = [start_worker(1, 2, store, comm_ms=60000)]
-    driver = pipe_tree("bench", seed("multi_mlp.traced.pt"), "--input", seed("multi_mlp.inputs.safetensors"),
-                       "--requests", 10, "--concurrency", 2, "--world-size", 2, "--store", store, "--json",
-                       name="pipe bench").wait(RUN_TIMEOUT_S)
+    driver, store = start_driver("bench", seed("multi_mlp.traced.pt"), "--input", seed("multi_mlp.inputs.safetensors"),
+                                 "--requests", 10, "--concurrency", 2, "--world-size", 2, "--json",
+                                 "--comm-timeout-ms", JOIN_MS, name="pipe bench")
+    workers = [start_worker(1, 2, store, comm_ms=JOIN_MS)]
+    driver.wait(RUN_TIMEOUT_S)
     assert driver.returncode == 0, driver.stderr
     assert json.loads(driver.stdout)["requests"] == 10
     for w in workers:
@@ -150,11 +151,12 @@ def test_bench_drives_workers_started_separately():
 
 
 def test_worker_threads_option(tmp_path):
-    store = free_store()
-    workers = [start_worker(1, 2, store, comm_ms=60000, extra=("--threads", 1))]
     out = tmp_path / "out.safetensors"
-    driver = pipe_tree("run", seed("example_code.traced.pt"), "--input", seed("example_code.inputs.safetensors"),
-                       "--output", out, "--world-size", 2, "--store", store).wait(RUN_TIMEOUT_S)
+    driver, store = start_driver("run", seed("example_code.traced.pt"), "--input",
+                                 seed("example_code.inputs.safetensors"), "--output", out, "--world-size", 2,
+                                 "--comm-timeout-ms", JOIN_MS, name="pipe run")
+    workers = [start_worker(1, 2, store, comm_ms=JOIN_MS, extra=("--threads", 1))]
+    driver.wait(RUN_TIMEOUT_S)
     assert driver.returncode == 0, driver.stderr
     workers[0].wait(FAIL_WITHIN_S)
     assert workers[0].returncode == 0, workers[0].stderr
@@ -249,13 +251,20 @@ def test_worker_argument_errors(args):
     assert_one_line_error(result)
 
 
+def test_worker_refuses_port_zero():
+    # Port 0 is the driver's way to let its store pick a port; a worker needs the port it got.
+    result = run_pipe("worker", "--rank", 1, "--world-size", 2, "--store", ANY_PORT, timeout=FAIL_WITHIN_S)
+    line = assert_one_line_error(result, "127.0.0.1:0", "port 0", "PIPE_ERR_INVALID_ARGUMENT")
+    assert "the port the driver reported" in line, line
+
+
 # ---- a wrong store address: one clear line, quickly ----
 
 @pytest.mark.parametrize("command", ["run", "bench"])
 @pytest.mark.parametrize("store,needle", [("nosuchhost.invalid:1234", "nosuchhost.invalid"),
-                                          ("192.0.2.1:{port}", "192.0.2.1")])  # TEST-NET-1: not this machine
+                                          ("192.0.2.1:29500", "192.0.2.1"),  # TEST-NET-1: not this machine
+                                          ("192.0.2.1:0", "192.0.2.1")])
 def test_driver_with_a_wrong_store_address(tmp_path, command, store, needle):
-    store = store.format(port=free_port())
     args = run_args(tmp_path) if command == "run" else bench_args()
     start = time.monotonic()
     result = run_pipe(*args, "--world-size", 2, "--store", store, "--comm-timeout-ms", COMM_MS,
@@ -275,54 +284,71 @@ def test_processes_with_a_wrong_store_address(tmp_path):
 @pytest.mark.parametrize("store,needle", [("127.0.0.1:{port}", "127.0.0.1:{port}"),
                                           ("nosuchhost.invalid:1234", "nosuchhost.invalid")])
 def test_worker_with_nothing_at_the_store_address(store, needle):
-    port = free_port()  # nothing listens there
-    store, needle = store.format(port=port), needle.format(port=port)
-    start = time.monotonic()
-    result = run_pipe("worker", "--rank", 1, "--world-size", 2, "--store", store, "--comm-timeout-ms", COMM_MS,
-                      timeout=FAIL_WITHIN_S + 30)
-    took = time.monotonic() - start
+    with refused_port() as port:  # nothing listens there while the worker tries
+        store, needle = store.format(port=port), needle.format(port=port)
+        start = time.monotonic()
+        result = run_pipe("worker", "--rank", 1, "--world-size", 2, "--store", store, "--comm-timeout-ms", COMM_MS,
+                          timeout=FAIL_WITHIN_S + 30)
+        took = time.monotonic() - start
     assert_one_line_error(result, needle)
     assert took < FAIL_WITHIN_S, f"took {took:.1f} s"
 
 
 def test_driver_whose_workers_never_come(tmp_path):
     start = time.monotonic()
-    result = run_pipe(*run_args(tmp_path), "--world-size", 3, "--store", free_store(), "--comm-timeout-ms",
+    result = run_pipe(*run_args(tmp_path), "--world-size", 3, "--store", ANY_PORT, "--comm-timeout-ms",
                       COMM_MS, timeout=FAIL_WITHIN_S + 30)
     took = time.monotonic() - start
-    line = assert_one_line_error(result)
-    assert "communication" in line.lower() or "rank" in line.lower(), line
+    line = assert_one_line_error(result, "missing ranks 1, 2", store_line=True)
+    store = CLI_LINE.match(result.stderr.splitlines()[0]).group(1)
+    assert f"--store {store}`" in line, line  # how to start them, with the port the store got
     assert took < FAIL_WITHIN_S, f"took {took:.1f} s"
 
 
 # ---- workers that do not fit the session ----
 
+# Sessions whose driver gives up on a worker: the comm timeout must outlast a worker's start on a
+# loaded machine (the test starts it after the driver reported its store), and is waited out.
+GIVE_UP_MS = 20000
+
+
 def test_worker_with_a_different_world_size(tmp_path):
-    store = free_store()
-    driver = pipe_tree(*run_args(tmp_path), "--world-size", 2, "--store", store, "--comm-timeout-ms", COMM_MS,
-                       name="pipe run")
-    worker = start_worker(1, 3, store, comm_ms=COMM_MS).wait(FAIL_WITHIN_S + 30)
+    driver, store = start_driver(*run_args(tmp_path), "--world-size", 2, "--comm-timeout-ms", GIVE_UP_MS,
+                                 name="pipe run")
+    worker = start_worker(1, 3, store, comm_ms=JOIN_MS).wait(RUN_TIMEOUT_S)
     line = assert_one_line_error(worker)
-    assert "world size" in line.lower(), line
-    driver.wait(FAIL_WITHIN_S + 30)
-    assert_one_line_error(driver)  # its worker never joined
+    assert "world size 3" in line.lower() and "has 2" in line, line
+    driver.wait(GIVE_UP_MS / 1000 + FAIL_WITHIN_S)
+    assert_one_line_error(driver, "missing rank 1", store_line=True)  # its worker never joined
     driver.assert_no_leftovers()
 
 
+def store_client(store):
+    """A client of the driver's store, to watch the rendezvous: libpipe marks each worker rank
+    that joined with the key libpipe/joined/<rank> (runtime/comm/rendezvous.cpp)."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    host, port = store.rsplit(":", 1)
+    return TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=RUN_TIMEOUT_S))
+
+
 def test_two_workers_with_the_same_rank(tmp_path):
-    store = free_store()
-    driver = pipe_tree(*run_args(tmp_path), "--world-size", 3, "--store", store, "--comm-timeout-ms", COMM_MS,
-                       name="pipe run")
-    first = start_worker(1, 3, store, comm_ms=COMM_MS)
-    time.sleep(1.0)
-    second = start_worker(1, 3, store, comm_ms=COMM_MS)
-    driver.wait(FAIL_WITHIN_S + 30)
-    assert_one_line_error(driver)  # rank 2 never joined
-    first.wait(FAIL_WITHIN_S + 30)
-    second.wait(FAIL_WITHIN_S + 30)
-    # One of the two was refused for its taken rank; neither hangs.
-    refused = [w for w in (first, second) if "rank" in w.stderr.lower() and w.returncode != 0]
-    assert refused, first.stderr + second.stderr
-    for w in (first, second):
-        assert w.returncode != 0
-        assert_one_line_error(w)
+    driver, store = start_driver(*run_args(tmp_path), "--world-size", 3, "--comm-timeout-ms", GIVE_UP_MS,
+                                 name="pipe run")
+    rendezvous = store_client(store)
+    first = start_worker(1, 3, store, comm_ms=JOIN_MS)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not rendezvous.check(["libpipe/joined/1"]):  # until the first has claimed rank 1
+        assert first.proc.poll() is None and driver.proc.poll() is None, first.stderr + driver.stderr
+        assert time.monotonic() < deadline, "rank 1 never joined"
+        time.sleep(0.05)
+    del rendezvous
+    second = start_worker(1, 3, store, comm_ms=JOIN_MS).wait(RUN_TIMEOUT_S)
+    assert_one_line_error(second, "rank 1 has already joined")
+    driver.wait(GIVE_UP_MS / 1000 + FAIL_WITHIN_S)
+    assert_one_line_error(driver, "missing rank 2", store_line=True)
+    first.wait(FAIL_WITHIN_S)  # its session never started: it ends too, with one line
+    assert first.returncode != 0
+    assert_one_line_error(first)

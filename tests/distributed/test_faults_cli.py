@@ -1,21 +1,23 @@
-"""Faults while requests stream through a multi-process `pipe bench`: a worker killed, a worker
-stopped, the driver killed. The survivors report a communication error within the comm timeout
-(plus a margin for slow machines), nothing hangs, and no process is left behind."""
+"""Faults while a multi-process `pipe bench` holds work in a worker: a worker killed, a worker
+stopped, the driver killed. Every request carries a gate key (tests/gate): the test opens the gates
+of the stages before the victim's and waits until the victim's stage holds a micro-batch, so the
+fault always lands on a process with work in hand, whatever the machine's load. The survivors
+report a communication error within the comm timeout (plus a margin for slow machines), nothing
+hangs, and no process is left behind."""
 import os
 import signal
 import time
 
 import pytest
-from disthelp import (COMM_MS, FAIL_WITHIN_S, assert_error_line, assert_one_line_error, cmdline, descendants,
-                      free_store, pipe_tree, seed, start_worker, wait_busy, wait_until)
-
-# Far more requests than the test waits for: the bench is still streaming when the fault lands.
-ENDLESS = ["--requests", 10_000_000, "--concurrency", 2, "--microbatches", 2]
+from disthelp import (COMM_MS, FAIL_WITHIN_S, JOIN_MS, assert_error_line, assert_one_line_error, cmdline,
+                      descendants, gate, gated_inputs, gated_model, pipe_tree, start_driver, start_worker, wait_held,
+                      wait_stopped, wait_until)
 
 
-def bench(*extra):
-    return pipe_tree("bench", seed("multi_mlp.traced.pt"), "--input", seed("multi_mlp.inputs.safetensors"),
-                     *ENDLESS, "--comm-timeout-ms", COMM_MS, *extra, name="pipe bench")
+def bench(stages, inputs, *extra, name="pipe bench"):
+    """`pipe bench` of the gated model: its warm-up calls are held at the gates the test opens."""
+    return pipe_tree("bench", gated_model(stages), "--input", inputs, "--requests", 4, "--concurrency", 2,
+                     "--microbatches", 2, *extra, name=name, env=gate().child_env())
 
 
 def worker_children(tree, count):
@@ -33,21 +35,39 @@ def worker_children(tree, count):
     return wait_until(found, 120, f"{count} worker processes")
 
 
+def hold_in(key, stage, *trees):
+    """Lets call `key` through the stages before `stage` and waits until `stage` holds it."""
+    for before in range(stage):
+        gate().open(key, f"stage{before}")
+    wait_held(key, f"stage{stage}", *trees)
+
+
+def fault(pid, sig, key):
+    """Sends `sig`; once it took effect, opens every gate of `key`: the survivors may finish what
+    they hold (the victim cannot), so only the fault decides what happens next."""
+    os.kill(pid, sig)
+    if sig == signal.SIGSTOP:
+        wait_stopped(pid)
+    gate().open(key)
+
+
+# Each rank r hosts stage r: the gated model has as many stages as there are processes.
 @pytest.mark.parametrize("procs,victim", [(2, 1), (3, 1), (3, 2)])
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
-def test_worker_fault_while_streaming_fails_the_driver(procs, victim, sig):
-    tree = bench("--processes", procs)
+def test_worker_fault_while_it_holds_work_fails_the_driver(tmp_path, procs, victim, sig):
+    key = gate().new_key()
+    tree = bench(procs, gated_inputs(tmp_path / "in.safetensors", key), "--processes", procs,
+                 "--comm-timeout-ms", COMM_MS)
     workers = worker_children(tree, procs - 1)
-    time.sleep(2)  # past joining and loading
-    wait_busy(workers[victim])  # requests stream through it
-    assert tree.proc.poll() is None, tree.stderr
-    killed_at = time.monotonic()
-    os.kill(workers[victim], getattr(signal, sig))
+    hold_in(key, victim, tree)
+    signum = getattr(signal, sig)
+    faulted_at = time.monotonic()
     try:
+        fault(workers[victim], signum, key)
         tree.wait(FAIL_WITHIN_S)  # kills the tree and fails if the driver hangs
-        took = time.monotonic() - killed_at
+        took = time.monotonic() - faulted_at
     finally:
-        if sig == "SIGSTOP":
+        if signum == signal.SIGSTOP:
             for s in (signal.SIGKILL, signal.SIGCONT):
                 try:
                     os.kill(workers[victim], s)
@@ -58,15 +78,16 @@ def test_worker_fault_while_streaming_fails_the_driver(procs, victim, sig):
     tree.assert_no_leftovers()
 
 
-def test_driver_killed_while_streaming_fails_the_workers():
-    store = free_store()
-    workers = [start_worker(rank, 3, store, comm_ms=COMM_MS) for rank in (1, 2)]
-    driver = bench("--world-size", 3, "--store", store)
-    time.sleep(2)
-    for w in workers:
-        wait_busy(w.proc.pid)
-    assert driver.proc.poll() is None, driver.stderr
-    os.kill(driver.proc.pid, signal.SIGKILL)
+def test_driver_killed_while_workers_hold_work_fails_the_workers(tmp_path):
+    # A killed driver is noticed at once: the generous JOIN_MS only lets the workers join.
+    key = gate().new_key()
+    env = gate().child_env()
+    driver, store = start_driver("bench", gated_model(3), "--input", gated_inputs(tmp_path / "in.safetensors", key),
+                                 "--requests", 4, "--world-size", 3, "--comm-timeout-ms", JOIN_MS, env=env,
+                                 name="pipe bench")
+    workers = [start_worker(rank, 3, store, comm_ms=JOIN_MS, env=env) for rank in (1, 2)]
+    hold_in(key, 1, driver, *workers)
+    fault(driver.proc.pid, signal.SIGKILL, key)
     driver.wait(30)
     for w in workers:
         w.wait(FAIL_WITHIN_S)  # fails the test if a worker hangs
@@ -75,13 +96,15 @@ def test_driver_killed_while_streaming_fails_the_workers():
         w.assert_no_leftovers()
 
 
-def test_external_worker_killed_while_streaming_fails_the_driver():
-    store = free_store()
-    workers = [start_worker(rank, 3, store, comm_ms=COMM_MS) for rank in (1, 2)]
-    driver = bench("--world-size", 3, "--store", store)
-    time.sleep(2)
-    wait_busy(workers[1].proc.pid)
-    os.kill(workers[1].proc.pid, signal.SIGKILL)
+def test_external_worker_killed_while_it_holds_work_fails_the_driver(tmp_path):
+    key = gate().new_key()
+    env = gate().child_env()
+    driver, store = start_driver("bench", gated_model(3), "--input", gated_inputs(tmp_path / "in.safetensors", key),
+                                 "--requests", 4, "--world-size", 3, "--comm-timeout-ms", JOIN_MS, env=env,
+                                 name="pipe bench")
+    workers = [start_worker(rank, 3, store, comm_ms=JOIN_MS, env=env) for rank in (1, 2)]
+    hold_in(key, 2, driver, *workers)
+    fault(workers[1].proc.pid, signal.SIGKILL, key)  # rank 2
     driver.wait(FAIL_WITHIN_S)
     assert_error_line(driver, "communication", lower=True)
     # The broken session closes its connections: the other worker ends with a communication error.
@@ -90,13 +113,13 @@ def test_external_worker_killed_while_streaming_fails_the_driver():
     assert "communication" in line.lower(), line
 
 
-def test_driver_of_local_workers_killed_leaves_no_workers():
+def test_driver_of_local_workers_killed_leaves_no_workers(tmp_path):
     # `pipe bench --processes 3` killed outright: its `pipe worker` children notice that the
     # driver went away and exit by themselves.
-    tree = bench("--processes", 3)
-    workers = worker_children(tree, 2)
-    time.sleep(2)
-    wait_busy(workers[1])
-    os.kill(tree.proc.pid, signal.SIGKILL)
+    key = gate().new_key()
+    tree = bench(3, gated_inputs(tmp_path / "in.safetensors", key), "--processes", 3, "--comm-timeout-ms", COMM_MS)
+    worker_children(tree, 2)
+    hold_in(key, 1, tree)
+    fault(tree.proc.pid, signal.SIGKILL, key)
     tree.wait(30)
     tree.assert_no_leftovers()
