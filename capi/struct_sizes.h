@@ -43,7 +43,7 @@ inline constexpr uint32_t kSessionOptionsSizes[] = {
     layout_size(PIPE_FIELD_END(pipe_session_options, microbatching), alignof(pipe_session_options)),
     // 0.4.0 (88): + transport, world_size, store, comm_timeout_ms.
     layout_size(PIPE_FIELD_END(pipe_session_options, comm_timeout_ms), alignof(pipe_session_options)),
-    // 0.5.0 (104): + devices, outputs. Unchanged in 0.6.0.
+    // 0.5.0 (104): + devices, outputs. Unchanged since.
     layout_size(PIPE_FIELD_END(pipe_session_options, outputs), alignof(pipe_session_options)),
 };
 
