@@ -43,11 +43,17 @@ at::Tensor eager(const Model& model, const std::vector<c10::IValue>& inputs) {
 
 using test::status_of;
 
+// Creates LibTorch's default CPU generator on this thread before a test starts threads that draw
+// random inputs: LibTorch creates it lazily, and ThreadSanitizer cannot see the synchronisation
+// inside (uninstrumented) LibTorch that publishes it to the other threads.
+void create_generator_before_threads() { (void)at::randn({1}); }
+
 TEST(Session, AThousandRequestsFromEightThreadsAllGetTheirOwnAnswer) {
   auto model = Model::load(test::fixture("multi_mlp.traced.pt"));
   Session session(Plan::from_markers(model), with_microbatches(4));
   constexpr int kThreads = 8, kCalls = 125;
   std::atomic<int> wrong{0}, failed{0};
+  create_generator_before_threads();
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
@@ -87,6 +93,7 @@ TEST(Session, AFailingCallFailsAloneAndTheSessionKeepsServing) {
   // y is read by the last stage only: a wrong width passes stages 0-2 and fails in stage 3,
   // while other calls run alongside.
   std::atomic<int> good{0};
+  create_generator_before_threads();
   std::thread neighbour([&] {
     for (int i = 0; i < 20; ++i) {
       at::Tensor x = at::randn({4, 512}), y = at::randn({4, 512});
