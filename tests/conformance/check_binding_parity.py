@@ -49,7 +49,6 @@ NOT_BOUND = {
         "pipe_plan_stage_estimated_ms": "Plan.describe() gives every stage's estimated_ms",
     },
     "go": {
-        "pipe_set_log_callback": "a C function pointer: calling Go from libpipe's threads needs cgo exports",
         "pipe_tensor_list_find": "outputs are copied into a Go TensorList at once, whose Get looks names up",
         "pipe_tensor_list_get": "outputs are taken out of the list and copied, never borrowed",
         "pipe_session_check": "sessions are local only (no transport option here), and a local session never breaks",
