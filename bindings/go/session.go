@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"runtime"
+	"strings"
 	"sync"
 	"time"
 
@@ -76,6 +78,78 @@ func (m Microbatching) String() string {
 	return fmt.Sprintf("Microbatching(%d)", int32(m))
 }
 
+// Transport says how the stages of a session talk (pipe.h's PIPE_TRANSPORT_*).
+type Transport int32
+
+const (
+	// TransportLocal, the default (the zero value): every stage runs in this process.
+	TransportLocal Transport = Transport(capi.PIPE_TRANSPORT_LOCAL)
+	// TransportGloo: CPU stages spread over SessionOptions.WorldSize processes.
+	TransportGloo Transport = Transport(capi.PIPE_TRANSPORT_GLOO)
+	// TransportNCCL: GPU stages spread over SessionOptions.WorldSize processes, one GPU each.
+	TransportNCCL Transport = Transport(capi.PIPE_TRANSPORT_NCCL)
+)
+
+var transportNames = []struct {
+	t    Transport
+	name string
+}{{TransportLocal, "local"}, {TransportGloo, "gloo"}, {TransportNCCL, "nccl"}}
+
+// String is "local", "gloo", "nccl", or the number for a value pipe.h does not define.
+func (t Transport) String() string {
+	for _, n := range transportNames {
+		if n.t == t {
+			return n.name
+		}
+	}
+	return fmt.Sprintf("Transport(%d)", int32(t))
+}
+
+// ParseTransport is the transport named "local", "gloo" or "nccl" (as the pipe tool's
+// --transport and Python's transport= spell them); any other name is ErrInvalidArgument.
+func ParseTransport(name string) (Transport, error) {
+	for _, n := range transportNames {
+		if n.name == name {
+			return n.t, nil
+		}
+	}
+	return 0, errorf("ParseTransport", StatusInvalidArgument,
+		"transport must be one of local, gloo, nccl, not %q", name)
+}
+
+// commTimeoutMS is d in whole milliseconds (rounded up, so that a positive d never becomes 0,
+// which would mean libpipe's default) for a comm_timeout_ms field; 0 stays 0.
+func commTimeoutMS(op string, d time.Duration) (int32, error) {
+	if d < 0 {
+		return 0, errorf(op, StatusInvalidArgument,
+			"CommTimeout is %v; give a positive duration, or 0 for libpipe's default (one minute)", d)
+	}
+	ms := (d + time.Millisecond - 1) / time.Millisecond
+	if ms > math.MaxInt32 {
+		return 0, errorf(op, StatusInvalidArgument, "CommTimeout is %v; it can be at most %v", d,
+			time.Duration(math.MaxInt32)*time.Millisecond)
+	}
+	return int32(ms), nil
+}
+
+// int32Option is n as a C int32_t field, or ErrInvalidArgument naming the option when it does
+// not fit (Go's int is 64 bits, where a large value would otherwise wrap to another number).
+func int32Option(op, what string, n int) (int32, error) {
+	if n > math.MaxInt32 || n < math.MinInt32 {
+		return 0, errorf(op, StatusInvalidArgument, "%s is %d, which does not fit in 32 bits", what, n)
+	}
+	return int32(n), nil
+}
+
+// storeAddress checks what C cannot see: a Go string may hold a NUL byte, which would cut the C
+// string short and leave libpipe another address than the one given.
+func storeAddress(op, store string) (string, error) {
+	if strings.IndexByte(store, 0) >= 0 {
+		return "", errorf(op, StatusInvalidArgument, "Store %q contains a NUL byte; give \"HOST:PORT\"", store)
+	}
+	return store, nil
+}
+
 // SessionOptions configures a session; the zero value (or nil) is libpipe's default.
 type SessionOptions struct {
 	// Micro-batches per call (default 1); with MicrobatchingAdaptive, calls that arrive while
@@ -100,6 +174,26 @@ type SessionOptions struct {
 	// the machine lacks fails NewSession with ErrUnsupported naming the stage. Results always
 	// come back in CPU memory.
 	Devices string
+
+	// Stages in other processes (see RunWorker). Transport: how the stages talk; the zero
+	// value, TransportLocal, runs every stage here. With TransportGloo or TransportNCCL this
+	// process is rank 0 (the driver, with the first stages) and WorldSize-1 worker processes,
+	// ranks 1 .. WorldSize-1, each run RunWorker (or `pipe worker`) and get contiguous groups
+	// of the following stages. NewSession waits for them to join and load their stages.
+	Transport Transport
+	// Processes in the session, this one included: at least 2 with Gloo or NCCL; 0 means 1.
+	WorldSize int
+	// "HOST:PORT" of the rendezvous store, which this process hosts: it listens on PORT, and
+	// HOST is this machine's address as the workers reach it. Required unless the transport is
+	// local. Port 0 lets the store pick a free port, which libpipe reports as soon as it
+	// listens, before waiting for the workers, in the LogInfo message "store listening on
+	// HOST:PORT" (SetLogCallback): the address to give the workers. A malformed address is
+	// ErrInvalidArgument, an unusable one ErrCommunication.
+	Store string
+	// How long a worker may stay silent while it holds work, and joining may take, before the
+	// session's calls fail with ErrCommunication (a worker that dies is noticed at once). 0 is
+	// libpipe's default, one minute; it is rounded up to whole milliseconds.
+	CommTimeout time.Duration
 }
 
 // Session runs a plan: one worker per stage. All methods are safe for concurrent use; many
@@ -137,6 +231,24 @@ func (p *Plan) NewSession(opts *SessionOptions) (*Session, error) {
 	// anything else is passed on for libpipe to accept or refuse.
 	so.SetMicrobatching(int(opts.Microbatching))
 	so.Set_devices_list(opts.Devices)
+	// Always set: the zero value is PIPE_TRANSPORT_LOCAL, the header's default, and any other
+	// value is passed on for libpipe to accept or refuse with its message.
+	so.SetTransport(int(opts.Transport))
+	worldSize, err := int32Option(op, "WorldSize", opts.WorldSize)
+	if err != nil {
+		return nil, err
+	}
+	so.SetWorld_size(int(worldSize)) // libpipe reads 0 as 1
+	store, err := storeAddress(op, opts.Store)
+	if err != nil {
+		return nil, err
+	}
+	so.Set_store_address(store)
+	commTimeout, err := commTimeoutMS(op, opts.CommTimeout)
+	if err != nil {
+		return nil, err
+	}
+	so.SetComm_timeout_ms(int(commTimeout))
 	if len(opts.InputSpecs) > 0 {
 		so.Set_input_specs(specPairs(opts.InputSpecs))
 	}
@@ -201,6 +313,19 @@ func (s *Session) acquire(op string) (capi.SwigcptrPipe_session, error) {
 
 // NumStages is the number of stages (and worker threads).
 func (s *Session) NumStages() int { return s.numStages }
+
+// Check is nil while the session works. Once a transport failure has broken it (a worker process
+// died, or stayed silent longer than SessionOptions.CommTimeout), it is an *Error with
+// ErrCommunication and the reason, and every later call fails at once the same way: close the
+// session, start its workers again and create a new one. A local session never breaks.
+func (s *Session) Check() error {
+	ptr, err := s.acquire("Session.Check")
+	if err != nil {
+		return err
+	}
+	defer s.mu.RUnlock()
+	return call("pipe_session_check", func() int { return capi.Pipe_session_check(ptr) })
+}
 
 // contextError is the error for a call that ctx ended: the status libpipe would give
 // (ErrDeadlineExceeded or ErrCancelled), wrapping ctx's own error too.
