@@ -52,11 +52,7 @@ NOT_BOUND = {
         "pipe_tensor_list_find": "outputs are copied into a Go TensorList at once, whose Get looks names up",
         "pipe_tensor_list_get": "outputs are taken out of the list and copied, never borrowed",
     },
-    "rust": {
-        "pipe_session_check": "sessions are local only (no transport option here), and a local session never breaks",
-        "pipe_worker_options_init": "no worker API yet: run workers with `pipe worker` or Python's run_worker",
-        "pipe_worker_run": "no worker API yet: run workers with `pipe worker` or Python's run_worker",
-    },
+    "rust": {},
 }
 
 

@@ -36,3 +36,7 @@ started_from_init!(
     /// PIPE_STAGE_STATS_INIT.
     stage_stats: pipe_stage_stats by pipe_stage_stats_init
 );
+started_from_init!(
+    /// PIPE_WORKER_OPTIONS_INIT.
+    worker_options: pipe_worker_options by pipe_worker_options_init
+);

@@ -28,6 +28,13 @@
 //! flight is cut into fewer micro-batches than [`SessionOptions::microbatches`] (the results are
 //! the same); [`Microbatching::Fixed`] cuts every call into that many.
 //!
+//! # Stages in other processes
+//!
+//! With [`SessionOptions::transport`] Gloo or NCCL, [`SessionOptions::world_size`] and
+//! [`SessionOptions::store`], this process drives a session whose later stages run in worker
+//! processes, each calling [`run_worker`] with its rank. [`Session::check`] says whether a
+//! transport failure (a dead or silent worker) has broken the session ([`Status::Communication`]).
+//!
 //! # Tensors
 //!
 //! Inputs are [`Tensor`]s (owned, typed, row-major). They are handed to libpipe as DLPack
@@ -46,6 +53,7 @@ mod model;
 mod plan;
 mod session;
 mod tensor;
+mod worker;
 
 pub mod safetensors;
 
@@ -54,8 +62,9 @@ pub use list::TensorList;
 pub use log::{reset_log_callback, set_log_callback, LogLevel};
 pub use model::{Model, ModuleInfo};
 pub use plan::{Names, Plan, PlanOptions, Policy, StageOptions, WeightDType};
-pub use session::{ChunkSpec, Microbatching, Request, RunOptions, Session, SessionOptions, StageStats};
+pub use session::{ChunkSpec, Microbatching, Request, RunOptions, Session, SessionOptions, StageStats, Transport};
 pub use tensor::{AppendSource, DType, Element, ManagedTensor, Tensor, TensorRef};
+pub use worker::{run_worker, WorkerOptions};
 
 /// The raw declarations, for what the safe API does not cover.
 pub use pipe_sys as sys;

@@ -48,6 +48,80 @@ fn duration_ms(d: Duration) -> i64 {
     i64::try_from(ms).unwrap_or(i64::MAX)
 }
 
+/// A comm_timeout_ms field: 0 (libpipe's default, one minute) for None, else the duration in
+/// milliseconds, rounded up. A zero duration or one beyond i32::MAX milliseconds is refused
+/// rather than turned into the default or cut short.
+pub(crate) fn comm_timeout_ms(timeout: Option<Duration>) -> Result<i32> {
+    let Some(d) = timeout else { return Ok(0) };
+    if d.is_zero() {
+        return Err(Error::new(
+            Status::InvalidArgument,
+            "comm_timeout must be positive; leave it unset for libpipe's default (one minute)",
+        ));
+    }
+    i32::try_from(duration_ms(d)).map_err(|_| {
+        Error::new(Status::InvalidArgument, format!("comm_timeout is {d:?}; it can be at most {} ms", i32::MAX))
+    })
+}
+
+/// How the stages of a session talk ([`SessionOptions::transport`]; pipe.h's PIPE_TRANSPORT_*).
+/// Parsed from and displayed as "local", "gloo" and "nccl", as the pipe tool's `--transport` and
+/// Python's `transport=` spell them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Transport {
+    /// Every stage runs in this process. `PIPE_TRANSPORT_LOCAL`.
+    #[default]
+    Local,
+    /// CPU stages spread over [`SessionOptions::world_size`] processes. `PIPE_TRANSPORT_GLOO`.
+    Gloo,
+    /// GPU stages spread over [`SessionOptions::world_size`] processes, one GPU each.
+    /// `PIPE_TRANSPORT_NCCL`.
+    Nccl,
+}
+
+impl Transport {
+    const ALL: [Transport; 3] = [Transport::Local, Transport::Gloo, Transport::Nccl];
+
+    /// "local", "gloo" or "nccl".
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Local => "local",
+            Transport::Gloo => "gloo",
+            Transport::Nccl => "nccl",
+        }
+    }
+
+    /// The transport of a PIPE_TRANSPORT_* value; None for one pipe.h does not define.
+    fn from_raw(raw: i32) -> Option<Transport> {
+        Transport::ALL.into_iter().find(|t| t.to_raw() == raw)
+    }
+
+    fn to_raw(self) -> i32 {
+        match self {
+            Transport::Local => sys::PIPE_TRANSPORT_LOCAL,
+            Transport::Gloo => sys::PIPE_TRANSPORT_GLOO,
+            Transport::Nccl => sys::PIPE_TRANSPORT_NCCL,
+        }
+    }
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Transport {
+    type Err = Error;
+
+    /// [`Status::InvalidArgument`] for any other name than "local", "gloo" and "nccl".
+    fn from_str(name: &str) -> Result<Transport> {
+        Transport::ALL.into_iter().find(|t| t.name() == name).ok_or_else(|| {
+            Error::new(Status::InvalidArgument, format!("transport must be one of local, gloo, nccl, not {name:?}"))
+        })
+    }
+}
+
 /// How one input is cut into micro-batches, or how one output is put back together.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum ChunkSpec {
@@ -126,6 +200,10 @@ pub struct SessionOptions {
     output_specs: Vec<ChunkSpec>,
     stage_options: Option<StageOptions>,
     devices: Option<String>,
+    transport: Transport,
+    world_size: usize,
+    store: Option<String>,
+    comm_timeout: Option<Duration>,
 }
 
 impl Default for SessionOptions {
@@ -144,11 +222,15 @@ impl Default for SessionOptions {
             output_specs: Vec::new(),
             stage_options: None,
             devices: None,
+            transport: Transport::from_raw(raw.transport).unwrap_or_default(),
+            world_size: count(raw.world_size),
+            store: None,
+            comm_timeout: None,
         }
     }
 }
 
-fn to_i32(what: &str, n: usize) -> Result<i32> {
+pub(crate) fn to_i32(what: &str, n: usize) -> Result<i32> {
     i32::try_from(n).map_err(|_| Error::new(Status::InvalidArgument, format!("{what} = {n} is too large")))
 }
 
@@ -211,6 +293,43 @@ impl SessionOptions {
         self.devices = Some(devices.to_owned());
         self
     }
+
+    /// How the stages talk: [`Transport::Local`] (default) runs every stage in this process.
+    /// With [`Transport::Gloo`] or [`Transport::Nccl`] this process is rank 0 (the driver, with
+    /// the first stages), and [`SessionOptions::world_size`] - 1 worker processes, ranks 1 ..
+    /// world_size - 1, each run [`crate::run_worker`] (or `pipe worker`) and get contiguous
+    /// groups of the following stages. [`Session::new`] waits for them to join and load them.
+    pub fn transport(mut self, transport: Transport) -> SessionOptions {
+        self.transport = transport;
+        self
+    }
+
+    /// Processes in the session, this one included (default 1; at least 2 with Gloo or NCCL).
+    pub fn world_size(mut self, n: usize) -> SessionOptions {
+        self.world_size = n;
+        self
+    }
+
+    /// `"HOST:PORT"` of the rendezvous store, which this process hosts: it listens on PORT, and
+    /// HOST is this machine's address as the workers reach it. Required unless the transport is
+    /// local. Port 0 lets the store pick a free port, which libpipe reports as soon as it
+    /// listens, before waiting for the workers, in the [`crate::LogLevel::Info`] message
+    /// `"store listening on HOST:PORT"` ([`crate::set_log_callback`]): the address to give the
+    /// workers. A malformed address is [`Status::InvalidArgument`], an unusable one
+    /// [`Status::Communication`].
+    pub fn store(mut self, address: &str) -> SessionOptions {
+        self.store = Some(address.to_owned());
+        self
+    }
+
+    /// How long a worker may stay silent while it holds work, and joining may take, before the
+    /// session's calls fail with [`Status::Communication`] (a worker that dies is noticed at
+    /// once). Default: libpipe's, one minute. Rounded up to whole milliseconds; zero, or more
+    /// than `i32::MAX` milliseconds, fails [`Session::new`] with [`Status::InvalidArgument`].
+    pub fn comm_timeout(mut self, timeout: Duration) -> SessionOptions {
+        self.comm_timeout = Some(timeout);
+        self
+    }
 }
 
 /// Per-call options.
@@ -255,7 +374,7 @@ pub struct Session {
 }
 
 // SAFETY: pipe.h marks pipe_session_run and pipe_session_submit "thread-safe: many threads may
-// run on one session at once", and num_stages, stage_stats, trace_start and trace_stop
+// run on one session at once", and num_stages, stage_stats, trace_start, trace_stop and check
 // thread-safe too; every &self method here calls only those. pipe_session_destroy is exclusive
 // and must not overlap a run or submit in another thread: it runs in Drop, which needs sole
 // ownership, so no &Session (hence no call in progress) can exist then. Nothing ties a session
@@ -275,6 +394,7 @@ impl Session {
         let input_specs: Vec<sys::pipe_chunk_spec> = options.input_specs.iter().map(|s| s.to_raw()).collect();
         let output_specs: Vec<sys::pipe_chunk_spec> = options.output_specs.iter().map(|s| s.to_raw()).collect();
         let stage = options.stage_options.as_ref().map(StageOptions::to_raw).transpose()?;
+        let store = options.store.as_deref().map(|s| crate::cstring("store", s)).transpose()?;
         let mut raw = crate::defaults::session_options()?;
         raw.num_microbatches = to_i32("microbatches", options.microbatches)?;
         raw.microbatching = options.microbatching.to_raw();
@@ -290,13 +410,27 @@ impl Session {
         }
         raw.stage_options = stage.as_ref().map_or(ptr::null(), |s| &s.raw as *const _);
         raw.devices = devices.as_ref().map_or(ptr::null(), |d| d.as_ptr());
+        raw.transport = options.transport.to_raw();
+        raw.world_size = to_i32("world_size", options.world_size)?;
+        raw.store = store.as_ref().map_or(ptr::null(), |s| s.as_ptr());
+        raw.comm_timeout_ms = comm_timeout_ms(options.comm_timeout)?;
         let mut session = ptr::null_mut();
         // SAFETY: thread-safe on the plan; every pointer in `raw` outlives the call (the spec
-        // arrays are copied by libpipe).
+        // arrays, the device list and the store address are copied by libpipe).
         check(unsafe { sys::pipe_session_create(plan.as_ptr(), &raw, &mut session) })?;
         NonNull::new(session)
             .map(|ptr| Session { ptr })
             .ok_or_else(|| Error::new(Status::Internal, "libpipe returned a NULL session"))
+    }
+
+    /// `Ok` while the session works. Once a transport failure has broken it (a worker process
+    /// died, or stayed silent longer than [`SessionOptions::comm_timeout`]), the error
+    /// [`Status::Communication`] with the reason, and every later call fails at once the same
+    /// way: drop the session, start its workers again and create a new one. A local session
+    /// never breaks.
+    pub fn check(&self) -> Result<()> {
+        // SAFETY: thread-safe.
+        check(unsafe { sys::pipe_session_check(self.ptr.as_ptr()) })
     }
 
     /// Number of stages (and worker threads).
@@ -474,5 +608,42 @@ mod tests {
         assert_eq!(Microbatching::from_raw(-1), None);
         assert_eq!(Microbatching::Fixed.to_raw(), sys::PIPE_MICROBATCHING_FIXED);
         assert_ne!(Microbatching::Fixed.to_raw(), Microbatching::Adaptive.to_raw());
+        assert_eq!(options.transport.to_raw(), init.transport);
+        assert_eq!(options.world_size as i32, init.world_size);
+        assert!(init.store.is_null() && options.store.is_none());
+        assert_eq!(init.comm_timeout_ms, 0);
+        assert_eq!(comm_timeout_ms(options.comm_timeout).unwrap(), 0);
+    }
+
+    #[test]
+    fn transports_map_to_pipe_h_and_parse_by_name() {
+        for (t, raw, name) in [
+            (Transport::Local, sys::PIPE_TRANSPORT_LOCAL, "local"),
+            (Transport::Gloo, sys::PIPE_TRANSPORT_GLOO, "gloo"),
+            (Transport::Nccl, sys::PIPE_TRANSPORT_NCCL, "nccl"),
+        ] {
+            assert_eq!(t.to_raw(), raw);
+            assert_eq!(Transport::from_raw(raw), Some(t));
+            assert_eq!(t.to_string(), name);
+            assert_eq!(name.parse::<Transport>(), Ok(t));
+        }
+        assert_eq!(Transport::from_raw(7), None);
+        for bad in ["tcp", "Gloo", ""] {
+            let e = bad.parse::<Transport>().unwrap_err();
+            assert_eq!(e.status, Status::InvalidArgument);
+            assert!(e.message.contains(&format!("{bad:?}")), "{e}");
+        }
+    }
+
+    #[test]
+    fn comm_timeouts_round_up_and_refuse_zero_and_overflow() {
+        assert_eq!(comm_timeout_ms(Some(Duration::from_micros(1))).unwrap(), 1);
+        assert_eq!(comm_timeout_ms(Some(Duration::from_millis(1500))).unwrap(), 1500);
+        assert_eq!(comm_timeout_ms(Some(Duration::from_millis(i32::MAX as u64))).unwrap(), i32::MAX);
+        for bad in [Duration::ZERO, Duration::from_millis(i32::MAX as u64 + 1)] {
+            let e = comm_timeout_ms(Some(bad)).unwrap_err();
+            assert_eq!(e.status, Status::InvalidArgument);
+            assert!(e.message.contains("comm_timeout"), "{e}");
+        }
     }
 }
