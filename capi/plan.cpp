@@ -134,7 +134,7 @@ pipe_status pipe_plan_save_stage(const pipe_plan* plan, size_t stage, const pipe
     require_index(stage, get(plan)->impl->num_stages(), fn, "stage");
     const auto opts = stage_options(options, fn);
     auto checkpoint = opts.weights.empty() ? nullptr : libpipe::stage::Checkpoint::open(opts.weights);
-    auto module = libpipe::stage::build_stage_module(*get(plan)->impl, stage);
+    auto module = libpipe::stage::build_stage_module(*get(plan)->impl, stage, c10::Device(c10::kCPU), opts.dtype);
     libpipe::stage::load_stage_weights(module, *get(plan)->impl, stage, opts, checkpoint.get());
     try {
       module.save(path);

@@ -76,7 +76,7 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
 
   auto checkpoint = options_.stage.weights.empty() ? nullptr : stage::Checkpoint::open(options_.stage.weights);
   for (size_t s = 0; s < local; ++s) {
-    stages_.push_back(stage::build_stage_module(*plan_, s, devices_[s]));
+    stages_.push_back(stage::build_stage_module(*plan_, s, devices_[s], options_.stage.dtype));
     stage::load_stage_weights(stages_.back(), *plan_, s, options_.stage, checkpoint.get(), devices_[s]);
     // NCCL orders its transfers with the default stream, so its stages queue there too.
     places_.push_back(nccl ? device::Place::with_default_stream(devices_[s])

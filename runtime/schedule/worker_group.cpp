@@ -97,7 +97,7 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
       a.devices.push_back(devices.at(s));
       // Device constants baked in by tracing are rewritten for the device the stage will use
       // (the same GPU numbering on every machine is assumed).
-      auto module = stage::build_stage_module(plan, s, devices.at(s));
+      auto module = stage::build_stage_module(plan, s, devices.at(s), stage_options.dtype);
       // With a checkpoint, each worker reads its own stages' tensors from it: only their shapes
       // travel. Those it lacks (non-persistent buffers) travel with their data.
       if (checkpoint) stage::strip_stage_weights(module, *checkpoint, aliases);

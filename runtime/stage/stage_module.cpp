@@ -9,6 +9,8 @@
 
 #include "runtime/error.h"
 #include "runtime/graph/torchscript/model.h"
+#include "runtime/log.h"
+#include "runtime/stage/dtype_casts.h"
 
 namespace libpipe::stage {
 
@@ -97,12 +99,16 @@ void rewrite_device_constants(torch::jit::Block* block, const c10::Device& devic
 
 }  // namespace
 
-Module build_stage_module(const graph::Plan& plan, size_t stage_index, c10::Device device) {
+Module build_stage_module(const graph::Plan& plan, size_t stage_index, c10::Device device,
+                          std::optional<at::ScalarType> dtype) {
   const graph::StagePlan& sp = plan.stage(stage_index);
   const graph::Model& model = graph::torchscript_model(plan);
   const auto& model_graph = model.graph();
   const Value* model_self = model_graph->inputs()[0];
   const bool last = stage_index + 1 == plan.num_stages();
+
+  std::optional<DtypeCasts> casts;
+  if (dtype) casts.emplace(model, *dtype);
 
   ModuleTree tree(model.module(), stage_index);
   for (size_t a : sp.attributes) tree.add(model.attributes()[a].path);
@@ -138,12 +144,18 @@ Module build_stage_module(const graph::Plan& plan, size_t stage_index, c10::Devi
     return made;
   };
 
+  size_t cast_count = 0;
   for (size_t id : sp.nodes) {
     Node* node = model.node(id);
     Node* clone = graph->createClone(node, lookup);
     graph->insertNode(clone);
+    if (casts) cast_count += casts->apply(node, clone, stage_index);
     for (size_t i = 0; i < node->outputs().size(); ++i) env[node->output(i)] = clone->output(i);
   }
+  if (cast_count)
+    log::info("stage " + std::to_string(stage_index) + ": " + std::to_string(cast_count) + " values that the trace " +
+              "fixed at " + c10::toString(casts->source()) + " are cast to " + c10::toString(casts->target()) +
+              " where they meet " + c10::toString(casts->target()) + " ones, as eager code casts back");
 
   if (last) {
     std::vector<Value*> results;

@@ -6,14 +6,19 @@
 
 #include <torch/csrc/jit/api/module.h>
 
+#include <optional>
+
 #include "runtime/graph/plan.h"
 
 namespace libpipe::stage {
 
 // `device` is where the stage will run: Device constants that tracing baked into the graph
 // (torch.ones(..., device="cuda:0")) are rewritten to it. Weights stay where they are; placing
-// them is the session's job.
+// them is the session's job. `dtype` is the one its floating weights and inputs will be converted
+// to (load_stage_weights): the casts a trace fixed at the model's own dtype are adapted to it (see
+// dtype_casts.h), or Error(Unsupported) says why they cannot be.
 torch::jit::Module build_stage_module(const graph::Plan& plan, size_t stage_index,
-                                      c10::Device device = c10::Device(c10::kCPU));
+                                      c10::Device device = c10::Device(c10::kCPU),
+                                      std::optional<at::ScalarType> dtype = std::nullopt);
 
 }  // namespace libpipe::stage
