@@ -6,7 +6,6 @@ package pipe_test
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -145,11 +144,3 @@ func receive[T any](t *testing.T, c <-chan T, what string) T {
 		panic("unreachable")
 	}
 }
-
-// callResult is what a call run on another goroutine gave.
-type callResult struct {
-	out pipe.TensorList
-	err error
-}
-
-func (r callResult) String() string { return fmt.Sprintf("outputs %v, error %v", r.out.Names(), r.err) }
