@@ -1,13 +1,18 @@
 """Stages spread over processes (libpipe >= 0.4): a Gloo session in this process (rank 0, the
 driver) whose rank-1 worker is `libpipe.run_worker` in a child Python process; a worker that is
-killed or stops answering breaks the session with CommunicationError; bad stores and arguments.
+killed or stops answering while it holds a call breaks the session with CommunicationError; bad
+stores and arguments.
 
-Timing bounds are loose on purpose (slow, shared machines): only "within comm_timeout plus a
-generous margin", which tells a comm_timeout that reached libpipe from its one-minute default."""
+The driver's store is given 127.0.0.1:0 and picks a free port itself; the tests learn the port from
+libpipe's log ("store listening on HOST:PORT", read with the fixtures' storeport.py, shared with
+tests/distributed) and only then tell the worker, which was started beforehand and waits for it.
+The calls that a fault must fail are held at the test gate (the gated model, conftest.py) in the
+worker's stage, so the fault lands on a worker with work in hand. Time bounds only tell a hang
+from a slow run: "within comm_timeout plus a generous margin", which also tells a comm_timeout that
+reached libpipe from its one-minute default."""
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,46 +20,43 @@ import time
 
 import numpy as np
 import pytest
-from conftest import QUICK_N, SLOW_N, assert_close
+from conftest import assert_close, wait_until
 
 import libpipe
 from libpipe import Status, _native
 
-MARGIN_S = 15.0  # what a slow machine may add to a comm_timeout
+# The fixtures folder holds storeport.py (tests/distributed), as it holds gate.py.
+sys.path.insert(0, os.environ.get("LIBPIPE_FIXTURES", ""))
+from storeport import ANY_PORT, StoreLog, refused_port, wait_for_store  # noqa: E402
+
+MARGIN_S = 30.0  # what a slow machine may add to a comm_timeout
 CREATE_TIMEOUT_S = 60.0  # joining and loading, for the sessions that are not about timeouts
 
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def local_store():
-    return f"127.0.0.1:{free_port()}"
-
-
 @contextlib.contextmanager
-def worker_process(store, tmp_path, rank=1, world_size=2, comm_timeout=CREATE_TIMEOUT_S):
-    """A child Python (the installed package, as the tests use it) serving `rank` with
-    libpipe.run_worker. It prints "ready" once libpipe (and torch) are imported, then
-    "finished" when run_worker returned, or the error's class and message when it raised (exit
-    code 3). Yields the Popen once "ready" was read; killed (if still running) on the way out."""
+def worker_process(tmp_path, rank=1, world_size=2, comm_timeout=CREATE_TIMEOUT_S, env=None):
+    """A child Python (the installed package, as the tests use it) that serves `rank` with
+    libpipe.run_worker. It prints "ready" once libpipe (and torch) are imported, then reads the
+    store address from its stdin (`tell`), so that its start-up never counts against a session's
+    comm_timeout; it prints "finished" when run_worker returned, or the error's class and message
+    when it raised (exit code 3). Yields the Popen once "ready" was read; killed (if still running)
+    on the way out."""
     code = (
         "import sys, libpipe\n"
         "print('ready', flush=True)\n"
+        "store = sys.stdin.readline().strip()\n"
         "try:\n"
-        f"    libpipe.run_worker({rank}, {world_size}, {store!r}, comm_timeout={comm_timeout!r})\n"
+        f"    libpipe.run_worker({rank}, {world_size}, store, comm_timeout={comm_timeout!r})\n"
         "except libpipe.Error as e:\n"
         "    print(type(e).__name__, e.message, flush=True)\n"
         "    sys.exit(3)\n"
         "print('finished', flush=True)\n"
     )
-    env = dict(os.environ)
+    env = dict(os.environ if env is None else env)
     env.pop("PYTHONPATH", None)
     stderr = open(tmp_path / f"worker-{rank}.stderr", "wb")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=stderr, text=True,
-                            env=env, cwd="/")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=stderr, text=True, env=env, cwd="/")
     try:
         line = proc.stdout.readline()
         assert line == "ready\n", f"the worker did not start: {line!r}; stderr: {worker_stderr(tmp_path, rank)}"
@@ -66,7 +68,15 @@ def worker_process(store, tmp_path, rank=1, world_size=2, comm_timeout=CREATE_TI
                 proc.kill()
         proc.wait(timeout=60)
         proc.stdout.close()
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.close()
         stderr.close()
+
+
+def tell(worker, store):
+    """Gives a waiting worker_process the store address to join."""
+    worker.stdin.write(store + "\n")
+    worker.stdin.flush()
 
 
 def worker_stderr(tmp_path, rank=1):
@@ -80,32 +90,51 @@ def finish(proc, timeout=60):
     return rc, proc.stdout.read()
 
 
-class Stream:
-    """Runs slow calls one after another in a thread until one fails; records when it failed."""
+def gloo_session(plan, worker, **options):
+    """plan.session(transport="gloo", world_size=2, store=ANY_PORT, **options), created in a thread
+    of this process; once libpipe reports the address its store got, `worker` is told it. Returns
+    the session and that address."""
+    created = {}
 
-    def __init__(self, session, x, n):
-        self.session, self.x, self.n = session, x, n
-        self.done = 0
-        self.first_done = threading.Event()
-        self.error = None
-        self.failed_at = None
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
+    def create():
+        try:
+            created["session"] = plan.session(transport="gloo", world_size=2, store=ANY_PORT, **options)
+        except BaseException as e:  # raised below, in the test's thread
+            created["error"] = e
 
-    def _loop(self):
-        while True:
-            try:
-                self.session.run(self.x, n=self.n)
-            except Exception as e:  # the test checks which
-                self.error, self.failed_at = e, time.monotonic()
-                self.first_done.set()
-                return
-            self.done += 1
-            self.first_done.set()
+    with StoreLog() as log:
+        thread = threading.Thread(target=create, daemon=True)
+        thread.start()
+        store = wait_for_store(log.text, alive=thread.is_alive, what="plan.session")
+        tell(worker, store)
+        thread.join(CREATE_TIMEOUT_S + MARGIN_S)
+    assert not thread.is_alive(), "plan.session hung"
+    if "error" in created:
+        raise created["error"]
+    return created["session"], store
 
-    def join(self, timeout):
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"the calls still ran {timeout:g} s later"
+
+def gated_gloo_session(gated_plan, worker, comm_timeout):
+    return gloo_session(gated_plan, worker, microbatches=2, input_specs={"n": "replicate"}, comm_timeout=comm_timeout)
+
+
+def hold_in_worker(session, gate, x):
+    """Submits a call that is let through stage 0 (here) and held in stage 1 (the worker): once
+    this returns, the worker has work in hand."""
+    key = gate.new_key()
+    request = session.submit(x, n=key)
+    gate.open(key, "stage0")
+    gate.wait(key, "stage1")
+    return key, request
+
+
+def wait_stopped(proc):
+    """Waits until a SIGSTOP sent to proc has taken effect."""
+    def stopped():
+        with open(f"/proc/{proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "Tt"
+
+    wait_until(stopped, f"process {proc.pid} stopped")
 
 
 # ---- a Gloo session with a worker process ---------------------------------------------------
@@ -119,13 +148,12 @@ def test_gloo_session_with_a_worker_process_equals_local(demo_plan, demo_x, demo
         want_part = local.run(demo_x[:3])["output"]
     assert_close(want, demo_expected)
 
-    store = local_store()
-    with worker_process(store, tmp_path) as worker:
-        session = demo_plan.session(microbatches=4, transport="gloo", world_size=2, store=store,
-                                    comm_timeout=CREATE_TIMEOUT_S)
+    with worker_process(tmp_path) as worker:
+        session, store = gloo_session(demo_plan, worker, microbatches=4, comm_timeout=CREATE_TIMEOUT_S)
         try:
+            assert store.startswith("127.0.0.1:") and store != ANY_PORT  # the port the store got
             assert session.num_stages == 2
-            assert (session.transport, session.world_size, session.store) == ("gloo", 2, store)
+            assert (session.transport, session.world_size, session.store) == ("gloo", 2, ANY_PORT)  # as given
             assert "gloo" in repr(session)
             assert session.check() is None
             out = session.run(demo_x)
@@ -143,12 +171,7 @@ def test_gloo_session_with_a_worker_process_equals_local(demo_plan, demo_x, demo
         assert rc == 0 and printed == "finished\n", (rc, printed, worker_stderr(tmp_path))
 
 
-# ---- a worker that dies or goes silent ----------------------------------------------------------
-
-
-def gloo_slow_session(slow_plan, store, comm_timeout):
-    return slow_plan.session(microbatches=2, input_specs={"n": "replicate"}, transport="gloo", world_size=2,
-                             store=store, comm_timeout=comm_timeout)
+# ---- a worker that dies or goes silent while it holds a call ----------------------------------
 
 
 def assert_broken(session, x):
@@ -158,65 +181,55 @@ def assert_broken(session, x):
     assert str(info.value).endswith("[PIPE_ERR_COMMUNICATION]")
     # Every later call fails at once with the same status.
     with pytest.raises(libpipe.CommunicationError):
-        session.run(x, n=QUICK_N)
+        session.run(x, n=0)
     with pytest.raises(libpipe.CommunicationError):
-        session.submit(x, n=QUICK_N).wait(timeout=MARGIN_S)
+        session.submit(x, n=0).wait(timeout=MARGIN_S)
     return info.value
 
 
-def test_killed_worker_fails_the_calls_and_breaks_the_session(slow_plan, slow_inputs, slow_expected, tmp_path):
-    comm_timeout = 10.0
-    x = slow_inputs["x"]
-    store = local_store()
-    with worker_process(store, tmp_path) as worker:
-        # comm_timeout also bounds joining; the worker has imported libpipe already ("ready").
-        session = gloo_slow_session(slow_plan, store, comm_timeout)
+def test_killed_worker_fails_the_calls_and_breaks_the_session(gated_plan, gated_inputs, gated_expected, gate,
+                                                              tmp_path):
+    # A killed worker is noticed at once, so comm_timeout only has to let it join.
+    x = gated_inputs["x"]
+    with worker_process(tmp_path, env=gate.child_env()) as worker:
+        session, _ = gated_gloo_session(gated_plan, worker, CREATE_TIMEOUT_S)
         try:
-            assert_close(session.run(x, n=QUICK_N)["output"], slow_expected)
-            stream = Stream(session, x, 4 * SLOW_N)  # calls of a few seconds, back to back
-            try:
-                assert stream.first_done.wait(CREATE_TIMEOUT_S) and stream.error is None, stream.error
-                time.sleep(0.5)  # well inside the next call
-                killed_at = time.monotonic()
-                worker.kill()
-                stream.join(comm_timeout + MARGIN_S)
-            finally:
-                if stream.thread.is_alive():
-                    session.close()  # fails the running call, so the thread ends
-            assert isinstance(stream.error, libpipe.CommunicationError), repr(stream.error)
-            assert stream.error.status is Status.COMMUNICATION
-            assert stream.failed_at - killed_at < comm_timeout + MARGIN_S
-            assert "rank 1" in stream.error.message, stream.error.message
+            assert_close(session.run(x, n=0)["output"], gated_expected)
+            key, request = hold_in_worker(session, gate, x)
+            killed_at = time.monotonic()
+            worker.kill()
+            gate.open(key)  # stage 0 here may finish what it holds; the worker cannot
+            with pytest.raises(libpipe.CommunicationError) as info:
+                request.wait(timeout=MARGIN_S)
+            assert time.monotonic() - killed_at < MARGIN_S
+            assert info.value.status is Status.COMMUNICATION
+            assert "rank 1" in info.value.message, info.value.message
             assert "rank 1" in assert_broken(session, x).message
         finally:
             closing = time.monotonic()
             session.close()
-            assert time.monotonic() - closing < comm_timeout + MARGIN_S
+            assert time.monotonic() - closing < MARGIN_S
         assert worker.wait(timeout=60) == -signal.SIGKILL
 
 
-def test_silent_worker_fails_the_calls_after_comm_timeout(slow_plan, slow_inputs, tmp_path):
+def test_silent_worker_fails_the_calls_after_comm_timeout(gated_plan, gated_inputs, gate, tmp_path):
     # A stopped worker keeps its connections open: only comm_timeout (here far below libpipe's
     # one-minute default) tells it from a slow one. Once the broken session is closed, the worker,
-    # continued, finds its driver gone and run_worker raises CommunicationError there.
+    # continued, finishes the call it held, finds its driver gone, and run_worker raises
+    # CommunicationError there.
     comm_timeout = 5.0
-    x = slow_inputs["x"]
-    store = local_store()
-    with worker_process(store, tmp_path) as worker:
-        session = gloo_slow_session(slow_plan, store, comm_timeout)
+    x = gated_inputs["x"]
+    with worker_process(tmp_path, env=gate.child_env()) as worker:
+        session, _ = gated_gloo_session(gated_plan, worker, comm_timeout)
         try:
-            stream = Stream(session, x, 4 * SLOW_N)
-            try:
-                assert stream.first_done.wait(CREATE_TIMEOUT_S) and stream.error is None, stream.error
-                time.sleep(0.5)
-                stopped_at = time.monotonic()
-                worker.send_signal(signal.SIGSTOP)
-                stream.join(comm_timeout + MARGIN_S)
-            finally:
-                if stream.thread.is_alive():
-                    session.close()
-            assert isinstance(stream.error, libpipe.CommunicationError), repr(stream.error)
-            assert stream.failed_at - stopped_at < comm_timeout + MARGIN_S
+            key, request = hold_in_worker(session, gate, x)
+            stopped_at = time.monotonic()
+            worker.send_signal(signal.SIGSTOP)
+            wait_stopped(worker)
+            gate.open(key)  # what it holds may go on once it is continued
+            with pytest.raises(libpipe.CommunicationError):
+                request.wait(timeout=comm_timeout + MARGIN_S)
+            assert time.monotonic() - stopped_at < comm_timeout + MARGIN_S
             assert_broken(session, x)
         finally:
             closing = time.monotonic()
@@ -231,12 +244,13 @@ def test_silent_worker_fails_the_calls_after_comm_timeout(slow_plan, slow_inputs
 
 
 def test_worker_without_a_store_names_the_address():
-    store = local_store()  # nothing listens there
     handler = signal.getsignal(signal.SIGINT)
-    started = time.monotonic()
-    with pytest.raises(libpipe.CommunicationError) as info:
-        libpipe.run_worker(1, 2, store, comm_timeout=0.5)
-    assert time.monotonic() - started < 0.5 + MARGIN_S
+    with refused_port() as port:  # nothing listens there while the worker tries
+        store = f"127.0.0.1:{port}"
+        started = time.monotonic()
+        with pytest.raises(libpipe.CommunicationError) as info:
+            libpipe.run_worker(1, 2, store, comm_timeout=0.5)
+        assert time.monotonic() - started < 0.5 + MARGIN_S
     assert signal.getsignal(signal.SIGINT) is handler  # put back as it was
     e = info.value
     assert e.status is Status.COMMUNICATION
@@ -244,26 +258,37 @@ def test_worker_without_a_store_names_the_address():
     assert store in e.message, e.message
 
 
+def sigint_caught(proc):
+    """Whether proc has a handler for SIGINT (Python's), or SIGINT has its default action."""
+    with open(f"/proc/{proc.pid}/status") as f:
+        caught = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    return bool(int(caught, 16) & (1 << (signal.SIGINT - 1)))
+
+
 def test_ctrl_c_ends_a_waiting_worker(tmp_path):
     # run_worker blocks in C with the GIL released, where Python's SIGINT handler would only set a
     # flag; with Python's default handler in place it gives SIGINT its default action instead.
-    with worker_process(local_store(), tmp_path, comm_timeout=300.0) as worker:  # no driver comes
-        time.sleep(1.0)  # inside run_worker by now (if not, KeyboardInterrupt ends it the same way)
+    with refused_port() as port, worker_process(tmp_path, comm_timeout=300.0) as worker:  # no driver comes
+        assert sigint_caught(worker)  # Python's handler, while it waits for the address
+        tell(worker, f"127.0.0.1:{port}")
+        wait_until(lambda: not sigint_caught(worker), "run_worker giving SIGINT its default action")
         worker.send_signal(signal.SIGINT)
         assert worker.wait(timeout=MARGIN_S) == -signal.SIGINT  # not 300 s later
 
 
-def test_driver_without_workers_names_the_missing_rank(demo_plan):
-    store = local_store()
+def test_driver_without_workers_names_the_missing_rank_and_the_port_its_store_got(demo_plan):
     started = time.monotonic()
-    with pytest.raises(libpipe.CommunicationError) as info:
-        demo_plan.session(transport="gloo", world_size=2, store=store, comm_timeout=1.0)
+    with StoreLog() as log, pytest.raises(libpipe.CommunicationError) as info:
+        demo_plan.session(transport="gloo", world_size=2, store=ANY_PORT, comm_timeout=1.0)
     assert time.monotonic() - started < 1.0 + MARGIN_S
+    store = wait_for_store(log.text)
+    assert store != ANY_PORT
     assert "rank 1" in info.value.message, info.value.message
+    assert f"--store {store}`" in info.value.message, info.value.message  # how to start it
 
 
 def test_bad_transport_arguments(demo_plan):
-    store = local_store()
+    store = ANY_PORT
     with pytest.raises(libpipe.InvalidArgumentError, match="local transport"):
         demo_plan.session(world_size=2)  # libpipe's check: "local" is one process
     for bad in ("tcp", "Gloo", None, 1):
@@ -287,7 +312,7 @@ def test_bad_transport_arguments(demo_plan):
 
 
 def test_bad_worker_arguments():
-    store = local_store()
+    store = "127.0.0.1:1"  # refused before any store is looked for
     for rank in (0, 2, -1):
         with pytest.raises(libpipe.InvalidArgumentError, match="rank") as info:
             libpipe.run_worker(rank, 2, store, comm_timeout=0.5)
@@ -298,6 +323,9 @@ def test_bad_worker_arguments():
         libpipe.run_worker(1, 2, "no-port", comm_timeout=0.5)
     with pytest.raises(libpipe.InvalidArgumentError, match="HOST:PORT"):
         libpipe.run_worker(1, 2, None)
+    # Port 0 lets a driver's store pick one; a worker needs the port the store got.
+    with pytest.raises(libpipe.InvalidArgumentError, match="port 0, which only the driver may give"):
+        libpipe.run_worker(1, 2, ANY_PORT, comm_timeout=0.5)
     with pytest.raises(libpipe.InvalidArgumentError, match="threads_per_stage"):
         libpipe.run_worker(1, 2, store, comm_timeout=0.5, threads_per_stage=-1)
     with pytest.raises(libpipe.InvalidArgumentError, match="comm_timeout"):
@@ -307,7 +335,7 @@ def test_bad_worker_arguments():
 def test_nccl_is_refused_or_waits_for_its_workers(demo_plan):
     # Without NCCL or a usable GPU: UnsupportedError at once. With them, no worker comes.
     with pytest.raises((libpipe.UnsupportedError, libpipe.CommunicationError)):
-        demo_plan.session(transport="nccl", world_size=2, store=local_store(), comm_timeout=1.0)
+        demo_plan.session(transport="nccl", world_size=2, store=ANY_PORT, comm_timeout=1.0)
 
 
 def test_native_options_reach_libpipe(demo_plan):
