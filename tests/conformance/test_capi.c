@@ -1,7 +1,9 @@
 /* Conformance tests of the C ABI (pipe/pipe.h), in C, against libpipe.so: the seed models split
  * and run correctly, and every failure path returns its status and a message without touching
  * outputs. Fixtures come from tests/models/seed_models.py; PIPE_TEST_MODELS names their folder. */
+#include <arpa/inet.h>
 #include <math.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -9,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -443,13 +446,17 @@ static void bad_options(void **state) {
   negative.threads_per_stage = -2;
   ASSERT_FAILS(pipe_session_create(l.plan, &negative, &session), PIPE_ERR_INVALID_ARGUMENT,
                "threads_per_stage");
-  /* An older caller whose struct ends before threads_per_stage gets that field's default. */
+  /* An older caller (the first 0.1 layout, 12 bytes) whose struct ends before max_inflight gets
+   * that field's default. */
   pipe_session_options old = PIPE_SESSION_OPTIONS_INIT;
-  old.struct_size = (uint32_t)offsetof(pipe_session_options, threads_per_stage);
+  old.struct_size = 12;
   old.num_microbatches = 2;
-  old.threads_per_stage = -99; /* beyond struct_size: must be ignored */
+  old.max_inflight = -99; /* beyond struct_size: must be ignored */
   ASSERT_OK(pipe_session_create(l.plan, &old, &session));
   pipe_session_destroy(session);
+  /* A size no version of libpipe ever had is refused, naming the sizes it takes. */
+  old.struct_size = 8;
+  ASSERT_FAILS(pipe_session_create(l.plan, &old, &session), PIPE_ERR_INVALID_ARGUMENT, "struct_size");
   unload(&l);
 }
 
@@ -541,12 +548,11 @@ static void distributed_options(void **state) {
   ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_COMMUNICATION, "not an address of this machine");
   o.store = "nosuchhost.invalid:29999";
   ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_COMMUNICATION, "does not resolve");
+  o.store = "127.0.0.1:65536";
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "not in 0..65535");
+  /* Nobody comes (port 0: the store picks a free port): the session names the missing rank and how
+   * to start it, after the timeout. */
   o.store = "127.0.0.1:0";
-  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "not in 1..65535");
-  /* Nobody comes: the session names the missing rank and how to start it, after the timeout. */
-  char address[64];
-  snprintf(address, sizeof address, "127.0.0.1:%d", 20000 + (int)(getpid() % 20000));
-  o.store = address;
   ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_COMMUNICATION, "pipe worker --rank R");
   assert_non_null(strstr(pipe_last_error(), "missing rank 1"));
   o.transport = PIPE_TRANSPORT_NCCL;
@@ -558,7 +564,15 @@ static void distributed_options(void **state) {
   pipe_session_destroy(session);
   ASSERT_FAILS(pipe_session_check(NULL), PIPE_ERR_INVALID_ARGUMENT, "session");
 
-  /* Workers: arguments first, then a store nobody hosts, within the timeout. */
+  /* Workers: arguments first, then a store nobody hosts, within the timeout. A socket bound to a
+   * port but not listening holds that port for this test and refuses every connection to it. */
+  int refuser = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in bound = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t bound_len = sizeof bound;
+  assert_int_equal(bind(refuser, (struct sockaddr *)&bound, sizeof bound), 0);
+  assert_int_equal(getsockname(refuser, (struct sockaddr *)&bound, &bound_len), 0);
+  char address[64];
+  snprintf(address, sizeof address, "127.0.0.1:%d", ntohs(bound.sin_port));
   ASSERT_FAILS(pipe_worker_run(NULL), PIPE_ERR_INVALID_ARGUMENT, "options");
   pipe_worker_options w = PIPE_WORKER_OPTIONS_INIT;
   ASSERT_FAILS(pipe_worker_run(&w), PIPE_ERR_INVALID_ARGUMENT, "options->store");
@@ -574,6 +588,7 @@ static void distributed_options(void **state) {
   ASSERT_FAILS(pipe_worker_run(&w), PIPE_ERR_COMMUNICATION, "no rendezvous store answered at 127.0.0.1:");
   w.struct_size = 4;
   ASSERT_FAILS(pipe_worker_run(&w), PIPE_ERR_INVALID_ARGUMENT, "PIPE_WORKER_OPTIONS_INIT");
+  close(refuser);
   unload(&l);
 }
 
@@ -1387,16 +1402,10 @@ static void specs_stats_and_trace(void **state) {
     assert_true(st.busy_ms > 0);
     assert_int_equal(st.queue_depth, 0);
   }
-  /* An older caller's smaller struct: only the fields it has are written. */
-  struct {
-    pipe_stage_stats head;
-    uint64_t guard;
-  } small;
-  memset(&small, 0xAB, sizeof small);
-  small.head.struct_size = (uint32_t)offsetof(pipe_stage_stats, failures);
-  ASSERT_OK(pipe_session_stage_stats(session, 0, &small.head));
-  assert_int_equal(small.head.microbatches, 4);
-  assert_int_equal(small.head.failures, 0xABABABABABABABABull);
+  /* pipe_stage_stats has had one layout: a smaller struct_size is no version's and is refused. */
+  pipe_stage_stats small = PIPE_STAGE_STATS_INIT;
+  small.struct_size = (uint32_t)offsetof(pipe_stage_stats, failures);
+  ASSERT_FAILS(pipe_session_stage_stats(session, 0, &small), PIPE_ERR_INVALID_ARGUMENT, "struct_size");
   pipe_stage_stats st = PIPE_STAGE_STATS_INIT;
   ASSERT_FAILS(pipe_session_stage_stats(session, 4, &st), PIPE_ERR_INVALID_ARGUMENT, "stage 4 is out of range");
   st.struct_size = 0;

@@ -23,12 +23,26 @@
 #define GATE_WAIT_LIMIT_S 300
 
 static int64_t gate_next_key_ = 1;
+static char gate_dir_[] = "/tmp/libpipe-gate-XXXXXX";
+
+/* Removes the folder gate_init made (at exit: children that share it are gone by then). */
+static void gate_remove_dir_(void) {
+  DIR* d = opendir(gate_dir_);
+  if (!d) return;
+  char path[512];
+  for (struct dirent* e; (e = readdir(d));) {
+    if (e->d_name[0] == '.') continue;
+    snprintf(path, sizeof path, "%s/%s", gate_dir_, e->d_name);
+    unlink(path);
+  }
+  closedir(d);
+  rmdir(gate_dir_);
+}
 
 /* Creates this process's gate folder (children inherit it through the environment) and loads the
  * operator library named by LIBPIPE_TEST_GATE_LIB, so that TorchScript can resolve
  * libpipe_test::gate. Returns 0 on success, -1 with a message on stderr otherwise. */
 static int gate_init(void) {
-  static char dir[] = "/tmp/libpipe-gate-XXXXXX";
   const char* lib = getenv("LIBPIPE_TEST_GATE_LIB");
   if (!lib || !*lib) {
     fprintf(stderr, "gate_init: LIBPIPE_TEST_GATE_LIB is not set (ctest sets it)\n");
@@ -38,12 +52,13 @@ static int gate_init(void) {
     fprintf(stderr, "gate_init: %s\n", dlerror());
     return -1;
   }
-  if (!getenv("LIBPIPE_TEST_GATE_DIR") || strcmp(getenv("LIBPIPE_TEST_GATE_DIR"), dir) != 0) {
-    if (!mkdtemp(dir)) {
+  if (!getenv("LIBPIPE_TEST_GATE_DIR") || strcmp(getenv("LIBPIPE_TEST_GATE_DIR"), gate_dir_) != 0) {
+    if (!mkdtemp(gate_dir_)) {
       perror("gate_init: mkdtemp");
       return -1;
     }
-    setenv("LIBPIPE_TEST_GATE_DIR", dir, 1);
+    setenv("LIBPIPE_TEST_GATE_DIR", gate_dir_, 1);
+    atexit(gate_remove_dir_);
   }
   return 0;
 }

@@ -9,9 +9,11 @@
 test, never to decide a verdict. Child processes (CLI workers) inherit the gate folder through
 LIBPIPE_TEST_GATE_DIR; they load the operator with LD_PRELOAD=<Gate.library> (see `child_env`).
 """
+import atexit
 import ctypes
 import itertools
 import os
+import shutil
 import tempfile
 import time
 
@@ -32,7 +34,10 @@ class Gate:
             raise RuntimeError("no gate library: set LIBPIPE_TEST_GATE_LIB (ctest sets it)")
         if load:
             ctypes.CDLL(self.library, mode=ctypes.RTLD_GLOBAL)
-        self.dir = os.environ.get("LIBPIPE_TEST_GATE_DIR") or tempfile.mkdtemp(prefix="libpipe-gate-")
+        self.dir = os.environ.get("LIBPIPE_TEST_GATE_DIR")
+        if not self.dir:  # this process's own folder, gone when it exits
+            self.dir = tempfile.mkdtemp(prefix="libpipe-gate-")
+            atexit.register(shutil.rmtree, self.dir, True)
         os.environ["LIBPIPE_TEST_GATE_DIR"] = self.dir
         self._keys = itertools.count(1)
 
