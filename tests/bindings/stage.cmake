@@ -2,7 +2,7 @@
 # there through pkg-config, as users find an installed libpipe) and one folder FIXTURES with the
 # demo model, the slow_loop model, the gated model and the test gate (tests/gate: the operator
 # library libpipe_test_gate.so, which a test process loads before the gated model, and gate.py).
-#   cmake -DBUILD=... -DSTAGE=... -DFIXTURES=... -DDEMO=... -DMODELS=... -DGATE_LIB=... -DGATE_PY=... -P stage.cmake
+#   cmake -DBUILD=... -DSTAGE=... -DFIXTURES=... -DDEMO=... -DMODELS=... -DGATE_LIB=... -DGATE_PY=... -DSTOREPORT_PY=... -P stage.cmake
 execute_process(COMMAND "${CMAKE_COMMAND}" --install "${BUILD}" --prefix "${STAGE}"
                 OUTPUT_QUIET RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
@@ -13,5 +13,5 @@ file(COPY "${DEMO}/demo.pt" "${DEMO}/demo.inputs.safetensors" "${DEMO}/demo.expe
           "${MODELS}/slow_loop.scripted.pt" "${MODELS}/slow_loop.inputs.safetensors"
           "${MODELS}/slow_loop.expected.safetensors"
           "${MODELS}/gated.scripted.pt" "${MODELS}/gated.inputs.safetensors" "${MODELS}/gated.expected.safetensors"
-          "${GATE_LIB}" "${GATE_PY}"
+          "${GATE_LIB}" "${GATE_PY}" "${STOREPORT_PY}"
      DESTINATION "${FIXTURES}")
