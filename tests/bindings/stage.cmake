@@ -1,8 +1,10 @@
 # Prepares what the language bindings' tests use: this build installed into STAGE (they find it
 # there through pkg-config, as users find an installed libpipe) and one folder FIXTURES with the
 # demo model, the slow_loop model, the gated model and the test gate (tests/gate: the operator
-# library libpipe_test_gate.so, which a test process loads before the gated model, and gate.py).
-#   cmake -DBUILD=... -DSTAGE=... -DFIXTURES=... -DDEMO=... -DMODELS=... -DGATE_LIB=... -DGATE_PY=... -DSTOREPORT_PY=... -P stage.cmake
+# library libpipe_test_gate.so, which a test process loads before the gated model, and gate.py),
+# and storeport.py (reads the port a driver's store picked, from libpipe's log).
+#   cmake -DBUILD=... -DSTAGE=... -DFIXTURES=... -DDEMO=... -DMODELS=... -DGATE_LIB=... -DGATE_PY=... \
+#         -DSTOREPORT_PY=... -P stage.cmake
 execute_process(COMMAND "${CMAKE_COMMAND}" --install "${BUILD}" --prefix "${STAGE}"
                 OUTPUT_QUIET RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
