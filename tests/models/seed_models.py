@@ -145,8 +145,9 @@ class TupleOutput(torch.nn.Module):
 
 
 class SlowLoop(torch.nn.Module):
-    """Two stages whose run time the caller sets: each repeats a small matmul n times (n is a
-    0-d tensor input, replicated to every micro-batch). For cancellation and deadline tests."""
+    """Two stages that each repeat a small matmul n times (n is a 0-d tensor input, replicated to
+    every micro-batch), so the output shows whether n arrived. Tests that must hold a stage use
+    Gated, never a large n: how long work takes depends on the machine's load."""
 
     def __init__(self):
         super().__init__()
