@@ -4,6 +4,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/csrc/jit/ir/constants.h>
+#include <torch/csrc/jit/runtime/operator.h>
 
 #include <algorithm>
 #include <limits>
@@ -157,6 +158,14 @@ const std::set<std::string> kOneDtype = {
 // Arguments that are indices or masks, never operands whose dtype a cast should change.
 const std::set<std::string> kIndexArguments = {"index", "indices", "mask", "condition"};
 // clang-format on
+
+// The schema `n` calls. Node::maybeSchema would cache it in the node, a write to the model's
+// graph, which sessions building stages on several threads share.
+const c10::FunctionSchema* schema_of(const Node* n) {
+  for (const auto& op : torch::jit::getAllOperatorsFor(n->kind()))
+    if (n->matches(op->schema())) return &op->schema();
+  return nullptr;
+}
 
 std::string dtype_name(at::ScalarType t) {
   switch (t) {
@@ -330,7 +339,7 @@ class DtypeAnalysis {
 
   void operation(Node* n) {
     const std::string name = n->kind().toUnqualString();
-    const c10::FunctionSchema* schema = n->maybeSchema();
+    const c10::FunctionSchema* schema = schema_of(n);
     if (!schema) return set_outputs(n, Kind::of(Kind::Unknown));
     // In place (and out=) operations keep the dtype of the tensor they write.
     if (schema->is_mutable()) return set_outputs(n, n->inputs().empty() ? Kind::of(Kind::Unknown) : state(n->input(0)));
@@ -470,7 +479,7 @@ class DtypeAnalysis {
 
   // div with a rounding mode keeps integers integral.
   static bool rounds(const Node* n) {
-    const auto* schema = n->maybeSchema();
+    const auto* schema = schema_of(n);
     auto i = schema ? schema->argumentIndexWithName("rounding_mode") : std::nullopt;
     if (!i || static_cast<size_t>(*i) >= n->inputs().size()) return false;
     auto value = torch::jit::toIValue(n->input(*i));
