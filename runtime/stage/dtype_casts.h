@@ -12,11 +12,23 @@
 // What it does: every cast the trace recorded is kept, so the deliberate upcasts still compute in
 // float32, as eager bfloat16 code does. Where a value that the trace fixed at the model's own
 // dtype (the "source" dtype, that of its floating weights) meets a value of the target dtype in
-// one operation, the first is cast to the target dtype there: that is where eager code cast back
-// (RMSNorm's `weight * x.to(input_dtype)`, rotary cos/sin meeting q and k, a float32 softmax
-// meeting the values, a float32 mask meeting the attention scores). The cast saturates at the
-// target dtype's finite range, so `torch.finfo(torch.float32).min` masks become the target's
-// minimum, as eager code computing `finfo(dtype).min` gets, not -inf.
+// one operation, what eager code did there depends on how the value got its dtype:
+//  - a cast to the dtype it already had (in a float32 trace, `.to(input_dtype)`, cos/sin's
+//    `.to(x.dtype)`, `softmax(..., dtype=torch.float32).to(q.dtype)`) was a cast back: it is cast
+//    to the target dtype there (RMSNorm's `weight * x.to(input_dtype)`, cos/sin meeting q and k);
+//  - a widened copy of a target-dtype value (`x.to(torch.float32)`) also stands, in a trace, for
+//    the original wherever the code kept it (a residual): it is cast back too, which is exact;
+//  - a value computed in the source dtype (`torch.arange(n, dtype=torch.float32)`, integers cast
+//    to it, arithmetic on float32 values) was asked for: PyTorch promotes the operation to it, and
+//    so does the converted model, unless the operation needs one dtype for all its operands
+//    (matmul, linear, convolution, attention, normalisation...), where it is cast.
+// The cast saturates at the target dtype's finite range, so `torch.finfo(torch.float32).min`
+// masks become the target's minimum, as eager code computing `finfo(dtype).min` gets, not -inf.
+// For Hugging Face decoders (Llama, Qwen2, Mistral, Gemma, Phi-3, GPT-2, GPT-NeoX, OPT) and
+// encoders (BERT, ViT) this gives the bits eager `model.to(torch.bfloat16)` gives (on CPU, where it
+// was measured). What it cannot
+// see is a branch the trace did not take (T5's norm casts to the weights' dtype only when they are
+// half precision): such a model runs with those values in float32, as computed.
 //
 // The dtypes are worked out statically over the whole model (so a stage knows what the earlier
 // ones hand it): floating parameters, buffers and forward arguments are the target dtype (an
