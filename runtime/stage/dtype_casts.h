@@ -26,9 +26,9 @@
 // masks become the target's minimum, as eager code computing `finfo(dtype).min` gets, not -inf.
 // For Hugging Face decoders (Llama, Qwen2, Mistral, Gemma, Phi-3, GPT-2, GPT-NeoX, OPT) and
 // encoders (BERT, ViT) this gives the bits eager `model.to(torch.bfloat16)` gives (on CPU, where it
-// was measured). What it cannot
-// see is a branch the trace did not take (T5's norm casts to the weights' dtype only when they are
-// half precision): such a model runs with those values in float32, as computed.
+// was measured). What it cannot see is a branch the trace did not take (T5's norm casts to the
+// weights' dtype only when they are half precision): such a model runs with those values in
+// float32, as computed.
 //
 // The dtypes are worked out statically over the whole model (so a stage knows what the earlier
 // ones hand it): floating parameters, buffers and forward arguments are the target dtype (an
