@@ -11,6 +11,7 @@
 
 Needs a CUDA device, transformers, and libpipe's Python binding installed in this Python (the GPU
 suite, tests/gpu/run.sh, installs it)."""
+
 import json
 import os
 import subprocess
@@ -33,8 +34,15 @@ def llama_bf16(workdir, layers=8, batch=8, seq=512):
         def forward(self, input_ids):
             return super().forward(input_ids=input_ids, use_cache=False).logits[:, -1, :]
 
-    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
-                      num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
+    cfg = LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+    )
     torch.manual_seed(0)
     model = LastTokenLogits(cfg).eval().to(GPU, torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
@@ -77,14 +85,33 @@ def throughput(cli, workdir, requests=60):
     torch.cuda.empty_cache()
     split = ["--split-at", f"model.layers.{layers // 2 - 1}:end"]
     for concurrency in (1, 2, 4):
-        one = pipe_bench(cli, path, "--input", inputs, "--devices", "cuda:0", "--requests", requests,
-                         "--concurrency", concurrency)
+        one = pipe_bench(
+            cli, path, "--input", inputs, "--devices", "cuda:0", "--requests", requests, "--concurrency", concurrency
+        )
         rows.append((f"libpipe 1 stage on cuda:0, {concurrency} caller(s)", one["samples_per_s"], one))
         for m in (1, 2, 4):
-            two = pipe_bench(cli, path, *split, "--input", inputs, "--devices", "cuda:0,cuda:0", "--microbatches", m,
-                             "--requests", requests, "--concurrency", concurrency)
-            rows.append((f"libpipe 2 stages on cuda:0 (2 streams), {m} micro-batch(es), {concurrency} caller(s)",
-                         two["samples_per_s"], two))
+            two = pipe_bench(
+                cli,
+                path,
+                *split,
+                "--input",
+                inputs,
+                "--devices",
+                "cuda:0,cuda:0",
+                "--microbatches",
+                m,
+                "--requests",
+                requests,
+                "--concurrency",
+                concurrency,
+            )
+            rows.append(
+                (
+                    f"libpipe 2 stages on cuda:0 (2 streams), {m} micro-batch(es), {concurrency} caller(s)",
+                    two["samples_per_s"],
+                    two,
+                )
+            )
     return eager, rows
 
 
@@ -130,11 +157,21 @@ def handover(workdir, sizes_mb=(4, 64, 256)):
         down_pipe = timed(lambda: down.run(x=src))
         down_pinned = timed(lambda: back.copy_(src, non_blocking=True))
         down_pageable = timed(lambda: src.cpu())
-        rows.append({"MiB": mb,
-                     "cpu_to_gpu_GBps": {"libpipe": gb / up_pipe, "pinned cudaMemcpyAsync": gb / up_pinned,
-                                         "pageable": gb / up_pageable},
-                     "gpu_to_cpu_GBps": {"libpipe": gb / down_pipe, "pinned cudaMemcpyAsync": gb / down_pinned,
-                                         "pageable": gb / down_pageable}})
+        rows.append(
+            {
+                "MiB": mb,
+                "cpu_to_gpu_GBps": {
+                    "libpipe": gb / up_pipe,
+                    "pinned cudaMemcpyAsync": gb / up_pinned,
+                    "pageable": gb / up_pageable,
+                },
+                "gpu_to_cpu_GBps": {
+                    "libpipe": gb / down_pipe,
+                    "pinned cudaMemcpyAsync": gb / down_pinned,
+                    "pageable": gb / down_pageable,
+                },
+            }
+        )
     up.close()
     down.close()
     return rows
@@ -145,17 +182,23 @@ def main():
     os.makedirs(workdir, exist_ok=True)
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, libpipe {libpipe.version()}")
     eager, rows = throughput(cli, workdir)
-    print("\n| Llama-style bf16 (8 layers, hidden 2048, batch 8 x 512 tokens, last-token logits) | samples/s | vs eager |")
+    print(
+        "\n| Llama-style bf16 (8 layers, hidden 2048, batch 8 x 512 tokens, last-token logits) | samples/s | vs eager |"
+    )
     print("| --- | --- | --- |")
     for name, sps, _ in rows:
         print(f"| {name} | {sps:.1f} | {sps / eager:.3f}x |")
     hand = handover(workdir)
-    print("\n| hand-over size | CPU→GPU libpipe | pinned cudaMemcpyAsync | pageable | GPU→CPU libpipe | pinned | pageable |")
+    print(
+        "\n| hand-over size | CPU→GPU libpipe | pinned cudaMemcpyAsync | pageable | GPU→CPU libpipe | pinned | pageable |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in hand:
         u, d = r["cpu_to_gpu_GBps"], r["gpu_to_cpu_GBps"]
-        print(f"| {r['MiB']} MiB | {u['libpipe']:.1f} GB/s | {u['pinned cudaMemcpyAsync']:.1f} | {u['pageable']:.1f} | "
-              f"{d['libpipe']:.1f} GB/s | {d['pinned cudaMemcpyAsync']:.1f} | {d['pageable']:.1f} |")
+        print(
+            f"| {r['MiB']} MiB | {u['libpipe']:.1f} GB/s | {u['pinned cudaMemcpyAsync']:.1f} | {u['pageable']:.1f} | "
+            f"{d['libpipe']:.1f} GB/s | {d['pinned cudaMemcpyAsync']:.1f} | {d['pageable']:.1f} |"
+        )
     with open(os.path.join(workdir, "gpu_pipeline.json"), "w") as f:
         json.dump({"throughput": [(n, s, r) for n, s, r in rows], "handover": hand}, f, indent=1)
 

@@ -7,6 +7,7 @@ and their inputs: mlp.inputs.safetensors (x: 256 x 1024), trivial.inputs.safeten
 
     python bench/make_bench_models.py OUT_DIR
 """
+
 import os
 import sys
 

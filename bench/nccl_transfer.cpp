@@ -70,18 +70,27 @@ static int run(int rank, uint16_t port, int trips) {
     std::vector<double> lib, raw;
     for (int i = 0; i < trips + 2; ++i) {  // 2 warm-up trips
       const auto s = Clock::now();
-      if (rank == 0) { t->send(peer, m); (void)t->recv(peer); }
-      else { auto r = t->recv(peer); t->send(peer, r); }
+      if (rank == 0) {
+        t->send(peer, m);
+        (void)t->recv(peer);
+      } else {
+        auto r = t->recv(peer);
+        t->send(peer, r);
+      }
       if (i >= 2) lib.push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
     }
     for (int i = 0; i < trips + 2; ++i) {
       const auto s = Clock::now();
       if (rank == 0) {
-        ncclSend(x.data_ptr(), bytes, ncclUint8, peer, comm, stream); cudaStreamSynchronize(stream);
-        ncclRecv(y.data_ptr(), bytes, ncclUint8, peer, comm, stream); cudaStreamSynchronize(stream);
+        ncclSend(x.data_ptr(), bytes, ncclUint8, peer, comm, stream);
+        cudaStreamSynchronize(stream);
+        ncclRecv(y.data_ptr(), bytes, ncclUint8, peer, comm, stream);
+        cudaStreamSynchronize(stream);
       } else {
-        ncclRecv(y.data_ptr(), bytes, ncclUint8, peer, comm, stream); cudaStreamSynchronize(stream);
-        ncclSend(y.data_ptr(), bytes, ncclUint8, peer, comm, stream); cudaStreamSynchronize(stream);
+        ncclRecv(y.data_ptr(), bytes, ncclUint8, peer, comm, stream);
+        cudaStreamSynchronize(stream);
+        ncclSend(y.data_ptr(), bytes, ncclUint8, peer, comm, stream);
+        cudaStreamSynchronize(stream);
       }
       if (i >= 2) raw.push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
     }
@@ -94,19 +103,29 @@ static int run(int rank, uint16_t port, int trips) {
   ncclCommDestroy(comm);
   return 0;
 #else
-  (void)rank; (void)port; (void)trips;
+  (void)rank;
+  (void)port;
+  (void)trips;
   return 77;
 #endif
 }
 
 int main(int argc, char** argv) {
-  if (argc == 4 && std::string(argv[1]) == "--rank1") return run(1, static_cast<uint16_t>(std::stoi(argv[2])), std::stoi(argv[3]));
+  if (argc == 4 && std::string(argv[1]) == "--rank1")
+    return run(1, static_cast<uint16_t>(std::stoi(argv[2])), std::stoi(argv[3]));
   const int trips = argc > 1 ? std::max(1, std::stoi(argv[1])) : 20;
   std::string why;
-  if (!libpipe::comm::nccl_available(&why)) { std::printf("SKIPPED: %s\n", why.c_str()); return 77; }
+  if (!libpipe::comm::nccl_available(&why)) {
+    std::printf("SKIPPED: %s\n", why.c_str());
+    return 77;
+  }
   const int n = c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)
-                    ? c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->deviceCount() : 0;
-  if (n < 2) { std::printf("SKIPPED: needs 2 CUDA devices; this machine has %d\n", n); return 77; }
+                    ? c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->deviceCount()
+                    : 0;
+  if (n < 2) {
+    std::printf("SKIPPED: needs 2 CUDA devices; this machine has %d\n", n);
+    return 77;
+  }
   c10d::TCPStoreOptions o;
   o.port = 0;
   o.isServer = true;
@@ -114,7 +133,10 @@ int main(int argc, char** argv) {
   auto server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
   const std::string port = std::to_string(server->getPort()), t = std::to_string(trips);
   const pid_t child = ::fork();
-  if (child == 0) { ::execl("/proc/self/exe", argv[0], "--rank1", port.c_str(), t.c_str(), static_cast<char*>(nullptr)); std::_Exit(127); }
+  if (child == 0) {
+    ::execl("/proc/self/exe", argv[0], "--rank1", port.c_str(), t.c_str(), static_cast<char*>(nullptr));
+    std::_Exit(127);
+  }
   const int rc = run(0, server->getPort(), trips);
   int status = 0;
   ::waitpid(child, &status, 0);

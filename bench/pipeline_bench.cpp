@@ -140,9 +140,10 @@ int overhead(const char* model, const char* input) {
     direct_times.push_back(ms_since(start));
   }
   const double d = median(direct_times), p = median(pipe_times);
-  std::printf("| one stage vs direct forward (%d threads, batch %lld, %d alternating rounds) | direct %.3f ms | "
-              "libpipe %.3f ms | overhead %+.2f%% |\n",
-              cores, static_cast<long long>(x.size(0)), rounds, d, p, 100.0 * (p - d) / d);
+  std::printf(
+      "| one stage vs direct forward (%d threads, batch %lld, %d alternating rounds) | direct %.3f ms | "
+      "libpipe %.3f ms | overhead %+.2f%% |\n",
+      cores, static_cast<long long>(x.size(0)), rounds, d, p, 100.0 * (p - d) / d);
   return 0;
 }
 
@@ -178,10 +179,11 @@ int hop(const char* model, const char* input) {
   for (auto& t : threads) t.join();
   const double total_ms = ms_since(start);
   const double per_mb_stage_us = total_ms * 1000.0 / (calls * 8.0 * static_cast<double>(stages));
-  std::printf("| scheduling cost per micro-batch per stage hop (%zu trivial stages) | latency: %.2f us per hop "
-              "(call %.1f us - inline %.1f us, / %zu) | throughput: %.2f us per micro-batch per stage, "
-              "work included (%d callers, 8 micro-batches) |\n",
-              stages, per_hop_us, median(call) * 1000, inline_ms * 1000, stages, per_mb_stage_us, callers);
+  std::printf(
+      "| scheduling cost per micro-batch per stage hop (%zu trivial stages) | latency: %.2f us per hop "
+      "(call %.1f us - inline %.1f us, / %zu) | throughput: %.2f us per micro-batch per stage, "
+      "work included (%d callers, 8 micro-batches) |\n",
+      stages, per_hop_us, median(call) * 1000, inline_ms * 1000, stages, per_mb_stage_us, callers);
   return 0;
 }
 
@@ -240,11 +242,12 @@ int throughput(const char* model, const char* input, int32_t microbatches, int c
     busy += buf;
   }
   const double bound_sps = calls * batch / (slowest_busy / 1000.0);
-  std::printf("| %zu stages, %d micro-batches (%s), %d callers, batch %.0f | best unsplit forward %.1f samples/s "
-              "(%d threads) | libpipe %.1f samples/s = %.3fx unsplit | 1/(slowest stage) bound %.1f samples/s, "
-              "libpipe at %.1f%% | %s |\n",
-              stages, microbatches, fixed ? "fixed" : "adaptive", callers, batch, direct_sps, best_threads, piped_sps,
-              piped_sps / direct_sps, bound_sps, 100.0 * piped_sps / bound_sps, busy.c_str());
+  std::printf(
+      "| %zu stages, %d micro-batches (%s), %d callers, batch %.0f | best unsplit forward %.1f samples/s "
+      "(%d threads) | libpipe %.1f samples/s = %.3fx unsplit | 1/(slowest stage) bound %.1f samples/s, "
+      "libpipe at %.1f%% | %s |\n",
+      stages, microbatches, fixed ? "fixed" : "adaptive", callers, batch, direct_sps, best_threads, piped_sps,
+      piped_sps / direct_sps, bound_sps, 100.0 * piped_sps / bound_sps, busy.c_str());
   return 0;
 }
 
@@ -256,6 +259,7 @@ int main(int argc, char** argv) {
   if (argc >= 6 && std::string(argv[1]) == "throughput")
     return throughput(argv[2], argv[3], std::atoi(argv[4]), std::atoi(argv[5]),
                       argc >= 7 && std::string(argv[6]) == "fixed");
-  std::fprintf(stderr, "usage: pipeline_bench overhead|hop MODEL INPUT | throughput MODEL INPUT M CALLERS [fixed|adaptive]\n");
+  std::fprintf(stderr,
+               "usage: pipeline_bench overhead|hop MODEL INPUT | throughput MODEL INPUT M CALLERS [fixed|adaptive]\n");
   return 2;
 }

@@ -5,6 +5,7 @@ ScheduleGPipe drives 8 micro-batches per step. Prints samples/s next to the unsp
 
     python bench/pytorch_pipelining.py [--steps 10] [--microbatches 8]
 """
+
 import argparse
 import os
 import sys
@@ -67,14 +68,18 @@ def main():
     ctx = mp.get_context("spawn")
     result = ctx.Queue()
     port = 29500 + os.getpid() % 1000
-    procs = [ctx.Process(target=stage_process, args=(r, 2, args.steps, args.microbatches, port, result)) for r in range(2)]
+    procs = [
+        ctx.Process(target=stage_process, args=(r, 2, args.steps, args.microbatches, port, result)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     sps = result.get(timeout=600)
     for p in procs:
         p.join()
-    print(f"| torch.distributed.pipelining (pipeline + ScheduleGPipe, 2 Gloo processes, {args.microbatches} "
-          f"micro-batches) | eager unsplit best {best:.1f} samples/s | pipelined {sps:.1f} samples/s = {sps / best:.3f}x |")
+    print(
+        f"| torch.distributed.pipelining (pipeline + ScheduleGPipe, 2 Gloo processes, {args.microbatches} "
+        f"micro-batches) | eager unsplit best {best:.1f} samples/s | pipelined {sps:.1f} samples/s = {sps / best:.3f}x |"
+    )
 
 
 if __name__ == "__main__":

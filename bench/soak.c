@@ -15,13 +15,13 @@
 
 #include <pipe/pipe.h>
 
-#define CHECK(call)                                                                       \
-  do {                                                                                    \
-    pipe_status st_ = (call);                                                             \
-    if (st_ != PIPE_OK) {                                                                 \
+#define CHECK(call)                                                                        \
+  do {                                                                                     \
+    pipe_status st_ = (call);                                                              \
+    if (st_ != PIPE_OK) {                                                                  \
       fprintf(stderr, "%s: %s (%s)\n", #call, pipe_last_error(), pipe_status_string(st_)); \
-      exit(1);                                                                            \
-    }                                                                                     \
+      exit(1);                                                                             \
+    }                                                                                      \
   } while (0)
 
 static pipe_session *session;
@@ -117,7 +117,8 @@ int main(int argc, char **argv) {
   for (int tenth = 1; tenth <= 10; ++tenth) {
     total_requests = tenth == 10 ? goal : step * tenth;
     pthread_t ids[64];
-    for (int t = 0; t < threads && t < 64; ++t) pthread_create(&ids[t], NULL, worker, (void *)(size_t)(t + 1 + tenth * 100));
+    for (int t = 0; t < threads && t < 64; ++t)
+      pthread_create(&ids[t], NULL, worker, (void *)(size_t)(t + 1 + tenth * 100));
     for (int t = 0; t < threads && t < 64; ++t) pthread_join(ids[t], NULL);
     rss[tenth] = rss_mib();
     printf("| %ld | %.1f |\n", total_requests, rss[tenth]);
@@ -125,9 +126,10 @@ int main(int argc, char **argv) {
   clock_gettime(CLOCK_MONOTONIC, &t1);
   double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
   double growth = (rss[10] - rss[1]) / rss[1] * 100.0;
-  printf("\n%ld requests from %d threads in %.1f s (%.0f requests/s): %ld wrong, %ld failed; "
-         "RSS after warm-up %.1f MiB, at the end %.1f MiB (%+.2f%%)\n",
-         goal, threads, secs, (double)goal / secs, atomic_load(&wrong), atomic_load(&failed), rss[1], rss[10], growth);
+  printf(
+      "\n%ld requests from %d threads in %.1f s (%.0f requests/s): %ld wrong, %ld failed; "
+      "RSS after warm-up %.1f MiB, at the end %.1f MiB (%+.2f%%)\n",
+      goal, threads, secs, (double)goal / secs, atomic_load(&wrong), atomic_load(&failed), rss[1], rss[10], growth);
   pipe_tensor_list_destroy(expected);
   pipe_tensor_list_destroy(inputs);
   pipe_session_destroy(session);

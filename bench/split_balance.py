@@ -8,6 +8,7 @@ and the balance sum(t) / (N * max t)); the median of several runs is reported.
 
     python bench/split_balance.py build/pipe [--stages 4] [--runs 5]
 """
+
 import argparse
 import itertools
 import json
@@ -39,12 +40,36 @@ class Block(torch.nn.Module):
 # by up to about 5x from block to block.
 STACKS = {
     # Heavy and light blocks mixed: equal layer counts land unevenly, a good cut exists.
-    "mixed": [(1024, 3), (256, 1), (512, 6), (1024, 2), (256, 2), (256, 8),
-              (1024, 1), (512, 1), (256, 6), (512, 3), (1024, 1), (512, 2)],
+    "mixed": [
+        (1024, 3),
+        (256, 1),
+        (512, 6),
+        (1024, 2),
+        (256, 2),
+        (256, 8),
+        (1024, 1),
+        (512, 1),
+        (256, 6),
+        (512, 3),
+        (1024, 1),
+        (512, 2),
+    ],
     # The heaviest blocks first: the best cut between blocks is limited by the two heaviest
     # neighbours, whatever the policy.
-    "front_heavy": [(1024, 3), (1024, 2), (1024, 1), (512, 6), (1024, 1), (512, 3),
-                    (512, 2), (256, 8), (512, 1), (256, 6), (256, 2), (256, 1)],
+    "front_heavy": [
+        (1024, 3),
+        (1024, 2),
+        (1024, 1),
+        (512, 6),
+        (1024, 1),
+        (512, 3),
+        (512, 2),
+        (256, 8),
+        (512, 1),
+        (256, 6),
+        (256, 2),
+        (256, 1),
+    ],
 }
 
 
@@ -60,8 +85,12 @@ class UnequalStack(torch.nn.Module):
 
 
 def split_json(pipe, model, inputs, stages, policy):
-    r = subprocess.run([pipe, "split", model, "--stages", str(stages), "--policy", policy, "--input", inputs,
-                        "--json"], capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [pipe, "split", model, "--stages", str(stages), "--policy", policy, "--input", inputs, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(r.stdout)
 
 
@@ -96,12 +125,18 @@ def main():
                     plan = split_json(args.pipe, model, inputs, args.stages, policy)
                     balances.append(plan["balance"])
                     layouts.append(tuple(len({p.split(".")[1] for p in s["parameters"]}) for s in plan["stages"]))
-                print(f"| {name} | {policy} | {statistics.median(balances):.3f} | {min(balances):.3f} | "
-                      f"{max(balances):.3f} | {'/'.join(map(str, max(set(layouts), key=layouts.count)))} |")
+                print(
+                    f"| {name} | {policy} | {statistics.median(balances):.3f} | {min(balances):.3f} | "
+                    f"{max(balances):.3f} | {'/'.join(map(str, max(set(layouts), key=layouts.count)))} |"
+                )
             # Per-layer times, measured the same way (one stage per layer), and the best cut they allow.
-            per_layer = [s["estimated_ms"] for s in split_json(args.pipe, model, inputs, len(specs), "uniform")["stages"]]
-            print(f"| {name} | best cut between layers | {best_balance(per_layer, args.stages):.3f} | | | "
-                  f"layer ms: {' '.join(f'{t:.2f}' for t in per_layer)} |")
+            per_layer = [
+                s["estimated_ms"] for s in split_json(args.pipe, model, inputs, len(specs), "uniform")["stages"]
+            ]
+            print(
+                f"| {name} | best cut between layers | {best_balance(per_layer, args.stages):.3f} | | | "
+                f"layer ms: {' '.join(f'{t:.2f}' for t in per_layer)} |"
+            )
     return 0
 
 

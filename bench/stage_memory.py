@@ -9,6 +9,7 @@ same command without --weights and --save-stages (LibTorch loaded, skeleton read
 
     python bench/stage_memory.py build/pipe [--work DIR]
 """
+
 import argparse
 import json
 import os
@@ -31,8 +32,8 @@ def generate(work):
         def __init__(self, layers=8, width=4096, hidden=8192):
             super().__init__()
             self.layers = torch.nn.ModuleList(
-                torch.nn.Linear(width if i % 2 == 0 else hidden, hidden if i % 2 == 0 else width)
-                for i in range(layers))
+                torch.nn.Linear(width if i % 2 == 0 else hidden, hidden if i % 2 == 0 else width) for i in range(layers)
+            )
 
         def forward(self, x):
             for layer in self.layers:
@@ -70,32 +71,48 @@ def main():
         return generate(args.work)
     work = args.work or tempfile.mkdtemp(prefix="libpipe-stage-memory-")
     try:
-        total = int(subprocess.run([sys.executable, os.path.abspath(__file__), args.pipe, "--generate", "--work", work],
-                                   capture_output=True, text=True, check=True).stdout)
+        total = int(
+            subprocess.run(
+                [sys.executable, os.path.abspath(__file__), args.pipe, "--generate", "--work", work],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
         index = os.path.join(work, "big.safetensors.index.json")
         skeleton = os.path.join(work, "big.skeleton.pt")
         files = [f for f in os.listdir(work) if f.endswith(".safetensors")]
         file_bytes = sum(os.path.getsize(os.path.join(work, f)) for f in files)
         split = ["--stages", "4", "--policy", "params"]
-        plan = json.loads(subprocess.run([args.pipe, "split", skeleton, *split, "--json"], capture_output=True,
-                                         text=True, check=True).stdout)
+        plan = json.loads(
+            subprocess.run(
+                [args.pipe, "split", skeleton, *split, "--json"], capture_output=True, text=True, check=True
+            ).stdout
+        )
         base_rss, base_s, _ = peak_rss([args.pipe, "split", skeleton, *split])
-        print(f"model: {total / 2**30:.2f} GiB of weights in {len(files)} shards ({file_bytes / 2**30:.2f} GiB on disk); "
-              f"fixed runtime overhead (pipe split without weights): {base_rss:.0f} MiB peak, {base_s:.2f} s\n")
-        print("| stage | weight MiB | peak RSS MiB | RSS - overhead | (RSS - overhead) / weights | build + save s | MiB/s |")
+        print(
+            f"model: {total / 2**30:.2f} GiB of weights in {len(files)} shards ({file_bytes / 2**30:.2f} GiB on disk); "
+            f"fixed runtime overhead (pipe split without weights): {base_rss:.0f} MiB peak, {base_s:.2f} s\n"
+        )
+        print(
+            "| stage | weight MiB | peak RSS MiB | RSS - overhead | (RSS - overhead) / weights | build + save s | MiB/s |"
+        )
         print("| --- | --- | --- | --- | --- | --- | --- |")
         worst = 0.0
         for stage in plan["stages"]:
             k = stage["index"]
             out_dir = os.path.join(work, f"stage{k}")
             os.makedirs(out_dir, exist_ok=True)
-            rss, secs, _ = peak_rss([args.pipe, "split", skeleton, *split, "--weights", index,
-                                     "--save-stages", out_dir, "--stage", str(k)])
+            rss, secs, _ = peak_rss(
+                [args.pipe, "split", skeleton, *split, "--weights", index, "--save-stages", out_dir, "--stage", str(k)]
+            )
             mib = stage["param_bytes"] / 2**20
             ratio = (rss - base_rss) / mib
             worst = max(worst, ratio)
-            print(f"| {k} | {mib:.0f} | {rss:.0f} | {rss - base_rss:.0f} | {ratio:.3f} | {secs - base_s:.2f} | "
-                  f"{mib / max(secs - base_s, 1e-6):.0f} |")
+            print(
+                f"| {k} | {mib:.0f} | {rss:.0f} | {rss - base_rss:.0f} | {ratio:.3f} | {secs - base_s:.2f} | "
+                f"{mib / max(secs - base_s, 1e-6):.0f} |"
+            )
             shutil.rmtree(out_dir)
         print(f"\nworst stage: peak RSS = overhead + {worst:.3f} x its weight bytes (target: <= 1.15 x)")
     finally:

@@ -6,10 +6,8 @@
 #include "capi/struct_sizes.h"
 #include "runtime/device/cuda_library.h"
 
-
 // The DLPack layout the bridge assumes (see capi/dlpack_bridge.h).
-static_assert(sizeof(DLTensor) == 48 && offsetof(DLTensor, shape) == 24 &&
-                  offsetof(DLTensor, byte_offset) == 40,
+static_assert(sizeof(DLTensor) == 48 && offsetof(DLTensor, shape) == 24 && offsetof(DLTensor, byte_offset) == 40,
               "DLTensor layout differs from LibTorch's");
 static_assert(sizeof(DLManagedTensor) == 64 && offsetof(DLManagedTensor, deleter) == 56,
               "DLManagedTensor layout differs from LibTorch's");
@@ -31,15 +29,13 @@ pipe_status fail(pipe_status code, const std::string& message) {
 }
 
 void require(const void* arg, const char* function, const char* name) {
-  if (!arg)
-    throw Error(Status::InvalidArgument, std::string(function) + ": " + name + " is NULL");
+  if (!arg) throw Error(Status::InvalidArgument, std::string(function) + ": " + name + " is NULL");
 }
 
 void require_index(size_t index, size_t size, const char* function, const char* what) {
   if (index >= size)
-    throw Error(Status::InvalidArgument, std::string(function) + ": " + what + " " +
-                                             std::to_string(index) + " is out of range (there are " +
-                                             std::to_string(size) + ")");
+    throw Error(Status::InvalidArgument, std::string(function) + ": " + what + " " + std::to_string(index) +
+                                             " is out of range (there are " + std::to_string(size) + ")");
 }
 
 pipe_tensor_list* make_list(std::vector<libpipe::NamedTensor> tensors) {

@@ -62,8 +62,8 @@ struct TensorListHandle {
 };
 
 // One pair of casts per handle type: the public pointer and the object behind it.
-#define PIPE_HANDLE(public_type, object_type)                                                         \
-  inline object_type* get(public_type* h) { return reinterpret_cast<object_type*>(h); }              \
+#define PIPE_HANDLE(public_type, object_type)                                                             \
+  inline object_type* get(public_type* h) { return reinterpret_cast<object_type*>(h); }                   \
   inline const object_type* get(const public_type* h) { return reinterpret_cast<const object_type*>(h); } \
   inline public_type* handle(object_type* o) { return reinterpret_cast<public_type*>(o); }
 PIPE_HANDLE(pipe_model, ModelHandle)
@@ -93,8 +93,7 @@ pipe_status guarded(const char* function, F&& body) noexcept {
   } catch (const std::bad_alloc&) {
     return fail(PIPE_ERR_OUT_OF_MEMORY, "out of memory");
   } catch (const c10::Error& e) {
-    return fail(PIPE_ERR_INTERNAL, std::string("unexpected LibTorch error: ") +
-                                       e.what_without_backtrace());
+    return fail(PIPE_ERR_INTERNAL, std::string("unexpected LibTorch error: ") + e.what_without_backtrace());
   } catch (const std::exception& e) {
     return fail(PIPE_ERR_INTERNAL, std::string("unexpected error: ") + e.what());
   } catch (...) {

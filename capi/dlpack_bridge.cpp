@@ -7,8 +7,7 @@
 namespace libpipe::capi {
 
 // The layout pipe.h's DLManagedTensor has on LP64 (checked by the same asserts in boundary.cpp).
-static_assert(sizeof(DLTensor) == 48 && offsetof(DLTensor, shape) == 24 &&
-                  offsetof(DLTensor, byte_offset) == 40,
+static_assert(sizeof(DLTensor) == 48 && offsetof(DLTensor, shape) == 24 && offsetof(DLTensor, byte_offset) == 40,
               "LibTorch's DLTensor layout differs from DLPack 0.6");
 static_assert(sizeof(DLManagedTensor) == 64 && offsetof(DLManagedTensor, deleter) == 56,
               "LibTorch's DLManagedTensor layout differs from DLPack 0.6");

@@ -10,15 +10,14 @@ using libpipe::Status;
 
 namespace {
 
-const std::vector<std::string>& stage_names(const pipe_plan* plan, size_t stage, int32_t kind,
-                                            const char* function) {
+const std::vector<std::string>& stage_names(const pipe_plan* plan, size_t stage, int32_t kind, const char* function) {
   require(plan, function, "plan");
   require_index(stage, get(plan)->impl->num_stages(), function, "stage");
   const auto& sp = get(plan)->impl->stage(stage);
   if (kind == PIPE_NAMES_PARAMETERS) return sp.parameters;
   if (kind == PIPE_NAMES_BUFFERS) return sp.buffers;
-  throw Error(Status::InvalidArgument, std::string(function) + ": kind " + std::to_string(kind) +
-                                           " is not a PIPE_NAMES_* value");
+  throw Error(Status::InvalidArgument,
+              std::string(function) + ": kind " + std::to_string(kind) + " is not a PIPE_NAMES_* value");
 }
 
 }  // namespace
@@ -98,8 +97,7 @@ pipe_status pipe_plan_stage_count_names(const pipe_plan* plan, size_t stage, int
   });
 }
 
-pipe_status pipe_plan_stage_name(const pipe_plan* plan, size_t stage, int32_t kind, size_t index,
-                                 const char** name) {
+pipe_status pipe_plan_stage_name(const pipe_plan* plan, size_t stage, int32_t kind, size_t index, const char** name) {
   return guarded(__func__, [&](const char* fn) {
     const auto& names = stage_names(plan, stage, kind, fn);
     require(name, fn, "name");

@@ -22,9 +22,10 @@ libpipe::chunk::InputSpec input_spec(const pipe_chunk_spec& c, size_t index, con
     case PIPE_CHUNK_SPLIT: spec.kind = Kind::Split; break;
     case PIPE_CHUNK_REPLICATE: spec.kind = Kind::Replicate; break;
     default:
-      throw Error(Status::InvalidArgument, std::string(function) + ": input_specs[" + std::to_string(index) +
-                                               "].kind is " + std::to_string(c.kind) +
-                                               "; inputs take PIPE_CHUNK_DEFAULT, PIPE_CHUNK_SPLIT or PIPE_CHUNK_REPLICATE");
+      throw Error(Status::InvalidArgument,
+                  std::string(function) + ": input_specs[" + std::to_string(index) + "].kind is " +
+                      std::to_string(c.kind) +
+                      "; inputs take PIPE_CHUNK_DEFAULT, PIPE_CHUNK_SPLIT or PIPE_CHUNK_REPLICATE");
   }
   return spec;
 }
@@ -34,15 +35,19 @@ libpipe::chunk::OutputSpec output_spec(const pipe_chunk_spec& c, size_t index, c
   libpipe::chunk::OutputSpec spec;
   spec.dim = c.dim;
   switch (c.kind) {
-    case PIPE_CHUNK_DEFAULT: spec.kind = Kind::Concat; spec.dim = 0; break;
+    case PIPE_CHUNK_DEFAULT:
+      spec.kind = Kind::Concat;
+      spec.dim = 0;
+      break;
     case PIPE_CHUNK_CONCAT: spec.kind = Kind::Concat; break;
     case PIPE_CHUNK_SUM: spec.kind = Kind::Sum; break;
     case PIPE_CHUNK_EQUAL: spec.kind = Kind::Equal; break;
     default:
-      throw Error(Status::InvalidArgument, std::string(function) + ": output_specs[" + std::to_string(index) +
-                                               "].kind is " + std::to_string(c.kind) +
-                                               "; outputs take PIPE_CHUNK_DEFAULT, PIPE_CHUNK_CONCAT, PIPE_CHUNK_SUM or "
-                                               "PIPE_CHUNK_EQUAL");
+      throw Error(Status::InvalidArgument,
+                  std::string(function) + ": output_specs[" + std::to_string(index) + "].kind is " +
+                      std::to_string(c.kind) +
+                      "; outputs take PIPE_CHUNK_DEFAULT, PIPE_CHUNK_CONCAT, PIPE_CHUNK_SUM or "
+                      "PIPE_CHUNK_EQUAL");
   }
   return spec;
 }
@@ -64,8 +69,7 @@ libpipe::schedule::RunOptions run_options(const pipe_run_options* o, const char*
 
 extern "C" {
 
-pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_options* options,
-                                pipe_session** session) {
+pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_options* options, pipe_session** session) {
   return guarded(__func__, [&](const char* fn) {
     require(plan, fn, "plan");
     require(session, fn, "session");
@@ -80,8 +84,7 @@ pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_option
     if (PIPE_HAS(max_inflight)) opts.max_inflight = o->max_inflight;
     if (PIPE_HAS(num_input_specs) && o->num_input_specs > 0) {
       require(o->input_specs, fn, "options->input_specs");
-      for (size_t i = 0; i < o->num_input_specs; ++i)
-        opts.input_specs.push_back(input_spec(o->input_specs[i], i, fn));
+      for (size_t i = 0; i < o->num_input_specs; ++i) opts.input_specs.push_back(input_spec(o->input_specs[i], i, fn));
     }
     if (PIPE_HAS(num_output_specs) && o->num_output_specs > 0) {
       require(o->output_specs, fn, "options->output_specs");
@@ -91,9 +94,9 @@ pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_option
     if (PIPE_HAS(stage_options)) opts.stage = stage_options(o->stage_options, fn);
     if (PIPE_HAS(microbatching)) {
       if (o->microbatching != PIPE_MICROBATCHING_ADAPTIVE && o->microbatching != PIPE_MICROBATCHING_FIXED)
-        throw Error(Status::InvalidArgument,
-                    std::string(fn) + ": options->microbatching is " + std::to_string(o->microbatching) +
-                        "; use PIPE_MICROBATCHING_ADAPTIVE or PIPE_MICROBATCHING_FIXED");
+        throw Error(Status::InvalidArgument, std::string(fn) + ": options->microbatching is " +
+                                                 std::to_string(o->microbatching) +
+                                                 "; use PIPE_MICROBATCHING_ADAPTIVE or PIPE_MICROBATCHING_FIXED");
       opts.adaptive_microbatches = o->microbatching == PIPE_MICROBATCHING_ADAPTIVE;
     }
     auto& dist = opts.distributed;
@@ -103,9 +106,9 @@ pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_option
         case PIPE_TRANSPORT_GLOO: dist.transport = libpipe::schedule::TransportKind::Gloo; break;
         case PIPE_TRANSPORT_NCCL: dist.transport = libpipe::schedule::TransportKind::Nccl; break;
         default:
-          throw Error(Status::InvalidArgument, std::string(fn) + ": options->transport is " +
-                                                   std::to_string(o->transport) +
-                                                   "; use PIPE_TRANSPORT_LOCAL, PIPE_TRANSPORT_GLOO or PIPE_TRANSPORT_NCCL");
+          throw Error(Status::InvalidArgument,
+                      std::string(fn) + ": options->transport is " + std::to_string(o->transport) +
+                          "; use PIPE_TRANSPORT_LOCAL, PIPE_TRANSPORT_GLOO or PIPE_TRANSPORT_NCCL");
       }
     }
     if (PIPE_HAS(world_size)) dist.world_size = o->world_size == 0 ? 1 : o->world_size;  // zeroed structs
@@ -124,11 +127,13 @@ pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_option
       opts.outputs_on_device = o->outputs == PIPE_OUTPUTS_ON_DEVICE;
     }
     if (dist.transport == libpipe::schedule::TransportKind::Local && !dist.store.empty())
-      throw Error(Status::InvalidArgument, std::string(fn) + ": options->store is set but the transport is local; "
-                                                             "choose PIPE_TRANSPORT_GLOO or NCCL, or leave store NULL");
+      throw Error(Status::InvalidArgument, std::string(fn) +
+                                               ": options->store is set but the transport is local; "
+                                               "choose PIPE_TRANSPORT_GLOO or NCCL, or leave store NULL");
     if (dist.transport != libpipe::schedule::TransportKind::Local && dist.world_size < 2)
-      throw Error(Status::InvalidArgument, std::string(fn) + ": a Gloo or NCCL session needs options->world_size >= 2 "
-                                                             "(this process and at least one worker), got " +
+      throw Error(Status::InvalidArgument, std::string(fn) +
+                                               ": a Gloo or NCCL session needs options->world_size >= 2 "
+                                               "(this process and at least one worker), got " +
                                                std::to_string(dist.world_size));
     if (dist.transport == libpipe::schedule::TransportKind::Nccl) {
       std::string why;
@@ -175,8 +180,8 @@ pipe_status pipe_request_wait(pipe_request* request, int64_t timeout_ms, pipe_te
     const auto until = timeout_ms < 0 ? libpipe::schedule::Clock::time_point::max()
                                       : libpipe::schedule::Clock::now() + std::chrono::milliseconds(timeout_ms);
     if (!get(request)->impl->wait_until(until))
-      throw Error(Status::Timeout, std::string(fn) + ": the call is still running after " +
-                                       std::to_string(timeout_ms) + " ms; wait again, or cancel it");
+      throw Error(Status::Timeout, std::string(fn) + ": the call is still running after " + std::to_string(timeout_ms) +
+                                       " ms; wait again, or cancel it");
     *outputs = make_list(get(request)->impl->result(get(request)->output_specs));
   });
 }
@@ -217,8 +222,8 @@ pipe_status pipe_session_stage_stats(const pipe_session* session, size_t stage, 
     full.queue_depth = st.queue_depth;
     // Write only what the caller's struct has room for; struct_size stays the caller's.
     const uint32_t size = std::min<uint32_t>(stats->struct_size, sizeof full);
-    std::memcpy(reinterpret_cast<char*>(stats) + sizeof(uint32_t), reinterpret_cast<const char*>(&full) + sizeof(uint32_t),
-                size - sizeof(uint32_t));
+    std::memcpy(reinterpret_cast<char*>(stats) + sizeof(uint32_t),
+                reinterpret_cast<const char*>(&full) + sizeof(uint32_t), size - sizeof(uint32_t));
   });
 }
 
@@ -251,8 +256,9 @@ pipe_status pipe_session_check(const pipe_session* session) {
     require(session, fn, "session");
     const std::string why = get(session)->impl->broken();
     if (!why.empty())
-      throw Error(Status::Communication, "the session is broken (" + why + "); destroy it, restart its workers and "
-                                         "create a new one");
+      throw Error(Status::Communication, "the session is broken (" + why +
+                                             "); destroy it, restart its workers and "
+                                             "create a new one");
   });
 }
 

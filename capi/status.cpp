@@ -25,8 +25,7 @@ PIPE_CHECK_STATUS(PIPE_ERR_TIMEOUT, Timeout);
 PIPE_CHECK_STATUS(PIPE_ERR_CANCELLED, Cancelled);
 PIPE_CHECK_STATUS(PIPE_ERR_DEADLINE_EXCEEDED, DeadlineExceeded);
 PIPE_CHECK_STATUS(PIPE_ERR_COMMUNICATION, Communication);
-static_assert(PIPE_LOG_DEBUG == libpipe::log::Debug && PIPE_LOG_ERROR == libpipe::log::Error,
-              "log level mismatch");
+static_assert(PIPE_LOG_DEBUG == libpipe::log::Debug && PIPE_LOG_ERROR == libpipe::log::Error, "log level mismatch");
 
 }  // namespace
 
@@ -64,8 +63,8 @@ const char* pipe_last_error(void) { return last_error().c_str(); }
 pipe_status pipe_set_log_callback(pipe_log_fn callback, void* user_data, int32_t min_level) {
   return guarded(__func__, [&](const char* fn) {
     if (min_level < PIPE_LOG_DEBUG || min_level > PIPE_LOG_ERROR)
-      throw Error(Status::InvalidArgument, std::string(fn) + ": min_level " +
-                                               std::to_string(min_level) + " is not a PIPE_LOG_* value");
+      throw Error(Status::InvalidArgument,
+                  std::string(fn) + ": min_level " + std::to_string(min_level) + " is not a PIPE_LOG_* value");
     libpipe::log::set_sink(callback, user_data, min_level);
   });
 }

@@ -67,7 +67,9 @@ inline constexpr uint32_t kWorkerOptionsSizes[] = {
 // A struct grown without its new layout listed here would refuse its own INIT macro: the last size
 // must be today's.
 template <size_t N>
-constexpr uint32_t last(const uint32_t (&sizes)[N]) { return sizes[N - 1]; }
+constexpr uint32_t last(const uint32_t (&sizes)[N]) {
+  return sizes[N - 1];
+}
 static_assert(last(kStageOptionsSizes) == sizeof(pipe_stage_options), "list pipe_stage_options' new layout");
 static_assert(last(kSessionOptionsSizes) == sizeof(pipe_session_options), "list pipe_session_options' new layout");
 static_assert(last(kRunOptionsSizes) == sizeof(pipe_run_options), "list pipe_run_options' new layout");

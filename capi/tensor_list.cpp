@@ -15,8 +15,8 @@ libpipe::capi::TensorListHandle::Entry& live_entry(pipe_tensor_list* list, size_
   require_index(index, get(list)->entries.size(), function, "index");
   auto& e = get(list)->entries[index];
   if (e.taken)
-    throw Error(Status::InvalidArgument, std::string(function) + ": entry '" + e.name +
-                                             "' was already taken out of the list");
+    throw Error(Status::InvalidArgument,
+                std::string(function) + ": entry '" + e.name + "' was already taken out of the list");
   return e;
 }
 
@@ -70,8 +70,7 @@ pipe_status pipe_tensor_list_take(pipe_tensor_list* list, size_t index, DLManage
     require(list, fn, "list");
     require(tensor, fn, "tensor");
     auto& e = live_entry(list, index, fn);
-    DLManagedTensor* out =
-        e.view ? e.view : static_cast<DLManagedTensor*>(libpipe::capi::tensor_to_dlpack(e.tensor));
+    DLManagedTensor* out = e.view ? e.view : static_cast<DLManagedTensor*>(libpipe::capi::tensor_to_dlpack(e.tensor));
     e.view = nullptr;
     e.tensor.reset();
     e.taken = true;
@@ -100,8 +99,8 @@ pipe_status pipe_tensor_list_append(pipe_tensor_list* list, const char* name, co
     try {
       copy = libpipe::capi::tensor_from_borrowed_dlpack(tensor).clone(at::MemoryFormat::Contiguous);
     } catch (const c10::Error& e) {
-      throw Error(Status::Input, std::string(fn) + ": '" + name + "' is not a tensor LibTorch can read: " +
-                                     e.what_without_backtrace());
+      throw Error(Status::Input, std::string(fn) + ": '" + name +
+                                     "' is not a tensor LibTorch can read: " + e.what_without_backtrace());
     }
     entries.push_back({name, std::move(copy)});
   });
@@ -126,8 +125,8 @@ pipe_status pipe_safetensors_write(const pipe_tensor_list* list, const char* pat
     std::vector<libpipe::NamedTensor> tensors;
     for (const auto& e : get(list)->entries) {
       if (e.taken)
-        throw Error(Status::InvalidArgument, std::string(fn) + ": entry '" + e.name +
-                                                 "' was taken out of the list and cannot be written");
+        throw Error(Status::InvalidArgument,
+                    std::string(fn) + ": entry '" + e.name + "' was taken out of the list and cannot be written");
       tensors.push_back({e.name, e.tensor});
     }
     libpipe::io::write_safetensors(path, tensors);

@@ -24,13 +24,15 @@ pipe_status pipe_worker_run(const pipe_worker_options* options) {
     if (PIPE_HAS(comm_timeout_ms)) {
       if (options->comm_timeout_ms < 0)
         throw Error(Status::InvalidArgument, std::string(fn) + ": options->comm_timeout_ms is " +
-                                                 std::to_string(options->comm_timeout_ms) + "; give 0 (one minute) or more");
+                                                 std::to_string(options->comm_timeout_ms) +
+                                                 "; give 0 (one minute) or more");
       if (options->comm_timeout_ms > 0) w.comm_timeout = std::chrono::milliseconds(options->comm_timeout_ms);
     }
     if (PIPE_HAS(threads_per_stage)) {
       if (options->threads_per_stage < 0)
         throw Error(Status::InvalidArgument, std::string(fn) + ": options->threads_per_stage is " +
-                                                 std::to_string(options->threads_per_stage) + "; give 0 (the driver's) or more");
+                                                 std::to_string(options->threads_per_stage) +
+                                                 "; give 0 (the driver's) or more");
       w.threads_per_stage = options->threads_per_stage;
     }
 #undef PIPE_HAS

@@ -7,6 +7,7 @@ libpipe's pipe.h with bindings/codegen/pipe_constants.py, into the build (never 
 
 Environment: SWIG (the swig executable, default "swig"), PKG_CONFIG (default "pkg-config").
 """
+
 import importlib.util
 import os
 import shlex
@@ -35,7 +36,7 @@ def pkg_config(*args):
 
 
 def flags(prefix, text):
-    return [f[len(prefix):] for f in shlex.split(text) if f.startswith(prefix)]
+    return [f[len(prefix) :] for f in shlex.split(text) if f.startswith(prefix)]
 
 
 class BuildSwigExt(build_ext):
@@ -53,11 +54,15 @@ class BuildSwigExt(build_ext):
             os.makedirs(target_dir, exist_ok=True)
             wrapper = os.path.join(target_dir, os.path.basename(source)[:-2] + "_wrap.c")
             inputs = [source] + list(extension.depends)
-            if self.force or not os.path.exists(wrapper) or any(
-                os.path.getmtime(i) > os.path.getmtime(wrapper) for i in inputs if os.path.exists(i)
+            if (
+                self.force
+                or not os.path.exists(wrapper)
+                or any(os.path.getmtime(i) > os.path.getmtime(wrapper) for i in inputs if os.path.exists(i))
             ):
                 swig = os.environ.get("SWIG", "swig")
-                self.spawn([swig, "-python", "-threads", *extension.swig_opts, "-outdir", target_dir, "-o", wrapper, source])
+                self.spawn(
+                    [swig, "-python", "-threads", *extension.swig_opts, "-outdir", target_dir, "-o", wrapper, source]
+                )
             out.append(wrapper)
         return out
 
@@ -67,7 +72,9 @@ library_dirs = [os.path.realpath(d) for d in flags("-L", pkg_config("--libs-only
 libdir = os.path.realpath(pkg_config("--variable=libdir"))
 if libdir not in library_dirs:
     library_dirs.append(libdir)
-header = next((os.path.join(d, "pipe", "pipe.h") for d in include_dirs if os.path.exists(os.path.join(d, "pipe", "pipe.h"))), None)
+header = next(
+    (os.path.join(d, "pipe", "pipe.h") for d in include_dirs if os.path.exists(os.path.join(d, "pipe", "pipe.h"))), None
+)
 
 
 def codegen():

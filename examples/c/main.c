@@ -10,13 +10,13 @@
 
 #include <pipe/pipe.h>
 
-#define CHECK(call)                                                                        \
-  do {                                                                                     \
-    pipe_status st_ = (call);                                                              \
-    if (st_ != PIPE_OK) {                                                                  \
+#define CHECK(call)                                                                               \
+  do {                                                                                            \
+    pipe_status st_ = (call);                                                                     \
+    if (st_ != PIPE_OK) {                                                                         \
       fprintf(stderr, "%s failed: %s (%s)\n", #call, pipe_last_error(), pipe_status_string(st_)); \
-      exit(1);                                                                             \
-    }                                                                                      \
+      exit(1);                                                                                    \
+    }                                                                                             \
   } while (0)
 
 int main(int argc, char **argv) {
@@ -72,8 +72,8 @@ int main(int argc, char **argv) {
   double max_diff = 0;
   for (int64_t i = 0; i < n; ++i) max_diff = fmax(max_diff, fabs((double)a[i] - (double)b[i]));
 
-  printf("libpipe %s: %zu stages, 4 micro-batches, %lld values, max |diff| vs PyTorch = %.3g\n",
-         pipe_version(), stages, (long long)n, max_diff);
+  printf("libpipe %s: %zu stages, 4 micro-batches, %lld values, max |diff| vs PyTorch = %.3g\n", pipe_version(), stages,
+         (long long)n, max_diff);
   int ok = max_diff <= 1e-4;
   printf("%s\n", ok ? "output matches PyTorch" : "output DIFFERS from PyTorch");
 

@@ -3,6 +3,7 @@ rtol = atol = 1e-5. Exits non-zero when they differ.
 
     python compare_outputs.py GOT.safetensors EXPECTED.safetensors
 """
+
 import sys
 
 import torch
@@ -24,8 +25,10 @@ def main(got_path, expected_path):
         diff = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
         match = torch.allclose(a, b, rtol=1e-5, atol=1e-5)
         ok &= match
-        print(f"{name}: shape {tuple(a.shape)}, max |libpipe - PyTorch| = {diff:.3g} -> "
-              f"{'matches PyTorch' if match else 'DIFFERS from PyTorch'}")
+        print(
+            f"{name}: shape {tuple(a.shape)}, max |libpipe - PyTorch| = {diff:.3g} -> "
+            f"{'matches PyTorch' if match else 'DIFFERS from PyTorch'}"
+        )
     return 0 if ok else 1
 
 

@@ -6,6 +6,7 @@ pipe_split() markers, traced to TorchScript.
 writes OUT_DIR/demo.pt, OUT_DIR/demo.inputs.safetensors ("x": 32 x 256) and
 OUT_DIR/demo.expected.safetensors ("output": eager PyTorch's result).
 """
+
 import os
 import sys
 
@@ -53,8 +54,10 @@ def main(out_dir):
     torch.jit.trace(model, (x,)).save(os.path.join(out_dir, "demo.pt"))
     save_file({"x": x}, os.path.join(out_dir, "demo.inputs.safetensors"))
     save_file({"output": expected}, os.path.join(out_dir, "demo.expected.safetensors"))
-    print(f"wrote {out_dir}/demo.pt: DemoNet, 4 residual blocks with 3 pipe_split() markers, "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters")
+    print(
+        f"wrote {out_dir}/demo.pt: DemoNet, 4 residual blocks with 3 pipe_split() markers, "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters"
+    )
 
 
 if __name__ == "__main__":

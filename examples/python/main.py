@@ -4,6 +4,7 @@ micro-batches, and compare the result with the reference output the model genera
 
     python main.py MODEL.pt INPUTS.safetensors REFERENCE.safetensors
 """
+
 import sys
 
 import numpy as np
@@ -29,8 +30,10 @@ def main(model_path, inputs_path, reference_path):
         print(f"output shape {output.shape} DIFFERS from PyTorch's {reference.shape}")
         return 1
     max_diff = float(np.max(np.abs(output.astype(np.float64) - reference))) if output.size else 0.0
-    print(f"libpipe {libpipe.version()}: {plan.num_stages} stages, {microbatches} micro-batches, {output.size} values, "
-          f"max |diff| vs PyTorch = {max_diff:.3g}")
+    print(
+        f"libpipe {libpipe.version()}: {plan.num_stages} stages, {microbatches} micro-batches, {output.size} values, "
+        f"max |diff| vs PyTorch = {max_diff:.3g}"
+    )
     ok = max_diff <= 1e-4
     print("output matches PyTorch" if ok else "output DIFFERS from PyTorch")
     return 0 if ok else 1

@@ -87,9 +87,10 @@ void flatten_into(const c10::IValue& v, const std::string& name, std::vector<Nam
     for (const auto& entry : v.toGenericDict()) {
       const auto& key = entry.key();
       std::string k = key.isString() ? key.toStringRef()
-                      : key.isInt()  ? std::to_string(key.toInt())
-                                     : throw Error(Status::Unsupported, "output '" + name + "' is a dict with " +
-                                                                            key.tagKind() + " keys; use str or int keys");
+                      : key.isInt()
+                          ? std::to_string(key.toInt())
+                          : throw Error(Status::Unsupported, "output '" + name + "' is a dict with " + key.tagKind() +
+                                                                 " keys; use str or int keys");
       flatten_into(entry.value(), name + "." + k, out);
     }
   } else {
@@ -111,8 +112,7 @@ at::Tensor combine(const std::string& name, std::vector<at::Tensor>& parts, cons
           throw Error(Status::Execution, "output '" + name + "' is specified as equal across micro-batches, but " +
                                              "micro-batch " + std::to_string(m) + " differs from micro-batch 0");
       return parts[0];
-    case OutputSpec::Kind::Concat:
-      break;
+    case OutputSpec::Kind::Concat: break;
   }
   const int64_t rank = parts[0].dim();
   if (rank == 0)
@@ -121,7 +121,8 @@ at::Tensor combine(const std::string& name, std::vector<at::Tensor>& parts, cons
                                        "give it a sum or equal spec, or run with one micro-batch");
   if (spec.dim < -rank || spec.dim >= rank)
     throw Error(Status::Execution, "output '" + name + "' has " + std::to_string(rank) +
-                                       " dimensions; its spec concatenates along dimension " + std::to_string(spec.dim));
+                                       " dimensions; its spec concatenates along dimension " +
+                                       std::to_string(spec.dim));
   return at::cat(parts, spec.dim);
 }
 

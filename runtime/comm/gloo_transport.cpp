@@ -51,8 +51,8 @@ class GlooTransport final : public Transport {
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
     try {
       options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
-      group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("libpipe/gloo", store),
-                                                           rank, world_size, options);
+      group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(
+          c10::make_intrusive<c10d::PrefixStore>("libpipe/gloo", store), rank, world_size, options);
     } catch (const std::exception& e) {
       throw Error(Status::Communication, "rank " + std::to_string(rank) + " could not connect to its peers over Gloo " +
                                              "(listening on " + host + "): " + short_what(e));
@@ -81,7 +81,8 @@ class GlooTransport final : public Transport {
     for (const auto& t : frame.tensors)
       if (t.nbytes() > 0) {
         if (!t.device().is_cpu())
-          throw Error(Status::Unsupported, "the Gloo transport carries CPU tensors only, got one on " + t.device().str());
+          throw Error(Status::Unsupported,
+                      "the Gloo transport carries CPU tensors only, got one on " + t.device().str());
         parts.push_back({wire::byte_view(t)});
       }
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
@@ -134,7 +135,8 @@ class GlooTransport final : public Transport {
       pending_.insert(work);
       return work;
     } catch (const std::exception& e) {
-      throw Error(Status::Communication, "the connection to rank " + std::to_string(peer) + " failed: " + short_what(e));
+      throw Error(Status::Communication,
+                  "the connection to rank " + std::to_string(peer) + " failed: " + short_what(e));
     }
   }
 

@@ -49,7 +49,8 @@ class LocalTransport final : public Transport {
     if (timeout.count() > 0) {
       if (!hub_->arrived.wait_for(lock, timeout, ready)) {
         hub_->aborted = true;
-        hub_->why = "no message from rank " + std::to_string(peer) + " within " + std::to_string(timeout.count()) + " ms";
+        hub_->why =
+            "no message from rank " + std::to_string(peer) + " within " + std::to_string(timeout.count()) + " ms";
         hub_->arrived.notify_all();
       }
     } else {

@@ -87,9 +87,9 @@ std::unique_ptr<Transport> make_nccl_transport(c10::intrusive_ptr<c10d::Store>, 
 // of at least one byte. Control parts go through a per-channel device buffer; tensors go as they are
 // (copied to `device` first when elsewhere).
 //
-// Streams. Control buffers belong to the comm stream (cudaMallocAsync on it). Tensors to send are made on the caller's current stream; the comm stream waits
-// for an event recorded there. Received tensors are allocated on the caller's current stream (they
-// are the caller's), the comm stream waits for it before receiving into them, and the caller's
+// Streams. Control buffers belong to the comm stream (cudaMallocAsync on it). Tensors to send are made on the caller's
+// current stream; the comm stream waits for an event recorded there. Received tensors are allocated on the caller's
+// current stream (they are the caller's), the comm stream waits for it before receiving into them, and the caller's
 // stream waits for the comm stream after.
 //
 // Waiting. Communicators are non-blocking (ncclConfig_t::blocking = 0): every NCCL call returns at
@@ -117,13 +117,9 @@ constexpr size_t kPreambleBytes = wire::kPreambleWords * sizeof(int64_t);
 
 using Clock = std::chrono::steady_clock;
 
-std::string ms_text(std::chrono::milliseconds ms) {
-  return std::to_string(ms.count()) + " ms";
-}
+std::string ms_text(std::chrono::milliseconds ms) { return std::to_string(ms.count()) + " ms"; }
 
-std::string cuda_text(cudaError_t e) {
-  return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
-}
+std::string cuda_text(cudaError_t e) { return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e); }
 
 std::string nccl_text(ncclResult_t r, ncclComm_t comm) {
   std::string text = ncclGetErrorString(r);
@@ -291,7 +287,8 @@ class NcclTransport final : public Transport {
     const c10::DeviceGuard device_guard(device_);
     // Each rank counts its NCCL transports on this store, so the n-th of every rank meet under one
     // prefix and a later session on the same store does not read an earlier one's ids.
-    prefix_ = "libpipe/nccl/" + std::to_string(store_->add("libpipe/nccl/generation/" + std::to_string(rank_), 1)) + "/";
+    prefix_ =
+        "libpipe/nccl/" + std::to_string(store_->add("libpipe/nccl/generation/" + std::to_string(rank_), 1)) + "/";
     send_.resize(static_cast<size_t>(world_size_));
     recv_.resize(static_cast<size_t>(world_size_));
     for (int p = 0; p < world_size_; ++p) {
@@ -350,7 +347,8 @@ class NcclTransport final : public Transport {
       }
     }
     r = ncclGroupEnd();
-    if (r != ncclSuccess && r != ncclInProgress) fail("creating the NCCL communicators failed: " + std::string(ncclGetErrorString(r)));
+    if (r != ncclSuccess && r != ncclInProgress)
+      fail("creating the NCCL communicators failed: " + std::string(ncclGetErrorString(r)));
     for (auto* list : {&send_, &recv_})
       for (auto& ch : *list)
         if (ch) wait(*ch, /*complete=*/false, deadline, timeout, "connecting");
@@ -454,10 +452,8 @@ class NcclTransport final : public Transport {
           finished = true;
         } else {
           const cudaError_t q = cudaStreamQuery(ch.stream);
-          if (q == cudaSuccess)
-            finished = true;
-          else if (q != cudaErrorNotReady)
-            failure = "CUDA failed while " + ch.name() + ": " + cuda_text(q);
+          if (q == cudaSuccess) finished = true;
+          else if (q != cudaErrorNotReady) failure = "CUDA failed while " + ch.name() + ": " + cuda_text(q);
         }
       }
       if (!failure.empty()) fail(failure);
@@ -470,10 +466,8 @@ class NcclTransport final : public Transport {
         if (since > peer_timeout_)
           fail("rank " + std::to_string(ch.peer) + " closed its NCCL transport while this rank was " + ch.name());
       }
-      if (spin < 256)
-        std::this_thread::yield();
-      else
-        std::this_thread::sleep_for(spin < 4096 ? std::chrono::microseconds(20) : std::chrono::microseconds(200));
+      if (spin < 256) std::this_thread::yield();
+      else std::this_thread::sleep_for(spin < 4096 ? std::chrono::microseconds(20) : std::chrono::microseconds(200));
     }
   }
 
@@ -539,7 +533,8 @@ class NcclTransport final : public Transport {
   // --- liveness ---
 
   void heartbeat_loop() {
-    const auto interval = std::clamp(peer_timeout_ / 10, std::chrono::milliseconds(20), std::chrono::milliseconds(1000));
+    const auto interval =
+        std::clamp(peer_timeout_ / 10, std::chrono::milliseconds(20), std::chrono::milliseconds(1000));
     std::vector<int64_t> last(static_cast<size_t>(world_size_), -1);
     std::vector<Clock::time_point> seen(static_cast<size_t>(world_size_), Clock::now());
     std::vector<bool> gone(static_cast<size_t>(world_size_), false);
@@ -619,8 +614,8 @@ class NcclTransport final : public Transport {
   const c10::Device device_;
   const std::chrono::milliseconds peer_timeout_;
   std::string prefix_;
-  std::vector<std::unique_ptr<Channel>> send_, recv_;  // indexed by peer
-  std::vector<std::atomic<int64_t>> left_at_;  // steady-clock ticks when a peer left; 0: it has not
+  std::vector<std::unique_ptr<Channel> > send_, recv_;  // indexed by peer
+  std::vector<std::atomic<int64_t> > left_at_;          // steady-clock ticks when a peer left; 0: it has not
 
   std::atomic<bool> aborted_{false};
   mutable std::mutex why_mu_;
@@ -653,8 +648,8 @@ std::unique_ptr<Transport> make_nccl_transport(c10::intrusive_ptr<c10d::Store> s
                                                c10::Device device, std::chrono::milliseconds timeout,
                                                std::chrono::milliseconds peer_timeout) {
   if (world_size < 1 || rank < 0 || rank >= world_size)
-    throw Error(Status::InvalidArgument, "NCCL transport: rank " + std::to_string(rank) + " is not in a world of " +
-                                             std::to_string(world_size));
+    throw Error(Status::InvalidArgument,
+                "NCCL transport: rank " + std::to_string(rank) + " is not in a world of " + std::to_string(world_size));
   if (!store) throw Error(Status::InvalidArgument, "NCCL transport: no store");
   if (timeout <= std::chrono::milliseconds::zero())
     throw Error(Status::InvalidArgument, "NCCL transport: the timeout must be positive");
@@ -663,8 +658,9 @@ std::unique_ptr<Transport> make_nccl_transport(c10::intrusive_ptr<c10d::Store> s
   int count = 0;
   cudaGetDeviceCount(&count);
   if (!device.is_cuda() || !device.has_index() || device.index() >= count)
-    throw Error(Status::InvalidArgument, "NCCL transport: " + device.str() + " is not a CUDA device of this machine (it has " +
-                                             std::to_string(count) + "; give one as cuda:N)");
+    throw Error(Status::InvalidArgument, "NCCL transport: " + device.str() +
+                                             " is not a CUDA device of this machine (it has " + std::to_string(count) +
+                                             "; give one as cuda:N)");
   int version = 0;
   if (ncclGetVersion(&version) != ncclSuccess || version < kNcclConfigVersion)
     throw Error(Status::Unsupported, "NCCL transport: libnccl " + std::to_string(version) +

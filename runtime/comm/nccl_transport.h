@@ -39,8 +39,8 @@ bool nccl_available(std::string* why);
 // peer may stay silent (its heartbeat in the store stopped: it died or hangs) before this transport
 // aborts and its blocked send()/recv() throw Error(Communication). Throws Error(Unsupported) when
 // NCCL was not built in, Error(InvalidArgument) for a bad rank, world size or device.
-std::unique_ptr<Transport> make_nccl_transport(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
-                                               c10::Device device, std::chrono::milliseconds timeout,
-                                               std::chrono::milliseconds peer_timeout = std::chrono::milliseconds::zero());
+std::unique_ptr<Transport> make_nccl_transport(
+    c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, c10::Device device,
+    std::chrono::milliseconds timeout, std::chrono::milliseconds peer_timeout = std::chrono::milliseconds::zero());
 
 }  // namespace libpipe::comm

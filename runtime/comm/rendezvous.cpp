@@ -189,7 +189,8 @@ c10::intrusive_ptr<c10d::Store> connect_store(const Address& address, millisecon
       throw Error(Status::Communication, "no rendezvous store answered at " + format_address(address) + " within " +
                                              std::to_string(timeout.count()) + " ms (" + std::strerror(last) +
                                              "); is the driver running, and is that its --store address?");
-    std::this_thread::sleep_for(std::min(milliseconds(100), std::chrono::duration_cast<milliseconds>(deadline - Clock::now())));
+    std::this_thread::sleep_for(
+        std::min(milliseconds(100), std::chrono::duration_cast<milliseconds>(deadline - Clock::now())));
   }
   c10d::TCPStoreOptions options;
   options.port = address.port;
@@ -234,11 +235,12 @@ void wait_for_workers(c10d::Store& store, int world_size, const std::string& add
   }
   std::string list;
   for (int r : missing) list += (list.empty() ? "" : ", ") + std::to_string(r);
-  throw Error(Status::Communication,
-              std::to_string(world_size - 1 - static_cast<int>(missing.size())) + " of " + std::to_string(world_size - 1) +
-                  " workers joined within " + std::to_string(timeout.count()) + " ms (missing rank" +
-                  (missing.size() == 1 ? " " : "s ") + list + "); start each with `pipe worker --rank R --world-size " +
-                  std::to_string(world_size) + " --store " + address + "` (or pipe_worker_run)");
+  throw Error(Status::Communication, std::to_string(world_size - 1 - static_cast<int>(missing.size())) + " of " +
+                                         std::to_string(world_size - 1) + " workers joined within " +
+                                         std::to_string(timeout.count()) + " ms (missing rank" +
+                                         (missing.size() == 1 ? " " : "s ") + list +
+                                         "); start each with `pipe worker --rank R --world-size " +
+                                         std::to_string(world_size) + " --store " + address + "` (or pipe_worker_run)");
 }
 
 std::string join_session(c10d::Store& store, int rank, int world_size) {
@@ -246,7 +248,8 @@ std::string join_session(c10d::Store& store, int rank, int world_size) {
   try {
     protocol = str(store.get("libpipe/protocol"));
   } catch (const std::exception& e) {
-    throw Error(Status::Communication, "the rendezvous store answered but no session was announced in it: " + short_what(e));
+    throw Error(Status::Communication,
+                "the rendezvous store answered but no session was announced in it: " + short_what(e));
   }
   if (protocol != kProtocol)
     throw Error(Status::Communication, "the driver speaks '" + protocol + "' but this worker speaks '" + kProtocol +
@@ -256,7 +259,8 @@ std::string join_session(c10d::Store& store, int rank, int world_size) {
     throw Error(Status::InvalidArgument, "this worker was started with world size " + std::to_string(world_size) +
                                              " but the driver's session has " + std::to_string(driver_world));
   if (store.add("libpipe/rank/" + std::to_string(rank), 1) > 1)
-    throw Error(Status::Communication, "rank " + std::to_string(rank) + " has already joined this session; give each "
+    throw Error(Status::Communication, "rank " + std::to_string(rank) +
+                                           " has already joined this session; give each "
                                            "worker its own rank");
   const std::string transport = str(store.get("libpipe/transport"));
   store.set(joined_key(rank), bytes("1"));

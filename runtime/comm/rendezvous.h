@@ -51,7 +51,8 @@ c10::intrusive_ptr<c10d::Store> connect_store(const Address& address, std::chron
 // then waits until every worker rank 1..world_size-1 has joined, or throws Error(Communication)
 // after `timeout` naming the missing ranks and the command that starts them.
 void announce_session(c10d::Store& store, int world_size, const std::string& transport);
-void wait_for_workers(c10d::Store& store, int world_size, const std::string& address, std::chrono::milliseconds timeout);
+void wait_for_workers(c10d::Store& store, int world_size, const std::string& address,
+                      std::chrono::milliseconds timeout);
 
 // A worker's side: checks the protocol and world size, claims `rank`, and returns the transport
 // name. Throws Error(Communication) for another protocol or a taken rank, Error(InvalidArgument)

@@ -33,8 +33,8 @@ struct Message {
   Kind kind = Kind::Data;
   uint64_t request = 0;
   uint64_t microbatch = 0;
-  int32_t status = 0;                // a libpipe::Status, for Error and Ready
-  std::vector<c10::IValue> values;   // None where a value was dropped
+  int32_t status = 0;               // a libpipe::Status, for Error and Ready
+  std::vector<c10::IValue> values;  // None where a value was dropped
   std::string text;
 };
 

@@ -18,15 +18,13 @@ enum Word : size_t { kMagicWord, kKind, kRequest, kMicrobatch, kStatus, kTextByt
 static_assert(kMetaWords + 1 == kPreambleWords, "preamble layout");
 
 [[noreturn]] void malformed(const std::string& why) {
-  throw Error(Status::Communication, "a peer sent a malformed message (" + why +
-                                         "); are all processes running the same libpipe version?");
+  throw Error(Status::Communication,
+              "a peer sent a malformed message (" + why + "); are all processes running the same libpipe version?");
 }
 
 }  // namespace
 
-at::Tensor byte_view(const at::Tensor& tensor) {
-  return tensor.view({-1}).view(at::kByte);
-}
+at::Tensor byte_view(const at::Tensor& tensor) { return tensor.view({-1}).view(at::kByte); }
 
 Frame encode(const Message& message) {
   Frame frame;
@@ -37,8 +35,8 @@ Frame encode(const Message& message) {
   }
   for (auto& t : table) {
     if (t.layout() != at::kStrided || t.is_quantized())
-      throw Error(Status::Unsupported, "a " + c10::str(t.layout()) +
-                                           " tensor cannot be sent between processes; only dense tensors can");
+      throw Error(Status::Unsupported,
+                  "a " + c10::str(t.layout()) + " tensor cannot be sent between processes; only dense tensors can");
     // A view shares its base's storage: send only the view's own elements.
     t = t.contiguous();
     frame.meta.push_back(static_cast<int64_t>(t.scalar_type()));

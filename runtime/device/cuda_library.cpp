@@ -62,8 +62,8 @@ int cuda_device_count(std::string* why) {
 void require_device(const c10::Device& device, const std::string& who) {
   if (device.is_cpu()) return;
   if (!device.is_cuda())
-    throw Error(Status::Unsupported, who + " is on " + device.str() +
-                                         ", but libpipe runs stages on the CPU and on CUDA devices only");
+    throw Error(Status::Unsupported,
+                who + " is on " + device.str() + ", but libpipe runs stages on the CPU and on CUDA devices only");
   std::string why;
   const int count = cuda_device_count(&why);
   if (count == 0) throw Error(Status::Unsupported, who + " is on " + device.str() + ", but " + why);

@@ -19,7 +19,8 @@ void for_each_tensor(const c10::IValue& value, const std::function<void(const at
   } else if (value.isTuple()) {
     for (const auto& e : value.toTupleRef().elements()) for_each_tensor(e, visit);
   } else if (value.isTensorList()) {
-    for (const at::Tensor& t : value.toTensorList()) if (t.defined()) visit(t);
+    for (const at::Tensor& t : value.toTensorList())
+      if (t.defined()) visit(t);
   } else if (value.isList()) {
     for (const c10::IValue& e : value.toListRef()) for_each_tensor(e, visit);
   } else if (value.isGenericDict()) {

@@ -14,8 +14,9 @@ std::string trim(const std::string& s) {
 }
 
 c10::Device parse_one(const std::string& text, const std::string& spec) {
-  const std::string hint = "; write one device per stage, each 'cpu', 'cuda' or 'cuda:N', separated by commas "
-                           "(or 'auto')";
+  const std::string hint =
+      "; write one device per stage, each 'cpu', 'cuda' or 'cuda:N', separated by commas "
+      "(or 'auto')";
   if (text.empty()) throw Error(Status::InvalidArgument, "the device list '" + spec + "' has an empty entry" + hint);
   if (text == "cpu") return c10::Device(c10::kCPU);
   if (text == "cuda") return c10::Device(c10::kCUDA, 0);

@@ -16,8 +16,7 @@ Uploader::~Uploader() {
   // The buffers go back to LibTorch's pinned-memory cache only once no copy reads them.
   try {
     finish();
-  } catch (...) {
-  }
+  } catch (...) {}
 }
 
 at::Tensor Uploader::upload(const at::Tensor& cpu, std::optional<at::ScalarType> dtype) {
@@ -37,10 +36,11 @@ at::Tensor Uploader::upload(const at::Tensor& cpu, std::optional<at::ScalarType>
     if (in_use_[slot]) in_use_[slot]->synchronize();  // the copy before last from this buffer
     // LibTorch's copy, not memcpy: it spreads a large copy over the calling thread's intra-op
     // threads, which one core's memcpy cannot keep up with against the transfer.
-    buffers_[slot].narrow(0, 0, static_cast<int64_t>(n))
+    buffers_[slot]
+        .narrow(0, 0, static_cast<int64_t>(n))
         .copy_(at::from_blob(const_cast<char*>(from) + offset, {static_cast<int64_t>(n)}, at::kByte));
-    at::Tensor device_bytes = at::from_blob(to + offset, {static_cast<int64_t>(n)},
-                                            at::TensorOptions().dtype(at::kByte).device(device_));
+    at::Tensor device_bytes =
+        at::from_blob(to + offset, {static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte).device(device_));
     device_bytes.copy_(buffers_[slot].narrow(0, 0, static_cast<int64_t>(n)), /*non_blocking=*/true);
     if (!in_use_[slot]) in_use_[slot] = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
     in_use_[slot]->record(stream_);

@@ -25,9 +25,8 @@ std::string parent_of(const std::string& path) {
 }
 
 bool is_prefix_path(const std::string& prefix, const std::string& path) {
-  return prefix.empty() || path == prefix || (path.size() > prefix.size() &&
-                                              path.compare(0, prefix.size(), prefix) == 0 &&
-                                              path[prefix.size()] == '.');
+  return prefix.empty() || path == prefix ||
+         (path.size() > prefix.size() && path.compare(0, prefix.size(), prefix) == 0 && path[prefix.size()] == '.');
 }
 
 }  // namespace

@@ -20,9 +20,9 @@ namespace libpipe::graph {
 std::vector<size_t> top_level_sequence(const Program& model);
 
 struct Segmentation {
-  std::string container;               // the module whose children are the layers ("" = root)
-  std::vector<size_t> layer_starts;    // position of each layer's first node, ascending
-  std::vector<size_t> allowed_cuts;    // positions a cut may take, ascending, within (0, size)
+  std::string container;             // the module whose children are the layers ("" = root)
+  std::vector<size_t> layer_starts;  // position of each layer's first node, ascending
+  std::vector<size_t> allowed_cuts;  // positions a cut may take, ascending, within (0, size)
 };
 
 Segmentation segment(const Program& model, const std::vector<size_t>& sequence);

@@ -11,10 +11,9 @@ namespace libpipe::graph {
 
 std::shared_ptr<Plan> Plan::from_markers(std::shared_ptr<const Program> model) {
   if (!model->nested_marker().empty())
-    throw Error(Status::Split,
-                "pipe::split() at " + model->nested_marker() +
-                    " is inside an if/loop block; only forward's top level can be cut. Move "
-                    "the marker out of the block (before or after it).");
+    throw Error(Status::Split, "pipe::split() at " + model->nested_marker() +
+                                   " is inside an if/loop block; only forward's top level can be cut. Move "
+                                   "the marker out of the block (before or after it).");
   std::vector<std::vector<size_t>> groups(1);
   std::vector<std::string> markers;
   std::vector<std::string> reasons;
@@ -30,10 +29,9 @@ std::shared_ptr<Plan> Plan::from_markers(std::shared_ptr<const Program> model) {
   }
   for (size_t i = 0; i < groups.size(); ++i) {
     if (!groups[i].empty()) continue;
-    std::string between = i == 0 ? "the start of forward and the marker at " + markers[0]
-                          : i == markers.size()
-                              ? "the marker at " + markers[i - 1] + " and the end of forward"
-                              : "the markers at " + markers[i - 1] + " and " + markers[i];
+    std::string between = i == 0                ? "the start of forward and the marker at " + markers[0]
+                          : i == markers.size() ? "the marker at " + markers[i - 1] + " and the end of forward"
+                                                : "the markers at " + markers[i - 1] + " and " + markers[i];
     throw Error(Status::Split, "stage " + std::to_string(i) + " would be empty: there is no computation between " +
                                    between + ". Remove the redundant pipe::split() call.");
   }
@@ -43,7 +41,7 @@ std::shared_ptr<Plan> Plan::from_markers(std::shared_ptr<const Program> model) {
 }
 
 std::shared_ptr<Plan> Plan::from_cuts(std::shared_ptr<const Program> model, const std::vector<size_t>& sequence,
-                                     const std::vector<size_t>& cuts) {
+                                      const std::vector<size_t>& cuts) {
   std::vector<std::vector<size_t>> groups(1);
   size_t next = 0;
   for (size_t p = 0; p < sequence.size(); ++p) {
@@ -75,8 +73,7 @@ double Plan::balance() const {
   return max > 0 ? sum / (static_cast<double>(stages_.size()) * max) : -1;
 }
 
-std::shared_ptr<Plan> Plan::from_groups(std::shared_ptr<const Program> model,
-                                        std::vector<std::vector<size_t>> groups) {
+std::shared_ptr<Plan> Plan::from_groups(std::shared_ptr<const Program> model, std::vector<std::vector<size_t>> groups) {
   if (groups.empty()) throw Error(Status::Split, "a plan needs at least one stage");
   auto plan = std::make_shared<Plan>();
   plan->model_ = model;
@@ -85,8 +82,7 @@ std::shared_ptr<Plan> Plan::from_groups(std::shared_ptr<const Program> model,
 
   std::vector<int> stage_of(nodes.size(), -1);
   for (size_t s = 0; s < groups.size(); ++s) {
-    if (groups[s].empty())
-      throw Error(Status::Split, "stage " + std::to_string(s) + " would be empty");
+    if (groups[s].empty()) throw Error(Status::Split, "stage " + std::to_string(s) + " would be empty");
     for (size_t n : groups[s]) stage_of.at(n) = static_cast<int>(s);
   }
 

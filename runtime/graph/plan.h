@@ -23,20 +23,20 @@ class Model;
 
 // A value handed between stages (or from the caller to a stage).
 struct CrossingValue {
-  size_t value = 0;                    // the program's value id
-  std::string name;                    // forward argument name, or the value's debug name
-  int producer = -1;                   // defining stage; -1 for a forward argument
-  size_t input_index = 0;              // forward argument index (after self) when producer == -1
-  std::vector<int> consumers;          // stages that read it, ascending
+  size_t value = 0;            // the program's value id
+  std::string name;            // forward argument name, or the value's debug name
+  int producer = -1;           // defining stage; -1 for a forward argument
+  size_t input_index = 0;      // forward argument index (after self) when producer == -1
+  std::vector<int> consumers;  // stages that read it, ascending
   int last_consumer() const { return consumers.empty() ? producer : consumers.back(); }
 };
 
 struct StagePlan {
-  std::vector<size_t> nodes;                     // program node ids, in order
-  std::vector<size_t> inputs;                    // CrossingValue ids: the stage's forward arguments
-  std::vector<size_t> outputs;                   // CrossingValue ids it defines for later stages
-  std::vector<size_t> attributes;                // program attribute ids read
-  std::vector<std::string> parameters;           // original dotted names
+  std::vector<size_t> nodes;            // program node ids, in order
+  std::vector<size_t> inputs;           // CrossingValue ids: the stage's forward arguments
+  std::vector<size_t> outputs;          // CrossingValue ids it defines for later stages
+  std::vector<size_t> attributes;       // program attribute ids read
+  std::vector<std::string> parameters;  // original dotted names
   std::vector<std::string> buffers;
   uint64_t param_bytes = 0;
   double estimated_ms = -1;  // measured on example inputs; -1 when none were given

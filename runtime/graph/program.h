@@ -68,8 +68,8 @@ struct TensorEntry {
 
 // A read of one of the model's attributes: a parameter, a buffer, a plain tensor or a submodule.
 struct AttributeRead {
-  std::vector<std::string> path;  // {"layers", "0", "weight"}
-  uint64_t tensor_bytes = 0;      // the attribute's own bytes when it is a tensor of any kind, else 0
+  std::vector<std::string> path;     // {"layers", "0", "weight"}
+  uint64_t tensor_bytes = 0;         // the attribute's own bytes when it is a tensor of any kind, else 0
   std::vector<TensorEntry> tensors;  // the parameters and buffers it stands for (all of a submodule's)
 };
 

@@ -134,8 +134,7 @@ std::vector<Cut> resolve_split_points(const Program& model, const std::vector<si
       matched = true;
       const auto [start, end] = ranges[site];
       if (start == end)
-        throw Error(Status::Split, "split point '" + sp.text + "': call " + std::to_string(cs.call) + " of " +
-                                       sp.path +
+        throw Error(Status::Split, "split point '" + sp.text + "': call " + std::to_string(cs.call) + " of " + sp.path +
                                        " happens inside an if/loop block, and only forward's top level "
                                        "can be cut; split at a module that encloses the block instead");
       const size_t position = sp.begin ? start : end;
@@ -154,9 +153,9 @@ std::vector<Cut> resolve_split_points(const Program& model, const std::vector<si
       throw Error(Status::Split, "split point '" + sp.text + "': module " + sp.path +
                                      " exists but forward never calls it, so there is no boundary to cut at");
     if (!matched)
-      throw Error(Status::Split, "split point '" + sp.text + "': " + sp.path + " is called " +
-                                     std::to_string(calls) + " time" + (calls == 1 ? "" : "s") +
-                                     ", so the call number must be below " + std::to_string(calls));
+      throw Error(Status::Split, "split point '" + sp.text + "': " + sp.path + " is called " + std::to_string(calls) +
+                                     " time" + (calls == 1 ? "" : "s") + ", so the call number must be below " +
+                                     std::to_string(calls));
   }
   std::sort(cuts.begin(), cuts.end(), [](const Cut& a, const Cut& b) { return a.position < b.position; });
   std::vector<Cut> unique;

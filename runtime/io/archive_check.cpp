@@ -53,8 +53,8 @@ void check_entries(zip_t* archive, const std::string& name) {
                          "; TorchScript archives use none or deflate");
       if (st.comp_method == ZIP_CM_STORE && (st.valid & ZIP_STAT_SIZE) && (st.valid & ZIP_STAT_COMP_SIZE) &&
           st.size != st.comp_size)
-        refuse(name, "entry '" + entry + "' is stored uncompressed but its sizes disagree (" +
-                         std::to_string(st.size) + " vs " + std::to_string(st.comp_size) + " bytes)");
+        refuse(name, "entry '" + entry + "' is stored uncompressed but its sizes disagree (" + std::to_string(st.size) +
+                         " vs " + std::to_string(st.comp_size) + " bytes)");
       if (st.comp_method == ZIP_CM_DEFLATE && (st.valid & ZIP_STAT_SIZE) && st.size > kMaxInflatedEntry)
         refuse(name, "entry '" + entry + "' would inflate to " + std::to_string(st.size) +
                          " bytes, far more than TorchScript code or pickles take");
@@ -62,16 +62,18 @@ void check_entries(zip_t* archive, const std::string& name) {
   }
   if (!has_data) refuse(name, "the zip archive has no " + root + "/data.pkl");
   if (!has_code)
-    refuse(name, "the archive has no code/ folder: it looks like a torch.save() file (weights or a pickled "
-                 "module), not TorchScript; export the model with torch.jit.trace(...) or torch.jit.script(...) "
-                 "and .save() that");
+    refuse(name,
+           "the archive has no code/ folder: it looks like a torch.save() file (weights or a pickled "
+           "module), not TorchScript; export the model with torch.jit.trace(...) or torch.jit.script(...) "
+           "and .save() that");
 }
 
 void check(zip_source_t* source, const std::string& name, const unsigned char* head, size_t head_size) {
   if (head_size < 4 || head[0] != 'P' || head[1] != 'K') {
     zip_source_free(source);
-    refuse(name, "it is not a zip archive (TorchScript files start with \"PK\"); save the model with "
-                 "torch.jit.trace(...).save() or torch.jit.script(...).save()");
+    refuse(name,
+           "it is not a zip archive (TorchScript files start with \"PK\"); save the model with "
+           "torch.jit.trace(...).save() or torch.jit.script(...).save()");
   }
   zip_error_t error;
   zip_error_init(&error);

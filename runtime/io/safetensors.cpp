@@ -25,16 +25,24 @@ struct DtypeName {
 };
 
 constexpr DtypeName kDtypes[] = {
-    {"F64", at::kDouble},   {"F32", at::kFloat},       {"F16", at::kHalf},
-    {"BF16", at::kBFloat16}, {"I64", at::kLong},        {"I32", at::kInt},
-    {"I16", at::kShort},    {"I8", at::kChar},         {"U8", at::kByte},
-    {"BOOL", at::kBool},    {"U16", at::kUInt16},      {"U32", at::kUInt32},
-    {"U64", at::kUInt64},   {"F8_E4M3", at::kFloat8_e4m3fn}, {"F8_E5M2", at::kFloat8_e5m2},
+    {"F64", at::kDouble},
+    {"F32", at::kFloat},
+    {"F16", at::kHalf},
+    {"BF16", at::kBFloat16},
+    {"I64", at::kLong},
+    {"I32", at::kInt},
+    {"I16", at::kShort},
+    {"I8", at::kChar},
+    {"U8", at::kByte},
+    {"BOOL", at::kBool},
+    {"U16", at::kUInt16},
+    {"U32", at::kUInt32},
+    {"U64", at::kUInt64},
+    {"F8_E4M3", at::kFloat8_e4m3fn},
+    {"F8_E5M2", at::kFloat8_e5m2},
 };
 
-[[noreturn]] void bad(const std::string& what) {
-  throw Error(Status::InvalidFormat, "malformed safetensors: " + what);
-}
+[[noreturn]] void bad(const std::string& what) { throw Error(Status::InvalidFormat, "malformed safetensors: " + what); }
 
 at::ScalarType dtype_from_name(const std::string& entry, const std::string& name) {
   for (const auto& d : kDtypes)
@@ -45,8 +53,7 @@ at::ScalarType dtype_from_name(const std::string& entry, const std::string& name
 const char* dtype_name(at::ScalarType type) {
   for (const auto& d : kDtypes)
     if (type == d.type) return d.name;
-  throw Error(Status::Unsupported,
-              std::string("cannot write dtype ") + c10::toString(type) + " to safetensors");
+  throw Error(Status::Unsupported, std::string("cannot write dtype ") + c10::toString(type) + " to safetensors");
 }
 
 uint64_t read_u64_le(const unsigned char* p) {
@@ -57,8 +64,7 @@ uint64_t read_u64_le(const unsigned char* p) {
 
 }  // namespace
 
-std::vector<TensorEntry> parse_safetensors_header(const std::string& header_json,
-                                                  uint64_t data_size) {
+std::vector<TensorEntry> parse_safetensors_header(const std::string& header_json, uint64_t data_size) {
   Json header;
   try {
     header = Json::parse(header_json);
@@ -80,8 +86,7 @@ std::vector<TensorEntry> parse_safetensors_header(const std::string& header_json
     if (!v.is_object()) bad("entry '" + name + "' is not an object");
     if (!v.contains("dtype") || !v["dtype"].is_string()) bad("tensor '" + name + "' has no dtype");
     if (!v.contains("shape") || !v["shape"].is_array()) bad("tensor '" + name + "' has no shape");
-    if (!v.contains("data_offsets") || !v["data_offsets"].is_array() ||
-        v["data_offsets"].size() != 2)
+    if (!v.contains("data_offsets") || !v["data_offsets"].is_array() || v["data_offsets"].size() != 2)
       bad("tensor '" + name + "' has no data_offsets [begin, end]");
 
     TensorEntry e;
@@ -105,14 +110,12 @@ std::vector<TensorEntry> parse_safetensors_header(const std::string& header_json
     e.end = v["data_offsets"][1].get<uint64_t>();
     if (e.begin > e.end) bad("tensor '" + name + "' has data_offsets with begin after end");
     if (e.end > data_size)
-      bad("tensor '" + name + "' has data_offsets [" + std::to_string(e.begin) + ", " +
-          std::to_string(e.end) + "] beyond the " + std::to_string(data_size) +
-          "-byte data section (truncated file?)");
+      bad("tensor '" + name + "' has data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+          "] beyond the " + std::to_string(data_size) + "-byte data section (truncated file?)");
     const uint64_t elem = c10::elementSize(e.dtype);
     if (numel > std::numeric_limits<uint64_t>::max() / elem || numel * elem != e.end - e.begin)
-      bad("tensor '" + name + "' has " + std::to_string(e.end - e.begin) +
-          " bytes but its dtype and shape need " + std::to_string(numel) + " x " +
-          std::to_string(elem));
+      bad("tensor '" + name + "' has " + std::to_string(e.end - e.begin) + " bytes but its dtype and shape need " +
+          std::to_string(numel) + " x " + std::to_string(elem));
     entries.push_back(std::move(e));
   }
 
@@ -122,8 +125,7 @@ std::vector<TensorEntry> parse_safetensors_header(const std::string& header_json
             [](const TensorEntry* a, const TensorEntry* b) { return a->begin < b->begin; });
   for (size_t i = 1; i < by_offset.size(); ++i)
     if (by_offset[i]->begin < by_offset[i - 1]->end)
-      bad("tensors '" + by_offset[i - 1]->name + "' and '" + by_offset[i]->name +
-          "' overlap in the data section");
+      bad("tensors '" + by_offset[i - 1]->name + "' and '" + by_offset[i]->name + "' overlap in the data section");
   return entries;
 }
 
@@ -158,8 +160,7 @@ std::vector<NamedTensor> read_safetensors(const std::string& path) {
   for (const auto& e : entries) {
     at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
     in.seekg(static_cast<std::streamoff>(data_start + e.begin));
-    if (e.end > e.begin &&
-        !in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e.end - e.begin)))
+    if (e.end > e.begin && !in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e.end - e.begin)))
       throw Error(Status::Io, "failed reading tensor '" + e.name + "' from '" + path + "'");
     out.push_back({e.name, std::move(t)});
   }
@@ -173,15 +174,12 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
   for (const auto& nt : tensors) {
     if (nt.name.empty() || nt.name == "__metadata__")
       throw Error(Status::InvalidArgument, "tensor name '" + nt.name + "' cannot be written to safetensors");
-    if (header.contains(nt.name))
-      throw Error(Status::InvalidArgument, "tensor name '" + nt.name + "' appears twice");
-    if (!nt.tensor.defined())
-      throw Error(Status::InvalidArgument, "tensor '" + nt.name + "' holds no data");
+    if (header.contains(nt.name)) throw Error(Status::InvalidArgument, "tensor name '" + nt.name + "' appears twice");
+    if (!nt.tensor.defined()) throw Error(Status::InvalidArgument, "tensor '" + nt.name + "' holds no data");
     at::Tensor t = nt.tensor.to(at::kCPU).contiguous();
     const uint64_t bytes = t.numel() * t.element_size();
-    header[nt.name] = {{"dtype", dtype_name(t.scalar_type())},
-                       {"shape", t.sizes().vec()},
-                       {"data_offsets", {offset, offset + bytes}}};
+    header[nt.name] = {
+        {"dtype", dtype_name(t.scalar_type())}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
     data.push_back(std::move(t));
   }
@@ -198,8 +196,7 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
     out.write(reinterpret_cast<const char*>(len_bytes), 8);
     out.write(text.data(), static_cast<std::streamsize>(text.size()));
     for (const auto& t : data)
-      out.write(static_cast<const char*>(t.data_ptr()),
-                static_cast<std::streamsize>(t.numel() * t.element_size()));
+      out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * t.element_size()));
     out.flush();
     if (!out) {
       std::remove(tmp.c_str());

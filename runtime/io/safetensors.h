@@ -25,8 +25,7 @@ struct TensorEntry {
 
 // Validates and parses a header (the JSON text only), given the size of the data section that
 // follows it. Throws Error(InvalidFormat) naming the offending entry. Entries keep file order.
-std::vector<TensorEntry> parse_safetensors_header(const std::string& header_json,
-                                                  uint64_t data_size);
+std::vector<TensorEntry> parse_safetensors_header(const std::string& header_json, uint64_t data_size);
 
 // Reads a whole file into CPU tensors. Throws Error(NotFound) if it cannot be opened,
 // Error(InvalidFormat) if it is malformed, Error(Io) if reading fails midway.

@@ -121,10 +121,12 @@ namespace {
 // Timing needs real weights: a skeleton's stages would run on the meta device and measure nothing.
 void require_real_weights(const graph::Program& model, const char* what) {
   if (!model.parameter_without_data().empty())
-    throw Error(Status::InvalidArgument,
-                std::string(what) + " runs the model on the example inputs, but its weights are on the meta "
-                                    "device (a skeleton; '" + model.parameter_without_data() + "' is one): use policy params or "
-                                    "uniform, or time the full model");
+    throw Error(Status::InvalidArgument, std::string(what) +
+                                             " runs the model on the example inputs, but its weights are on the meta "
+                                             "device (a skeleton; '" +
+                                             model.parameter_without_data() +
+                                             "' is one): use policy params or "
+                                             "uniform, or time the full model");
 }
 
 }  // namespace
@@ -135,8 +137,7 @@ std::shared_ptr<const Plan> make_plan(std::shared_ptr<const graph::Program> mode
   const bool by_points = !request.split_points.empty();
   const bool by_count = request.num_stages != 0 || !request.policy.empty();
   if (by_points && by_count)
-    throw Error(Status::InvalidArgument,
-                "give either split points or a stage count with a policy, not both");
+    throw Error(Status::InvalidArgument, "give either split points or a stage count with a policy, not both");
   if (by_count) validate_stage_request(request);
   if (by_count && request.policy == "time") require_real_weights(*model, "policy time");
   if (!request.example_inputs.empty()) require_real_weights(*model, "timing stages on example inputs");
@@ -145,8 +146,8 @@ std::shared_ptr<const Plan> make_plan(std::shared_ptr<const graph::Program> mode
   else if (by_count) plan = by_policy(model, request, used);
   else plan = Plan::from_markers(model);
   if (!request.example_inputs.empty())
-    plan->set_estimates(stage::time_stages(*plan, request.example_inputs,
-                                           default_threads_per_stage(plan->num_stages())));
+    plan->set_estimates(
+        stage::time_stages(*plan, request.example_inputs, default_threads_per_stage(plan->num_stages())));
   return plan;
 }
 

@@ -15,10 +15,10 @@
 namespace libpipe {
 
 struct PlanRequest {
-  std::vector<std::string> split_points;     // "FQN:begin" / "FQN:end" / "FQN@K:end"
-  int num_stages = 0;                        // with `policy`; 0 when not asked
-  std::string policy;                        // "uniform", "params" or "time"
-  std::vector<c10::IValue> example_inputs;   // needed by "time"; give estimates for any plan
+  std::vector<std::string> split_points;    // "FQN:begin" / "FQN:end" / "FQN@K:end"
+  int num_stages = 0;                       // with `policy`; 0 when not asked
+  std::string policy;                       // "uniform", "params" or "time"
+  std::vector<c10::IValue> example_inputs;  // needed by "time"; give estimates for any plan
 };
 
 // What a "params" or "time" policy shared out among the stages: the model's parts (part i is

@@ -17,7 +17,8 @@ std::vector<std::pair<size_t, size_t>> place_stages(size_t num_stages, int world
     throw Error(Status::InvalidArgument, "the plan has " + std::to_string(num_stages) + " stage" +
                                              (num_stages == 1 ? "" : "s") + " but " + std::to_string(world_size) +
                                              " processes were asked for; every process hosts at least one stage, so "
-                                             "use at most " + std::to_string(num_stages) + " processes or split into more stages");
+                                             "use at most " +
+                                             std::to_string(num_stages) + " processes or split into more stages");
   std::vector<std::pair<size_t, size_t>> ranges;
   size_t first = 0;
   for (size_t r = 0; r < ranks; ++r) {
@@ -32,13 +33,18 @@ comm::Message encode_assignment(const WorkerAssignment& a) {
   Json stages = Json::array();
   for (size_t i = 0; i < a.stages.size(); ++i) {
     const auto& io = a.stages[i];
-    stages.push_back({{"index", io.index}, {"inputs", io.inputs}, {"outputs", io.outputs},
-                      {"dead_after", io.dead_after}, {"producers", io.producers}, {"last", io.last},
-                      {"device", a.devices.at(i).str()}, {"aliases", a.aliases.at(i)}});
+    stages.push_back({{"index", io.index},
+                      {"inputs", io.inputs},
+                      {"outputs", io.outputs},
+                      {"dead_after", io.dead_after},
+                      {"producers", io.producers},
+                      {"last", io.last},
+                      {"device", a.devices.at(i).str()},
+                      {"aliases", a.aliases.at(i)}});
   }
-  Json j = {{"world_size", a.world_size}, {"num_values", a.num_values}, {"stages", stages},
-            {"threads_per_stage", a.threads_per_stage}, {"weights", a.weights},
-            {"dtype", a.dtype ? static_cast<int>(*a.dtype) : -1}};
+  Json j = {{"world_size", a.world_size}, {"num_values", a.num_values},
+            {"stages", stages},           {"threads_per_stage", a.threads_per_stage},
+            {"weights", a.weights},       {"dtype", a.dtype ? static_cast<int>(*a.dtype) : -1}};
   comm::Message m;
   m.kind = comm::Kind::Setup;
   m.text = j.dump();

@@ -24,13 +24,13 @@ std::vector<std::pair<size_t, size_t>> place_stages(size_t num_stages, int world
 
 struct WorkerAssignment {
   int world_size = 0;
-  size_t num_values = 0;                // size of a micro-batch's environment
-  std::vector<StageIO> stages;          // this rank's, in order
-  std::vector<c10::Device> devices;     // where each of them runs (on the worker's machine)
-  std::vector<std::string> modules;     // serialized stage modules, one per stage
+  size_t num_values = 0;                    // size of a micro-batch's environment
+  std::vector<StageIO> stages;              // this rank's, in order
+  std::vector<c10::Device> devices;         // where each of them runs (on the worker's machine)
+  std::vector<std::string> modules;         // serialized stage modules, one per stage
   std::vector<stage::AliasGroups> aliases;  // tied-weight names per stage (checkpoint lookups)
   int threads_per_stage = 1;
-  std::string weights;                  // checkpoint each worker reads; empty: inside the modules
+  std::string weights;  // checkpoint each worker reads; empty: inside the modules
   std::optional<at::ScalarType> dtype;
 };
 

@@ -71,10 +71,8 @@ std::vector<NamedTensor> Request::result(const std::vector<chunk::OutputSpec>& s
 device::Ready MicroBatch::ready_for(const std::vector<int>& producers) const {
   device::Ready ready;
   for (int p : producers) {
-    if (p < 0)
-      ready.insert(ready.end(), input_ready.begin(), input_ready.end());
-    else if (static_cast<size_t>(p) < stage_ready.size() && stage_ready[p])
-      ready.push_back(stage_ready[p]);
+    if (p < 0) ready.insert(ready.end(), input_ready.begin(), input_ready.end());
+    else if (static_cast<size_t>(p) < stage_ready.size() && stage_ready[p]) ready.push_back(stage_ready[p]);
   }
   return ready;
 }

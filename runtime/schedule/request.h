@@ -65,7 +65,7 @@ class Request {
   std::mutex mutex_;
   std::condition_variable done_;
   size_t remaining_;
-  std::vector<c10::IValue> results_;  // one per micro-batch, written by the last stage
+  std::vector<c10::IValue> results_;                       // one per micro-batch, written by the last stage
   std::vector<std::shared_ptr<c10::Event>> result_ready_;  // per micro-batch: GPU work writing it
   bool failed_ = false;
   Status status_ = Status::Ok;

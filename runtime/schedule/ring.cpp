@@ -109,15 +109,15 @@ void Ring::receiver_loop() {
       retire_(request, static_cast<Status>(m.status), m.text);
     } else {
       retire_(request, Status::Internal,
-             "a worker answered with message kind " + std::to_string(static_cast<int>(m.kind)));
+              "a worker answered with message kind " + std::to_string(static_cast<int>(m.kind)));
     }
   }
 }
 
 void Ring::watchdog_loop() {
   const auto timeout = comm_timeout_;
-  const auto tick = std::clamp<std::chrono::milliseconds>(timeout / 20, std::chrono::milliseconds(5),
-                                                          std::chrono::milliseconds(200));
+  const auto tick =
+      std::clamp<std::chrono::milliseconds>(timeout / 20, std::chrono::milliseconds(5), std::chrono::milliseconds(200));
   std::unique_lock lock(mutex_);
   while (!stop_watchdog_) {
     cv_.wait_for(lock, tick);
@@ -156,8 +156,7 @@ void Ring::stop() {
   sender_.join();
   {
     std::unique_lock lock(mutex_);
-    if (!cv_.wait_for(lock, comm_timeout_,
-                           [&] { return closed_ || !broken_.empty(); })) {
+    if (!cv_.wait_for(lock, comm_timeout_, [&] { return closed_ || !broken_.empty(); })) {
       lock.unlock();
       break_ring("the workers did not finish within the comm timeout as the session was destroyed");
     }

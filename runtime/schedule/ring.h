@@ -64,7 +64,7 @@ class Ring {
   std::map<std::pair<uint64_t, size_t>, std::shared_ptr<Request>> remote_;  // with the workers
   Clock::time_point last_progress_;
   std::string broken_;
-  bool closed_ = false;        // the Shutdown came back: every worker has finished
+  bool closed_ = false;  // the Shutdown came back: every worker has finished
   bool stop_watchdog_ = false;
   bool stopped_ = false;
 };

@@ -34,8 +34,8 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
     throw Error(Status::InvalidArgument, "threads_per_stage must be 0 (automatic) or positive, got " +
                                              std::to_string(options_.threads_per_stage));
   if (options_.max_inflight < 0)
-    throw Error(Status::InvalidArgument, "max_inflight must be 0 (automatic) or positive, got " +
-                                             std::to_string(options_.max_inflight));
+    throw Error(Status::InvalidArgument,
+                "max_inflight must be 0 (automatic) or positive, got " + std::to_string(options_.max_inflight));
   const size_t num_inputs = plan_->model().input_names().size();
   if (options_.input_specs.size() > num_inputs)
     throw Error(Status::InvalidArgument, std::to_string(options_.input_specs.size()) +
@@ -49,9 +49,10 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
   if (dist.world_size < 1)
     throw Error(Status::InvalidArgument, "the world size must be at least 1, got " + std::to_string(dist.world_size));
   if (dist.transport == TransportKind::Local && !dist.connected && dist.world_size != 1)
-    throw Error(Status::InvalidArgument, "the local transport runs every stage in this process (world size 1); "
-                                         "choose the Gloo or NCCL transport to spread stages over " +
-                                             std::to_string(dist.world_size) + " processes");
+    throw Error(Status::InvalidArgument,
+                "the local transport runs every stage in this process (world size 1); "
+                "choose the Gloo or NCCL transport to spread stages over " +
+                    std::to_string(dist.world_size) + " processes");
   if (dist.comm_timeout.count() <= 0)
     throw Error(Status::InvalidArgument,
                 "the comm timeout must be positive, got " + std::to_string(dist.comm_timeout.count()) + " ms");
@@ -61,8 +62,10 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
   const size_t local = ranges[0].second;
   if (nccl) {
     if (!options_.devices.empty())
-      throw Error(Status::InvalidArgument, "with the NCCL transport each process runs its stages on its own GPU; leave "
-                                           "the device list empty (it was '" + options_.devices + "')");
+      throw Error(Status::InvalidArgument,
+                  "with the NCCL transport each process runs its stages on its own GPU; leave "
+                  "the device list empty (it was '" +
+                      options_.devices + "')");
     for (size_t r = 0; r < ranges.size(); ++r)
       for (size_t s = ranges[r].first; s < ranges[r].second; ++s) devices_.push_back(nccl_device(static_cast<int>(r)));
   } else {
@@ -94,13 +97,11 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
   }
   for (size_t s = 0; s < local; ++s) workers_[s]->thread = std::thread([this, s] { worker_loop(s); });
   if (group)
-    ring_ = std::make_unique<Ring>(std::move(group), static_cast<size_t>(options_.max_inflight), dist.comm_timeout,
-                                   shutting_down_,
-                                   // What travels must be where the transport carries it from.
-                                   nccl ? device::Place::with_default_stream(devices_[local]) : device::Place(),
-                                   [this](const std::shared_ptr<Request>& r, Status st, const std::string& why) {
-                                     retire(r, st, why);
-                                   });
+    ring_ = std::make_unique<Ring>(
+        std::move(group), static_cast<size_t>(options_.max_inflight), dist.comm_timeout, shutting_down_,
+        // What travels must be where the transport carries it from.
+        nccl ? device::Place::with_default_stream(devices_[local]) : device::Place(),
+        [this](const std::shared_ptr<Request>& r, Status st, const std::string& why) { retire(r, st, why); });
 }
 
 Session::~Session() {
@@ -117,9 +118,8 @@ Session::~Session() {
 
 void Session::admit(const std::shared_ptr<Request>& request) {
   std::unique_lock lock(admission_mutex_);
-  admission_cv_.wait_until(lock, request->deadline(), [&] {
-    return stopping_ || inflight_ < options_.max_inflight || request->failed();
-  });
+  admission_cv_.wait_until(lock, request->deadline(),
+                           [&] { return stopping_ || inflight_ < options_.max_inflight || request->failed(); });
   if (stopping_) throw Error(Status::Cancelled, "the session is shutting down");
   if (request->failed()) throw Error(Status::Cancelled, "");  // the request already says why
   if (inflight_ >= options_.max_inflight)
@@ -241,8 +241,9 @@ std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs,
   if (ring_) {
     const std::string why = ring_->broken();
     if (!why.empty())
-      throw Error(Status::Communication, "the session is broken (" + why + "); destroy it, restart its workers and create "
-                                         "a new one");
+      throw Error(Status::Communication, "the session is broken (" + why +
+                                             "); destroy it, restart its workers and create "
+                                             "a new one");
   }
   const auto& names = plan_->model().input_names();
   if (inputs.size() != names.size()) {
@@ -348,10 +349,13 @@ std::string Session::stop_trace() {
   Json events = Json::array();
   events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 1}, {"args", {{"name", "libpipe session"}}}});
   for (size_t s = 0; s < workers_.size(); ++s) {
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 1}, {"tid", s},
+    events.push_back({{"name", "thread_name"},
+                      {"ph", "M"},
+                      {"pid", 1},
+                      {"tid", s},
                       {"args", {{"name", "stage " + std::to_string(s)}}}});
-    events.push_back({{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", 1}, {"tid", s},
-                      {"args", {{"sort_index", s}}}});
+    events.push_back(
+        {{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", 1}, {"tid", s}, {"args", {{"sort_index", s}}}});
     std::lock_guard lock(workers_[s]->trace_mutex);
     for (const auto& e : workers_[s]->trace)
       events.push_back({{"name", "request " + std::to_string(e.request) + " mb " + std::to_string(e.microbatch)},

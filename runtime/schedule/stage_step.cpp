@@ -63,10 +63,9 @@ StageError stage_error(size_t stage, size_t microbatch, const std::exception& e)
   if (const auto* own = dynamic_cast<const Error*>(&e)) return {own->status(), own->what()};
   const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
   const std::string what = c10_error ? c10_error->what_without_backtrace() : e.what();
-  const bool out_of_memory = dynamic_cast<const c10::OutOfMemoryError*>(&e) ||
-                             what.find("out of memory") != std::string::npos ||
-                             what.find("OutOfMemoryError") != std::string::npos ||
-                             what.find("can't allocate memory") != std::string::npos;
+  const bool out_of_memory =
+      dynamic_cast<const c10::OutOfMemoryError*>(&e) || what.find("out of memory") != std::string::npos ||
+      what.find("OutOfMemoryError") != std::string::npos || what.find("can't allocate memory") != std::string::npos;
   return {out_of_memory ? Status::OutOfMemory : Status::Execution, stage_failure(stage, microbatch, what)};
 }
 

@@ -16,11 +16,11 @@ namespace libpipe::schedule {
 
 struct StageIO {
   size_t index = 0;
-  std::vector<size_t> inputs;     // crossing-value ids: the stage's forward arguments
-  std::vector<size_t> outputs;    // crossing-value ids it defines (not for the last stage)
-  std::vector<size_t> dead_after; // ids no stage after this one reads
-  std::vector<int> producers;     // stages that define its inputs, once each (-1: the caller)
-  bool last = false;              // returns the model's own result
+  std::vector<size_t> inputs;      // crossing-value ids: the stage's forward arguments
+  std::vector<size_t> outputs;     // crossing-value ids it defines (not for the last stage)
+  std::vector<size_t> dead_after;  // ids no stage after this one reads
+  std::vector<int> producers;      // stages that define its inputs, once each (-1: the caller)
+  bool last = false;               // returns the model's own result
 };
 
 StageIO stage_io(const graph::Plan& plan, size_t stage);

@@ -66,8 +66,9 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
     transport_ = o.connected;
   } else {
     if (o.store.empty())
-      throw Error(Status::InvalidArgument, "a session over several processes needs a store address (HOST:PORT) that "
-                                           "its workers can reach");
+      throw Error(Status::InvalidArgument,
+                  "a session over several processes needs a store address (HOST:PORT) that "
+                  "its workers can reach");
     // Port 0: the store picks a free port; the workers are told the one it got.
     auto hosted = comm::host_store(comm::parse_address(o.store, "the store address", comm::PortZero::PicksAFreePort),
                                    o.world_size, o.comm_timeout);
@@ -77,14 +78,14 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
     comm::wait_for_workers(*store_, o.world_size, comm::format_address(hosted.address), o.comm_timeout);
     if (o.transport == TransportKind::Nccl)
       transport_ = comm::make_nccl_transport(store_, 0, o.world_size, nccl_device(0), o.comm_timeout);
-    else
-      transport_ = comm::make_gloo_transport(store_, 0, o.world_size, hosted.address.host, o.comm_timeout);
+    else transport_ = comm::make_gloo_transport(store_, 0, o.world_size, hosted.address.host, o.comm_timeout);
   }
 
   SetupDeadline deadline(*transport_, o.comm_timeout);
   // Opened here only to see which tensors it holds.
   const auto checkpoint = stage_options.weights.empty() ? nullptr : stage::Checkpoint::open(stage_options.weights);
-  const auto aliases = stage_options.weights.empty() ? stage::AliasGroups{} : stage::alias_groups(graph::torchscript_model(plan).module());
+  const auto aliases = stage_options.weights.empty() ? stage::AliasGroups{}
+                                                     : stage::alias_groups(graph::torchscript_model(plan).module());
   for (int r = 1; r < world_size_; ++r) {
     WorkerAssignment a;
     a.world_size = world_size_;
@@ -125,8 +126,8 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
   transport_->send(1, comm::control(Kind::Warmup));
   const Message back = transport_->recv(world_size_ - 1);
   if (back.kind != Kind::Warmup)
-    throw Error(Status::Communication, "the warm-up message came back as message kind " +
-                                           std::to_string(static_cast<int>(back.kind)));
+    throw Error(Status::Communication,
+                "the warm-up message came back as message kind " + std::to_string(static_cast<int>(back.kind)));
   log::info("session spread over " + std::to_string(world_size_) + " processes; every worker is ready");
 }
 

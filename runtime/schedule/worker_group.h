@@ -21,8 +21,8 @@ enum class TransportKind { Local, Gloo, Nccl };
 
 struct DistributedOptions {
   TransportKind transport = TransportKind::Local;
-  int world_size = 1;                               // the driver included
-  std::string store;                                // "HOST:PORT" the driver hosts (PORT 0: a free one)
+  int world_size = 1;  // the driver included
+  std::string store;   // "HOST:PORT" the driver hosts (PORT 0: a free one)
   std::chrono::milliseconds comm_timeout{60000};
   // Tests: rank 0's end of an already connected transport (e.g. in-process ranks); no store.
   std::shared_ptr<comm::Transport> connected;

@@ -159,7 +159,11 @@ void serve(comm::Transport& transport, const c10::Device& device, std::chrono::m
       try {
         transport_place.receive(m.values, item->ready);
       } catch (const c10::Error& e) {
-        m = Message{Kind::Error, m.request, m.microbatch, static_cast<int32_t>(Status::Execution), {},
+        m = Message{Kind::Error,
+                    m.request,
+                    m.microbatch,
+                    static_cast<int32_t>(Status::Execution),
+                    {},
                     "rank " + std::to_string(rank) + " could not bring micro-batch " + std::to_string(m.microbatch) +
                         " to " + device.str() + " for the transport: " + e.what_without_backtrace()};
       }
@@ -206,7 +210,8 @@ void serve_worker(const WorkerOptions& o) {
     throw Error(Status::InvalidArgument, "a worker's rank must be in 1.." + std::to_string(o.world_size - 1) +
                                              " (rank 0 is the driver), got " + std::to_string(o.rank));
   if (o.comm_timeout.count() <= 0)
-    throw Error(Status::InvalidArgument, "the comm timeout must be positive, got " + std::to_string(o.comm_timeout.count()));
+    throw Error(Status::InvalidArgument,
+                "the comm timeout must be positive, got " + std::to_string(o.comm_timeout.count()));
   const auto address = comm::parse_address(o.store, "the store address");
   std::string local_host;
   auto store = comm::connect_store(address, o.comm_timeout, &local_host);
@@ -219,8 +224,8 @@ void serve_worker(const WorkerOptions& o) {
     device = nccl_device(o.rank);
     transport = comm::make_nccl_transport(store, o.rank, o.world_size, device, o.comm_timeout);
   } else {
-    throw Error(Status::Communication, "the driver asked for transport '" + transport_name +
-                                           "', which this worker does not know");
+    throw Error(Status::Communication,
+                "the driver asked for transport '" + transport_name + "', which this worker does not know");
   }
   serve(*transport, device, o.comm_timeout, o.threads_per_stage);
 }

@@ -15,9 +15,9 @@ namespace libpipe::schedule {
 struct WorkerOptions {
   int rank = 0;
   int world_size = 0;
-  std::string store;                                     // "HOST:PORT" of the driver's store
-  std::chrono::milliseconds comm_timeout{60000};         // reaching the store, receiving the stages
-  int threads_per_stage = 0;                             // 0: as the driver says
+  std::string store;                              // "HOST:PORT" of the driver's store
+  std::chrono::milliseconds comm_timeout{60000};  // reaching the store, receiving the stages
+  int threads_per_stage = 0;                      // 0: as the driver says
 };
 
 // Returns when the driver ends the session. Throws Error: Communication when the store, the

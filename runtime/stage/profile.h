@@ -16,7 +16,7 @@ namespace libpipe::stage {
 // Returns each stage's fastest time in milliseconds: on a shared machine the fastest run is the
 // one least disturbed by other work, and the most repeatable statistic. Throws Error(Input) for
 // inputs the model does not take and Error(Execution) if a stage raises.
-std::vector<double> time_stages(const graph::Plan& plan, const std::vector<c10::IValue>& inputs,
-                                int threads, int repeats = 15);
+std::vector<double> time_stages(const graph::Plan& plan, const std::vector<c10::IValue>& inputs, int threads,
+                                int repeats = 15);
 
 }  // namespace libpipe::stage

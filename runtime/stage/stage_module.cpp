@@ -51,8 +51,8 @@ class ModuleTree {
     const std::string& leaf = path.back();
     const auto& type = orig->type();
     const size_t slot = type->getAttributeSlot(leaf);
-    stage_parent.register_attribute(leaf, type->getAttribute(slot), orig->getSlot(slot),
-                                    type->is_parameter(slot), type->is_buffer(slot));
+    stage_parent.register_attribute(leaf, type->getAttribute(slot), orig->getSlot(slot), type->is_parameter(slot),
+                                    type->is_buffer(slot));
   }
 
   Module& root() { return root_; }
@@ -131,13 +131,12 @@ Module build_stage_module(const graph::Plan& plan, size_t stage_index, c10::Devi
     Value* made = nullptr;
     if (def->kind() == torch::jit::prim::Constant) {
       made = graph->insertNode(graph->createClone(def, lookup))->output();
-    } else if (def->kind() == torch::jit::prim::GetAttr &&
-               !graph::attribute_path(v, model_self).empty()) {
+    } else if (def->kind() == torch::jit::prim::GetAttr && !graph::attribute_path(v, model_self).empty()) {
       // insertGetAttr types the result from the stage module's own class.
       made = graph->insertGetAttr(lookup(def->input()), def->s(torch::jit::attr::name));
     } else {
-      throw Error(Status::Internal, "stage " + std::to_string(stage_index) + " reads value %" +
-                                        v->debugName() + " that the plan does not hand to it");
+      throw Error(Status::Internal, "stage " + std::to_string(stage_index) + " reads value %" + v->debugName() +
+                                        " that the plan does not hand to it");
     }
     made->setDebugName(readable_name(v));
     env[v] = made;
@@ -160,9 +159,7 @@ Module build_stage_module(const graph::Plan& plan, size_t stage_index, c10::Devi
   if (last) {
     std::vector<Value*> results;
     for (Value* v : model_graph->outputs()) results.push_back(lookup(v));
-    graph->registerOutput(results.size() == 1
-                              ? results[0]
-                              : graph->insertNode(graph->createTuple(results))->output());
+    graph->registerOutput(results.size() == 1 ? results[0] : graph->insertNode(graph->createTuple(results))->output());
   } else {
     std::vector<Value*> outs;
     for (size_t id : sp.outputs) outs.push_back(env.at(model.value(plan.values()[id].value)));
@@ -176,8 +173,7 @@ Module build_stage_module(const graph::Plan& plan, size_t stage_index, c10::Devi
   torch::jit::EraseShapeInformation(graph);
 
   Module& root = tree.root();
-  auto* fn = tree.cu()->create_function(
-      c10::QualifiedName(*root.type()->name(), "forward"), graph);
+  auto* fn = tree.cu()->create_function(c10::QualifiedName(*root.type()->name(), "forward"), graph);
   root.type()->addMethod(fn);
   root.eval();
   return root;

@@ -1,7 +1,8 @@
 // The TorchScript stage builder: one stage of a plan made from a TorchScript model, as a
 // standalone TorchScript module. forward(self, <stage inputs>) runs the stage's nodes; it returns
-// a tuple of the values later stages read, or, for the last stage, the model's own result. The module holds only the attributes the stage reads, under a
-// tree of submodules that mirrors the original, so its state_dict keys are the original names.
+// a tuple of the values later stages read, or, for the last stage, the model's own result. The module holds only the
+// attributes the stage reads, under a tree of submodules that mirrors the original, so its state_dict keys are the
+// original names.
 #pragma once
 
 #include <torch/csrc/jit/api/module.h>

@@ -22,7 +22,7 @@ namespace libpipe::stage {
 // One mapped shard: the file stays mapped while any tensor viewing it is alive.
 struct Checkpoint::Shard {
   std::string path;
-  std::shared_ptr<void> mapping;  // munmap on release
+  std::shared_ptr<void> mapping;        // munmap on release
   const unsigned char* data = nullptr;  // start of the data section
   std::map<std::string, io::TensorEntry> entries;
 };
@@ -48,8 +48,8 @@ std::map<std::string, std::string> parse_checkpoint_index(const std::string& tex
     throw Error(Status::InvalidFormat, "checkpoint index '" + path + "' is not valid JSON (" + e.what() + ")");
   }
   if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
-    throw Error(Status::InvalidFormat, "checkpoint index '" + path +
-                                           "' has no \"weight_map\" object (tensor name -> shard file)");
+    throw Error(Status::InvalidFormat,
+                "checkpoint index '" + path + "' has no \"weight_map\" object (tensor name -> shard file)");
   std::map<std::string, std::string> weight_map;
   for (const auto& [name, file] : index["weight_map"].items()) {
     if (!file.is_string())
@@ -93,7 +93,7 @@ Checkpoint::Shard& Checkpoint::shard(const std::string& file) {
   s->path = dir_ + "/" + file;
   const int fd = ::open(s->path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw Error(Status::NotFound, "checkpoint shard '" + s->path + "' is missing (named by '" + path_ + "')");
-  struct stat st {};
+  struct stat st{};
   if (::fstat(fd, &st) != 0) {
     ::close(fd);
     throw Error(Status::Io, "cannot stat checkpoint shard '" + s->path + "'");
@@ -212,8 +212,8 @@ void strip_stage_weights(torch::jit::Module& stage, const Checkpoint& checkpoint
 
 void load_stage_weights(torch::jit::Module& stage, const graph::Plan& plan, size_t stage_index,
                         const StageOptions& options, Checkpoint* checkpoint, const c10::Device& device) {
-  load_stage_weights(stage, checkpoint ? alias_groups(graph::torchscript_model(plan).module()) : AliasGroups{}, stage_index, options,
-                     checkpoint, device);
+  load_stage_weights(stage, checkpoint ? alias_groups(graph::torchscript_model(plan).module()) : AliasGroups{},
+                     stage_index, options, checkpoint, device);
 }
 
 void load_stage_weights(torch::jit::Module& stage, const AliasGroups& aliases, size_t stage_index,
@@ -281,8 +281,8 @@ void load_stage_weights(torch::jit::Module& stage, const AliasGroups& aliases, s
       throw Error(Status::InvalidArgument, "tensor '" + slot.name + "'" + where +
                                                " has no data (it is on the meta device): give its weights with a "
                                                "checkpoint (--weights / pipe_stage_options.weights)");
-    const bool cast = options.dtype && at::isFloatingType(slot.current.scalar_type()) &&
-                      slot.current.scalar_type() != *options.dtype;
+    const bool cast =
+        options.dtype && at::isFloatingType(slot.current.scalar_type()) && slot.current.scalar_type() != *options.dtype;
     if (uploader) {
       auto [it, fresh] = placed.try_emplace(slot.current.unsafeGetTensorImpl());
       if (fresh) it->second = uploader->upload(slot.current, cast ? options.dtype : std::nullopt);

@@ -20,8 +20,8 @@
 namespace libpipe::stage {
 
 struct StageOptions {
-  std::string weights;                   // checkpoint file or index; empty: keep the model's tensors
-  std::optional<at::ScalarType> dtype;   // cast floating parameters and buffers (and inputs) to this
+  std::string weights;                  // checkpoint file or index; empty: keep the model's tensors
+  std::optional<at::ScalarType> dtype;  // cast floating parameters and buffers (and inputs) to this
   // Called as each tensor is loaded: (stage, bytes loaded so far, bytes the stage needs).
   std::function<void(size_t, uint64_t, uint64_t)> progress;
 };

@@ -1,5 +1,6 @@
 """Shared helpers for the `pipe` command-line tests: where the tool and the fixtures are, how to
 run the tool, and what a refused command must look like."""
+
 import os
 import subprocess
 

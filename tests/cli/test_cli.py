@@ -1,5 +1,6 @@
 """The `pipe` command-line contract (see docs/DESIGN.md): split and run on the seed models, outputs
 equal to eager PyTorch, and one clear line on stderr with a non-zero exit for every error."""
+
 import json
 import os
 
@@ -59,8 +60,16 @@ def test_split_prints_a_readable_plan():
 @pytest.mark.parametrize("microbatches", [1, 2, 4])
 def test_run_matches_eager_pytorch(tmp_path, model, stem, stages, microbatches):
     out = tmp_path / "out.safetensors"
-    result = pipe("run", fixture(model), "--input", fixture(f"{stem}.inputs.safetensors"),
-                  "--output", out, "--microbatches", microbatches)
+    result = pipe(
+        "run",
+        fixture(model),
+        "--input",
+        fixture(f"{stem}.inputs.safetensors"),
+        "--output",
+        out,
+        "--microbatches",
+        microbatches,
+    )
     assert result.returncode == 0, result.stderr
     got, want = load_file(out), load_file(fixture(f"{stem}.expected.safetensors"))
     assert list(got) == ["output"]
@@ -69,8 +78,16 @@ def test_run_matches_eager_pytorch(tmp_path, model, stem, stages, microbatches):
 
 def test_run_names_tuple_outputs(tmp_path):
     out = tmp_path / "out.safetensors"
-    result = pipe("run", fixture("tuple_output.traced.pt"), "--input",
-                  fixture("tuple_output.inputs.safetensors"), "--output", out, "--microbatches", 4)
+    result = pipe(
+        "run",
+        fixture("tuple_output.traced.pt"),
+        "--input",
+        fixture("tuple_output.inputs.safetensors"),
+        "--output",
+        out,
+        "--microbatches",
+        4,
+    )
     assert result.returncode == 0, result.stderr
     got, want = load_file(out), load_file(fixture("tuple_output.expected.safetensors"))
     assert sorted(got) == ["output.0", "output.1"]
@@ -79,6 +96,7 @@ def test_run_names_tuple_outputs(tmp_path):
 
 
 # ---- errors: one line, non-zero exit, never a crash ----
+
 
 def test_missing_model(tmp_path):
     assert_one_line_error(pipe("split", tmp_path / "nope.pt"), "nope.pt", "PIPE_ERR_NOT_FOUND")
@@ -104,22 +122,29 @@ def test_torch_save_file_is_named_as_such(tmp_path):
 
 
 def test_marker_inside_branch():
-    assert_one_line_error(pipe("split", fixture("marker_in_branch.scripted.pt")),
-                          "inside an if/loop block", "PIPE_ERR_SPLIT")
+    assert_one_line_error(
+        pipe("split", fixture("marker_in_branch.scripted.pt")), "inside an if/loop block", "PIPE_ERR_SPLIT"
+    )
 
 
 def test_missing_input_tensor(tmp_path):
     inp = tmp_path / "in.safetensors"
     save_file({"x": torch.randn(4, 512)}, inp)
-    assert_one_line_error(pipe("run", fixture("example_code.traced.pt"), "--input", inp, "--output",
-                               tmp_path / "o.safetensors"), "no tensor named 'y'", "x, y")
+    assert_one_line_error(
+        pipe("run", fixture("example_code.traced.pt"), "--input", inp, "--output", tmp_path / "o.safetensors"),
+        "no tensor named 'y'",
+        "x, y",
+    )
 
 
 def test_extra_input_tensor(tmp_path):
     inp = tmp_path / "in.safetensors"
     save_file({"x": torch.randn(4, 512), "y": torch.randn(4, 512), "z": torch.randn(1)}, inp)
-    assert_one_line_error(pipe("run", fixture("example_code.traced.pt"), "--input", inp, "--output",
-                               tmp_path / "o.safetensors"), "tensor 'z'", "not an input")
+    assert_one_line_error(
+        pipe("run", fixture("example_code.traced.pt"), "--input", inp, "--output", tmp_path / "o.safetensors"),
+        "tensor 'z'",
+        "not an input",
+    )
 
 
 def test_wrongly_shaped_input(tmp_path):
@@ -143,20 +168,41 @@ def test_wrongly_typed_input(tmp_path):
 def test_corrupt_input_file(tmp_path):
     inp = tmp_path / "in.safetensors"
     inp.write_bytes((10**12).to_bytes(8, "little") + b"{}")
-    assert_one_line_error(pipe("run", fixture("example_code.traced.pt"), "--input", inp, "--output",
-                               tmp_path / "o.safetensors"), "malformed safetensors", "PIPE_ERR_INVALID_FORMAT")
+    assert_one_line_error(
+        pipe("run", fixture("example_code.traced.pt"), "--input", inp, "--output", tmp_path / "o.safetensors"),
+        "malformed safetensors",
+        "PIPE_ERR_INVALID_FORMAT",
+    )
 
 
 @pytest.mark.parametrize("value", ["0", "-3"])
 def test_non_positive_microbatches(tmp_path, value):
-    assert_one_line_error(pipe("run", fixture("example_code.traced.pt"), "--input",
-                               fixture("example_code.inputs.safetensors"), "--output", tmp_path / "o.safetensors",
-                               "--microbatches", value), "num_microbatches must be at least 1")
+    assert_one_line_error(
+        pipe(
+            "run",
+            fixture("example_code.traced.pt"),
+            "--input",
+            fixture("example_code.inputs.safetensors"),
+            "--output",
+            tmp_path / "o.safetensors",
+            "--microbatches",
+            value,
+        ),
+        "num_microbatches must be at least 1",
+    )
 
 
 def test_non_numeric_microbatches(tmp_path):
-    result = pipe("run", fixture("example_code.traced.pt"), "--input", fixture("example_code.inputs.safetensors"),
-                  "--output", tmp_path / "o.safetensors", "--microbatches", "four")
+    result = pipe(
+        "run",
+        fixture("example_code.traced.pt"),
+        "--input",
+        fixture("example_code.inputs.safetensors"),
+        "--output",
+        tmp_path / "o.safetensors",
+        "--microbatches",
+        "four",
+    )
     assert result.returncode == 2
     assert "--microbatches expects an integer" in result.stderr
 
@@ -169,17 +215,36 @@ def test_usage_errors(args):
 
 
 def test_output_into_missing_directory(tmp_path):
-    assert_one_line_error(pipe("run", fixture("example_code.traced.pt"), "--input",
-                               fixture("example_code.inputs.safetensors"), "--output",
-                               tmp_path / "missing" / "o.safetensors"), "PIPE_ERR_IO")
+    assert_one_line_error(
+        pipe(
+            "run",
+            fixture("example_code.traced.pt"),
+            "--input",
+            fixture("example_code.inputs.safetensors"),
+            "--output",
+            tmp_path / "missing" / "o.safetensors",
+        ),
+        "PIPE_ERR_IO",
+    )
 
 
 # ---- observability: trace and bench ----
 
+
 def test_run_writes_a_chrome_trace_with_one_track_per_stage(tmp_path):
     trace = tmp_path / "trace.json"
-    result = pipe("run", fixture("example_code.traced.pt"), "--input", fixture("example_code.inputs.safetensors"),
-                  "--output", tmp_path / "o.safetensors", "--microbatches", 4, "--trace", trace)
+    result = pipe(
+        "run",
+        fixture("example_code.traced.pt"),
+        "--input",
+        fixture("example_code.inputs.safetensors"),
+        "--output",
+        tmp_path / "o.safetensors",
+        "--microbatches",
+        4,
+        "--trace",
+        trace,
+    )
     assert result.returncode == 0, result.stderr
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
@@ -191,8 +256,19 @@ def test_run_writes_a_chrome_trace_with_one_track_per_stage(tmp_path):
 
 
 def test_bench_reports_throughput_latency_and_busy_fractions():
-    result = pipe("bench", fixture("multi_mlp.traced.pt"), "--input", fixture("multi_mlp.inputs.safetensors"),
-                  "--microbatches", 2, "--requests", 20, "--concurrency", 2, "--json")
+    result = pipe(
+        "bench",
+        fixture("multi_mlp.traced.pt"),
+        "--input",
+        fixture("multi_mlp.inputs.safetensors"),
+        "--microbatches",
+        2,
+        "--requests",
+        20,
+        "--concurrency",
+        2,
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["requests"] == 20 and report["stages"] == 4 and report["batch"] == 16
@@ -206,8 +282,21 @@ def test_bench_reports_throughput_latency_and_busy_fractions():
 def test_bench_fixed_microbatching_cuts_every_request_alike():
     # Fixed: every one of the 20 requests is cut into 2 micro-batches at every stage. (Adaptive
     # may cut fewer under load; the C conformance suite checks when.)
-    result = pipe("bench", fixture("multi_mlp.traced.pt"), "--input", fixture("multi_mlp.inputs.safetensors"),
-                  "--microbatches", 2, "--requests", 20, "--concurrency", 2, "--microbatching", "fixed", "--json")
+    result = pipe(
+        "bench",
+        fixture("multi_mlp.traced.pt"),
+        "--input",
+        fixture("multi_mlp.inputs.safetensors"),
+        "--microbatches",
+        2,
+        "--requests",
+        20,
+        "--concurrency",
+        2,
+        "--microbatching",
+        "fixed",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["microbatching"] == "fixed"
@@ -215,20 +304,39 @@ def test_bench_fixed_microbatching_cuts_every_request_alike():
 
 
 def test_bad_microbatching_mode(tmp_path):
-    result = pipe("run", fixture("example_code.traced.pt"), "--input", fixture("example_code.inputs.safetensors"),
-                  "--output", tmp_path / "o.safetensors", "--microbatching", "sometimes")
+    result = pipe(
+        "run",
+        fixture("example_code.traced.pt"),
+        "--input",
+        fixture("example_code.inputs.safetensors"),
+        "--output",
+        tmp_path / "o.safetensors",
+        "--microbatching",
+        "sometimes",
+    )
     assert result.returncode == 2
     assert "--microbatching is adaptive or fixed, got 'sometimes'" in result.stderr
 
 
 def test_bench_text_and_errors():
-    result = pipe("bench", fixture("multi_mlp.traced.pt"), "--input", fixture("multi_mlp.inputs.safetensors"),
-                  "--requests", 4)
+    result = pipe(
+        "bench", fixture("multi_mlp.traced.pt"), "--input", fixture("multi_mlp.inputs.safetensors"), "--requests", 4
+    )
     assert result.returncode == 0, result.stderr
     assert "samples/s" in result.stdout and "stage 3: busy" in result.stdout
-    assert pipe("bench", fixture("multi_mlp.traced.pt"), "--input", fixture("multi_mlp.inputs.safetensors"),
-                "--requests", 0).returncode == 2
+    assert (
+        pipe(
+            "bench", fixture("multi_mlp.traced.pt"), "--input", fixture("multi_mlp.inputs.safetensors"), "--requests", 0
+        ).returncode
+        == 2
+    )
     assert pipe("bench", fixture("multi_mlp.traced.pt")).returncode == 2
-    bad = pipe("bench", fixture("multi_mlp.traced.pt"), "--input", fixture("example_code.inputs.safetensors"),
-               "--threads-per-stage", "-1")
+    bad = pipe(
+        "bench",
+        fixture("multi_mlp.traced.pt"),
+        "--input",
+        fixture("example_code.inputs.safetensors"),
+        "--threads-per-stage",
+        "-1",
+    )
     assert bad.returncode == 1 and "threads_per_stage" in bad.stderr

@@ -2,6 +2,7 @@
 placement computes exactly what the default one does, and a device that is not there, a
 malformed list or one of the wrong length is one clear error line naming it. (The GPU placements
 themselves are tested by the GPU suite, tests/gpu.)"""
+
 import os
 
 import pytest
@@ -53,12 +54,15 @@ def test_a_gpu_that_is_not_there_is_refused_naming_it(tmp_path, command):
     assert not (tmp_path / "out.safetensors").exists()
 
 
-@pytest.mark.parametrize("devices,needle", [
-    ("cpu,gpu0,cpu,cpu", "'gpu0' in the device list"),
-    ("cpu,cpu", "names 2 devices but the plan has 4 stages"),
-    ("cpu,,cpu,cpu", "empty entry"),
-    ("cuda:x", "'cuda:x'"),
-])
+@pytest.mark.parametrize(
+    "devices,needle",
+    [
+        ("cpu,gpu0,cpu,cpu", "'gpu0' in the device list"),
+        ("cpu,cpu", "names 2 devices but the plan has 4 stages"),
+        ("cpu,,cpu,cpu", "empty entry"),
+        ("cuda:x", "'cuda:x'"),
+    ],
+)
 def test_malformed_device_lists(tmp_path, devices, needle):
     result = pipe("run", MODEL, "--input", INPUTS, "--output", tmp_path / "out.safetensors", "--devices", devices)
     assert result.returncode == 1

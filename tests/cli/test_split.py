@@ -1,6 +1,7 @@
 """Splitting real models by module path and by policy, end to end through `pipe`: every split
 equals eager PyTorch, and every way a split can be wrong is refused with a message that says
 what to change."""
+
 import json
 import os
 
@@ -28,8 +29,17 @@ def plan_of(name, *split):
 
 def assert_runs_like_eager(tmp_path, name, *split, microbatches=2, tol=1e-5):
     out = tmp_path / "out.safetensors"
-    result = pipe("run", fixture(f"{name}.pt"), *split, "--input", fixture(f"{name}.inputs.safetensors"),
-                  "--output", out, "--microbatches", microbatches)
+    result = pipe(
+        "run",
+        fixture(f"{name}.pt"),
+        *split,
+        "--input",
+        fixture(f"{name}.inputs.safetensors"),
+        "--output",
+        out,
+        "--microbatches",
+        microbatches,
+    )
     assert result.returncode == 0, result.stderr
     got, want = load_file(out), load_file(fixture(f"{name}.expected.safetensors"))
     assert sorted(got) == sorted(want)
@@ -113,14 +123,16 @@ def test_saved_stages_reload_and_chain_to_the_same_result(tmp_path):
     out = None
     for stage in plan["stages"]:
         module = torch.jit.load(str(tmp_path / f"stage{stage['index']}.pt"))
-        assert set(dict(module.named_parameters())) | set(dict(module.named_buffers())) == \
-            set(stage["parameters"]) | set(stage["buffers"])
+        assert set(dict(module.named_parameters())) | set(dict(module.named_buffers())) == set(
+            stage["parameters"]
+        ) | set(stage["buffers"])
         out = module(*[values[i["name"]] for i in stage["inputs"]])
         if stage["index"] + 1 < plan["num_stages"]:
             for o, v in zip(stage["outputs"], out):
                 values[o["name"]] = v
-    torch.testing.assert_close(out, load_file(fixture("tiny_llama.expected.safetensors"))["output"],
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        out, load_file(fixture("tiny_llama.expected.safetensors"))["output"], rtol=1e-4, atol=1e-4
+    )
 
 
 def test_module_called_twice_gives_a_boundary_per_call(tmp_path):
@@ -149,38 +161,42 @@ def test_inspect_lists_the_module_tree():
 assert_refused = assert_one_line_error
 
 
-@pytest.mark.parametrize("split,needles", [
-    (["--split-at", "layers.7:end"], ["names module 'layers.7'", "nearest module paths: layers.0"]),
-    (["--split-at", "layers.0"], ["has no ':begin' or ':end'"]),
-    (["--split-at", "layers.0:middle"], ["neither ':begin' nor ':end'"]),
-    (["--split-at", "layers..0:end"], ["empty component"]),
-    (["--split-at", "layers.0@x:end"], ["call number"]),
-    (["--split-at", "embed:begin"], ["would leave stage 0 empty"]),
-    (["--split-at", "lm_head:end"], ["would leave stage after it empty"]),
-    (["--split-at", "layers.0@3:end"], ["called 1 time"]),
-    (["--stages", "0", "--policy", "uniform"], ["at least 1"]),
-    (["--stages", "4", "--policy", "uniform"], ["has 3 layers", "at most 3"]),
-    (["--stages", "2", "--policy", "fastest"], ["unknown split policy 'fastest'"]),
-    (["--stages", "2", "--policy", "time"], ["example inputs"]),
-    (["--stages", "2", "--policy", "uniform", "--split-at", "layers.0:end"], ["not both"]),
-])
+@pytest.mark.parametrize(
+    "split,needles",
+    [
+        (["--split-at", "layers.7:end"], ["names module 'layers.7'", "nearest module paths: layers.0"]),
+        (["--split-at", "layers.0"], ["has no ':begin' or ':end'"]),
+        (["--split-at", "layers.0:middle"], ["neither ':begin' nor ':end'"]),
+        (["--split-at", "layers..0:end"], ["empty component"]),
+        (["--split-at", "layers.0@x:end"], ["call number"]),
+        (["--split-at", "embed:begin"], ["would leave stage 0 empty"]),
+        (["--split-at", "lm_head:end"], ["would leave stage after it empty"]),
+        (["--split-at", "layers.0@3:end"], ["called 1 time"]),
+        (["--stages", "0", "--policy", "uniform"], ["at least 1"]),
+        (["--stages", "4", "--policy", "uniform"], ["has 3 layers", "at most 3"]),
+        (["--stages", "2", "--policy", "fastest"], ["unknown split policy 'fastest'"]),
+        (["--stages", "2", "--policy", "time"], ["example inputs"]),
+        (["--stages", "2", "--policy", "uniform", "--split-at", "layers.0:end"], ["not both"]),
+    ],
+)
 def test_bad_splits_are_refused(split, needles):
     assert_refused(pipe("split", fixture("tiny_llama.pt"), *split), *needles)
 
 
 def test_too_many_stages_for_the_places_to_cut():
-    assert_refused(pipe("split", fixture("nograd_layers.pt"), "--stages", "9", "--policy", "params"),
-                   "cannot make 9 stages")
+    assert_refused(
+        pipe("split", fixture("nograd_layers.pt"), "--stages", "9", "--policy", "params"), "cannot make 9 stages"
+    )
 
 
 def test_cut_inside_a_branch_is_refused():
-    assert_refused(pipe("split", fixture("call_inside_branch.pt"), "--split-at", "lin1:end"),
-                   "inside an if/loop block")
+    assert_refused(pipe("split", fixture("call_inside_branch.pt"), "--split-at", "lin1:end"), "inside an if/loop block")
 
 
 def test_cut_inside_autocast_is_refused():
-    assert_refused(pipe("split", fixture("inside_autocast.pt"), "--split-at", "lin1:end"),
-                   "inside a `with` block", "autocast")
+    assert_refused(
+        pipe("split", fixture("inside_autocast.pt"), "--split-at", "lin1:end"), "inside a `with` block", "autocast"
+    )
 
 
 def test_policy_never_cuts_inside_autocast():

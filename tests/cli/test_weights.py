@@ -2,6 +2,7 @@
 on the meta device) split in 3 stages gets its weights from a 2-shard checkpoint whose tied head
 is stored once, and equals eager PyTorch, also after --save-stages and reload; every checkpoint
 error names the tensor, the stage or the file."""
+
 import os
 
 import pytest
@@ -19,8 +20,18 @@ def fixture(name):
 
 def run(tmp_path, model, *extra, microbatches=2):
     out = tmp_path / "out.safetensors"
-    result = pipe("run", fixture(model), *SPLIT, *extra, "--input", fixture("llama.inputs.safetensors"),
-                  "--output", out, "--microbatches", microbatches)
+    result = pipe(
+        "run",
+        fixture(model),
+        *SPLIT,
+        *extra,
+        "--input",
+        fixture("llama.inputs.safetensors"),
+        "--output",
+        out,
+        "--microbatches",
+        microbatches,
+    )
     return result, out
 
 
@@ -42,10 +53,19 @@ def test_checkpoint_overrides_a_full_models_weights(tmp_path):
 
 
 def test_saved_stages_of_a_skeleton_reload_and_run(tmp_path):
-    result = pipe("split", fixture("llama.skeleton.pt"), *SPLIT, "--weights",
-                  fixture("sharded/llama.safetensors.index.json"), "--save-stages", tmp_path, "--json")
+    result = pipe(
+        "split",
+        fixture("llama.skeleton.pt"),
+        *SPLIT,
+        "--weights",
+        fixture("sharded/llama.safetensors.index.json"),
+        "--save-stages",
+        tmp_path,
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     import json
+
     plan = json.loads(result.stdout)
     values = {"input_ids": load_file(fixture("llama.inputs.safetensors"))["input_ids"]}
     out = None
@@ -65,16 +85,26 @@ def test_saved_stages_of_a_skeleton_reload_and_run(tmp_path):
 
 
 def test_only_one_stage_is_built_and_saved(tmp_path):
-    result = pipe("split", fixture("llama.skeleton.pt"), *SPLIT, "--weights",
-                  fixture("sharded/llama.safetensors.index.json"), "--save-stages", tmp_path, "--stage", 1)
+    result = pipe(
+        "split",
+        fixture("llama.skeleton.pt"),
+        *SPLIT,
+        "--weights",
+        fixture("sharded/llama.safetensors.index.json"),
+        "--save-stages",
+        tmp_path,
+        "--stage",
+        1,
+    )
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(tmp_path)) == ["stage1.pt"]
 
 
 @pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_dtype_converts_floating_weights_and_inputs(tmp_path, dtype, torch_dtype):
-    result, out = run(tmp_path, "llama.skeleton.pt", "--weights", fixture("sharded/llama.safetensors.index.json"),
-                      "--dtype", dtype)
+    result, out = run(
+        tmp_path, "llama.skeleton.pt", "--weights", fixture("sharded/llama.safetensors.index.json"), "--dtype", dtype
+    )
     assert result.returncode == 0, result.stderr
     got = load_file(out)["output"]
     assert got.dtype == torch_dtype
@@ -90,17 +120,30 @@ def test_dtype_converts_floating_weights_and_inputs(tmp_path, dtype, torch_dtype
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("weights,needles", [
-    (None, ["tensor 'embed.weight' (stage 0) has no data", "meta device", "PIPE_ERR_INVALID_ARGUMENT"]),
-    ("missing/llama.safetensors.index.json", ["tensor 'layers.1.mlp.up_proj.weight' (stage 1) is not in checkpoint",
-                                              "PIPE_ERR_NOT_FOUND"]),
-    ("shape.safetensors", ["tensor 'norm.weight' (stage 2)", "expects shape [64]", "has shape [65]", "PIPE_ERR_INPUT"]),
-    ("dtype.safetensors", ["tensor 'norm.weight' (stage 2)", "expects dtype Float", "has Half", "PIPE_ERR_INPUT"]),
-    ("lost_shard/llama.safetensors.index.json", ["llama-00009-of-00009.safetensors' is missing", "PIPE_ERR_NOT_FOUND"]),
-    ("corrupt/llama.safetensors.index.json", ["malformed safetensors", "llama-00002-of-00002.safetensors",
-                                              "PIPE_ERR_INVALID_FORMAT"]),
-    ("nope.safetensors", ["nope.safetensors", "PIPE_ERR_NOT_FOUND"]),
-])
+@pytest.mark.parametrize(
+    "weights,needles",
+    [
+        (None, ["tensor 'embed.weight' (stage 0) has no data", "meta device", "PIPE_ERR_INVALID_ARGUMENT"]),
+        (
+            "missing/llama.safetensors.index.json",
+            ["tensor 'layers.1.mlp.up_proj.weight' (stage 1) is not in checkpoint", "PIPE_ERR_NOT_FOUND"],
+        ),
+        (
+            "shape.safetensors",
+            ["tensor 'norm.weight' (stage 2)", "expects shape [64]", "has shape [65]", "PIPE_ERR_INPUT"],
+        ),
+        ("dtype.safetensors", ["tensor 'norm.weight' (stage 2)", "expects dtype Float", "has Half", "PIPE_ERR_INPUT"]),
+        (
+            "lost_shard/llama.safetensors.index.json",
+            ["llama-00009-of-00009.safetensors' is missing", "PIPE_ERR_NOT_FOUND"],
+        ),
+        (
+            "corrupt/llama.safetensors.index.json",
+            ["malformed safetensors", "llama-00002-of-00002.safetensors", "PIPE_ERR_INVALID_FORMAT"],
+        ),
+        ("nope.safetensors", ["nope.safetensors", "PIPE_ERR_NOT_FOUND"]),
+    ],
+)
 def test_checkpoint_errors_name_what_is_wrong(tmp_path, weights, needles):
     extra = ["--weights", fixture(weights)] if weights else []
     result, out = run(tmp_path, "llama.skeleton.pt", *extra)
@@ -114,8 +157,16 @@ def test_bad_dtype_is_a_usage_error(tmp_path):
 
 
 def test_timing_a_skeleton_is_refused_with_a_way_out():
-    result = pipe("split", fixture("llama.skeleton.pt"), "--stages", 2, "--policy", "time", "--input",
-                  fixture("llama.inputs.safetensors"))
+    result = pipe(
+        "split",
+        fixture("llama.skeleton.pt"),
+        "--stages",
+        2,
+        "--policy",
+        "time",
+        "--input",
+        fixture("llama.inputs.safetensors"),
+    )
     assert_one_line_error(result, "meta device", "use policy params or uniform", "PIPE_ERR_INVALID_ARGUMENT")
     plan = pipe("split", fixture("llama.skeleton.pt"), "--stages", 2, "--policy", "params")
     assert plan.returncode == 0, plan.stderr

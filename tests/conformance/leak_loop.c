@@ -7,13 +7,13 @@
 
 #include <pipe/pipe.h>
 
-#define CHECK(call)                                                                       \
-  do {                                                                                    \
-    pipe_status st_ = (call);                                                             \
-    if (st_ != PIPE_OK) {                                                                 \
+#define CHECK(call)                                                                        \
+  do {                                                                                     \
+    pipe_status st_ = (call);                                                              \
+    if (st_ != PIPE_OK) {                                                                  \
       fprintf(stderr, "%s: %s (%s)\n", #call, pipe_last_error(), pipe_status_string(st_)); \
-      exit(1);                                                                            \
-    }                                                                                     \
+      exit(1);                                                                             \
+    }                                                                                      \
   } while (0)
 
 int main(int argc, char **argv) {

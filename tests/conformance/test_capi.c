@@ -46,21 +46,17 @@ _Static_assert(sizeof(pipe_stage_options) == 32 && offsetof(pipe_stage_options, 
                "pipe_stage_options");
 _Static_assert(PIPE_DTYPE_KEEP == 0 && PIPE_DTYPE_FLOAT32 == 1 && PIPE_DTYPE_FLOAT16 == 2 && PIPE_DTYPE_BFLOAT16 == 3,
                "dtypes");
-_Static_assert(sizeof(pipe_session_options) == 104 && offsetof(pipe_session_options, struct_size) == 0 &&
-                   offsetof(pipe_session_options, num_microbatches) == 4 &&
-                   offsetof(pipe_session_options, threads_per_stage) == 8 &&
-                   offsetof(pipe_session_options, max_inflight) == 12 &&
-                   offsetof(pipe_session_options, input_specs) == 16 &&
-                   offsetof(pipe_session_options, num_input_specs) == 24 &&
-                   offsetof(pipe_session_options, output_specs) == 32 &&
-                   offsetof(pipe_session_options, num_output_specs) == 40 &&
-                   offsetof(pipe_session_options, stage_options) == 48 &&
-                   offsetof(pipe_session_options, microbatching) == 56 &&
-                   offsetof(pipe_session_options, transport) == 60 &&
-                   offsetof(pipe_session_options, world_size) == 64 && offsetof(pipe_session_options, store) == 72 &&
-                   offsetof(pipe_session_options, comm_timeout_ms) == 80 &&
-                   offsetof(pipe_session_options, devices) == 88 && offsetof(pipe_session_options, outputs) == 96,
-               "pipe_session_options");
+_Static_assert(
+    sizeof(pipe_session_options) == 104 && offsetof(pipe_session_options, struct_size) == 0 &&
+        offsetof(pipe_session_options, num_microbatches) == 4 &&
+        offsetof(pipe_session_options, threads_per_stage) == 8 && offsetof(pipe_session_options, max_inflight) == 12 &&
+        offsetof(pipe_session_options, input_specs) == 16 && offsetof(pipe_session_options, num_input_specs) == 24 &&
+        offsetof(pipe_session_options, output_specs) == 32 && offsetof(pipe_session_options, num_output_specs) == 40 &&
+        offsetof(pipe_session_options, stage_options) == 48 && offsetof(pipe_session_options, microbatching) == 56 &&
+        offsetof(pipe_session_options, transport) == 60 && offsetof(pipe_session_options, world_size) == 64 &&
+        offsetof(pipe_session_options, store) == 72 && offsetof(pipe_session_options, comm_timeout_ms) == 80 &&
+        offsetof(pipe_session_options, devices) == 88 && offsetof(pipe_session_options, outputs) == 96,
+    "pipe_session_options");
 _Static_assert(PIPE_OUTPUTS_ON_CPU == 0 && PIPE_OUTPUTS_ON_DEVICE == 1, "output placements");
 _Static_assert(sizeof(pipe_worker_options) == 32 && offsetof(pipe_worker_options, rank) == 4 &&
                    offsetof(pipe_worker_options, world_size) == 8 && offsetof(pipe_worker_options, store) == 16 &&
@@ -91,21 +87,21 @@ static const char *fixture(const char *name) {
   return path;
 }
 
-#define ASSERT_OK(call)                                                              \
-  do {                                                                               \
-    pipe_status st_ = (call);                                                        \
+#define ASSERT_OK(call)                                                                              \
+  do {                                                                                               \
+    pipe_status st_ = (call);                                                                        \
     if (st_ != PIPE_OK) fail_msg("%s -> %s: %s", #call, pipe_status_string(st_), pipe_last_error()); \
   } while (0)
 
 /* Asserts a call fails with `status` and leaves a non-empty message containing `needle`. */
-#define ASSERT_FAILS(call, status, needle)                                                  \
-  do {                                                                                      \
-    pipe_status st_ = (call);                                                               \
-    if (st_ != (status))                                                                    \
-      fail_msg("%s -> %s (want %s): %s", #call, pipe_status_string(st_),                     \
-               pipe_status_string(status), pipe_last_error());                              \
-    if (strstr(pipe_last_error(), (needle)) == NULL)                                        \
-      fail_msg("%s: message '%s' does not mention '%s'", #call, pipe_last_error(), (needle)); \
+#define ASSERT_FAILS(call, status, needle)                                                           \
+  do {                                                                                               \
+    pipe_status st_ = (call);                                                                        \
+    if (st_ != (status))                                                                             \
+      fail_msg("%s -> %s (want %s): %s", #call, pipe_status_string(st_), pipe_status_string(status), \
+               pipe_last_error());                                                                   \
+    if (strstr(pipe_last_error(), (needle)) == NULL)                                                 \
+      fail_msg("%s: message '%s' does not mention '%s'", #call, pipe_last_error(), (needle));        \
   } while (0)
 
 /* ---- helpers ---------------------------------------------------------------------------- */
@@ -152,9 +148,7 @@ static int64_t numel(const DLTensor *t) {
   return n;
 }
 
-static const float *floats(const DLTensor *t) {
-  return (const float *)((const char *)t->data + t->byte_offset);
-}
+static const float *floats(const DLTensor *t) { return (const float *)((const char *)t->data + t->byte_offset); }
 
 /* Asserts `got` equals `want` (float32, same shape) within rtol = atol = 1e-5. */
 static void assert_close(const DLManagedTensor *got, const DLManagedTensor *want) {
@@ -307,8 +301,7 @@ static void status_strings_name_codes(void **state) {
 static void missing_model_file(void **state) {
   (void)state;
   pipe_model *model = (pipe_model *)0x1; /* sentinel: must stay untouched */
-  ASSERT_FAILS(pipe_model_load("/nonexistent/model.pt", &model), PIPE_ERR_NOT_FOUND,
-               "/nonexistent/model.pt");
+  ASSERT_FAILS(pipe_model_load("/nonexistent/model.pt", &model), PIPE_ERR_NOT_FOUND, "/nonexistent/model.pt");
   assert_ptr_equal(model, (pipe_model *)0x1);
 }
 
@@ -316,8 +309,8 @@ static void junk_model_file(void **state) {
   (void)state;
   /* A safetensors file is a real file that is not TorchScript. */
   pipe_model *model = NULL;
-  ASSERT_FAILS(pipe_model_load(fixture("example_code.inputs.safetensors"), &model),
-               PIPE_ERR_INVALID_FORMAT, "TorchScript");
+  ASSERT_FAILS(pipe_model_load(fixture("example_code.inputs.safetensors"), &model), PIPE_ERR_INVALID_FORMAT,
+               "TorchScript");
   assert_null(model);
 
   /* A model file cut short (an interrupted copy) is refused before LibTorch reads it. */
@@ -371,18 +364,16 @@ static void null_arguments(void **state) {
   const char *name = NULL;
 
   ASSERT_FAILS(pipe_model_load(NULL, &model), PIPE_ERR_INVALID_ARGUMENT, "path is NULL");
-  ASSERT_FAILS(pipe_model_load(fixture("example_code.traced.pt"), NULL), PIPE_ERR_INVALID_ARGUMENT,
-               "model is NULL");
+  ASSERT_FAILS(pipe_model_load(fixture("example_code.traced.pt"), NULL), PIPE_ERR_INVALID_ARGUMENT, "model is NULL");
   ASSERT_FAILS(pipe_model_num_inputs(NULL, &count), PIPE_ERR_INVALID_ARGUMENT, "model is NULL");
   ASSERT_FAILS(pipe_model_input_name(l.model, 0, NULL), PIPE_ERR_INVALID_ARGUMENT, "name is NULL");
   ASSERT_FAILS(pipe_model_input_name(l.model, 2, &name), PIPE_ERR_INVALID_ARGUMENT, "out of range");
   ASSERT_FAILS(pipe_plan_create(NULL, NULL, &plan), PIPE_ERR_INVALID_ARGUMENT, "model is NULL");
   ASSERT_FAILS(pipe_plan_create(l.model, NULL, NULL), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
   ASSERT_FAILS(pipe_plan_num_stages(NULL, &count), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
-  ASSERT_FAILS(pipe_plan_stage_count_names(l.plan, 9, PIPE_NAMES_PARAMETERS, &count),
-               PIPE_ERR_INVALID_ARGUMENT, "stage 9 is out of range");
-  ASSERT_FAILS(pipe_plan_stage_count_names(l.plan, 0, 42, &count), PIPE_ERR_INVALID_ARGUMENT,
-               "PIPE_NAMES_");
+  ASSERT_FAILS(pipe_plan_stage_count_names(l.plan, 9, PIPE_NAMES_PARAMETERS, &count), PIPE_ERR_INVALID_ARGUMENT,
+               "stage 9 is out of range");
+  ASSERT_FAILS(pipe_plan_stage_count_names(l.plan, 0, 42, &count), PIPE_ERR_INVALID_ARGUMENT, "PIPE_NAMES_");
   ASSERT_FAILS(pipe_plan_describe(l.plan, NULL), PIPE_ERR_INVALID_ARGUMENT, "json is NULL");
   ASSERT_FAILS(pipe_session_create(NULL, NULL, &session), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
   ASSERT_FAILS(pipe_session_create(l.plan, NULL, NULL), PIPE_ERR_INVALID_ARGUMENT, "session is NULL");
@@ -432,8 +423,7 @@ static void bad_options(void **state) {
   pipe_session *session = NULL;
   pipe_session_options options = PIPE_SESSION_OPTIONS_INIT;
   options.struct_size = 0;
-  ASSERT_FAILS(pipe_session_create(l.plan, &options, &session), PIPE_ERR_INVALID_ARGUMENT,
-               "PIPE_SESSION_OPTIONS_INIT");
+  ASSERT_FAILS(pipe_session_create(l.plan, &options, &session), PIPE_ERR_INVALID_ARGUMENT, "PIPE_SESSION_OPTIONS_INIT");
   pipe_session_options zero = PIPE_SESSION_OPTIONS_INIT;
   zero.num_microbatches = 0;
   ASSERT_FAILS(pipe_session_create(l.plan, &zero, &session), PIPE_ERR_INVALID_ARGUMENT,
@@ -444,8 +434,7 @@ static void bad_options(void **state) {
                "use PIPE_MICROBATCHING_ADAPTIVE or PIPE_MICROBATCHING_FIXED");
   pipe_session_options negative = PIPE_SESSION_OPTIONS_INIT;
   negative.threads_per_stage = -2;
-  ASSERT_FAILS(pipe_session_create(l.plan, &negative, &session), PIPE_ERR_INVALID_ARGUMENT,
-               "threads_per_stage");
+  ASSERT_FAILS(pipe_session_create(l.plan, &negative, &session), PIPE_ERR_INVALID_ARGUMENT, "threads_per_stage");
   /* An older caller (the first 0.1 layout, 12 bytes) whose struct ends before max_inflight gets
    * that field's default. */
   pipe_session_options old = PIPE_SESSION_OPTIONS_INIT;
@@ -709,8 +698,7 @@ static void tensor_list_take_transfers_ownership(void **state) {
   assert_non_null(owned);
   const DLManagedTensor *borrowed = NULL;
   ASSERT_FAILS(pipe_tensor_list_get(list, index, &borrowed), PIPE_ERR_INVALID_ARGUMENT, "already taken");
-  ASSERT_FAILS(pipe_safetensors_write(list, "/tmp/never-written.safetensors"), PIPE_ERR_INVALID_ARGUMENT,
-               "taken");
+  ASSERT_FAILS(pipe_safetensors_write(list, "/tmp/never-written.safetensors"), PIPE_ERR_INVALID_ARGUMENT, "taken");
   pipe_tensor_list_destroy(list);
   /* The taken tensor outlives the list. */
   assert_int_equal(owned->dl_tensor.shape[0], 16);
@@ -1179,7 +1167,7 @@ static void submit_wait_cancel(void **state) {
   pipe_request *a = NULL, *b = NULL;
   pipe_tensor_list *out = (pipe_tensor_list *)0x1;
   ASSERT_OK(pipe_session_submit(session, held.args, 2, NULL, &a));
-  assert_true(gate_wait(key, "stage0", "arrived", 1)); /* a's first micro-batch runs in stage 0 */
+  assert_true(gate_wait(key, "stage0", "arrived", 1));              /* a's first micro-batch runs in stage 0 */
   ASSERT_OK(pipe_session_submit(session, quick.args, 2, NULL, &b)); /* queued behind a's second */
   memset(quick.x, 0, sizeof quick.x); /* submit copied the inputs: b still computes the fixture's */
   /* Held at its gate, a cannot finish: a wait of 0 ms says so and leaves outputs alone. */

@@ -19,9 +19,9 @@
 
 _Static_assert(sizeof(void *) == 8, "the sizes below are those of a 64-bit ABI");
 
-#define ASSERT_OK(call)                                                                               \
-  do {                                                                                                \
-    pipe_status st_ = (call);                                                                         \
+#define ASSERT_OK(call)                                                                              \
+  do {                                                                                               \
+    pipe_status st_ = (call);                                                                        \
     if (st_ != PIPE_OK) fail_msg("%s -> %s: %s", #call, pipe_status_string(st_), pipe_last_error()); \
   } while (0)
 
@@ -36,14 +36,14 @@ typedef struct {
   size_t between;  /* a size between two layouts, or below the only one: never valid */
 } versioned;
 
-static const versioned stage_options_v = {"pipe_stage_options", "PIPE_STAGE_OPTIONS_INIT",
-                                          "pipe_stage_options_init", {32}, 24};
-static const versioned session_options_v = {"pipe_session_options", "PIPE_SESSION_OPTIONS_INIT",
-                                            "pipe_session_options_init", {12, 48, 56, 64, 88, 104}, 72};
+static const versioned stage_options_v = {
+    "pipe_stage_options", "PIPE_STAGE_OPTIONS_INIT", "pipe_stage_options_init", {32}, 24};
+static const versioned session_options_v = {
+    "pipe_session_options", "PIPE_SESSION_OPTIONS_INIT", "pipe_session_options_init", {12, 48, 56, 64, 88, 104}, 72};
 static const versioned run_options_v = {"pipe_run_options", "PIPE_RUN_OPTIONS_INIT", "pipe_run_options_init", {16}, 8};
 static const versioned stage_stats_v = {"pipe_stage_stats", "PIPE_STAGE_STATS_INIT", "pipe_stage_stats_init", {48}, 40};
-static const versioned worker_options_v = {"pipe_worker_options", "PIPE_WORKER_OPTIONS_INIT",
-                                           "pipe_worker_options_init", {32}, 16};
+static const versioned worker_options_v = {
+    "pipe_worker_options", "PIPE_WORKER_OPTIONS_INIT", "pipe_worker_options_init", {32}, 16};
 
 static size_t num_sizes(const versioned *v) {
   size_t n = 0;
@@ -75,7 +75,10 @@ static void assert_size_message(const versioned *v, size_t given, const char *ca
   if (!strstr(msg, text)) fail_msg("%s: message '%s' does not give the size %zu", call, msg, given);
   size_t len = (size_t)snprintf(text, sizeof text, "(");
   for (size_t i = 0, n = num_sizes(v); i < n; ++i)
-    len += (size_t)snprintf(text + len, sizeof text - len, "%s%zu", i == 0 ? "" : i + 1 == n ? " or " : ", ",
+    len += (size_t)snprintf(text + len, sizeof text - len, "%s%zu",
+                            i == 0       ? ""
+                            : i + 1 == n ? " or "
+                                         : ", ",
                             v->sizes[i]);
   snprintf(text + len, sizeof text - len, " bytes)");
   if (!strstr(msg, text)) fail_msg("%s: message '%s' does not list the sizes as '%s'", call, msg, text);
@@ -94,14 +97,14 @@ static void assert_size_message(const versioned *v, size_t given, const char *ca
 
 /* ---- each init gives exactly the macro's fields --------------------------------------------- */
 
-#define FIELD_EQ(got, want, field) assert_memory_equal(&(got).field, &(want).field, sizeof (got).field)
+#define FIELD_EQ(got, want, field) assert_memory_equal(&(got).field, &(want).field, sizeof(got).field)
 
 /* A struct's fields end where its size says, up to the padding its alignment adds: a field
  * appended without being compared below fails here. */
-#define ASSERT_LAST_FIELD(type, field)                                                                         \
-  assert_int_equal((offsetof(type, field) + sizeof(((type *)0)->field) + _Alignof(type) - 1) / _Alignof(type) * \
-                       _Alignof(type),                                                                         \
-                   sizeof(type))
+#define ASSERT_LAST_FIELD(type, field)                                                                             \
+  assert_int_equal(                                                                                                \
+      (offsetof(type, field) + sizeof(((type *)0)->field) + _Alignof(type) - 1) / _Alignof(type) * _Alignof(type), \
+      sizeof(type))
 
 static void init_gives_the_macros_defaults(void **state) {
   (void)state;
@@ -214,24 +217,24 @@ static void older_sizes_get_only_their_fields(void **state) {
 /* ---- sizes no version had are refused by init ---------------------------------------------- */
 
 /* The struct is left as it was (output parameters are written only on success). */
-#define INIT_REFUSES(type, init, v)                                                    \
-  do {                                                                                 \
-    size_t bad[5];                                                                     \
-    size_t n = bogus_sizes(&(v), bad, 1);                                              \
-    for (size_t i = 0; i < n; ++i) {                                                   \
-      type s;                                                                          \
-      memset(&s, GUARD, sizeof s);                                                     \
-      ASSERT_SIZE_REFUSED(init(&s, bad[i]), &(v), bad[i]);                             \
-      for (size_t b = 0; b < sizeof s; ++b)                                            \
-        if (((unsigned char *)&s)[b] != GUARD) fail_msg(#init " wrote byte %zu", b);   \
-    }                                                                                  \
-    for (size_t i = 0; i < num_sizes(&(v)); ++i) {                                     \
-      type s;                                                                          \
-      ASSERT_OK(init(&s, (v).sizes[i]));                                               \
-      assert_int_equal(s.struct_size, (v).sizes[i]);                                   \
-    }                                                                                  \
-    assert_int_equal(init(NULL, sizeof(type)), PIPE_ERR_INVALID_ARGUMENT);             \
-    assert_non_null(strstr(pipe_last_error(), "NULL"));                                \
+#define INIT_REFUSES(type, init, v)                                                  \
+  do {                                                                               \
+    size_t bad[5];                                                                   \
+    size_t n = bogus_sizes(&(v), bad, 1);                                            \
+    for (size_t i = 0; i < n; ++i) {                                                 \
+      type s;                                                                        \
+      memset(&s, GUARD, sizeof s);                                                   \
+      ASSERT_SIZE_REFUSED(init(&s, bad[i]), &(v), bad[i]);                           \
+      for (size_t b = 0; b < sizeof s; ++b)                                          \
+        if (((unsigned char *)&s)[b] != GUARD) fail_msg(#init " wrote byte %zu", b); \
+    }                                                                                \
+    for (size_t i = 0; i < num_sizes(&(v)); ++i) {                                   \
+      type s;                                                                        \
+      ASSERT_OK(init(&s, (v).sizes[i]));                                             \
+      assert_int_equal(s.struct_size, (v).sizes[i]);                                 \
+    }                                                                                \
+    assert_int_equal(init(NULL, sizeof(type)), PIPE_ERR_INVALID_ARGUMENT);           \
+    assert_non_null(strstr(pipe_last_error(), "NULL"));                              \
   } while (0)
 
 static void init_refuses_sizes_no_version_had(void **state) {
@@ -353,11 +356,9 @@ static void consumers_refuse_sizes_no_version_had(void **state) {
     pipe_tensor_list *out = NULL;
     pipe_request *r = NULL;
     ro.struct_size = (uint32_t)bad[i];
-    ASSERT_SIZE_REFUSED(pipe_session_run(f.session, f.args, f.num_args, &ro, &out), &run_options_v,
-                        (uint32_t)bad[i]);
+    ASSERT_SIZE_REFUSED(pipe_session_run(f.session, f.args, f.num_args, &ro, &out), &run_options_v, (uint32_t)bad[i]);
     assert_null(out);
-    ASSERT_SIZE_REFUSED(pipe_session_submit(f.session, f.args, f.num_args, &ro, &r), &run_options_v,
-                        (uint32_t)bad[i]);
+    ASSERT_SIZE_REFUSED(pipe_session_submit(f.session, f.args, f.num_args, &ro, &r), &run_options_v, (uint32_t)bad[i]);
     assert_null(r);
   }
 

@@ -51,8 +51,7 @@ static int worker_threads_has(const worker_threads *t, long id) {
 }
 
 /* The threads in `after` that were not in `before`. */
-static void worker_threads_started(const worker_threads *before, const worker_threads *after,
-                                   worker_threads *started) {
+static void worker_threads_started(const worker_threads *before, const worker_threads *after, worker_threads *started) {
   started->count = 0;
   for (size_t i = 0; i < after->count; ++i)
     if (!worker_threads_has(before, after->ids[i])) started->ids[started->count++] = after->ids[i];

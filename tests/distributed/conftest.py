@@ -1,6 +1,7 @@
 """Every test leaves no process behind: whatever a test started (see disthelp.Tree) and is still
 running when it ends, passed or failed, is killed. The test gate's helper (tests/gate/gate.py) is
 imported from the source tree."""
+
 import os
 import sys
 

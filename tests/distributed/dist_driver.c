@@ -184,8 +184,8 @@ static int spawn_workers(const char *store) {
   for (int rank = 1; rank < g_world; ++rank) {
     char rank_s[16];
     snprintf(rank_s, sizeof rank_s, "%d", rank);
-    char *argv[] = {(char *)exe, "worker", "--rank", rank_s, "--world-size", world, "--store", (char *)store,
-                    "--comm-timeout-ms", timeout, NULL};
+    char *argv[] = {(char *)exe,         "worker", "--rank", rank_s, "--world-size", world, "--store", (char *)store,
+                    "--comm-timeout-ms", timeout,  NULL};
     pid_t pid;
     int rc = posix_spawn(&pid, exe, NULL, NULL, argv, environ);
     if (rc != 0) {
@@ -204,9 +204,9 @@ static int spawn_workers(const char *store) {
  * at PIPE_LOG_INFO exactly "store listening on HOST:PORT" with the port it got. The workers are
  * started from there, on the thread creating the session (it does not call back into libpipe). */
 static pthread_mutex_t g_log_mu = PTHREAD_MUTEX_INITIALIZER;
-static int g_spawn_on_listen;  /* start_session waits for the address */
+static int g_spawn_on_listen; /* start_session waits for the address */
 static int g_spawn_failed;
-static char g_store[128];      /* the address the last store reported */
+static char g_store[128]; /* the address the last store reported */
 
 static void on_log(void *user_data, int32_t level, const char *message) {
   (void)user_data;
@@ -349,8 +349,7 @@ static int start_session(pipe_session **session) {
   if (never_listened) return fail("the store never reported its address (\"store listening on HOST:PORT\")");
   if (spawn_failed) return fail("the workers could not be started for the store %s", g_store);
   if (!picked_port(g_store)) return fail("the store reported '%s', not 127.0.0.1 with the port it got", g_store);
-  if (st != PIPE_OK)
-    return fail("pipe_session_create: %s: %s", pipe_status_string(st), pipe_last_error());
+  if (st != PIPE_OK) return fail("pipe_session_create: %s: %s", pipe_status_string(st), pipe_last_error());
   say("session created in %.0f ms", now_ms() - t0);
   return 0;
 }
@@ -639,9 +638,10 @@ static int mode_worker(int argc, char **argv) {
 }
 
 static int usage(void) {
-  fputs("usage: dist_driver [OPTIONS] run OUTDIR IN... | kill RANK STAGE IN OUTDIR | stop RANK STAGE IN OUTDIR |\n"
-        "       badstore STORE STATUS | noworkers | worker --rank R --world-size N --store S\n",
-        stderr);
+  fputs(
+      "usage: dist_driver [OPTIONS] run OUTDIR IN... | kill RANK STAGE IN OUTDIR | stop RANK STAGE IN OUTDIR |\n"
+      "       badstore STORE STATUS | noworkers | worker --rank R --world-size N --store S\n",
+      stderr);
   return 2;
 }
 

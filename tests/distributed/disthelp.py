@@ -5,6 +5,7 @@ work (tests/gate), and process trees that are watched while they run and never o
 Every process a test starts goes through `Tree` (a new session, stdout/stderr to files so that a
 worker which inherits them cannot keep a pipe open): the tree remembers every descendant it has
 seen, and `kill_all_trees()` (run by conftest.py after each test) kills whatever is left."""
+
 import os
 import signal
 import subprocess
@@ -122,8 +123,9 @@ def wait_held(key, stage, *trees):
     while g.count(key, stage) < 1:
         for tree in trees:
             if tree.proc.poll() is not None:
-                raise AssertionError(f"{tree.name} ended ({tree.returncode}) before a call reached {stage}:\n"
-                                     f"{tree.stderr}")
+                raise AssertionError(
+                    f"{tree.name} ended ({tree.returncode}) before a call reached {stage}:\n" f"{tree.stderr}"
+                )
         if time.monotonic() > give_up:
             raise AssertionError(f"no call reached {stage} within {RUN_TIMEOUT_S} s")
         time.sleep(0.005)
@@ -131,6 +133,7 @@ def wait_held(key, stage, *trees):
 
 def wait_stopped(pid):
     """Waits until a SIGSTOP sent to pid has taken effect."""
+
     def stopped():
         st = _stat(pid)
         if st is None:
@@ -150,6 +153,7 @@ def remove_temporaries():
 
 # ---- /proc ----
 
+
 def _stat(pid):
     """(state, ppid, session, starttime, utime+stime ticks) of pid, or None if it is gone."""
     try:
@@ -157,7 +161,7 @@ def _stat(pid):
             data = f.read()
     except OSError:
         return None
-    rest = data[data.rindex(")") + 2:].split()
+    rest = data[data.rindex(")") + 2 :].split()
     return rest[0], int(rest[1]), int(rest[3]), int(rest[19]), int(rest[11]) + int(rest[12])
 
 
@@ -215,8 +219,9 @@ class Tree:
         self.name = name
         self._out = tempfile.TemporaryFile(mode="w+")
         self._err = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(self.args, stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, env=env)
+        self.proc = subprocess.Popen(
+            self.args, stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+        )
         self.seen = {}  # pid -> starttime
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample, daemon=True)
@@ -243,8 +248,10 @@ class Tree:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"{self.name} hung: still running after {timeout:.0f} s: {' '.join(self.args)}\n"
-                                 f"stderr:\n{self.stderr}")
+            raise AssertionError(
+                f"{self.name} hung: still running after {timeout:.0f} s: {' '.join(self.args)}\n"
+                f"stderr:\n{self.stderr}"
+            )
         self._stop.set()
         return self
 

@@ -17,6 +17,7 @@ Usage: `wait_for_store(read)` polls a text source (a child's stderr, or `StoreLo
 driver in this process) until the address appears; `refused_port()` holds a port where nothing
 listens, for tests that need one.
 """
+
 import contextlib
 import ctypes
 import re

@@ -4,24 +4,54 @@ of the stages before the victim's and waits until the victim's stage holds a mic
 fault always lands on a process with work in hand, whatever the machine's load. The survivors
 report a communication error within the comm timeout (plus a margin for slow machines), nothing
 hangs, and no process is left behind."""
+
 import os
 import signal
 import time
 
 import pytest
-from disthelp import (COMM_MS, FAIL_WITHIN_S, JOIN_MS, assert_error_line, assert_one_line_error, cmdline,
-                      descendants, gate, gated_inputs, gated_model, pipe_tree, start_driver, start_worker, wait_held,
-                      wait_stopped, wait_until)
+from disthelp import (
+    COMM_MS,
+    FAIL_WITHIN_S,
+    JOIN_MS,
+    assert_error_line,
+    assert_one_line_error,
+    cmdline,
+    descendants,
+    gate,
+    gated_inputs,
+    gated_model,
+    pipe_tree,
+    start_driver,
+    start_worker,
+    wait_held,
+    wait_stopped,
+    wait_until,
+)
 
 
 def bench(stages, inputs, *extra, name="pipe bench"):
     """`pipe bench` of the gated model: its warm-up calls are held at the gates the test opens."""
-    return pipe_tree("bench", gated_model(stages), "--input", inputs, "--requests", 4, "--concurrency", 2,
-                     "--microbatches", 2, *extra, name=name, env=gate().child_env())
+    return pipe_tree(
+        "bench",
+        gated_model(stages),
+        "--input",
+        inputs,
+        "--requests",
+        4,
+        "--concurrency",
+        2,
+        "--microbatches",
+        2,
+        *extra,
+        name=name,
+        env=gate().child_env(),
+    )
 
 
 def worker_children(tree, count):
     """The `pipe worker` processes under `tree`, by rank, once `count` of them run."""
+
     def found():
         workers = {}
         for pid in descendants(tree.proc.pid):
@@ -56,8 +86,9 @@ def fault(pid, sig, key):
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
 def test_worker_fault_while_it_holds_work_fails_the_driver(tmp_path, procs, victim, sig):
     key = gate().new_key()
-    tree = bench(procs, gated_inputs(tmp_path / "in.safetensors", key), "--processes", procs,
-                 "--comm-timeout-ms", COMM_MS)
+    tree = bench(
+        procs, gated_inputs(tmp_path / "in.safetensors", key), "--processes", procs, "--comm-timeout-ms", COMM_MS
+    )
     workers = worker_children(tree, procs - 1)
     hold_in(key, victim, tree)
     signum = getattr(signal, sig)
@@ -82,9 +113,20 @@ def test_driver_killed_while_workers_hold_work_fails_the_workers(tmp_path):
     # A killed driver is noticed at once: the generous JOIN_MS only lets the workers join.
     key = gate().new_key()
     env = gate().child_env()
-    driver, store = start_driver("bench", gated_model(3), "--input", gated_inputs(tmp_path / "in.safetensors", key),
-                                 "--requests", 4, "--world-size", 3, "--comm-timeout-ms", JOIN_MS, env=env,
-                                 name="pipe bench")
+    driver, store = start_driver(
+        "bench",
+        gated_model(3),
+        "--input",
+        gated_inputs(tmp_path / "in.safetensors", key),
+        "--requests",
+        4,
+        "--world-size",
+        3,
+        "--comm-timeout-ms",
+        JOIN_MS,
+        env=env,
+        name="pipe bench",
+    )
     workers = [start_worker(rank, 3, store, comm_ms=JOIN_MS, env=env) for rank in (1, 2)]
     hold_in(key, 1, driver, *workers)
     fault(driver.proc.pid, signal.SIGKILL, key)
@@ -99,9 +141,20 @@ def test_driver_killed_while_workers_hold_work_fails_the_workers(tmp_path):
 def test_external_worker_killed_while_it_holds_work_fails_the_driver(tmp_path):
     key = gate().new_key()
     env = gate().child_env()
-    driver, store = start_driver("bench", gated_model(3), "--input", gated_inputs(tmp_path / "in.safetensors", key),
-                                 "--requests", 4, "--world-size", 3, "--comm-timeout-ms", JOIN_MS, env=env,
-                                 name="pipe bench")
+    driver, store = start_driver(
+        "bench",
+        gated_model(3),
+        "--input",
+        gated_inputs(tmp_path / "in.safetensors", key),
+        "--requests",
+        4,
+        "--world-size",
+        3,
+        "--comm-timeout-ms",
+        JOIN_MS,
+        env=env,
+        name="pipe bench",
+    )
     workers = [start_worker(rank, 3, store, comm_ms=JOIN_MS, env=env) for rank in (1, 2)]
     hold_in(key, 2, driver, *workers)
     fault(workers[1].proc.pid, signal.SIGKILL, key)  # rank 2

@@ -13,7 +13,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     for (const auto& [name, file] : libpipe::stage::parse_checkpoint_index(text, "fuzz.index.json"))
       if (file.empty() || file[0] == '/' || file.find("..") != std::string::npos) std::abort();
-  } catch (const libpipe::Error&) {
-  }
+  } catch (const libpipe::Error&) {}
   return 0;
 }

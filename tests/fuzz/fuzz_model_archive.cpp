@@ -9,7 +9,6 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     libpipe::io::check_torchscript_archive(data, size, "fuzz.pt");
-  } catch (const libpipe::Error&) {
-  }
+  } catch (const libpipe::Error&) {}
   return 0;
 }

@@ -18,7 +18,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (ftruncate(fd, 0) != 0 || pwrite(fd, data, size, 0) != static_cast<ssize_t>(size)) return 0;
   try {
     libpipe::io::read_safetensors(path);
-  } catch (const libpipe::Error&) {
-  }
+  } catch (const libpipe::Error&) {}
   return 0;
 }

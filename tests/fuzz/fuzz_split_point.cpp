@@ -13,14 +13,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);
   try {
     libpipe::graph::parse_split_point(text);
-  } catch (const libpipe::Error&) {
-  }
+  } catch (const libpipe::Error&) {}
   try {
     libpipe::PlanRequest request;
     request.num_stages = size > 0 ? static_cast<int8_t>(data[0]) : 0;
     request.policy = size > 0 ? text.substr(1) : text;
     libpipe::validate_stage_request(request);
-  } catch (const libpipe::Error&) {
-  }
+  } catch (const libpipe::Error&) {}
   return 0;
 }

@@ -97,8 +97,7 @@ static void gate_open(int64_t key, const char* stage) {
   char path[512];
   if (stage)
     snprintf(path, sizeof path, "%s/gate-%lld.%s.open", getenv("LIBPIPE_TEST_GATE_DIR"), (long long)key, stage);
-  else
-    snprintf(path, sizeof path, "%s/gate-%lld.open", getenv("LIBPIPE_TEST_GATE_DIR"), (long long)key);
+  else snprintf(path, sizeof path, "%s/gate-%lld.open", getenv("LIBPIPE_TEST_GATE_DIR"), (long long)key);
   FILE* f = fopen(path, "w");
   if (f) fclose(f);
 }

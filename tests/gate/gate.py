@@ -9,6 +9,7 @@
 test, never to decide a verdict. Child processes (CLI workers) inherit the gate folder through
 LIBPIPE_TEST_GATE_DIR; they load the operator with LD_PRELOAD=<Gate.library> (see `child_env`).
 """
+
 import atexit
 import ctypes
 import itertools
@@ -52,8 +53,9 @@ class Gate:
         give_up = time.monotonic() + WAIT_LIMIT_S
         while self.count(key, stage, what) < count:
             if time.monotonic() > give_up:
-                raise AssertionError(f"gate {key} ({stage}): {self.count(key, stage, what)} micro-batches {what}, "
-                                     f"waited for {count}")
+                raise AssertionError(
+                    f"gate {key} ({stage}): {self.count(key, stage, what)} micro-batches {what}, " f"waited for {count}"
+                )
             time.sleep(0.002)
 
     def open(self, key, stage=None):

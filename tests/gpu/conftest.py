@@ -1,5 +1,6 @@
 """The GPU suite runs where PyTorch sees a CUDA device; anywhere else the whole suite reports
 SKIPPED to ctest (exit status 77) instead of failing."""
+
 import os
 import shutil
 import subprocess

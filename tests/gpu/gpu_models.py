@@ -2,6 +2,7 @@
 PyTorch itself on the GPU), its TorchScript file, how to cut it, and its inputs. The same models
 as the CPU suites (tests/models): the seed models of PyTorch's pipelining tests, the Llama-style
 model and Hugging Face's Llama."""
+
 import os
 from dataclasses import dataclass, field
 

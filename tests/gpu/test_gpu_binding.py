@@ -1,6 +1,7 @@
 """The Python binding with stages on a GPU: CUDA torch tensors in and out through DLPack without
 copies, CUDA streams ordered with the caller's, each stage's weights only on its own device, a
 stage running out of GPU memory failing only its call, and many callers at once."""
+
 import threading
 
 import libpipe

@@ -2,6 +2,7 @@
 stage on a stream of its own), mixed CPU/GPU pipelines in either order, in one process and over
 two processes, weights from a checkpoint straight to the GPU, and the errors for GPUs that are not
 there. Results equal PyTorch's eager run of the same module on the GPU."""
+
 import json
 
 import pytest
@@ -23,8 +24,12 @@ def run_case(tmp_path, case, *extra):
 
 
 def placements(stages):
-    return {"all-gpu": "cuda:0", "auto": "auto", "cpu-first": alternating(stages, "cpu"),
-            "gpu-first": alternating(stages, "cuda:0")}
+    return {
+        "all-gpu": "cuda:0",
+        "auto": "auto",
+        "cpu-first": alternating(stages, "cpu"),
+        "gpu-first": alternating(stages, "cuda:0"),
+    }
 
 
 CASES = [(name, where) for name in MODELS for where in ("all-gpu", "auto", "cpu-first", "gpu-first")]
@@ -42,8 +47,7 @@ def test_run_on_gpu_matches_eager_on_gpu(tmp_path, name, where):
 @pytest.mark.parametrize("first", ["cpu", "cuda:0"])
 def test_mixed_pipeline_over_two_processes(tmp_path, name, first):
     case = model(name)
-    got = run_case(tmp_path, case, "--devices", alternating(case.stages, first), "--microbatches", 2,
-                   "--processes", 2)
+    got = run_case(tmp_path, case, "--devices", alternating(case.stages, first), "--microbatches", 2, "--processes", 2)
     assert_close_outputs(got, case.eager_on_gpu(), TOL)
 
 
@@ -58,8 +62,19 @@ def test_skeleton_weights_go_to_the_gpu(tmp_path):
     inputs = tmp_path / "in.safetensors"
     save_file(case.inputs, inputs)
     out = tmp_path / "out.safetensors"
-    result = run_pipe("run", skeleton, *case.split_args(), "--weights", index, "--devices", "cpu,cuda:0",
-                      "--input", inputs, "--output", out)
+    result = run_pipe(
+        "run",
+        skeleton,
+        *case.split_args(),
+        "--weights",
+        index,
+        "--devices",
+        "cpu,cuda:0",
+        "--input",
+        inputs,
+        "--output",
+        out,
+    )
     assert result.returncode == 0, result.stderr
     assert_close_outputs(load_file(out), case.eager_on_gpu(), TOL)
 
@@ -69,8 +84,9 @@ def test_a_gpu_that_is_not_there_is_named(tmp_path):
     missing = f"cuda:{torch.cuda.device_count()}"
     inputs = tmp_path / "in.safetensors"
     save_file(case.inputs, inputs)
-    result = run_pipe("run", case.path, "--devices", f"cpu,{missing}", "--input", inputs, "--output",
-                      tmp_path / "out.safetensors")
+    result = run_pipe(
+        "run", case.path, "--devices", f"cpu,{missing}", "--input", inputs, "--output", tmp_path / "out.safetensors"
+    )
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "PIPE_ERR_UNSUPPORTED" in lines[0] and "stage 1" in lines[0] and missing in lines[0]
@@ -80,8 +96,20 @@ def test_bench_on_the_gpu_reports_throughput(tmp_path):
     case = model("tiny_llama")
     inputs = tmp_path / "in.safetensors"
     save_file(case.inputs, inputs)
-    result = run_pipe("bench", case.path, *case.split_args(), "--input", inputs, "--devices", "cuda:0",
-                      "--microbatches", 2, "--requests", 20, "--json")
+    result = run_pipe(
+        "bench",
+        case.path,
+        *case.split_args(),
+        "--input",
+        inputs,
+        "--devices",
+        "cuda:0",
+        "--microbatches",
+        2,
+        "--requests",
+        20,
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["samples_per_s"] > 0

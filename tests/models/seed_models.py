@@ -15,6 +15,7 @@ writes, for each model NAME and form (traced / scripted):
     OUT_DIR/NAME.expected.safetensors "output": eager PyTorch's result
     OUT_DIR/NAME.state_dict.txt       the eager model's state_dict keys, one per line
 """
+
 import os
 import sys
 

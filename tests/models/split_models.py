@@ -7,6 +7,7 @@ writes, for each model NAME: OUT_DIR/NAME.pt, NAME.inputs.safetensors (one tenso
 argument), NAME.expected.safetensors (output / output.<i> / output.<key>) and NAME.state_dict.txt.
 Weights are random (nothing is downloaded); configs are small so the suite stays fast.
 """
+
 import os
 import sys
 from typing import Dict, List, Optional, Tuple
@@ -21,6 +22,7 @@ torch.manual_seed(0)
 
 
 # ---- the no_grad case PyTorch's splitter asserts on ----
+
 
 class Scaler(nn.Module):
     """A module with a buffer whose forward runs under no_grad (as Llama's rotary embedding)."""
@@ -64,6 +66,7 @@ class ScriptedNoGrad(nn.Module):
 
 # ---- a Llama-style decoder ----
 
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps=1e-6):
         super().__init__()
@@ -104,8 +107,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin):
         b, t, c = x.shape
-        q, k, v = (p(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         scores = q @ k.transpose(-1, -2) / (c // self.heads) ** 0.5
@@ -158,6 +163,7 @@ class TinyLlama(nn.Module):
 
 
 # ---- control flow and values of every kind crossing the cuts (scripted) ----
+
 
 class ControlFlow(nn.Module):
     def __init__(self, width=32):
@@ -233,6 +239,7 @@ class NestedContainers(nn.Module):
 
 # ---- models that must be refused ----
 
+
 class CallInsideBranch(nn.Module):
     def __init__(self, width=32):
         super().__init__()
@@ -268,8 +275,7 @@ def hf_gpt2():
         def forward(self, input_ids):
             return super().forward(input_ids=input_ids, use_cache=False).logits
 
-    cfg = GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
-                     bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0)
     return GPT2Logits(cfg)
 
 
@@ -280,9 +286,18 @@ def hf_llama():
         def forward(self, input_ids):
             return super().forward(input_ids=input_ids, use_cache=False).logits
 
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return LlamaLogits(cfg)
 
 

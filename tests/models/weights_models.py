@@ -16,6 +16,7 @@ writes to OUT_DIR:
   lost_shard/...index.json          names a shard that does not exist
   corrupt/...index.json             a shard whose header is cut short
 """
+
 import json
 import os
 import shutil

@@ -86,9 +86,9 @@ TEST(ArchiveCheck, NotAZipSaysHowToExport) {
 TEST(ArchiveCheck, TorchSaveFileIsNamedAsSuch) {
   // What torch.save() writes: a zip with data.pkl and tensor data, but no TorchScript code.
   std::string msg;
-  const auto path = write_zip("state_dict.pt", {{"archive/data.pkl", "\x80\x02}q\x00."},
-                                                {"archive/version", "3\n"},
-                                                {"archive/data/0", std::string(64, '\0')}});
+  const auto path = write_zip(
+      "state_dict.pt",
+      {{"archive/data.pkl", "\x80\x02}q\x00."}, {"archive/version", "3\n"}, {"archive/data/0", std::string(64, '\0')}});
   EXPECT_EQ(check_file(path, &msg), Status::InvalidFormat);
   EXPECT_NE(msg.find("torch.save()"), std::string::npos) << msg;
 }

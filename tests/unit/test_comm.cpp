@@ -62,9 +62,15 @@ TEST(Wire, EveryKindOfValueArrivesAsItWasSent) {
   const at::Tensor strided = at::arange(24, at::kFloat).reshape({4, 6}).t();  // not contiguous
   c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
   dict.insert("k", at::ones({2}, at::kBFloat16));
-  m.values = {at::randn({3, 5}), strided, at::tensor({1, 0}).to(at::kBool), at::empty({0, 7}, at::kLong),
-              at::scalar_tensor(2.5), c10::IValue(), c10::IValue(int64_t{7}),
-              c10::ivalue::Tuple::create({at::ones({1}), c10::IValue(std::string("s"))}), dict};
+  m.values = {at::randn({3, 5}),
+              strided,
+              at::tensor({1, 0}).to(at::kBool),
+              at::empty({0, 7}, at::kLong),
+              at::scalar_tensor(2.5),
+              c10::IValue(),
+              c10::IValue(int64_t{7}),
+              c10::ivalue::Tuple::create({at::ones({1}), c10::IValue(std::string("s"))}),
+              dict};
   const Message got = through_the_wire(m);
   EXPECT_EQ(got.kind, Kind::Data);
   EXPECT_EQ(got.request, 41u);
@@ -151,8 +157,8 @@ struct RefusedPort {
 
 TEST(GlooTransport, TwoRanksExchangeMessagesOfChangingShapesBothWays) {
   const auto timeout = milliseconds(20000);
-  const auto hosted = comm::host_store(comm::parse_address("127.0.0.1:0", "store", comm::PortZero::PicksAFreePort),
-                                       2, timeout);
+  const auto hosted =
+      comm::host_store(comm::parse_address("127.0.0.1:0", "store", comm::PortZero::PicksAFreePort), 2, timeout);
   const std::string address = comm::format_address(hosted.address);
   auto rank1 = std::async(std::launch::async, [&] {
     std::string local;
@@ -211,15 +217,15 @@ TEST(Rendezvous, AddressesAreCheckedBeforeAnythingWaits) {
   EXPECT_NE(message.find("not an address of this machine"), std::string::npos) << message;
   const RefusedPort nobody;
   const auto start = std::chrono::steady_clock::now();
-  EXPECT_EQ(status_of([&] {
-              std::string local;
-              comm::connect_store(comm::parse_address("127.0.0.1:" + std::to_string(nobody.port), "store"),
-                                  milliseconds(300), &local);
-            },
-                      &message),
+  EXPECT_EQ(status_of(
+                [&] {
+                  std::string local;
+                  comm::connect_store(comm::parse_address("127.0.0.1:" + std::to_string(nobody.port), "store"),
+                                      milliseconds(300), &local);
+                },
+                &message),
             Status::Communication);
-  EXPECT_NE(message.find("no rendezvous store answered at 127.0.0.1:" + std::to_string(nobody.port)),
-            std::string::npos)
+  EXPECT_NE(message.find("no rendezvous store answered at 127.0.0.1:" + std::to_string(nobody.port)), std::string::npos)
       << message;
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));  // bounded, not a hang
 }
@@ -238,8 +244,8 @@ struct Logged {
 TEST(Rendezvous, AStoreOnPortZeroListensOnAFreePortAndSaysWhichBeforeAnyoneJoins) {
   Logged logged;
   log::set_sink(&Logged::sink, &logged, log::Info);
-  const auto hosted = comm::host_store(comm::parse_address("127.0.0.1:0", "store", comm::PortZero::PicksAFreePort),
-                                       2, milliseconds(20000));
+  const auto hosted = comm::host_store(comm::parse_address("127.0.0.1:0", "store", comm::PortZero::PicksAFreePort), 2,
+                                       milliseconds(20000));
   log::set_sink(nullptr, nullptr, log::Warning);
   const uint16_t port = dynamic_cast<c10d::TCPStore&>(*hosted.store).getPort();
   EXPECT_NE(port, 0);
@@ -322,7 +328,7 @@ TEST(DistributedSession, AWorkerThatGoesAwayBreaksTheSessionAndItsCalls) {
   auto request = ranks.session->submit({at::randn({4, 64}), at::scalar_tensor(key, at::kLong)});
   gate_open(key, "stage0");
   ASSERT_TRUE(gate_wait(key, "stage1", "arrived", 1));  // the worker holds the call
-  ranks.worker_end->abort("the worker process died");  // what a closed connection looks like
+  ranks.worker_end->abort("the worker process died");   // what a closed connection looks like
   std::string message;
   EXPECT_EQ(status_of([&] { request->result({}); }, &message), Status::Communication);
   gate_open(key, nullptr);  // the worker's stage finishes, so that its thread can end

@@ -64,8 +64,8 @@ TEST(Microbatch, SmallBatchRunsWithFewerMicrobatchesAndWarns) {
 TEST(Microbatch, FlattenNamesTuplesListsAndDicts) {
   c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
   dict.insert("logits", at::ones({1}));
-  c10::IValue nested = c10::ivalue::Tuple::create({at::ones({1}), dict,
-                                                    c10::List<at::Tensor>({at::ones({1}), at::ones({1})})});
+  c10::IValue nested =
+      c10::ivalue::Tuple::create({at::ones({1}), dict, c10::List<at::Tensor>({at::ones({1}), at::ones({1})})});
   std::vector<std::string> names;
   for (const auto& t : chunk::flatten_output(nested)) names.push_back(t.name);
   EXPECT_EQ(names, (std::vector<std::string>{"output.0", "output.1.logits", "output.2.0", "output.2.1"}));
@@ -84,8 +84,7 @@ TEST(Microbatch, NonTensorOutputIsUnsupported) {
 
 TEST(Microbatch, MergeConcatenatesAlongDimZero) {
   at::Tensor a = at::randn({3, 4}), b = at::randn({2, 4});
-  auto merged = chunk::merge_outputs({c10::ivalue::Tuple::create({a, a * 2}),
-                                      c10::ivalue::Tuple::create({b, b * 2})});
+  auto merged = chunk::merge_outputs({c10::ivalue::Tuple::create({a, a * 2}), c10::ivalue::Tuple::create({b, b * 2})});
   ASSERT_EQ(merged.size(), 2u);
   EXPECT_TRUE(at::equal(merged[0].tensor, at::cat({a, b})));
   EXPECT_TRUE(at::equal(merged[1].tensor, at::cat({a * 2, b * 2})));

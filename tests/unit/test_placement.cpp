@@ -68,10 +68,8 @@ TEST(DevicePlacement, AutoSpreadsTheStagesOverTheVisibleGpusInOrder) {
   const auto devices = stage_devices("auto", 4);
   ASSERT_EQ(devices.size(), 4u);
   for (size_t s = 0; s < 4; ++s) {
-    if (gpus == 0)
-      EXPECT_EQ(devices[s], cpu);
-    else
-      EXPECT_EQ(devices[s], c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(s * gpus / 4)));
+    if (gpus == 0) EXPECT_EQ(devices[s], cpu);
+    else EXPECT_EQ(devices[s], c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(s * gpus / 4)));
   }
 }
 

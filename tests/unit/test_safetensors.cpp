@@ -78,8 +78,8 @@ class MalformedSafetensors : public ::testing::TestWithParam<BadFile> {};
 
 TEST_P(MalformedSafetensors, IsRefusedWithAMessageNamingTheProblem) {
   const BadFile& bad = GetParam();
-  const std::string path = write_raw(std::string("bad_") + bad.what + ".safetensors", bad.header,
-                                     bad.data_bytes, bad.declared_len);
+  const std::string path =
+      write_raw(std::string("bad_") + bad.what + ".safetensors", bad.header, bad.data_bytes, bad.declared_len);
   std::string msg;
   EXPECT_EQ(status_of([&] { io::read_safetensors(path); }, &msg), Status::InvalidFormat) << bad.what;
   EXPECT_NE(msg.find(bad.expected_message), std::string::npos) << bad.what << ": " << msg;
@@ -91,21 +91,24 @@ INSTANTIATE_TEST_SUITE_P(
         BadFile{"absurd_header_length", "{}", 0, 1ull << 40, "declares a"},
         BadFile{"not_json", "{not json", 0, UINT64_MAX, "not valid JSON"},
         BadFile{"not_object", "[1,2]", 0, UINT64_MAX, "not a JSON object"},
-        BadFile{"unknown_dtype", R"({"t":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}})", 4,
-                UINT64_MAX, "unknown dtype 'F33'"},
-        BadFile{"offsets_out_of_range", R"({"t":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 8,
-                UINT64_MAX, "beyond the 8-byte data section"},
-        BadFile{"bytes_disagree_with_shape", R"({"t":{"dtype":"F32","shape":[3],"data_offsets":[0,16]}})",
-                16, UINT64_MAX, "has 16 bytes but its dtype and shape need 3 x 4"},
-        BadFile{"overlapping", R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
-                12, UINT64_MAX, "overlap"},
-        BadFile{"negative_shape", R"({"t":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4,
-                UINT64_MAX, "non-negative"},
-        BadFile{"begin_after_end", R"({"t":{"dtype":"F32","shape":[0],"data_offsets":[8,4]}})", 8,
-                UINT64_MAX, "begin after end"},
+        BadFile{"unknown_dtype", R"({"t":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}})", 4, UINT64_MAX,
+                "unknown dtype 'F33'"},
+        BadFile{"offsets_out_of_range", R"({"t":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 8, UINT64_MAX,
+                "beyond the 8-byte data section"},
+        BadFile{"bytes_disagree_with_shape", R"({"t":{"dtype":"F32","shape":[3],"data_offsets":[0,16]}})", 16,
+                UINT64_MAX, "has 16 bytes but its dtype and shape need 3 x 4"},
+        BadFile{
+            "overlapping",
+            R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+            12, UINT64_MAX, "overlap"},
+        BadFile{"negative_shape", R"({"t":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4, UINT64_MAX,
+                "non-negative"},
+        BadFile{"begin_after_end", R"({"t":{"dtype":"F32","shape":[0],"data_offsets":[8,4]}})", 8, UINT64_MAX,
+                "begin after end"},
         BadFile{"missing_offsets", R"({"t":{"dtype":"F32","shape":[1]}})", 4, UINT64_MAX, "data_offsets"},
-        BadFile{"huge_shape", R"({"t":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,4]}})",
-                4, UINT64_MAX, "too large"}),
+        BadFile{"huge_shape",
+                R"({"t":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,4]}})", 4,
+                UINT64_MAX, "too large"}),
     [](const auto& info) { return std::string(info.param.what); });
 
 TEST(Safetensors, ShorterThanTheLengthFieldIsRefused) {

@@ -146,8 +146,7 @@ TEST(SplitSpec, ParsesBeginEndAndCallNumbers) {
 int count_device_constants(torch::jit::Block* block, const std::string& device) {
   int n = 0;
   for (auto* node : block->nodes()) {
-    if (node->kind() == torch::jit::prim::Constant &&
-        node->output()->type()->kind() == c10::TypeKind::DeviceObjType)
+    if (node->kind() == torch::jit::prim::Constant && node->output()->type()->kind() == c10::TypeKind::DeviceObjType)
       n += node->s(torch::jit::attr::value) == device ? 1 : -1000;
     for (auto* sub : node->blocks()) n += count_device_constants(sub, device);
   }
@@ -217,8 +216,9 @@ TEST(Planner, PoliciesCutAtTheMinMaxOptimumOfTheirOwnCosts) {
       const double optimum = *std::min_element(all.begin(), all.end());
       // Some partition must be worse, or any plan would pass. Checked on bytes only: they are fixed,
       // while measured times are the clock's, and no verdict may rest on it.
-      if (policy == "params")
+      if (policy == "params") {
         ASSERT_GT(*std::max_element(all.begin(), all.end()), optimum) << "the costs do not tell plans apart";
+      }
       for (double c : used.costs) EXPECT_GE(c, 0);
       EXPECT_DOUBLE_EQ(largest_group(used.costs, starts), optimum);
     }

@@ -42,8 +42,8 @@ static void show_progress(void *user_data, size_t stage, uint64_t done, uint64_t
   (void)user_data;
   const int width = 30;
   int filled = total ? (int)((double)done / (double)total * width) : width;
-  fprintf(stderr, "\rloading stage %zu [%.*s%*s] %6.1f / %.1f MiB", stage, filled,
-          "##############################", width - filled, "", (double)done / 1048576.0, (double)total / 1048576.0);
+  fprintf(stderr, "\rloading stage %zu [%.*s%*s] %6.1f / %.1f MiB", stage, filled, "##############################",
+          width - filled, "", (double)done / 1048576.0, (double)total / 1048576.0);
   if (done >= total) fputc('\n', stderr);
   fflush(stderr);
 }
@@ -95,7 +95,7 @@ void init_session_args(session_args *s) {
 
 int parse_session_arg(int argc, char **argv, int *i, const char *command, session_args *s) {
   static const char *const flags[] = {"--microbatches", "--microbatching", "--processes", "--world-size",
-                                      "--store", "--transport", "--devices", "--comm-timeout-ms"};
+                                      "--store",        "--transport",     "--devices",   "--comm-timeout-ms"};
   const char *a = argv[*i];
   size_t k = 0;
   while (k < sizeof flags / sizeof *flags && strcmp(a, flags[k]) != 0) ++k;
@@ -121,7 +121,8 @@ int parse_session_arg(int argc, char **argv, int *i, const char *command, sessio
     case 6: o->devices = v; return 1; /* libpipe checks the list against the plan */
     default:
       if (parse_int(a, v, &o->comm_timeout_ms)) return 2;
-      if (o->comm_timeout_ms < 1) return usage_error("%s: --comm-timeout-ms must be positive, got %d", command, o->comm_timeout_ms);
+      if (o->comm_timeout_ms < 1)
+        return usage_error("%s: --comm-timeout-ms must be positive, got %d", command, o->comm_timeout_ms);
       return 1;
   }
 }
@@ -129,7 +130,8 @@ int parse_session_arg(int argc, char **argv, int *i, const char *command, sessio
 int check_session_args(const char *cmd, session_args *s) {
   pipe_session_options *o = &s->options;
   if (s->processes > 0 && o->world_size != 1)
-    return usage_error("%s: give either --processes N (local workers) or --world-size N (workers started elsewhere)", cmd);
+    return usage_error("%s: give either --processes N (local workers) or --world-size N (workers started elsewhere)",
+                       cmd);
   if (s->processes > 1) o->world_size = s->processes;
   if (o->world_size < 1) return usage_error("%s: --world-size must be at least 1, got %d", cmd, o->world_size);
   if (o->world_size > 1 && s->processes == 0 && !o->store)

@@ -98,9 +98,10 @@ int cmd_bench(int argc, char **argv) {
       if (i + 1 >= argc) return usage_error("bench: %s needs a value", a);
       const char *v = argv[++i];
       if (strcmp(a, "--input") == 0) in_path = v;
-      else if (parse_int(a, v, strcmp(a, "--requests") == 0      ? &requests
-                                 : strcmp(a, "--concurrency") == 0 ? &concurrency
-                                                                   : &options->threads_per_stage) != 0)
+      else if (parse_int(a, v,
+                         strcmp(a, "--requests") == 0      ? &requests
+                         : strcmp(a, "--concurrency") == 0 ? &concurrency
+                                                           : &options->threads_per_stage) != 0)
         return 2;
     } else if (a[0] == '-') {
       return usage_error("bench: unknown option '%s'", a);
@@ -166,18 +167,18 @@ int cmd_bench(int argc, char **argv) {
   qsort(b.latency_ms, (size_t)requests, sizeof(double), compare_double);
   double rps = requests / (wall / 1e3);
   if (json) {
-    printf("{\"model\": \"%s\", \"stages\": %zu, \"microbatches\": %d, \"microbatching\": \"%s\", "
-           "\"requests\": %d, \"concurrency\": %d, "
-           "\"batch\": %lld, \"wall_ms\": %.3f, \"requests_per_s\": %.3f, \"samples_per_s\": %.3f, "
-           "\"latency_ms\": {\"p50\": %.3f, \"p90\": %.3f, \"p99\": %.3f, \"max\": %.3f}, \"stage_busy\": [",
-           model_path, stages, options->num_microbatches,
-           options->microbatching == PIPE_MICROBATCHING_FIXED ? "fixed" : "adaptive", requests, concurrency,
-           (long long)batch, wall, rps,
-           rps * (double)batch, percentile(b.latency_ms, requests, 50), percentile(b.latency_ms, requests, 90),
-           percentile(b.latency_ms, requests, 99), b.latency_ms[requests - 1]);
+    printf(
+        "{\"model\": \"%s\", \"stages\": %zu, \"microbatches\": %d, \"microbatching\": \"%s\", "
+        "\"requests\": %d, \"concurrency\": %d, "
+        "\"batch\": %lld, \"wall_ms\": %.3f, \"requests_per_s\": %.3f, \"samples_per_s\": %.3f, "
+        "\"latency_ms\": {\"p50\": %.3f, \"p90\": %.3f, \"p99\": %.3f, \"max\": %.3f}, \"stage_busy\": [",
+        model_path, stages, options->num_microbatches,
+        options->microbatching == PIPE_MICROBATCHING_FIXED ? "fixed" : "adaptive", requests, concurrency,
+        (long long)batch, wall, rps, rps * (double)batch, percentile(b.latency_ms, requests, 50),
+        percentile(b.latency_ms, requests, 90), percentile(b.latency_ms, requests, 99), b.latency_ms[requests - 1]);
   } else {
-    printf("%s: %zu stage%s, %d micro-batches (%s), batch %lld, %d requests from %d threads\n", model_path,
-           stages, stages == 1 ? "" : "s", options->num_microbatches,
+    printf("%s: %zu stage%s, %d micro-batches (%s), batch %lld, %d requests from %d threads\n", model_path, stages,
+           stages == 1 ? "" : "s", options->num_microbatches,
            options->microbatching == PIPE_MICROBATCHING_FIXED ? "fixed" : "adaptive", (long long)batch, requests,
            concurrency);
     printf("  throughput: %.1f requests/s, %.1f samples/s\n", rps, rps * (double)batch);
@@ -187,8 +188,9 @@ int cmd_bench(int argc, char **argv) {
   for (size_t s = 0; s < stages; ++s) {
     double busy = (after[s].busy_ms - before[s].busy_ms) / wall;
     if (json) printf("%s%.4f", s ? ", " : "", busy);
-    else printf("  stage %zu: busy %.1f%% of the run, %llu micro-batches\n", s, 100.0 * busy,
-                (unsigned long long)(after[s].microbatches - before[s].microbatches));
+    else
+      printf("  stage %zu: busy %.1f%% of the run, %llu micro-batches\n", s, 100.0 * busy,
+             (unsigned long long)(after[s].microbatches - before[s].microbatches));
   }
   if (json) {
     printf("], \"stage_microbatches\": [");

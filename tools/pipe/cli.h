@@ -69,7 +69,7 @@ int check_session_args(const char *cmd, session_args *s);
 typedef struct {
   pid_t pids[MAX_PROCESSES]; /* `pipe worker` processes started for --processes */
   int count;
-  int32_t comm_timeout_ms;   /* how long a finished session's workers get to exit */
+  int32_t comm_timeout_ms; /* how long a finished session's workers get to exit */
 } local_workers;
 
 /* Starts `pipe worker` for ranks 1..N-1 of `s` (this same executable), joining the store at
@@ -82,13 +82,13 @@ void reap_workers(local_workers *w, int kill_now);
 /* ---- the model, plan and session behind run and bench (pipeline.c) ---- */
 /* Cuts `model` as SPLIT says; `examples` (may be NULL) are example inputs for timing. 0, or 1
  * after reporting. */
-int make_plan(pipe_model *model, const split_args *split, const DLManagedTensor *const *examples,
-              size_t num_examples, pipe_plan **plan);
+int make_plan(pipe_model *model, const split_args *split, const DLManagedTensor *const *examples, size_t num_examples,
+              pipe_plan **plan);
 /* Reads IN and lines its tensors up with the model's forward arguments in `*args` (borrowed from
  * `*list`, which the caller destroys). Every tensor in the file must be a forward argument: a
  * misspelt name is an error, not a silently ignored tensor. 0, or 1 after reporting. */
-int read_inputs(const pipe_model *model, const char *path, pipe_tensor_list **list,
-                const DLManagedTensor ***args, size_t *num_args);
+int read_inputs(const pipe_model *model, const char *path, pipe_tensor_list **list, const DLManagedTensor ***args,
+                size_t *num_args);
 
 /* A model loaded, its inputs read, cut as SPLIT says, and a session started: what run and bench
  * share. */
@@ -103,8 +103,7 @@ typedef struct {
 } pipeline;
 
 /* Returns 0, or 1 after reporting the error (and closing what was opened). */
-int open_pipeline(pipeline *p, const char *model_path, const char *in_path, const split_args *split,
-                  session_args *s);
+int open_pipeline(pipeline *p, const char *model_path, const char *in_path, const split_args *split, session_args *s);
 void close_pipeline(pipeline *p);
 
 static inline double now_ms(void) {

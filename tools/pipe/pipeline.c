@@ -6,8 +6,8 @@
 
 #include "cli.h"
 
-int make_plan(pipe_model *model, const split_args *split, const DLManagedTensor *const *examples,
-                     size_t num_examples, pipe_plan **plan) {
+int make_plan(pipe_model *model, const split_args *split, const DLManagedTensor *const *examples, size_t num_examples,
+              pipe_plan **plan) {
   pipe_plan_options *options = NULL;
   pipe_status st = pipe_plan_options_create(&options);
   for (int i = 0; i < split->num_points && st == PIPE_OK; ++i)
@@ -35,8 +35,8 @@ static void input_list(const pipe_model *model, char *buf, size_t size) {
   }
 }
 
-int read_inputs(const pipe_model *model, const char *path, pipe_tensor_list **list,
-                       const DLManagedTensor ***args, size_t *num_args) {
+int read_inputs(const pipe_model *model, const char *path, pipe_tensor_list **list, const DLManagedTensor ***args,
+                size_t *num_args) {
   pipe_status st = pipe_safetensors_read(path, list);
   if (st != PIPE_OK) return fail("cannot read inputs", st);
   char names[1024];
@@ -55,8 +55,8 @@ int read_inputs(const pipe_model *model, const char *path, pipe_tensor_list **li
       known = strcmp(input_name, tensor_name) == 0;
     }
     if (!known) {
-      fprintf(stderr, "pipe: error: '%s' holds tensor '%s', which is not an input of the model (inputs: %s)\n",
-              path, tensor_name, names);
+      fprintf(stderr, "pipe: error: '%s' holds tensor '%s', which is not an input of the model (inputs: %s)\n", path,
+              tensor_name, names);
       return 1;
     }
   }
@@ -71,8 +71,8 @@ int read_inputs(const pipe_model *model, const char *path, pipe_tensor_list **li
     if ((st = pipe_model_input_name(model, i, &input_name)) != PIPE_OK)
       return fail("cannot list the model's inputs", st);
     if (pipe_tensor_list_find(*list, input_name, &index) != PIPE_OK) {
-      fprintf(stderr, "pipe: error: '%s' has no tensor named '%s' (the model's inputs are: %s)\n", path,
-              input_name, names);
+      fprintf(stderr, "pipe: error: '%s' has no tensor named '%s' (the model's inputs are: %s)\n", path, input_name,
+              names);
       return 1;
     }
     if ((st = pipe_tensor_list_get(*list, index, &(*args)[i])) != PIPE_OK) return fail("cannot read inputs", st);
@@ -119,8 +119,7 @@ void close_pipeline(pipeline *p) {
   memset(p, 0, sizeof *p);
 }
 
-int open_pipeline(pipeline *p, const char *model_path, const char *in_path, const split_args *split,
-                         session_args *s) {
+int open_pipeline(pipeline *p, const char *model_path, const char *in_path, const split_args *split, session_args *s) {
   memset(p, 0, sizeof *p);
   p->workers.comm_timeout_ms = s->options.comm_timeout_ms;
   pipe_status st = pipe_model_load(model_path, &p->model);
@@ -139,7 +138,8 @@ int open_pipeline(pipeline *p, const char *model_path, const char *in_path, cons
       goto failed;
     }
     if (stages < (size_t)s->processes) {
-      fprintf(stderr, "pipe: error: --processes %d: the plan has only %zu stage%s and every process hosts at least "
+      fprintf(stderr,
+              "pipe: error: --processes %d: the plan has only %zu stage%s and every process hosts at least "
               "one; use at most %zu processes or cut more stages\n",
               s->processes, stages, stages == 1 ? "" : "s", stages);
       goto failed;

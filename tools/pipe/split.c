@@ -38,8 +38,7 @@ static pipe_status print_plan(const char *model_path, const pipe_plan *plan) {
         (st = pipe_plan_stage_count_names(plan, s, PIPE_NAMES_BUFFERS, &buffers)) != PIPE_OK ||
         (st = pipe_plan_stage_estimated_ms(plan, s, &ms)) != PIPE_OK)
       return st;
-    printf("  stage %zu: %zu parameters, %zu buffers, %.2f MiB", s, params, buffers,
-           (double)bytes / (1024.0 * 1024.0));
+    printf("  stage %zu: %zu parameters, %zu buffers, %.2f MiB", s, params, buffers, (double)bytes / (1024.0 * 1024.0));
     if (ms >= 0) {
       printf(", %.3f ms", ms);
       total += ms;

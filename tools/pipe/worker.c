@@ -15,10 +15,11 @@ int cmd_worker(int argc, char **argv) {
     const char *v = argv[++i];
     if (strcmp(a, "--store") == 0) {
       options.store = v;
-    } else if (parse_int(a, v, strcmp(a, "--rank") == 0             ? &options.rank
-                               : strcmp(a, "--world-size") == 0     ? &options.world_size
-                               : strcmp(a, "--comm-timeout-ms") == 0 ? &options.comm_timeout_ms
-                                                                     : &options.threads_per_stage) != 0) {
+    } else if (parse_int(a, v,
+                         strcmp(a, "--rank") == 0              ? &options.rank
+                         : strcmp(a, "--world-size") == 0      ? &options.world_size
+                         : strcmp(a, "--comm-timeout-ms") == 0 ? &options.comm_timeout_ms
+                                                               : &options.threads_per_stage) != 0) {
       return 2;
     }
     has_rank |= strcmp(a, "--rank") == 0;

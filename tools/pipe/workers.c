@@ -20,8 +20,9 @@ int start_workers(local_workers *w, const session_args *s, const char *store) {
   snprintf(timeout, sizeof timeout, "%d", s->options.comm_timeout_ms > 0 ? s->options.comm_timeout_ms : 60000);
   for (int r = 1; r < s->processes; ++r) {
     snprintf(rank, sizeof rank, "%d", r);
-    char *argv[] = {"pipe", "worker", "--rank", rank, "--world-size", world, "--store", (char *)store,
-                    "--comm-timeout-ms", timeout, NULL};
+    char *argv[] = {
+        "pipe",  "worker", "--rank", rank, "--world-size", world, "--store", (char *)store, "--comm-timeout-ms",
+        timeout, NULL};
     pid_t parent = getpid();
     pid_t pid = fork();
     if (pid < 0) {

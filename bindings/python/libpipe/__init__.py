@@ -12,6 +12,7 @@ imported on first use):
   processes that serve them with `run_worker(rank, N, "HOST:PORT")`;
   failures raise `libpipe.Error` subclasses carrying a `Status`. See libpipe.runtime.
 """
+
 from .errors import (
     CancelledError,
     CommunicationError,

@@ -8,6 +8,7 @@ status code as `.status` (a `Status`) and its message as `.message`.
 
 Pure Python: the native module raises these through `from_status`.
 """
+
 import enum
 
 from ._header import constants as _constants

@@ -5,6 +5,7 @@ analysis CONSERVATIVE, so TorchScript keeps it as a side effect), and exposes pi
 call between the parts of forward that should become separate stages. Works under
 torch.jit.trace and torch.jit.script; in eager mode it does nothing.
 """
+
 import torch
 
 _lib = torch.library.Library("pipe", "DEF")

@@ -22,6 +22,7 @@ calls with CommunicationError, and the session stays broken (`session.check()` r
 The native module is imported on first use, so `import libpipe` (for pipe_split and the export
 helpers) works where it was never built.
 """
+
 import atexit
 import contextlib
 import json
@@ -244,7 +245,9 @@ def _export(x, what):
         # read-only flag): these, and only these, are copied.
         return np.array(a, dtype=a.dtype.newbyteorder("="), copy=True).__dlpack__()
     except (BufferError, TypeError, ValueError) as e:
-        raise InputError(Status.INPUT, f"{what}: a {type(x).__name__} cannot be passed to libpipe as a tensor: {e}") from e
+        raise InputError(
+            Status.INPUT, f"{what}: a {type(x).__name__} cannot be passed to libpipe as a tensor: {e}"
+        ) from e
 
 
 class DLPackTensor:
@@ -309,7 +312,9 @@ def _convert(entries, output_type):
 
 def _flavour(args, output_type):
     if output_type not in _OUTPUT_TYPES:
-        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"output_type must be one of {_OUTPUT_TYPES}, not {output_type!r}")
+        raise InvalidArgumentError(
+            Status.INVALID_ARGUMENT, f"output_type must be one of {_OUTPUT_TYPES}, not {output_type!r}"
+        )
     if output_type is not None:
         return output_type
     return "torch" if any(_is_torch(a) for a in args) else "numpy"
@@ -320,7 +325,9 @@ def _timeout_ms(timeout, what):
     if timeout is None:
         return None
     if not timeout > 0:
-        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"{what} must be a positive number of seconds or None, not {timeout!r}")
+        raise InvalidArgumentError(
+            Status.INVALID_ARGUMENT, f"{what} must be a positive number of seconds or None, not {timeout!r}"
+        )
     return max(1, math.ceil(timeout * 1000))
 
 
@@ -331,14 +338,16 @@ def _comm_timeout_ms(comm_timeout):
         return 0
     ms = _timeout_ms(comm_timeout, "comm_timeout")
     if ms > _INT32_MAX:
-        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"comm_timeout must be at most {_INT32_MAX / 1000:g} seconds, not {comm_timeout!r}")
+        raise InvalidArgumentError(
+            Status.INVALID_ARGUMENT, f"comm_timeout must be at most {_INT32_MAX / 1000:g} seconds, not {comm_timeout!r}"
+        )
     return ms
 
 
 def _store(store):
     """The rendezvous store's "HOST:PORT" (libpipe parses and checks it)."""
     if not isinstance(store, str):
-        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"store must be a \"HOST:PORT\" string, not {store!r}")
+        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f'store must be a "HOST:PORT" string, not {store!r}')
     return store
 
 
@@ -354,9 +363,9 @@ def _arguments(input_names, inputs, named):
     if twice:
         raise InputError(Status.INPUT, f"input(s) {twice} given both by position and by name")
     args = list(inputs)
-    for name in names[len(inputs):]:
+    for name in names[len(inputs) :]:
         if name not in named:
-            missing = [n for n in names[len(args):] if n not in named]
+            missing = [n for n in names[len(args) :] if n not in named]
             raise InputError(Status.INPUT, f"missing input(s) {missing}: the model's inputs are {names}")
         args.append(named[name])
     return args
@@ -446,7 +455,10 @@ def _specs(specs, allowed, what, input_names=None):
             raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"{what} must be a sequence")
         unknown = [n for n in specs if n not in input_names]
         if unknown:
-            raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"{what}: unknown input(s) {unknown}; the model's inputs are {list(input_names)}")
+            raise InvalidArgumentError(
+                Status.INVALID_ARGUMENT,
+                f"{what}: unknown input(s) {unknown}; the model's inputs are {list(input_names)}",
+            )
         specs = [specs.get(n) for n in input_names]
     result = []
     for i, spec in enumerate(specs):
@@ -588,7 +600,9 @@ def _stage_options(dtype, weights):
     if dtype is None and weights is None:
         return None
     if dtype not in _DTYPES:
-        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"dtype must be one of {sorted(k for k in _DTYPES if k)}, not {dtype!r}")
+        raise InvalidArgumentError(
+            Status.INVALID_ARGUMENT, f"dtype must be one of {sorted(k for k in _DTYPES if k)}, not {dtype!r}"
+        )
     options = {"dtype": _DTYPES[dtype]}
     if weights is not None:
         options["weights"] = os.fsdecode(os.fspath(weights))
@@ -661,7 +675,9 @@ class Session(_Closeable):
             _lib().pipe_session_trace_stop(h, None if path is None else os.fsdecode(os.fspath(path)))
 
     def __repr__(self):
-        where = "" if self.transport == "local" else f" {self.transport} world_size={self.world_size} store={self.store!r}"
+        where = (
+            "" if self.transport == "local" else f" {self.transport} world_size={self.world_size} store={self.store!r}"
+        )
         return f"<libpipe.Session {self.num_stages} stages{where}{' closed' if self.closed else ''}>"
 
 
@@ -685,7 +701,9 @@ class Request(_Closeable):
         on). Errors of the call (CancelledError, DeadlineExceededError, ...) are raised, again on
         every later wait."""
         if timeout is not None and not timeout >= 0:
-            raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"timeout must be >= 0 seconds or None, not {timeout!r}")
+            raise InvalidArgumentError(
+                Status.INVALID_ARGUMENT, f"timeout must be >= 0 seconds or None, not {timeout!r}"
+            )
         with self._wait_lock:
             if self._result is None and self._error is None:
                 self._wait_locked(timeout)
@@ -711,7 +729,9 @@ class Request(_Closeable):
                 if deadline is None or time.monotonic() < deadline:
                     continue
                 # The call goes on; nothing is kept.
-                raise WaitTimeoutError(Status.TIMEOUT, f"the call is still running after {timeout:g} s; wait again, or cancel it")
+                raise WaitTimeoutError(
+                    Status.TIMEOUT, f"the call is still running after {timeout:g} s; wait again, or cancel it"
+                )
             # Outside use(): _finish closes the handle, which waits for its users.
             if error is not None:
                 self._finish(error=error)
@@ -765,7 +785,9 @@ def load_safetensors(path, output_type="numpy"):
     """Every tensor of a safetensors file, read by libpipe: {name: array} (numpy by default,
     "torch" or "dlpack" on request), in file order."""
     if output_type not in ("numpy", "torch", "dlpack"):
-        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"output_type must be 'numpy', 'torch' or 'dlpack', not {output_type!r}")
+        raise InvalidArgumentError(
+            Status.INVALID_ARGUMENT, f"output_type must be 'numpy', 'torch' or 'dlpack', not {output_type!r}"
+        )
     return _convert(_lib().pipe_safetensors_read(os.fsdecode(os.fspath(path))), output_type)
 
 
@@ -775,7 +797,10 @@ def _interruptible_by_default_sigint():
     that is looked at when the call returns, so Ctrl-C would do nothing. Where Python's default
     handler is in place (and only in the main thread, where handlers live), SIGINT gets the
     system's default action for the call instead: it ends the process, as it ends `pipe worker`."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield
         return
     signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -6,6 +6,7 @@ Tests about calls that are still running (cancelling, timeouts, deadlines, threa
 model: a call with input n = key is held in each stage until the test opens gate `key` (the
 fixtures' gate.py), so that "still running" is a state the test brings about and observes, never
 a guess about how long some work takes on a loaded machine."""
+
 import contextlib
 import os
 import shutil

@@ -1,6 +1,7 @@
 """Cancellation, waiting with a timeout and deadlines. The calls run on the gated model: a call with
 n = key stays in its stage until the test opens the gate, so "still running" and "past its
 deadline" are states the test brings about before it looks at the one outcome it expects."""
+
 import os
 import threading
 import time

@@ -10,6 +10,7 @@ The calls that a fault must fail are held at the test gate (the gated model, con
 worker's stage, so the fault lands on a worker with work in hand. Time bounds only tell a hang
 from a slow run: "within comm_timeout plus a generous margin", which also tells a comm_timeout that
 reached libpipe from its one-minute default."""
+
 import contextlib
 import os
 import signal
@@ -55,8 +56,15 @@ def worker_process(tmp_path, rank=1, world_size=2, comm_timeout=CREATE_TIMEOUT_S
     env = dict(os.environ if env is None else env)
     env.pop("PYTHONPATH", None)
     stderr = open(tmp_path / f"worker-{rank}.stderr", "wb")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=stderr, text=True, env=env, cwd="/")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=env,
+        cwd="/",
+    )
     try:
         line = proc.stdout.readline()
         assert line == "ready\n", f"the worker did not start: {line!r}; stderr: {worker_stderr(tmp_path, rank)}"
@@ -130,6 +138,7 @@ def hold_in_worker(session, gate, x):
 
 def wait_stopped(proc):
     """Waits until a SIGSTOP sent to proc has taken effect."""
+
     def stopped():
         with open(f"/proc/{proc.pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] in "Tt"
@@ -187,8 +196,7 @@ def assert_broken(session, x):
     return info.value
 
 
-def test_killed_worker_fails_the_calls_and_breaks_the_session(gated_plan, gated_inputs, gated_expected, gate,
-                                                              tmp_path):
+def test_killed_worker_fails_the_calls_and_breaks_the_session(gated_plan, gated_inputs, gated_expected, gate, tmp_path):
     # A killed worker is noticed at once, so comm_timeout only has to let it join.
     x = gated_inputs["x"]
     with worker_process(tmp_path, env=gate.child_env()) as worker:
@@ -346,8 +354,9 @@ def test_native_options_reach_libpipe(demo_plan):
         with pytest.raises(TypeError, match="store must be a str"):
             _native.pipe_session_create(plan, {"transport": _native.PIPE_TRANSPORT_GLOO, "world_size": 2, "store": 5})
         with pytest.raises(ValueError, match="NUL"):
-            _native.pipe_session_create(plan, {"transport": _native.PIPE_TRANSPORT_GLOO, "world_size": 2,
-                                               "store": "127.0.0.1:1\0"})
+            _native.pipe_session_create(
+                plan, {"transport": _native.PIPE_TRANSPORT_GLOO, "world_size": 2, "store": "127.0.0.1:1\0"}
+            )
     with pytest.raises(libpipe.InvalidArgumentError, match="store is NULL"):
         _native.pipe_worker_run({"rank": 1, "world_size": 2})
     with pytest.raises(TypeError, match="unknown worker option 'bogus'"):

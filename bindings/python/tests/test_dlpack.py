@@ -1,5 +1,6 @@
 """Tensors cross without copies: outputs are libpipe's own buffers, adopted through DLPack;
 inputs are handed to libpipe as the producer's memory."""
+
 import ctypes
 import gc
 
@@ -151,6 +152,6 @@ def test_capsules_are_accepted_directly(demo_session, demo_x, demo_expected):
     capsule = demo_x.__dlpack__()
     entries = _native.pipe_session_run(demo_session._handle._ptr, [capsule], None)
     assert _native.libpipe_dlpack_info(capsule)["data"] == demo_x.ctypes.data
-    (name, out), = entries
+    ((name, out),) = entries
     assert name == "output"
     assert_close(np.from_dlpack(libpipe.DLPackTensor(out)), demo_expected)

@@ -1,4 +1,5 @@
 """Failures surface as libpipe.Error subclasses carrying the C status and libpipe's message."""
+
 import pickle
 
 import numpy as np

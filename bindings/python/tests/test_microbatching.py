@@ -1,6 +1,7 @@
 """Session(microbatching=...): "adaptive" (the default) cuts a call that arrives while others are
 in flight only as far as one micro-batch per stage needs; "fixed" cuts every call into
 `microbatches`. Results are the same; the stage statistics show the difference."""
+
 import pytest
 from conftest import WAIT_LIMIT_S, assert_close, held_session
 

@@ -1,4 +1,5 @@
 """The package imports without its native module; the native part loads on first use."""
+
 import os
 import subprocess
 import sys
@@ -14,8 +15,10 @@ def python(code, **env):
 
 
 def test_import_does_not_load_the_native_module():
-    r = python("import sys, libpipe; assert 'libpipe._native' not in sys.modules; libpipe.version(); "
-               "assert 'libpipe._native' in sys.modules")
+    r = python(
+        "import sys, libpipe; assert 'libpipe._native' not in sys.modules; libpipe.version(); "
+        "assert 'libpipe._native' in sys.modules"
+    )
     assert r.returncode == 0, r.stderr
 
 

@@ -1,5 +1,6 @@
 """The demo model through the Python API equals eager PyTorch's output, whatever the way of
 splitting, the flavour of the inputs, or the way of passing them."""
+
 import importlib.metadata
 import re
 

@@ -1,4 +1,5 @@
 """One session used from many Python threads at once, and the GIL released while libpipe works."""
+
 import contextlib
 import os
 import signal
@@ -180,8 +181,9 @@ def test_gil_is_released_while_waiting(gate, gated_session, gated_inputs, gated_
     interval = sys.getswitchinterval()
     sys.setswitchinterval(10 * FALLBACK_S)
     try:
-        held = held_while_this_thread_ran(gate, key, waiter,
-                                          lambda: bool(waiters) and inside(waiters[0], libpipe.Request.wait))
+        held = held_while_this_thread_ran(
+            gate, key, waiter, lambda: bool(waiters) and inside(waiters[0], libpipe.Request.wait)
+        )
     finally:
         sys.setswitchinterval(interval)
     assert held, "this thread could not run while the waiter was inside libpipe: the GIL was held"

@@ -36,8 +36,7 @@ bool is_grad_mode_context(const c10::TypePtr& type) {
   if (!cls || !cls->name()) return false;
   static const std::set<std::string> names = {
       "__torch__.torch.autograd.grad_mode.no_grad", "__torch__.torch.autograd.grad_mode.enable_grad",
-      "__torch__.torch.autograd.grad_mode.set_grad_enabled",
-      "__torch__.torch.autograd.grad_mode.inference_mode"};
+      "__torch__.torch.autograd.grad_mode.set_grad_enabled", "__torch__.torch.autograd.grad_mode.inference_mode"};
   return names.count(cls->name()->qualifiedName()) > 0;
 }
 
@@ -45,16 +44,15 @@ void strip_grad_mode(torch::jit::Block* block) {
   for (auto it = block->nodes().begin(); it != block->nodes().end();) {
     Node* node = *it++;
     for (auto* sub : node->blocks()) strip_grad_mode(sub);
-    if (node->kind() != torch::jit::prim::CreateObject || !is_grad_mode_context(node->output()->type()))
-      continue;
+    if (node->kind() != torch::jit::prim::CreateObject || !is_grad_mode_context(node->output()->type())) continue;
     // Every use is the context manager's own bookkeeping: Enter, Exit, SetAttr of its state.
     // A use outside that set means the object escapes into model code; then leave it alone.
     bool only_bookkeeping = true;
     for (const auto& use : node->output()->uses()) {
       auto k = use.user->kind();
-      only_bookkeeping &= (k == torch::jit::prim::Enter || k == torch::jit::prim::Exit ||
-                           k == torch::jit::prim::SetAttr) &&
-                          !(use.user->outputs().size() == 1 && use.user->output()->hasUses());
+      only_bookkeeping &=
+          (k == torch::jit::prim::Enter || k == torch::jit::prim::Exit || k == torch::jit::prim::SetAttr) &&
+          !(use.user->outputs().size() == 1 && use.user->output()->hasUses());
     }
     if (!only_bookkeeping) continue;
     while (node->output()->hasUses()) {
@@ -206,8 +204,8 @@ void find_nested_marker(const torch::jit::Block* block, bool top, std::string& f
 size_t Model::node_id(const Node* node) const {
   auto it = node_id_.find(node);
   if (it == node_id_.end())
-    throw Error(Status::Internal, std::string("node ") + node->kind().toQualString() +
-                                      " is not one of the model's top-level nodes");
+    throw Error(Status::Internal,
+                std::string("node ") + node->kind().toQualString() + " is not one of the model's top-level nodes");
   return it->second;
 }
 
@@ -226,9 +224,8 @@ void Model::describe() {
     auto use = [&](const torch::jit::Value* v, const Node* user) {
       if (v == self) {
         if (pn.unsupported.empty())
-          pn.unsupported = "the model passes its own module object to " +
-                           std::string(user->kind().toQualString()) + " at " + where(user) +
-                           "; only reads of its attributes can be split";
+          pn.unsupported = "the model passes its own module object to " + std::string(user->kind().toQualString()) +
+                           " at " + where(user) + "; only reads of its attributes can be split";
         return;
       }
       auto path = attribute_path(v, self);
@@ -289,8 +286,9 @@ void Model::describe() {
 const Model& torchscript_model(const Plan& plan) {
   const auto* model = dynamic_cast<const Model*>(&plan.model());
   if (!model)
-    throw Error(Status::Unsupported, "this plan was not made from a TorchScript model, and only TorchScript "
-                                     "stages can be built so far");
+    throw Error(Status::Unsupported,
+                "this plan was not made from a TorchScript model, and only TorchScript "
+                "stages can be built so far");
   return *model;
 }
 
@@ -332,16 +330,15 @@ std::shared_ptr<const Model> Model::load(const std::string& path) {
     // machine, or in a process, without one).
     model->module_ = torch::jit::load(path, c10::Device(c10::kCPU));
   } catch (const c10::Error& e) {
-    throw Error(Status::InvalidFormat,
-                "'" + path + "' is not a loadable TorchScript archive (save it with "
-                "torch.jit.trace(...).save() or torch.jit.script(...).save()): " +
-                    e.what_without_backtrace());
+    throw Error(Status::InvalidFormat, "'" + path +
+                                           "' is not a loadable TorchScript archive (save it with "
+                                           "torch.jit.trace(...).save() or torch.jit.script(...).save()): " +
+                                           e.what_without_backtrace());
   }
   model->module_.eval();
 
   auto forward = model->module_.find_method("forward");
-  if (!forward)
-    throw Error(Status::InvalidFormat, "'" + path + "' has no forward method to split");
+  if (!forward) throw Error(Status::InvalidFormat, "'" + path + "' has no forward method to split");
 
   model->graph_ = forward->graph()->copy();
   model->inline_calls(model->graph_->block());

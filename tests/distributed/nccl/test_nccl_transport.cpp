@@ -139,8 +139,7 @@ void send_all(Transport& t, int peer, const std::vector<Message>& ms) {
 }
 
 void recv_all(Transport& t, int peer, const std::vector<Message>& want, const std::string& what) {
-  for (size_t i = 0; i < want.size(); ++i)
-    expect_same(t.recv(peer), want[i], what + " message " + std::to_string(i));
+  for (size_t i = 0; i < want.size(); ++i) expect_same(t.recv(peer), want[i], what + " message " + std::to_string(i));
 }
 
 template <typename F>
@@ -219,8 +218,8 @@ int run(int rank, uint16_t port, pid_t child) {
   t.reset();
   int status = 0;
   expect(::waitpid(child, &status, 0) == child, "waitpid");
-  expect(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "rank 1 did not end as planned (status " +
-                                                                 std::to_string(status) + ")");
+  expect(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL,
+         "rank 1 did not end as planned (status " + std::to_string(status) + ")");
   const auto v = store->get("test/child");
   expect(std::string(v.begin(), v.end()) == "ok", "rank 1 did not finish its checks");
   std::printf("PASSED\n");
