@@ -325,7 +325,11 @@ TEST(DistributedSession, AWorkerThatGoesAwayBreaksTheSessionAndItsCalls) {
   ASSERT_EQ(gate_init(), 0);
   TwoRanks ranks("gated.scripted.pt");  // stage 0 here, stage 1 in the worker
   const int64_t key = gate_new_key();
-  auto request = ranks.session->submit({at::randn({4, 64}), at::scalar_tensor(key, at::kLong)});
+  // The inputs outlive the call: dropped here while stage 0 still holds views of them, the last
+  // reference would go in a stage thread inside (uninstrumented) LibTorch, which ThreadSanitizer
+  // cannot see synchronise with this thread.
+  const std::vector<c10::IValue> inputs{at::randn({4, 64}), at::scalar_tensor(key, at::kLong)};
+  auto request = ranks.session->submit(inputs);
   gate_open(key, "stage0");
   ASSERT_TRUE(gate_wait(key, "stage1", "arrived", 1));  // the worker holds the call
   ranks.worker_end->abort("the worker process died");   // what a closed connection looks like
