@@ -1,0 +1,404 @@
+"""The decoder contract: a TorchScript causal language model that libpipe drives step by step.
+
+A decoder is a TorchScript module whose forward is
+
+    forward(tokens: int64[B, T], start: int64[B], lengths: int64[B], slots: int64[B]) -> float32[B, vocab]
+
+Row b of a call carries `lengths[b]` (1 .. T) new tokens of one sequence, right-padded to T (the
+padding's values are ignored), at positions `start[b]` .. `start[b] + lengths[b] - 1` of that
+sequence, whose keys and values live in KV-cache slot `slots[b]`. The result is the logits of
+each row's last valid token, in float32 whatever the model's dtype (they are all sampling
+needs; no [B, T, vocab] tensor is made). So:
+
+- prefill of a whole prompt is one row with start = 0, lengths = len(prompt); a long prompt may
+  be prefilled in chunks (start = tokens already in the cache); a decode step is a row with
+  lengths = 1 (T = 1 when every row decodes). Rows of different kinds share a call.
+- Rows are independent: a call may be cut into micro-batches along B, in any grouping.
+- Within a call, no two rows may name the same slot (checked per micro-batch).
+
+Caches. Every attention layer owns two buffers, `k_cache` and `v_cache`, of shape
+[slots, kv_heads, max_len, head_dim] in the model's dtype, registered as non-persistent buffers
+(no checkpoint stores them). The forward writes the keys and values of the valid tokens of
+each row at positions start .. start+lengths-1 of its slot, in place (padding never writes),
+and attends over positions 0 .. start+lengths-1 of the slot with a causal mask (and a sliding
+window where the model has one). What a slot holds at positions >= start is overwritten by
+the call, so a slot is reused for a new sequence simply by prefilling it from start = 0;
+nothing needs clearing. The caller owns the bookkeeping: which slot a sequence uses and how
+many of its tokens are cached (start of the next call).
+
+Errors are raised by the module (TorchScript `raise`, an ExecutionError through libpipe) for:
+lengths outside 1..T, start < 0, start + lengths > max_len, a slot outside 0..slots-1, two rows
+with one slot, a valid token outside 0..vocab-1.
+
+Costs per call and layer: the cache is read narrowed to the longest context in the call
+(max(start + lengths), read on the host: one device synchronisation per layer on a GPU) and
+gathered for the call's slots, a copy of B x kv_heads x context x head_dim; the writes touch only
+the new tokens.
+
+Module tree and parameter names are Hugging Face's (model.embed_tokens, model.layers.N.self_attn.
+q_proj, ..., model.norm, lm_head), so a Hugging Face checkpoint loads by name; the layers are
+`model.layers.K`, which libpipe cuts between (`--split-at model.layers.K:begin`, or --stages N).
+A tied head (`tie_word_embeddings`) is the embedding's own tensor. Rotary frequencies are the
+non-persistent buffer `model.rotary_emb.inv_freq`, computed as Hugging Face computes them.
+
+`libpipe.export_llm` builds these from a Hugging Face config.json; build_decoder() here builds one
+from a config dict.
+"""
+
+import math
+from typing import List
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class RMSNorm(nn.Module):
+    """Hugging Face's LlamaRMSNorm: statistics in float32, the weight applied in the input's dtype."""
+
+    def __init__(self, hidden_size: int, eps: float, weights):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, **weights), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos and sin of each position's angles, as Hugging Face's rotary embedding computes them."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_scaling = attention_scaling
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions.unsqueeze(-1).to(torch.float32) * self.inv_freq.to(torch.float32)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, weights):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias, **weights)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias, **weights)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias, **weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Self-attention over the slot's cache; owns k_cache and v_cache and updates them in place."""
+
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        sliding_window: int,
+        slots: int,
+        max_len: int,
+        weights,
+    ):
+        super().__init__()
+        self.heads = heads
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window  # 0: none
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias, **weights)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias, **weights)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias, **weights)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias, **weights)
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=weights["dtype"]), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=weights["dtype"]), persistent=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        end: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        b, t = x.shape[0], x.shape[1]
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        c = cos.unsqueeze(1)
+        s = sin.unsqueeze(1)
+        q = q * c + rotate_half(q) * s
+        k = k * c + rotate_half(k) * s
+
+        # Only the valid tokens are written: padding never clobbers a slot's cache.
+        rows, cols = valid.nonzero().unbind(1)
+        where = slots[rows]
+        at = positions[rows, cols]
+        self.k_cache[where, :, at] = k.transpose(1, 2)[rows, cols]
+        self.v_cache[where, :, at] = v.transpose(1, 2)[rows, cols]
+        return self.attend(q, positions, valid, end, slots, b, t)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        end: torch.Tensor,
+        slots: torch.Tensor,
+        b: int,
+        t: int,
+    ) -> torch.Tensor:
+        # Only the longest context in the call is read and gathered, never the whole cache.
+        context = int(end.max())
+        keys = self.k_cache.narrow(2, 0, context).index_select(0, slots)
+        values = self.v_cache.narrow(2, 0, context).index_select(0, slots)
+        kpos = torch.arange(context, device=q.device)
+        qpos = positions.unsqueeze(-1)
+        allowed = kpos <= qpos
+        if self.sliding_window > 0:
+            allowed = allowed & (kpos > qpos - self.sliding_window)
+        # Padding rows may see anything (their results are never used); never an all-masked row,
+        # whose softmax would be NaN.
+        allowed = (allowed | ~valid.unsqueeze(-1)).unsqueeze(1)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=allowed, dropout_p=0.0, is_causal=False, scale=self.scale, enable_gqa=True
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attention: Attention, mlp: MLP, hidden: int, eps: float, weights):
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden, eps, weights)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, weights)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        end: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, positions, valid, end, slots)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """Hugging Face's `model` submodule: embedding, layers, final norm, rotary frequencies."""
+
+    def __init__(
+        self, layers: List[DecoderLayer], vocab: int, hidden: int, eps: float, rotary: RotaryEmbedding, weights
+    ):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden, **weights)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden, eps, weights)
+        self.rotary_emb = rotary
+
+
+class DecoderLM(nn.Module):
+    """The root: forward follows the decoder contract (see the module docstring)."""
+
+    def __init__(self, model: DecoderModel, vocab: int, hidden: int, tied: bool, slots: int, max_len: int, weights):
+        super().__init__()
+        self.model = model
+        self.lm_head = nn.Linear(hidden, vocab, bias=False, **weights)
+        if tied:
+            self.lm_head.weight = model.embed_tokens.weight
+        self.lm_head.weight.requires_grad_(False)
+        self.vocab = vocab
+        self.num_slots = slots
+        self.max_len = max_len
+
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
+        b, t = tokens.shape[0], tokens.shape[1]
+        if start.dim() != 1 or lengths.dim() != 1 or slots.dim() != 1:
+            raise ValueError("decoder: start, lengths and slots must be 1-d, one entry per row of tokens [B, T]")
+        if start.shape[0] != b or lengths.shape[0] != b or slots.shape[0] != b:
+            raise ValueError("decoder: start, lengths and slots must each have one entry per row of tokens [B, T]")
+        if bool((lengths < 1).any()) or bool((lengths > t).any()):
+            raise ValueError("decoder: every row needs 1 <= lengths <= T (the width of tokens)")
+        end = start + lengths
+        if bool((start < 0).any()):
+            raise ValueError("decoder: start must be >= 0")
+        if bool((end > self.max_len).any()):
+            raise ValueError(
+                "decoder: start + lengths exceeds the maximum sequence length the caches were made for "
+                "(export_llm --max-seq-len)"
+            )
+        if bool((slots < 0).any()) or bool((slots >= self.num_slots).any()):
+            raise ValueError("decoder: a slot is outside 0 .. slots-1 (export_llm --max-batch sets the slots)")
+        if b > 1 and bool((slots.sort()[0].diff() == 0).any()):
+            raise ValueError("decoder: two rows of one call name the same cache slot")
+        offsets = torch.arange(t, device=tokens.device)
+        valid = offsets.unsqueeze(0) < lengths.unsqueeze(1)
+        if bool(((tokens < 0) | (tokens >= self.vocab)).logical_and(valid).any()):
+            raise ValueError("decoder: a token id is outside the vocabulary (0 .. vocab_size-1)")
+        positions = start.unsqueeze(1) + offsets.unsqueeze(0)
+
+        h = self.model.embed_tokens(torch.where(valid, tokens, torch.zeros_like(tokens)))
+        cos, sin = self.model.rotary_emb(positions, h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, positions, valid, end, slots)
+        # Row count from h, not from `b`: an int would cross to the last stage, where only tensors must.
+        last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]
+        return self.lm_head(self.model.norm(last)).to(torch.float32)
+
+
+def _rope_parameters(config):
+    """(theta, type, parameters) from a config: transformers 5 writes `rope_parameters`, earlier
+    versions `rope_theta` and `rope_scaling`."""
+    params = dict(config.get("rope_parameters") or {})
+    scaling = config.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    return float(theta), rope_type, params
+
+
+def rotary_inv_freq(config, head_dim):
+    """inv_freq and the attention scaling, computed with the same float32 operations as
+    transformers' ROPE_INIT_FUNCTIONS for the supported rope types."""
+    theta, rope_type, params = _rope_parameters(config)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)}); "
+            "its positions would not match the model's"
+        )
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
+    dim = head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    if rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":
+        factor = params["factor"]
+        low_freq_factor = params["low_freq_factor"]
+        high_freq_factor = params["high_freq_factor"]
+        old_context_len = params.get("original_max_position_embeddings", config.get("max_position_embeddings"))
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq, 1.0
+
+
+def _sliding_windows(config, model_type, layers):
+    """The sliding window of each layer (0: full attention), as transformers decides it."""
+    window = config.get("sliding_window")
+    if model_type == "mistral":
+        return [int(window or 0)] * layers
+    if model_type == "qwen2":
+        if not config.get("use_sliding_window", False) or not window:
+            return [0] * layers
+        types = config.get("layer_types") or [
+            "sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention" for i in range(layers)
+        ]
+        return [int(window) if kind == "sliding_attention" else 0 for kind in types]
+    return [0] * layers
+
+
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def config_dtype(config):
+    """The dtype the checkpoint was saved in (config's `dtype`, or `torch_dtype` before
+    transformers 5), float32 if it says nothing."""
+    return _DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32)
+
+
+def build_decoder(config, max_len, slots, dtype=torch.float32, weights_device="cpu"):
+    """An eager DecoderLM for a Hugging Face config dict (config.json), with caches of
+    [slots, kv_heads, max_len, head_dim] per attention layer. ValueError for what it cannot build
+    exactly: another model type, rope type, activation, or a max_len or slots below 1.
+    weights_device "meta" makes the parameters without memory (for a skeleton); the caches and
+    rotary frequencies are always made on the CPU."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported are the Llama-family causal LMs "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if max_len < 1 or slots < 1:
+        raise ValueError(f"max_len and slots must be at least 1 (got {max_len} and {slots})")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    vocab = config["vocab_size"]
+    eps = float(config.get("rms_norm_eps", 1e-6))
+    layers_n = config["num_hidden_layers"]
+    if model_type == "qwen2":
+        qkv_bias, o_bias, mlp_bias = True, False, False
+    elif model_type == "llama":
+        qkv_bias = o_bias = bool(config.get("attention_bias", False))
+        mlp_bias = bool(config.get("mlp_bias", False))
+    else:
+        qkv_bias = o_bias = mlp_bias = False
+    weights = {"dtype": dtype, "device": torch.device(weights_device)}
+    windows = _sliding_windows(config, model_type, layers_n)
+    inv_freq, scaling = rotary_inv_freq(config, head_dim)
+    layers = [
+        DecoderLayer(
+            Attention(hidden, heads, kv_heads, head_dim, qkv_bias, o_bias, windows[i], slots, max_len, weights),
+            MLP(hidden, config["intermediate_size"], mlp_bias, weights),
+            hidden,
+            eps,
+            weights,
+        )
+        for i in range(layers_n)
+    ]
+    model = DecoderModel(layers, vocab, hidden, eps, RotaryEmbedding(inv_freq, scaling), weights)
+    tied = bool(config.get("tie_word_embeddings", False))
+    return DecoderLM(model, vocab, hidden, tied, slots, max_len, weights).eval()
+
+
+def script_decoder(decoder):
+    """torch.jit.script of a DecoderLM."""
+    return torch.jit.script(decoder)
+
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "build_decoder", "config_dtype", "script_decoder"]

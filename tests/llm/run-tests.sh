@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs libpipe's Python binding (built against the libpipe installed at PREFIX) into the
+# environment of $LIBPIPE_PYTHON and runs the decoder tests against it, from WORKDIR.
+#
+#   run-tests.sh PREFIX WORKDIR [pytest arguments]
+set -euo pipefail
+
+if [ $# -lt 2 ]; then
+  echo "usage: $0 PREFIX WORKDIR [pytest arguments]" >&2
+  exit 2
+fi
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+prefix=$(cd "$1" && pwd)
+mkdir -p "$2"
+workdir=$(cd "$2" && pwd)
+shift 2
+python=${LIBPIPE_PYTHON:-python3}
+
+"$here/../../bindings/python/install.sh" "$prefix" "$workdir"
+
+cd "$workdir"
+exec env -u PYTHONPATH -u LD_LIBRARY_PATH PYTHONDONTWRITEBYTECODE=1 \
+  "$python" -m pytest -q -p no:cacheprovider --rootdir="$here" --basetemp="$workdir/pytest-tmp" "$@" "$here"

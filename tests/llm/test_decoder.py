@@ -1,0 +1,432 @@
+"""The decoder contract (libpipe.decoder) and `python -m libpipe.export_llm`, against transformers.
+
+Tiny random-weight Llama (tied head, llama3 rope scaling in one variant), Qwen2 (q/k/v biases) and
+Mistral (a sliding window shorter than the sequences) are saved with save_pretrained; the skeleton
+exported from their config.json, with weights from their own model.safetensors, must generate
+token for token what transformers' greedy `generate` does, prompt by prompt:
+
+- scripted in this process (the contract alone, no libpipe);
+- through libpipe sessions of 1, 2 and 3 stages cut at decoder layers, each call cut into
+  micro-batches, so that every layer's cache lives in the stage of its layer and its in-place
+  updates must survive the split: a batched prefill of prompts of different lengths in different
+  slots, then decode steps, with sequences joining mid-flight (a prefill row beside decode rows),
+  long prompts prefilled in chunks, and a finished sequence's slot reused by a new one;
+- over 2 processes (Gloo), the second stage's caches living in a `libpipe.run_worker` process.
+
+The weights are drawn with a large initializer_range so that generations vary from token to
+token (with the default, a random model repeats one token, which a broken cache would too).
+Errors: an unsupported model type or rope type fails the export with one line naming what is
+supported; positions beyond the caches, token ids outside the vocabulary and one slot twice in
+a call are refused by the module itself.
+"""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import libpipe
+from libpipe.decoder import build_decoder
+
+MAX_LEN = 40
+SLOTS = 4
+NEW_TOKENS = 12
+VOCAB = 256
+# Prompts of different lengths; the longest is prefilled in chunks in the mid-flight test.
+PROMPTS = [
+    [5, 6, 7, 8, 9],
+    [100, 3],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+    [200, 201, 17, 250, 9, 9, 40],
+    [77],
+    [13, 31, 131, 113, 11, 3, 30, 90, 180, 255, 0, 12, 21, 14],
+]
+CHUNK = 4  # prefill chunk of the mid-flight test
+
+
+def common(**kw):
+    base = dict(
+        num_hidden_layers=3,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    base.update(kw)
+    return base
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**common(tie_word_embeddings=True)))
+
+
+def llama3_rope():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # Scaled frequencies that differ from the defaults within the positions generated here.
+    rope = dict(
+        rope_type="llama3",
+        rope_theta=500.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=16,
+    )
+    return LlamaForCausalLM(LlamaConfig(**common(rope_parameters=rope, num_key_value_heads=1)))
+
+
+def qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(**common(num_key_value_heads=4)))
+
+
+def mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    # A window shorter than prompt + generation, so that the sliding mask decides outputs.
+    return MistralForCausalLM(MistralConfig(**common(sliding_window=8, head_dim=32)))
+
+
+MODELS = {"llama": llama, "llama3_rope": llama3_rope, "qwen2": qwen2, "mistral": mistral}
+
+
+@dataclass
+class Exported:
+    folder: str
+    skeleton: str
+    weights: str
+    config: dict
+    reference: list = field(default_factory=list)  # transformers' greedy tokens per prompt
+
+
+def export(folder, out, *args):
+    return subprocess.run(
+        [sys.executable, "-m", "libpipe.export_llm", str(folder), str(out), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def exported(request, tmp_path_factory):
+    name = request.param
+    folder = tmp_path_factory.mktemp(name)
+    torch.manual_seed(0)
+    hf = MODELS[name]().eval()
+    hf.save_pretrained(folder)
+    skeleton = folder / "decoder.pt"
+    result = export(folder, skeleton, "--max-seq-len", MAX_LEN, "--max-batch", SLOTS, "--dtype", "fp32")
+    assert result.returncode == 0, result.stderr
+    assert "KV cache" in result.stdout
+    reference = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            reference.append(out[0, len(p) :].tolist())
+    # The test can fail: a random model that repeated one token would not tell a broken cache.
+    assert all(len(set(r)) > NEW_TOKENS // 2 for r in reference), reference
+    with open(folder / "config.json") as f:
+        config = json.load(f)
+    return Exported(str(folder), str(skeleton), str(folder / "model.safetensors"), config, reference)
+
+
+def pad(rows):
+    """[[ids]] -> tokens [B, T] right-padded with an id out of the vocabulary (padding must be
+    ignored, never embedded), and lengths [B]."""
+    width = max(len(r) for r in rows)
+    tokens = torch.full((len(rows), width), VOCAB + 1000, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r)
+    return tokens, torch.tensor([len(r) for r in rows], dtype=torch.int64)
+
+
+def greedy_batched(step, prompts, slots):
+    """Prefill every prompt in one call (row i in slots[i]), then decode NEW_TOKENS - 1 steps of
+    all of them together. `step(tokens, start, lengths, slots)` returns logits [B, vocab]."""
+    tokens, lengths = pad(prompts)
+    start = torch.zeros(len(prompts), dtype=torch.int64)
+    slot_t = torch.tensor(slots, dtype=torch.int64)
+    out = [[int(x)] for x in step(tokens, start, lengths, slot_t).argmax(-1)]
+    start = lengths.clone()
+    ones = torch.ones(len(prompts), dtype=torch.int64)
+    for _ in range(NEW_TOKENS - 1):
+        last = torch.tensor([[o[-1]] for o in out], dtype=torch.int64)
+        for o, x in zip(out, step(last, start, ones, slot_t).argmax(-1)):
+            o.append(int(x))
+        start += 1
+    return out
+
+
+def greedy_mid_flight(step, prompts, slots):
+    """Sequences join and leave between calls: at most `slots` run at once; a sequence joins when a
+    slot is free (the slot a finished one left, used again without clearing), its prompt is
+    prefilled CHUNK tokens per call in the same calls as the others' decode steps, and it leaves
+    after NEW_TOKENS tokens. Returns the generated tokens per prompt."""
+    waiting = list(range(len(prompts)))
+    free = list(slots)
+    running = {}  # prompt index -> [slot, tokens in the cache, generated]
+    out = [None] * len(prompts)
+    calls = 0
+    while waiting or running:
+        # One sequence joins per call, so joins happen while others are mid-flight.
+        if waiting and free:
+            running[waiting.pop(0)] = [free.pop(0), 0, []]
+        rows, order = [], []
+        for i, (slot, cached, gen) in running.items():
+            if cached < len(prompts[i]):
+                rows.append(prompts[i][cached : cached + CHUNK])
+            else:
+                rows.append([gen[-1]])
+            order.append(i)
+        tokens, lengths = pad(rows)
+        start = torch.tensor([running[i][1] for i in order], dtype=torch.int64)
+        slot_t = torch.tensor([running[i][0] for i in order], dtype=torch.int64)
+        logits = step(tokens, start, lengths, slot_t)
+        calls += 1
+        for row, i in enumerate(order):
+            seq = running[i]
+            seq[1] += int(lengths[row])
+            if seq[1] >= len(prompts[i]):  # the prompt is in: this row's logits give a token
+                seq[2].append(int(logits[row].argmax()))
+            if len(seq[2]) == NEW_TOKENS:
+                out[i] = seq[2]
+                free.append(seq[0])
+                del running[i]
+    assert calls > NEW_TOKENS  # the sequences did not all run in lockstep
+    return out
+
+
+def scripted_with_weights(exported):
+    """The decoder scripted in this process with the checkpoint's tensors copied in by name."""
+    decoder = build_decoder(exported.config, MAX_LEN, SLOTS)
+    missing, unexpected = decoder.load_state_dict(load_file(exported.weights), strict=False)
+    tied = exported.config.get("tie_word_embeddings", False)
+    assert unexpected == [] and missing == (["lm_head.weight"] if tied else [])
+    return torch.jit.script(decoder)
+
+
+def test_skeleton_has_no_weights_and_checkpoint_names(exported):
+    ts = torch.jit.load(exported.skeleton)
+    params = dict(ts.named_parameters())
+    assert params and all(p.is_meta for p in params.values())
+    checkpoint = set(load_file(exported.weights))
+    # Every checkpoint tensor is a parameter of the same name; a tied head is the embedding.
+    assert checkpoint <= set(params) | {"lm_head.weight"}
+    assert set(params) - checkpoint <= {"lm_head.weight"}
+    buffers = dict(ts.named_buffers())
+    caches = [n for n in buffers if n.endswith(("k_cache", "v_cache"))]
+    assert len(caches) == 2 * exported.config["num_hidden_layers"]
+    for n in caches:
+        assert not buffers[n].is_meta
+        assert buffers[n].shape == (SLOTS, exported.config["num_key_value_heads"], MAX_LEN, buffers[n].shape[3])
+
+
+def test_scripted_decoder_equals_transformers(exported):
+    ts = scripted_with_weights(exported)
+    with torch.no_grad():
+        got = greedy_batched(ts, PROMPTS[:SLOTS], [2, 0, 3, 1])
+        assert got == exported.reference[:SLOTS]
+        got = greedy_mid_flight(ts, PROMPTS, [1, 3])
+    assert got == exported.reference
+
+
+def libpipe_step(session):
+    return lambda *args: session.run(*args)["output"]
+
+
+def split_points(layers, stages):
+    cut = [round(k * layers / stages) for k in range(1, stages)]
+    return [f"model.layers.{k}:begin" for k in cut]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_libpipe_session_equals_transformers(exported, stages):
+    with libpipe.Model.load(exported.skeleton) as model:
+        assert model.input_names == ("tokens", "start", "lengths", "slots")
+        points = split_points(exported.config["num_hidden_layers"], stages)
+        with model.split(split_at=points or None) as plan:
+            assert plan.num_stages == stages
+            described = plan.describe()["stages"]
+            # Each layer's caches are buffers of exactly one stage: the one of its layer.
+            owners = {}
+            for s in described:
+                for b in s["buffers"]:
+                    if b.endswith(("k_cache", "v_cache")):
+                        assert b not in owners, f"{b} in stages {owners[b]} and {s['index']}"
+                        owners[b] = s["index"]
+            assert len(owners) == 2 * exported.config["num_hidden_layers"]
+            with plan.session(weights=exported.weights, microbatches=2, microbatching="fixed") as session:
+                step = libpipe_step(session)
+                got = greedy_batched(step, PROMPTS[:SLOTS], [3, 1, 0, 2])
+                assert got == exported.reference[:SLOTS]
+                got = greedy_mid_flight(step, PROMPTS, [2, 0, 1])
+                assert got == exported.reference
+
+
+def test_bad_calls_are_refused_by_the_module(exported):
+    with libpipe.Model.load(exported.skeleton) as model, model.split() as plan:
+        with plan.session(weights=exported.weights) as session:
+            one = torch.ones(1, dtype=torch.int64)
+            zero = torch.zeros(1, dtype=torch.int64)
+            cases = [
+                ((torch.tensor([[1]]), torch.tensor([MAX_LEN]), one, zero), "maximum sequence length"),
+                ((torch.tensor([[1, 2, 3]]), torch.tensor([MAX_LEN - 2]), torch.tensor([3]), zero), "maximum"),
+                ((torch.tensor([[VOCAB]]), zero, one, zero), "outside the vocabulary"),
+                ((torch.tensor([[-1]]), zero, one, zero), "outside the vocabulary"),
+                (
+                    (
+                        torch.tensor([[1], [2]]),
+                        torch.zeros(2, dtype=torch.int64),
+                        torch.ones(2, dtype=torch.int64),
+                        torch.tensor([1, 1]),
+                    ),
+                    "same cache slot",
+                ),
+                ((torch.tensor([[1]]), zero, one, torch.tensor([SLOTS])), "slot"),
+                ((torch.tensor([[1]]), zero, torch.tensor([2]), zero), "lengths"),
+                ((torch.tensor([[1]]), torch.tensor([-1]), one, zero), "start must be >= 0"),
+            ]
+            for args, needle in cases:
+                with pytest.raises(libpipe.ExecutionError) as e:
+                    session.run(*args)
+                assert needle in str(e.value), str(e.value)
+            # The session keeps serving, and a refused call wrote nothing: slot 0 still works.
+            tokens, lengths = pad([PROMPTS[0]])
+            logits = session.run(tokens, torch.zeros(1, dtype=torch.int64), lengths, zero)["output"]
+            assert int(logits.argmax()) == exported.reference[0][0]
+
+
+def write_config(folder, **changes):
+    from transformers import LlamaConfig
+
+    folder.mkdir()
+    LlamaConfig(**common()).save_pretrained(folder)
+    with open(folder / "config.json") as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(folder / "config.json", "w") as f:
+        json.dump(config, f)
+    return folder
+
+
+def one_error_line(result, *needles):
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("export_llm: error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_unsupported_model_type_is_refused(tmp_path):
+    folder = write_config(tmp_path / "gpt_neox", model_type="gpt_neox")
+    result = export(folder, tmp_path / "out.pt")
+    one_error_line(result, "'gpt_neox'", "llama", "mistral", "qwen2")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_unsupported_rope_is_refused(tmp_path):
+    folder = write_config(tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
+    one_error_line(export(folder, tmp_path / "out.pt"), "'yarn'", "default", "llama3")
+
+
+def test_missing_config_is_refused(tmp_path):
+    one_error_line(export(tmp_path, tmp_path / "out.pt"), "config.json")
+
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOIN_TIMEOUT_S = 120  # joining and loading on a loaded machine; never decides a verdict
+
+
+@contextlib.contextmanager
+def worker_process(tmp_path):
+    """A child Python serving rank 1 of 2 with libpipe.run_worker; it prints "ready" once imported,
+    then reads the store address from stdin (so that its start-up never counts against joining)."""
+    code = (
+        "import sys, libpipe\n"
+        "print('ready', flush=True)\n"
+        "libpipe.run_worker(1, 2, sys.stdin.readline().strip(), comm_timeout=%r)\n" % JOIN_TIMEOUT_S
+    )
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    with open(tmp_path / "worker.stderr", "wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
+        try:
+            assert proc.stdout.readline() == "ready\n", (tmp_path / "worker.stderr").read_text()
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=60)
+            proc.stdout.close()
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
+
+
+def test_two_processes_equal_transformers(exported, tmp_path):
+    sys.path.insert(0, os.path.join(TESTS, "distributed"))
+    from storeport import ANY_PORT, StoreLog, wait_for_store
+
+    with libpipe.Model.load(exported.skeleton) as model, model.split(split_at=split_points(3, 2)) as plan:
+        with worker_process(tmp_path) as worker:
+            created = {}
+
+            def create():
+                try:
+                    created["session"] = plan.session(
+                        transport="gloo",
+                        world_size=2,
+                        store=ANY_PORT,
+                        comm_timeout=JOIN_TIMEOUT_S,
+                        weights=exported.weights,
+                        microbatches=2,
+                    )
+                except BaseException as e:  # raised in the test's thread below
+                    created["error"] = e
+
+            with StoreLog() as log:
+                thread = threading.Thread(target=create, daemon=True)
+                thread.start()
+                store = wait_for_store(log.text, alive=thread.is_alive, what="plan.session")
+                worker.stdin.write(store + "\n")
+                worker.stdin.flush()
+                thread.join(2 * JOIN_TIMEOUT_S)
+            assert not thread.is_alive(), "plan.session hung"
+            if "error" in created:
+                raise created["error"]
+            with created["session"] as session:
+                step = libpipe_step(session)
+                assert greedy_batched(step, PROMPTS[:SLOTS], [1, 2, 3, 0]) == exported.reference[:SLOTS]
+                assert greedy_mid_flight(step, PROMPTS, [3, 1]) == exported.reference
+            assert worker.wait(timeout=JOIN_TIMEOUT_S) == 0, (tmp_path / "worker.stderr").read_text()
