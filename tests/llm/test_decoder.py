@@ -264,13 +264,20 @@ def split_points(layers, stages):
     return [f"model.layers.{k}:begin" for k in cut]
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3])
+def split(model, how, layers):
+    """1, 2, 3: cut at decoder layers; "params3": 3 stages balanced by libpipe (cuts may fall
+    between a layer's attention and MLP, never inside the attention that holds the caches)."""
+    if how == "params3":
+        return model.split(stages=3, policy="params")
+    return model.split(split_at=split_points(layers, how) or None)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, "params3"])
 def test_libpipe_session_equals_transformers(exported, stages):
     with libpipe.Model.load(exported.skeleton) as model:
         assert model.input_names == ("tokens", "start", "lengths", "slots")
-        points = split_points(exported.config["num_hidden_layers"], stages)
-        with model.split(split_at=points or None) as plan:
-            assert plan.num_stages == stages
+        with split(model, stages, exported.config["num_hidden_layers"]) as plan:
+            assert plan.num_stages == (3 if stages == "params3" else stages)
             described = plan.describe()["stages"]
             # Each layer's caches are buffers of exactly one stage: the one of its layer.
             owners = {}
@@ -286,6 +293,40 @@ def test_libpipe_session_equals_transformers(exported, stages):
                 assert got == exported.reference[:SLOTS]
                 got = greedy_mid_flight(step, PROMPTS, [2, 0, 1])
                 assert got == exported.reference
+
+
+def test_bf16_checkpoint_equals_transformers_in_bf16(exported, tmp_path):
+    """A checkpoint saved in bfloat16: export_llm takes its dtype from config.json, the weights load
+    without conversion, and greedy decoding over 2 stages equals transformers' in bfloat16 (whose
+    tokens differ from float32's for these models, checked below)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(exported.folder, dtype=torch.bfloat16).eval()
+    hf.save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    skeleton = tmp_path / "decoder.pt"
+    result = export(tmp_path, skeleton, "--max-seq-len", MAX_LEN, "--max-batch", SLOTS)
+    assert result.returncode == 0, result.stderr
+    prompts = PROMPTS[:SLOTS]
+    reference = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            reference.append(out[0, len(p) :].tolist())
+    with libpipe.Model.load(skeleton) as model, split(model, 2, exported.config["num_hidden_layers"]) as plan:
+        with plan.session(weights=tmp_path / "model.safetensors", microbatches=2) as session:
+            assert greedy_batched(libpipe_step(session), prompts, [0, 1, 2, 3]) == reference
+    # The dtype decides tokens here, so a float32 computation somewhere would be caught.
+    assert reference != exported.reference[:SLOTS]
 
 
 def test_bad_calls_are_refused_by_the_module(exported):

@@ -143,6 +143,10 @@ class Attention(nn.Module):
         end: torch.Tensor,
         slots: torch.Tensor,
     ) -> torch.Tensor:
+        # A cache stored as a zero-stride placeholder (one element seen through every index) would
+        # take the writes without an error and return garbage: it must be allocated before use.
+        if self.k_cache.stride(0) == 0 or self.v_cache.stride(0) == 0:
+            raise ValueError("decoder: k_cache/v_cache is a zero-stride placeholder, not an allocated cache")
         b, t = x.shape[0], x.shape[1]
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
