@@ -1,4 +1,5 @@
-// The C ABI: sessions, their calls (blocking and asynchronous requests), statistics and traces.
+// The C ABI: sessions, their calls (blocking, or submitted as a request: capi/request.cpp),
+// statistics and traces.
 #include <chrono>
 #include <cstddef>
 #include <fstream>
@@ -171,32 +172,6 @@ pipe_status pipe_session_submit(pipe_session* session, const DLManagedTensor* co
     r->impl = get(session)->impl->submit(args, run);
     *request = handle(r.release());
   });
-}
-
-pipe_status pipe_request_wait(pipe_request* request, int64_t timeout_ms, pipe_tensor_list** outputs) {
-  return guarded(__func__, [&](const char* fn) {
-    require(request, fn, "request");
-    require(outputs, fn, "outputs");
-    const auto until = timeout_ms < 0 ? libpipe::schedule::Clock::time_point::max()
-                                      : libpipe::schedule::Clock::now() + std::chrono::milliseconds(timeout_ms);
-    if (!get(request)->impl->wait_until(until))
-      throw Error(Status::Timeout, std::string(fn) + ": the call is still running after " + std::to_string(timeout_ms) +
-                                       " ms; wait again, or cancel it");
-    *outputs = make_list(get(request)->impl->result(get(request)->output_specs));
-  });
-}
-
-pipe_status pipe_request_cancel(pipe_request* request) {
-  return guarded(__func__, [&](const char* fn) {
-    require(request, fn, "request");
-    get(request)->impl->cancel();
-  });
-}
-
-void pipe_request_destroy(pipe_request* request) {
-  if (!request) return;
-  get(request)->impl->cancel();  // no-op for a finished call; the workers drop what is left
-  delete get(request);
 }
 
 pipe_status pipe_session_num_stages(const pipe_session* session, size_t* count) {

@@ -7,9 +7,11 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "runtime/chunk/microbatch.h"
@@ -22,9 +24,13 @@ namespace libpipe::schedule {
 using Clock = std::chrono::steady_clock;
 
 // One submitted call. Thread-safe; outlives its session (a session destroyed with calls in flight
-// fails them).
+// fails them). A call is finished once every micro-batch ran or it failed (an error, cancel(), its
+// deadline); at that moment, and only then, it notifies whoever asked without waiting: a callback
+// (on_done) and an eventfd (event_fd), so event loops need no thread parked per call.
 class Request {
  public:
+  using DoneFn = std::function<void(Status)>;
+
   // `outputs_on_device`: results stay where the last stage left them (a GPU) instead of coming
   // to the CPU.
   explicit Request(uint64_t id, size_t microbatches, Clock::time_point deadline, bool outputs_on_device = false)
@@ -34,6 +40,7 @@ class Request {
         remaining_(microbatches),
         results_(microbatches),
         result_ready_(microbatches) {}
+  ~Request();  // closes the eventfd if abandon() did not
 
   // Waits until the call is finished or `until` passes; true if finished. A call still running
   // at its deadline fails then with Status::DeadlineExceeded.
@@ -48,6 +55,22 @@ class Request {
   // current streams (their memory is not reused before the caller's kernels have read it).
   std::vector<NamedTensor> result(const std::vector<chunk::OutputSpec>& specs);
 
+  // Calls `fn(status)` once, when the call finishes (Status::Ok when every micro-batch ran): at
+  // once on this thread if it already has, otherwise on the thread that finishes it, never while
+  // this request's lock is held. False (and `fn` is dropped) if a callback was set before.
+  bool on_done(DoneFn fn);
+  // A Linux eventfd, created on the first call, that becomes readable when the call finishes and
+  // stays so (it is written once and never read here). Owned by the request. Throws Error(Io) if
+  // the system has no descriptor left.
+  int event_fd();
+  // The owner lets go (the C ABI's pipe_request_destroy): cancels an unfinished call, so its
+  // callback runs now on this thread; waits until a callback running on another thread returned;
+  // closes the eventfd. Afterwards no callback runs and nothing writes the descriptor.
+  void abandon();
+  // Fails the call with Status::DeadlineExceeded if it is still running (the session's deadline
+  // timer calls this once the deadline has passed).
+  void expire();
+
   uint64_t id() const { return id_; }
   bool failed();
   Clock::time_point deadline() const { return deadline_; }
@@ -58,6 +81,10 @@ class Request {
   void fail(Status status, const std::string& why);
   void finish_one();
   bool finished_locked() const { return failed_ || remaining_ == 0; }
+  // Under mutex_ (held by `lock`) when the call has just finished: the first time only, makes the
+  // eventfd readable and runs the callback, with the lock released while it runs.
+  void notify_finished(std::unique_lock<std::mutex>& lock);
+  void run_callback(std::unique_lock<std::mutex>& lock, DoneFn fn);
 
   const uint64_t id_;
   const Clock::time_point deadline_;
@@ -72,6 +99,14 @@ class Request {
   std::string message_;
   bool merged_ = false;
   std::vector<NamedTensor> outputs_;
+  // Completion notices (on_done, event_fd).
+  bool notified_ = false;      // finished and told so: the callback and eventfd see it once
+  bool callback_set_ = false;  // one on_done per request, even after its callback ran
+  DoneFn callback_;            // waiting for the call to finish
+  bool callback_running_ = false;
+  std::thread::id callback_thread_;
+  std::condition_variable callback_returned_;
+  int event_fd_ = -1;
 };
 
 // One micro-batch of a request in flight: the stages read and extend its environment of

@@ -114,6 +114,7 @@ Session::~Session() {
   for (auto& w : workers_) w->queue->close();
   for (auto& w : workers_) w->thread.join();
   if (ring_) ring_->stop();
+  timer_.reset();  // last: deadlines of calls still held in a stage above fire until then
 }
 
 void Session::admit(const std::shared_ptr<Request>& request) {
@@ -308,6 +309,13 @@ std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs,
       for (size_t rest = m; rest < microbatches.size(); ++rest) request->finish_one();
       break;
     }
+  }
+  // Watched from here on, not during admission, which fails a call that waits past its deadline
+  // with its own message; until submit returns, nobody can have asked to be told.
+  if (options.deadline != Clock::time_point::max()) {
+    std::lock_guard lock(timer_mutex_);
+    if (!timer_) timer_ = std::make_unique<DeadlineTimer>();
+    timer_->watch(request);
   }
   return request;
 }

@@ -28,6 +28,7 @@
 #include "runtime/graph/plan.h"
 #include "runtime/named_tensor.h"
 #include "runtime/schedule/bounded_queue.h"
+#include "runtime/schedule/deadline_timer.h"
 #include "runtime/schedule/request.h"
 #include "runtime/schedule/ring.h"
 #include "runtime/schedule/stage_step.h"
@@ -152,6 +153,9 @@ class Session {
   std::atomic<bool> tracing_{false};
 
   std::unique_ptr<Ring> ring_;  // only with worker processes
+
+  std::mutex timer_mutex_;
+  std::unique_ptr<DeadlineTimer> timer_;  // from the first call with a deadline on
 };
 
 }  // namespace libpipe::schedule

@@ -4,6 +4,7 @@
 #include <arpa/inet.h>
 #include <math.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -1326,6 +1327,285 @@ static void deadlines(void **state) {
   unload(&l);
 }
 
+/* ---- completion without a waiting thread: pipe_request_on_done, pipe_request_fd ------------ */
+
+/* What a pipe_request_done_fn saw: how often it ran, with what, and on which thread. */
+typedef struct {
+  pthread_mutex_t mutex;
+  pthread_cond_t cond;
+  int calls;
+  pipe_status status;
+  pipe_request *request;
+  pthread_t thread;
+} done_record;
+
+static void done_record_init(done_record *r) {
+  memset(r, 0, sizeof *r);
+  pthread_mutex_init(&r->mutex, NULL);
+  pthread_cond_init(&r->cond, NULL);
+}
+
+static void done_record_free(done_record *r) {
+  pthread_cond_destroy(&r->cond);
+  pthread_mutex_destroy(&r->mutex);
+}
+
+static void record_done(void *user_data, pipe_request *request, pipe_status status) {
+  done_record *r = user_data;
+  pthread_mutex_lock(&r->mutex);
+  r->calls++;
+  r->status = status;
+  r->request = request;
+  r->thread = pthread_self();
+  pthread_cond_broadcast(&r->cond);
+  pthread_mutex_unlock(&r->mutex);
+}
+
+/* The callback's calls once it has run at least once (a bounded wait that only ends a hung test). */
+static int wait_done(done_record *r) {
+  struct timespec limit;
+  clock_gettime(CLOCK_REALTIME, &limit);
+  limit.tv_sec += GATE_WAIT_LIMIT_S;
+  pthread_mutex_lock(&r->mutex);
+  while (r->calls == 0 && pthread_cond_timedwait(&r->cond, &r->mutex, &limit) == 0) {}
+  const int calls = r->calls;
+  pthread_mutex_unlock(&r->mutex);
+  return calls;
+}
+
+static int calls_now(done_record *r) {
+  pthread_mutex_lock(&r->mutex);
+  const int calls = r->calls;
+  pthread_mutex_unlock(&r->mutex);
+  return calls;
+}
+
+/* 1 if `fd` is readable within timeout_ms (0: now, as it is), 0 if not. */
+static int readable(int fd, int timeout_ms) {
+  struct pollfd p = {fd, POLLIN, 0};
+  const int n = poll(&p, 1, timeout_ms);
+  assert_true(n >= 0);
+  return n == 1 && (p.revents & POLLIN) != 0;
+}
+
+static pipe_session *completion_session(const loaded *l) {
+  pipe_session *session = NULL;
+  pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
+  o.num_microbatches = 2;
+  o.microbatching = PIPE_MICROBATCHING_FIXED;
+  o.max_inflight = 64; /* room for every held call of many_calls_through_one_poll_loop */
+  ASSERT_OK(pipe_session_create(l->plan, &o, &session));
+  return session;
+}
+
+/* A call held at its gate: neither told nor readable; once the gate opens, the callback runs once
+ * (on a libpipe thread) with PIPE_OK, the descriptor becomes readable and stays so, and
+ * pipe_request_wait(0) collects the fixture's result. */
+static void on_done_and_fd_tell_a_finished_call(void **state) {
+  (void)state;
+  loaded l;
+  load_fixture(&l, "gated.scripted.pt", "gated");
+  pipe_session *session = completion_session(&l);
+  const int64_t key = gate_new_key();
+  gated_call held;
+  make_gated_call(&held, &l, key);
+  pipe_request *a = NULL;
+  ASSERT_OK(pipe_session_submit(session, held.args, 2, NULL, &a));
+  assert_true(gate_wait(key, "stage0", "arrived", 1));
+  done_record rec;
+  done_record_init(&rec);
+  int fd = -1, again = -1;
+  ASSERT_OK(pipe_request_on_done(a, record_done, &rec));
+  ASSERT_OK(pipe_request_fd(a, &fd));
+  assert_true(fd >= 0);
+  ASSERT_OK(pipe_request_fd(a, &again));
+  assert_int_equal(again, fd); /* the same descriptor on every call */
+  assert_false(readable(fd, 0));
+  assert_int_equal(calls_now(&rec), 0);
+  done_record other;
+  done_record_init(&other);
+  ASSERT_FAILS(pipe_request_on_done(a, record_done, &other), PIPE_ERR_INVALID_ARGUMENT, "already has a callback");
+  gate_open(key, NULL);
+  assert_true(readable(fd, GATE_WAIT_LIMIT_S * 1000));
+  assert_int_equal(wait_done(&rec), 1);
+  assert_int_equal(rec.status, PIPE_OK);
+  assert_ptr_equal(rec.request, a);
+  assert_false(pthread_equal(rec.thread, pthread_self()));
+  assert_request_gives_expected(&l, a, 0);
+  assert_true(readable(fd, 0)); /* level-triggered: still readable after collecting */
+  /* Refused after it ran too; the refused callback never runs. */
+  ASSERT_FAILS(pipe_request_on_done(a, record_done, &other), PIPE_ERR_INVALID_ARGUMENT, "already has a callback");
+  pipe_request_destroy(a);
+  assert_int_equal(calls_now(&rec), 1);
+  assert_int_equal(calls_now(&other), 0);
+  done_record_free(&rec);
+  done_record_free(&other);
+
+  /* Asked after the call finished: the callback runs at once on this thread, the descriptor is
+   * readable at once. */
+  gated_call quick;
+  make_gated_call(&quick, &l, 0);
+  pipe_request *b = NULL;
+  ASSERT_OK(pipe_session_submit(session, quick.args, 2, NULL, &b));
+  assert_request_gives_expected(&l, b, -1);
+  done_record late;
+  done_record_init(&late);
+  ASSERT_OK(pipe_request_on_done(b, record_done, &late));
+  assert_int_equal(calls_now(&late), 1);
+  assert_int_equal(late.status, PIPE_OK);
+  assert_true(pthread_equal(late.thread, pthread_self()));
+  ASSERT_OK(pipe_request_fd(b, &fd));
+  assert_true(readable(fd, 0));
+  pipe_request_destroy(b);
+  assert_int_equal(calls_now(&late), 1);
+  done_record_free(&late);
+  pipe_session_destroy(session);
+  unload(&l);
+}
+
+/* Cancel, destroy and a deadline finish a held call, each telling its callback once with the
+ * status pipe_request_wait reports. */
+static void on_done_tells_cancel_destroy_and_deadline(void **state) {
+  (void)state;
+  loaded l;
+  load_fixture(&l, "gated.scripted.pt", "gated");
+  pipe_session *session = completion_session(&l);
+  pipe_tensor_list *out = NULL;
+  int fd = -1;
+
+  /* Cancelled: told at once, on the cancelling thread. */
+  const int64_t k1 = gate_new_key();
+  gated_call c1;
+  make_gated_call(&c1, &l, k1);
+  pipe_request *cancelled = NULL;
+  ASSERT_OK(pipe_session_submit(session, c1.args, 2, NULL, &cancelled));
+  assert_true(gate_wait(k1, "stage0", "arrived", 1));
+  done_record rc;
+  done_record_init(&rc);
+  ASSERT_OK(pipe_request_on_done(cancelled, record_done, &rc));
+  ASSERT_OK(pipe_request_fd(cancelled, &fd));
+  ASSERT_OK(pipe_request_cancel(cancelled));
+  assert_int_equal(calls_now(&rc), 1);
+  assert_int_equal(rc.status, PIPE_ERR_CANCELLED);
+  assert_true(pthread_equal(rc.thread, pthread_self()));
+  assert_true(readable(fd, 0));
+  ASSERT_FAILS(pipe_request_wait(cancelled, 0, &out), PIPE_ERR_CANCELLED, "cancelled");
+  gate_open(k1, NULL);
+  pipe_request_destroy(cancelled);
+  assert_int_equal(calls_now(&rc), 1);
+  done_record_free(&rc);
+
+  /* Destroyed while held: destroy cancels it and tells the callback before it returns. */
+  const int64_t k2 = gate_new_key();
+  gated_call c2;
+  make_gated_call(&c2, &l, k2);
+  pipe_request *dropped = NULL;
+  ASSERT_OK(pipe_session_submit(session, c2.args, 2, NULL, &dropped));
+  assert_true(gate_wait(k2, "stage0", "arrived", 1));
+  done_record rd;
+  done_record_init(&rd);
+  ASSERT_OK(pipe_request_on_done(dropped, record_done, &rd));
+  ASSERT_OK(pipe_request_fd(dropped, &fd));
+  pipe_request_destroy(dropped);
+  assert_int_equal(calls_now(&rd), 1);
+  assert_int_equal(rd.status, PIPE_ERR_CANCELLED);
+  assert_true(pthread_equal(rd.thread, pthread_self()));
+  gate_open(k2, NULL);
+  done_record_free(&rd);
+
+  /* Past its deadline while stage 0 holds it: told and readable although nobody waits and the gate
+   * is still closed. */
+  const int64_t k3 = gate_new_key();
+  gated_call c3;
+  make_gated_call(&c3, &l, k3);
+  pipe_run_options ro = PIPE_RUN_OPTIONS_INIT;
+  ro.timeout_ms = 10;
+  pipe_request *late = NULL;
+  ASSERT_OK(pipe_session_submit(session, c3.args, 2, &ro, &late));
+  done_record rl;
+  done_record_init(&rl);
+  ASSERT_OK(pipe_request_on_done(late, record_done, &rl));
+  ASSERT_OK(pipe_request_fd(late, &fd));
+  assert_true(readable(fd, GATE_WAIT_LIMIT_S * 1000));
+  assert_int_equal(wait_done(&rl), 1);
+  assert_int_equal(rl.status, PIPE_ERR_DEADLINE_EXCEEDED);
+  assert_int_equal(gate_count(k3, "stage0", "left"), 0);
+  ASSERT_FAILS(pipe_request_wait(late, 0, &out), PIPE_ERR_DEADLINE_EXCEEDED, "before its deadline");
+  assert_null(out);
+  gate_open(k3, NULL);
+  pipe_request_destroy(late);
+  assert_int_equal(calls_now(&rl), 1);
+  done_record_free(&rl);
+  pipe_session_destroy(session);
+  unload(&l);
+}
+
+/* Many calls collected by one thread through one poll() loop: none is readable while their gate
+ * is closed; once it opens, each becomes readable and gives the fixture's result. */
+static void many_calls_through_one_poll_loop(void **state) {
+  (void)state;
+  enum { N = 12 };
+  loaded l;
+  load_fixture(&l, "gated.scripted.pt", "gated");
+  pipe_session *session = completion_session(&l);
+  const int64_t key = gate_new_key();
+  gated_call call;
+  make_gated_call(&call, &l, key);
+  pipe_request *requests[N];
+  struct pollfd fds[N];
+  for (int i = 0; i < N; ++i) {
+    ASSERT_OK(pipe_session_submit(session, call.args, 2, NULL, &requests[i]));
+    fds[i].events = POLLIN;
+    fds[i].revents = 0;
+    ASSERT_OK(pipe_request_fd(requests[i], &fds[i].fd));
+  }
+  assert_true(gate_wait(key, "stage0", "arrived", 1));
+  assert_int_equal(poll(fds, N, 0), 0);
+  gate_open(key, NULL);
+  int collected = 0;
+  while (collected < N) {
+    const int n = poll(fds, N, GATE_WAIT_LIMIT_S * 1000);
+    assert_true(n > 0);
+    for (int i = 0; i < N; ++i) {
+      if (fds[i].fd < 0 || !(fds[i].revents & POLLIN)) continue;
+      assert_request_gives_expected(&l, requests[i], 0); /* finished: no wait */
+      fds[i].fd = -1;                                    /* poll skips it from now on */
+      ++collected;
+    }
+  }
+  for (int i = 0; i < N; ++i) pipe_request_destroy(requests[i]);
+  pipe_session_destroy(session);
+  unload(&l);
+}
+
+static void completion_null_arguments(void **state) {
+  (void)state;
+  loaded l;
+  load_fixture(&l, "gated.scripted.pt", "gated");
+  pipe_session *session = completion_session(&l);
+  gated_call quick;
+  make_gated_call(&quick, &l, 0);
+  pipe_request *r = NULL;
+  ASSERT_OK(pipe_session_submit(session, quick.args, 2, NULL, &r));
+  done_record rec;
+  done_record_init(&rec);
+  int fd = -7;
+  ASSERT_FAILS(pipe_request_on_done(NULL, record_done, &rec), PIPE_ERR_INVALID_ARGUMENT, "request is NULL");
+  ASSERT_FAILS(pipe_request_on_done(r, NULL, &rec), PIPE_ERR_INVALID_ARGUMENT, "fn is NULL");
+  ASSERT_FAILS(pipe_request_fd(NULL, &fd), PIPE_ERR_INVALID_ARGUMENT, "request is NULL");
+  assert_int_equal(fd, -7);
+  ASSERT_FAILS(pipe_request_fd(r, NULL), PIPE_ERR_INVALID_ARGUMENT, "fd is NULL");
+  /* A refused NULL callback does not use up the request's one callback; user_data may be NULL. */
+  ASSERT_OK(pipe_request_on_done(r, record_done, &rec));
+  assert_int_equal(wait_done(&rec), 1);
+  assert_int_equal(rec.status, PIPE_OK);
+  assert_request_gives_expected(&l, r, 0);
+  pipe_request_destroy(r);
+  done_record_free(&rec);
+  pipe_session_destroy(session);
+  unload(&l);
+}
+
 static void specs_stats_and_trace(void **state) {
   (void)state;
   loaded l;
@@ -1516,6 +1796,10 @@ int main(void) {
       cmocka_unit_test(a_request_outlives_its_session),
       cmocka_unit_test(adaptive_microbatching),
       cmocka_unit_test(deadlines),
+      cmocka_unit_test(on_done_and_fd_tell_a_finished_call),
+      cmocka_unit_test(on_done_tells_cancel_destroy_and_deadline),
+      cmocka_unit_test(many_calls_through_one_poll_loop),
+      cmocka_unit_test(completion_null_arguments),
       cmocka_unit_test(specs_stats_and_trace),
       cmocka_unit_test(remaining_null_arguments),
       cmocka_unit_test(weights_from_a_sharded_checkpoint),
