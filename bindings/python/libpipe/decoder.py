@@ -36,10 +36,12 @@ gathered for the call's slots, a copy of B x kv_heads x context x head_dim; the 
 the new tokens.
 
 Module tree and parameter names are Hugging Face's (model.embed_tokens, model.layers.N.self_attn.
-q_proj, ..., model.norm, lm_head), so a Hugging Face checkpoint loads by name; the layers are
-`model.layers.K`, which libpipe cuts between (`--split-at model.layers.K:begin`, or --stages N).
-A tied head (`tie_word_embeddings`) is the embedding's own tensor. Rotary frequencies are the
-non-persistent buffer `model.rotary_emb.inv_freq`, computed as Hugging Face computes them.
+q_proj, ..., model.norm, lm_head; GPT-2: transformer.wte, transformer.h.N.attn.c_attn, ...,
+transformer.ln_f), so a Hugging Face checkpoint loads by name; the layers are `model.layers.K`
+(GPT-2: `transformer.h.K`), which libpipe cuts between (`--split-at model.layers.K:begin`, or
+--stages N). A tied head (`tie_word_embeddings`, always for GPT-2) is the embedding's own tensor.
+Rotary frequencies are the non-persistent buffer `model.rotary_emb.inv_freq`, computed as Hugging
+Face computes them.
 
 `libpipe.export_llm` builds these from a Hugging Face config.json; build_decoder() here builds one
 from a config dict.
@@ -52,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -103,6 +105,95 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def write_cache(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    slots: torch.Tensor,
+):
+    """Writes the valid tokens' keys and values ([B, kv_heads, T, head_dim]) into the caches, in
+    place; padding never clobbers a slot."""
+    # A cache stored as a zero-stride placeholder (one element seen through every index) would
+    # take the writes without an error and return garbage: it must be allocated before use.
+    if k_cache.stride(0) == 0 or v_cache.stride(0) == 0:
+        raise ValueError("decoder: k_cache/v_cache is a zero-stride placeholder, not an allocated cache")
+    rows, cols = valid.nonzero().unbind(1)
+    where = slots[rows]
+    at = positions[rows, cols]
+    k_cache[where, :, at] = k.transpose(1, 2)[rows, cols]
+    v_cache[where, :, at] = v.transpose(1, 2)[rows, cols]
+
+
+def attend_cache(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    end: torch.Tensor,
+    slots: torch.Tensor,
+    sliding_window: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of q [B, heads, T, head_dim] over the rows' slots, causal (and within the sliding
+    window when it is > 0). Returns [B, T, heads * head_dim]."""
+    # Only the longest context in the call is read and gathered, never the whole cache.
+    context = int(end.max())
+    keys = k_cache.narrow(2, 0, context).index_select(0, slots)
+    values = v_cache.narrow(2, 0, context).index_select(0, slots)
+    kpos = torch.arange(context, device=q.device)
+    qpos = positions.unsqueeze(-1)
+    allowed = kpos <= qpos
+    if sliding_window > 0:
+        allowed = allowed & (kpos > qpos - sliding_window)
+    # Padding rows may see anything (their results are never used); never an all-masked row,
+    # whose softmax would be NaN.
+    allowed = (allowed | ~valid.unsqueeze(-1)).unsqueeze(1)
+    out = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=allowed, dropout_p=0.0, is_causal=False, scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2).flatten(2)
+
+
+def check_call(
+    tokens: torch.Tensor,
+    start: torch.Tensor,
+    lengths: torch.Tensor,
+    slots: torch.Tensor,
+    max_len: int,
+    num_slots: int,
+    vocab: int,
+):
+    """Refuses a call that breaks the contract; returns (valid [B, T], positions [B, T], end [B])."""
+    b, t = tokens.shape[0], tokens.shape[1]
+    if tokens.dim() != 2 or start.dim() != 1 or lengths.dim() != 1 or slots.dim() != 1:
+        raise ValueError("decoder: tokens must be [B, T] and start, lengths and slots 1-d [B]")
+    if start.shape[0] != b or lengths.shape[0] != b or slots.shape[0] != b:
+        raise ValueError("decoder: start, lengths and slots must each have one entry per row of tokens [B, T]")
+    if bool((lengths < 1).any()) or bool((lengths > t).any()):
+        raise ValueError("decoder: every row needs 1 <= lengths <= T (the width of tokens)")
+    end = start + lengths
+    if bool((start < 0).any()):
+        raise ValueError("decoder: start must be >= 0")
+    if bool((end > max_len).any()):
+        raise ValueError(
+            "decoder: start + lengths exceeds the maximum sequence length the caches were made for "
+            "(export_llm --max-seq-len)"
+        )
+    if bool((slots < 0).any()) or bool((slots >= num_slots).any()):
+        raise ValueError("decoder: a slot is outside 0 .. slots-1 (export_llm --max-batch sets the slots)")
+    if b > 1 and bool((slots.sort()[0].diff() == 0).any()):
+        raise ValueError("decoder: two rows of one call name the same cache slot")
+    offsets = torch.arange(t, device=tokens.device)
+    valid = offsets.unsqueeze(0) < lengths.unsqueeze(1)
+    if bool(((tokens < 0) | (tokens >= vocab)).logical_and(valid).any()):
+        raise ValueError("decoder: a token id is outside the vocabulary (0 .. vocab_size-1)")
+    return valid, start.unsqueeze(1) + offsets.unsqueeze(0), end
+
+
 class Attention(nn.Module):
     """Self-attention over the slot's cache; owns k_cache and v_cache and updates them in place."""
 
@@ -143,10 +234,6 @@ class Attention(nn.Module):
         end: torch.Tensor,
         slots: torch.Tensor,
     ) -> torch.Tensor:
-        # A cache stored as a zero-stride placeholder (one element seen through every index) would
-        # take the writes without an error and return garbage: it must be allocated before use.
-        if self.k_cache.stride(0) == 0 or self.v_cache.stride(0) == 0:
-            raise ValueError("decoder: k_cache/v_cache is a zero-stride placeholder, not an allocated cache")
         b, t = x.shape[0], x.shape[1]
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -155,41 +242,9 @@ class Attention(nn.Module):
         s = sin.unsqueeze(1)
         q = q * c + rotate_half(q) * s
         k = k * c + rotate_half(k) * s
-
-        # Only the valid tokens are written: padding never clobbers a slot's cache.
-        rows, cols = valid.nonzero().unbind(1)
-        where = slots[rows]
-        at = positions[rows, cols]
-        self.k_cache[where, :, at] = k.transpose(1, 2)[rows, cols]
-        self.v_cache[where, :, at] = v.transpose(1, 2)[rows, cols]
-        return self.attend(q, positions, valid, end, slots, b, t)
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        positions: torch.Tensor,
-        valid: torch.Tensor,
-        end: torch.Tensor,
-        slots: torch.Tensor,
-        b: int,
-        t: int,
-    ) -> torch.Tensor:
-        # Only the longest context in the call is read and gathered, never the whole cache.
-        context = int(end.max())
-        keys = self.k_cache.narrow(2, 0, context).index_select(0, slots)
-        values = self.v_cache.narrow(2, 0, context).index_select(0, slots)
-        kpos = torch.arange(context, device=q.device)
-        qpos = positions.unsqueeze(-1)
-        allowed = kpos <= qpos
-        if self.sliding_window > 0:
-            allowed = allowed & (kpos > qpos - self.sliding_window)
-        # Padding rows may see anything (their results are never used); never an all-masked row,
-        # whose softmax would be NaN.
-        allowed = (allowed | ~valid.unsqueeze(-1)).unsqueeze(1)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=allowed, dropout_p=0.0, is_causal=False, scale=self.scale, enable_gqa=True
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        write_cache(self.k_cache, self.v_cache, k, v, positions, valid, slots)
+        out = attend_cache(self.k_cache, self.v_cache, q, positions, valid, end, slots, self.sliding_window, self.scale)
+        return self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
@@ -243,31 +298,7 @@ class DecoderLM(nn.Module):
         self.max_len = max_len
 
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
-        b, t = tokens.shape[0], tokens.shape[1]
-        if start.dim() != 1 or lengths.dim() != 1 or slots.dim() != 1:
-            raise ValueError("decoder: start, lengths and slots must be 1-d, one entry per row of tokens [B, T]")
-        if start.shape[0] != b or lengths.shape[0] != b or slots.shape[0] != b:
-            raise ValueError("decoder: start, lengths and slots must each have one entry per row of tokens [B, T]")
-        if bool((lengths < 1).any()) or bool((lengths > t).any()):
-            raise ValueError("decoder: every row needs 1 <= lengths <= T (the width of tokens)")
-        end = start + lengths
-        if bool((start < 0).any()):
-            raise ValueError("decoder: start must be >= 0")
-        if bool((end > self.max_len).any()):
-            raise ValueError(
-                "decoder: start + lengths exceeds the maximum sequence length the caches were made for "
-                "(export_llm --max-seq-len)"
-            )
-        if bool((slots < 0).any()) or bool((slots >= self.num_slots).any()):
-            raise ValueError("decoder: a slot is outside 0 .. slots-1 (export_llm --max-batch sets the slots)")
-        if b > 1 and bool((slots.sort()[0].diff() == 0).any()):
-            raise ValueError("decoder: two rows of one call name the same cache slot")
-        offsets = torch.arange(t, device=tokens.device)
-        valid = offsets.unsqueeze(0) < lengths.unsqueeze(1)
-        if bool(((tokens < 0) | (tokens >= self.vocab)).logical_and(valid).any()):
-            raise ValueError("decoder: a token id is outside the vocabulary (0 .. vocab_size-1)")
-        positions = start.unsqueeze(1) + offsets.unsqueeze(0)
-
+        valid, positions, end = check_call(tokens, start, lengths, slots, self.max_len, self.num_slots, self.vocab)
         h = self.model.embed_tokens(torch.where(valid, tokens, torch.zeros_like(tokens)))
         cos, sin = self.model.rotary_emb(positions, h.dtype)
         for layer in self.model.layers:
@@ -275,6 +306,143 @@ class DecoderLM(nn.Module):
         # Row count from h, not from `b`: an int would cross to the last stage, where only tensors must.
         last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]
         return self.lm_head(self.model.norm(last)).to(torch.float32)
+
+
+class Conv1D(nn.Module):
+    """Hugging Face's GPT-2 Conv1D: a linear layer whose weight is stored [in, out]."""
+
+    def __init__(self, out_features: int, in_features: int, weights):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features, **weights), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, **weights), requires_grad=False)
+        self.out_features = out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
+        return out.view(x.shape[0], x.shape[1], self.out_features)
+
+
+class GPT2Attention(nn.Module):
+    """GPT-2's attention (fused q/k/v projection c_attn, output c_proj) over the slot's cache."""
+
+    def __init__(self, hidden: int, heads: int, scale: float, slots: int, max_len: int, weights):
+        super().__init__()
+        self.heads = heads
+        self.head_dim = hidden // heads
+        self.hidden = hidden
+        self.scale = scale
+        self.c_attn = Conv1D(3 * hidden, hidden, weights)
+        self.c_proj = Conv1D(hidden, hidden, weights)
+        shape = (slots, heads, max_len, self.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=weights["dtype"]), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=weights["dtype"]), persistent=False)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, end: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        b, t = x.shape[0], x.shape[1]
+        q, k, v = self.c_attn(x).split(self.hidden, dim=2)
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        write_cache(self.k_cache, self.v_cache, k, v, positions, valid, slots)
+        return self.c_proj(attend_cache(self.k_cache, self.v_cache, q, positions, valid, end, slots, 0, self.scale))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int, weights):
+        super().__init__()
+        self.c_fc = Conv1D(inner, hidden, weights)
+        self.c_proj = Conv1D(hidden, inner, weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c_fc(x)
+        # gelu_new as transformers writes it (not F.gelu's tanh kernel, which rounds differently).
+        h = 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))))
+        return self.c_proj(h)
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, attention: GPT2Attention, mlp: GPT2MLP, hidden: int, eps: float, weights):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(hidden, eps=eps, **weights)
+        self.attn = attention
+        self.ln_2 = nn.LayerNorm(hidden, eps=eps, **weights)
+        self.mlp = mlp
+
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, end: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        h = h + self.attn(self.ln_1(h), positions, valid, end, slots)
+        return h + self.mlp(self.ln_2(h))
+
+
+class GPT2Model(nn.Module):
+    """Hugging Face's `transformer` submodule: token and position embeddings, blocks, final norm."""
+
+    def __init__(self, blocks: List[GPT2Block], vocab: int, positions: int, hidden: int, eps: float, weights):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, hidden, **weights)
+        self.wpe = nn.Embedding(positions, hidden, **weights)
+        self.h = nn.ModuleList(blocks)
+        self.ln_f = nn.LayerNorm(hidden, eps=eps, **weights)
+
+
+class GPT2LM(nn.Module):
+    """GPT-2 under the decoder contract; the head is always the token embedding (tied)."""
+
+    def __init__(self, transformer: GPT2Model, vocab: int, hidden: int, slots: int, max_len: int, weights):
+        super().__init__()
+        self.transformer = transformer
+        self.lm_head = nn.Linear(hidden, vocab, bias=False, **weights)
+        self.lm_head.weight = transformer.wte.weight
+        self.vocab = vocab
+        self.num_slots = slots
+        self.max_len = max_len
+
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
+        valid, positions, end = check_call(tokens, start, lengths, slots, self.max_len, self.num_slots, self.vocab)
+        zero = torch.zeros_like(tokens)
+        # Padding positions may lie past the position table: they look up position 0 instead.
+        h = self.transformer.wte(torch.where(valid, tokens, zero)) + self.transformer.wpe(
+            torch.where(valid, positions, zero)
+        )
+        for block in self.transformer.h:
+            h = block(h, positions, valid, end, slots)
+        last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]
+        return self.lm_head(self.transformer.ln_f(last)).to(torch.float32)
+
+
+def build_gpt2(config, max_len, slots, weights):
+    """GPT2LM for a GPT-2 config.json (GPT2LMHeadModel's names: transformer.h.N.attn.c_attn, ...)."""
+    if config.get("add_cross_attention"):
+        raise ValueError("GPT-2 with cross-attention (add_cross_attention) is not a decoder-only model")
+    act = config.get("activation_function", "gelu_new")
+    if act != "gelu_new":
+        raise ValueError(f"activation_function {act!r} is not supported for gpt2 (only 'gelu_new')")
+    if config.get("scale_attn_by_inverse_layer_idx"):
+        raise ValueError("scale_attn_by_inverse_layer_idx is not supported")
+    hidden = config.get("n_embd") or config["hidden_size"]
+    heads = config.get("n_head") or config["num_attention_heads"]
+    layers = config.get("n_layer") or config["num_hidden_layers"]
+    positions = config.get("n_positions") or config["max_position_embeddings"]
+    if max_len > positions:
+        raise ValueError(f"max_len {max_len} exceeds GPT-2's position table (n_positions = {positions})")
+    eps = float(config.get("layer_norm_epsilon", 1e-5))
+    inner = config.get("n_inner") or 4 * hidden
+    scale = (hidden // heads) ** -0.5 if config.get("scale_attn_weights", True) else 1.0
+    vocab = config["vocab_size"]
+    blocks = [
+        GPT2Block(
+            GPT2Attention(hidden, heads, scale, slots, max_len, weights),
+            GPT2MLP(hidden, inner, weights),
+            hidden,
+            eps,
+            weights,
+        )
+        for _ in range(layers)
+    ]
+    return GPT2LM(GPT2Model(blocks, vocab, positions, hidden, eps, weights), vocab, hidden, slots, max_len, weights)
 
 
 def _rope_parameters(config):
@@ -365,6 +533,9 @@ def build_decoder(config, max_len, slots, dtype=torch.float32, weights_device="c
         )
     if max_len < 1 or slots < 1:
         raise ValueError(f"max_len and slots must be at least 1 (got {max_len} and {slots})")
+    weights = {"dtype": dtype, "device": torch.device(weights_device)}
+    if model_type == "gpt2":
+        return build_gpt2(config, max_len, slots, weights).eval()
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
@@ -382,7 +553,6 @@ def build_decoder(config, max_len, slots, dtype=torch.float32, weights_device="c
         mlp_bias = bool(config.get("mlp_bias", False))
     else:
         qkv_bias = o_bias = mlp_bias = False
-    weights = {"dtype": dtype, "device": torch.device(weights_device)}
     windows = _sliding_windows(config, model_type, layers_n)
     inv_freq, scaling = rotary_inv_freq(config, head_dim)
     layers = [

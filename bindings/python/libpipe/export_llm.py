@@ -3,7 +3,7 @@ libpipe.decoder).
 
     python -m libpipe.export_llm HF_MODEL_DIR OUT.pt [--max-seq-len L] [--max-batch S] [--dtype fp32|bf16|fp16]
 
-reads HF_MODEL_DIR/config.json (Llama, Qwen2 and Mistral), builds the decoder with caches for S
+reads HF_MODEL_DIR/config.json (Llama, Qwen2, Mistral, GPT-2), builds the decoder with caches for S
 sequences (slots) of up to L tokens each, scripts it and saves it without weights: parameters on
 the meta device, named as in the Hugging Face checkpoint, so that
 
@@ -75,7 +75,7 @@ def export_llm(model_dir, out, *, max_seq_len=None, max_batch=DEFAULT_MAX_BATCH,
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m libpipe.export_llm",
-        description="Export a Hugging Face causal LM (Llama, Qwen2, Mistral) as a libpipe decoder skeleton "
+        description="Export a Hugging Face causal LM (Llama, Qwen2, Mistral, GPT-2) as a libpipe decoder skeleton "
         "whose weights load from the model's own checkpoint.",
     )
     parser.add_argument("model_dir", help="Hugging Face model folder (config.json)")
@@ -93,8 +93,9 @@ def main(argv=None):
         print(f"export_llm: error: {what}", file=sys.stderr)
         return 1
     per_slot = cache_bytes(decoder) / args.max_batch
+    layers = sum(1 for n, _ in decoder.named_buffers() if n.endswith("k_cache"))
     print(
-        f"export_llm: wrote {args.out}: {len(decoder.model.layers)} layers, {args.max_batch} slots x "
+        f"export_llm: wrote {args.out}: {layers} layers, {args.max_batch} slots x "
         f"{decoder.max_len} tokens, KV cache {cache_bytes(decoder) / 2**20:.1f} MiB "
         f"({per_slot / 2**20:.2f} MiB per slot)"
     )
