@@ -430,6 +430,12 @@ def test_missing_config_is_refused(tmp_path):
     one_error_line(export(tmp_path, tmp_path / "out.pt"), "config.json")
 
 
+def test_bad_sizes_and_output_are_refused(tmp_path):
+    folder = write_config(tmp_path / "llama")
+    one_error_line(export(folder, tmp_path / "out.pt", "--max-batch", 0), "at least 1")
+    one_error_line(export(folder, tmp_path / "no" / "such" / "out.pt", "--max-seq-len", 8), "cannot write")
+
+
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOIN_TIMEOUT_S = 120  # joining and loading on a loaded machine; never decides a verdict
 

@@ -68,7 +68,10 @@ def export_llm(model_dir, out, *, max_seq_len=None, max_batch=DEFAULT_MAX_BATCH,
     # The caches are the only big tensors made here; the weights are made on the meta device.
     decoder = build_decoder(config, int(max_seq_len), int(max_batch), dtype, weights_device="meta")
     scripted = torch.jit.script(decoder)
-    save_skeleton(scripted, os.fspath(out), module=decoder)
+    try:
+        save_skeleton(scripted, os.fspath(out), module=decoder)
+    except (OSError, RuntimeError) as e:  # TorchScript's writer raises RuntimeError for a bad path
+        raise ValueError(f"cannot write {os.fspath(out)}: {e}") from None
     return decoder
 
 
