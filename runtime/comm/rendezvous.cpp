@@ -208,7 +208,8 @@ c10::intrusive_ptr<c10d::Store> connect_store(const Address& address, millisecon
 namespace {
 
 // Bumped whenever driver and worker stop understanding each other (wire format or setup).
-const std::string kProtocol = "libpipe-distributed-1";
+// 2: workers send heartbeats at the pace the driver's assignment gives.
+const std::string kProtocol = "libpipe-distributed-2";
 
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 std::string str(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }

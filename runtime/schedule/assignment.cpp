@@ -42,9 +42,13 @@ comm::Message encode_assignment(const WorkerAssignment& a) {
                       {"device", a.devices.at(i).str()},
                       {"aliases", a.aliases.at(i)}});
   }
-  Json j = {{"world_size", a.world_size}, {"num_values", a.num_values},
-            {"stages", stages},           {"threads_per_stage", a.threads_per_stage},
-            {"weights", a.weights},       {"dtype", a.dtype ? static_cast<int>(*a.dtype) : -1}};
+  Json j = {{"world_size", a.world_size},
+            {"num_values", a.num_values},
+            {"stages", stages},
+            {"threads_per_stage", a.threads_per_stage},
+            {"weights", a.weights},
+            {"dtype", a.dtype ? static_cast<int>(*a.dtype) : -1},
+            {"heartbeat_interval_ms", a.heartbeat_interval.count()}};
   comm::Message m;
   m.kind = comm::Kind::Setup;
   m.text = j.dump();
@@ -78,6 +82,7 @@ WorkerAssignment decode_assignment(const comm::Message& m) {
       a.aliases.push_back(s.at("aliases").get<stage::AliasGroups>());
     }
     a.threads_per_stage = j.at("threads_per_stage").get<int>();
+    a.heartbeat_interval = std::chrono::milliseconds(j.at("heartbeat_interval_ms").get<int64_t>());
     a.weights = j.at("weights").get<std::string>();
     const int dtype = j.at("dtype").get<int>();
     if (dtype >= 0) a.dtype = static_cast<at::ScalarType>(dtype);

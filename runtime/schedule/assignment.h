@@ -7,6 +7,7 @@
 #include <ATen/core/ScalarType.h>
 #include <c10/core/Device.h>
 
+#include <chrono>
 #include <optional>
 #include <string>
 #include <utility>
@@ -32,6 +33,8 @@ struct WorkerAssignment {
   int threads_per_stage = 1;
   std::string weights;  // checkpoint each worker reads; empty: inside the modules
   std::optional<at::ScalarType> dtype;
+  // How often the worker sends its heartbeat: set from the driver's comm timeout, which judges it.
+  std::chrono::milliseconds heartbeat_interval{1000};
 };
 
 comm::Message encode_assignment(const WorkerAssignment& assignment);

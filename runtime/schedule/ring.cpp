@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "runtime/log.h"
+#include "runtime/schedule/heartbeat.h"
 
 namespace libpipe::schedule {
 
@@ -14,7 +15,6 @@ Ring::Ring(std::unique_ptr<WorkerGroup> group, size_t capacity, std::chrono::mil
       transport_place_(std::move(transport_place)),
       retire_(std::move(retire)),
       outbound_(capacity) {
-  last_progress_ = Clock::now();
   sender_ = std::thread([this] { sender_loop(); });
   receiver_ = std::thread([this] { receiver_loop(); });
   watchdog_ = std::thread([this] { watchdog_loop(); });
@@ -51,7 +51,6 @@ void Ring::sender_loop() {
         status = Status::Cancelled;
         why = "the session was destroyed while the call was running";
       } else if (!request->failed()) {
-        if (remote_.empty()) last_progress_ = Clock::now();  // the silence is timed from here
         remote_[{request->id(), mb.index}] = request;
       }
     }
@@ -88,7 +87,6 @@ void Ring::receiver_loop() {
     std::shared_ptr<Request> request;
     {
       std::lock_guard lock(mutex_);
-      last_progress_ = Clock::now();
       if (m.kind == comm::Kind::Shutdown) {
         closed_ = true;
         cv_.notify_all();
@@ -115,19 +113,26 @@ void Ring::receiver_loop() {
 }
 
 void Ring::watchdog_loop() {
-  const auto timeout = comm_timeout_;
-  const auto tick =
-      std::clamp<std::chrono::milliseconds>(timeout / 20, std::chrono::milliseconds(5), std::chrono::milliseconds(200));
+  // The counters are read often enough that a worker is failed soon after its timeout passes.
+  const auto tick = std::clamp<std::chrono::milliseconds>(comm_timeout_ / 20, std::chrono::milliseconds(5),
+                                                          std::chrono::milliseconds(200));
+  std::unique_ptr<HeartbeatMonitor> monitor;
   std::unique_lock lock(mutex_);
   while (!stop_watchdog_) {
     cv_.wait_for(lock, tick);
-    if (stop_watchdog_ || !broken_.empty() || remote_.empty()) continue;
-    if (Clock::now() - last_progress_ < timeout) continue;
-    const std::string why = "the worker processes held " + std::to_string(remote_.size()) +
-                            " micro-batch(es) and sent nothing back for " + std::to_string(timeout.count()) +
-                            " ms (the comm timeout): a worker stopped answering";
+    if (stop_watchdog_ || !broken_.empty() || closed_) continue;
+    // The store is not read under the lock: the threads that move calls along never wait for it.
     lock.unlock();
-    break_ring(why);
+    std::string why;
+    try {
+      if (!monitor) monitor = std::make_unique<HeartbeatMonitor>(group_->store(), group_->world_size(), comm_timeout_);
+      else why = monitor->check();
+    } catch (const c10::Error& e) {
+      why = std::string("the workers' heartbeats could not be read from the store: ") + e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      why = std::string("the workers' heartbeats could not be read from the store: ") + e.what();
+    }
+    if (!why.empty()) break_ring(why);
     lock.lock();
   }
 }
@@ -155,11 +160,10 @@ void Ring::stop() {
   outbound_.close();
   sender_.join();
   {
+    // No time limit: a worker may hold a long micro-batch, and one that dies or hangs stops its
+    // heartbeat, so the watchdog breaks the ring.
     std::unique_lock lock(mutex_);
-    if (!cv_.wait_for(lock, comm_timeout_, [&] { return closed_ || !broken_.empty(); })) {
-      lock.unlock();
-      break_ring("the workers did not finish within the comm timeout as the session was destroyed");
-    }
+    cv_.wait(lock, [&] { return closed_ || !broken_.empty(); });
   }
   group_->abort("the session was destroyed");
   receiver_.join();

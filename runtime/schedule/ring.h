@@ -1,8 +1,9 @@
 // Ring: the way through the worker processes of a distributed session. Micro-batches that leave
 // this process's last stage go to a sender thread, travel through the workers' stages, and come
-// back to a receiver thread as a result or an error; a watchdog breaks the ring when the workers
-// hold work but stay silent for longer than the comm timeout. A broken ring fails every call the
-// workers held and every call after it.
+// back to a receiver thread as a result or an error; a watchdog breaks the ring when a worker's
+// heartbeat (heartbeat.h) stops for the comm timeout, whether or not it holds work: a worker may
+// compute one micro-batch for as long as it takes. A broken ring fails every call the workers held
+// and every call after it.
 #pragma once
 
 #include <atomic>
@@ -43,7 +44,9 @@ class Ring {
   // Empty while the ring works; why it broke once it did.
   std::string broken() const;
   // Once the local stages have stopped: ends the workers (a Shutdown that each worker passes on
-  // after everything it holds), then the threads; fails whatever the workers still held.
+  // after everything it holds), then the threads; fails whatever the workers still held. Waits
+  // as long as the workers take to finish what they hold, as the local stages do, since the
+  // watchdog goes on breaking the ring as soon as a worker's heartbeat stops.
   void stop();
 
  private:
@@ -62,7 +65,6 @@ class Ring {
   mutable std::mutex mutex_;  // guards everything below
   std::condition_variable cv_;
   std::map<std::pair<uint64_t, size_t>, std::shared_ptr<Request>> remote_;  // with the workers
-  Clock::time_point last_progress_;
   std::string broken_;
   bool closed_ = false;  // the Shutdown came back: every worker has finished
   bool stop_watchdog_ = false;

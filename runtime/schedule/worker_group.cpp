@@ -12,6 +12,7 @@
 #include "runtime/graph/torchscript/model.h"
 #include "runtime/log.h"
 #include "runtime/schedule/assignment.h"
+#include "runtime/schedule/heartbeat.h"
 #include "runtime/schedule/worker_host.h"
 #include "runtime/stage/stage_module.h"
 
@@ -63,7 +64,10 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
                          const stage::StageOptions& stage_options, int threads_per_stage)
     : world_size_(o.world_size) {
   if (o.connected) {
+    if (!o.connected_store)
+      throw Error(Status::InvalidArgument, "a connected transport needs a store for the workers' heartbeats");
     transport_ = o.connected;
+    store_ = o.connected_store;
   } else {
     if (o.store.empty())
       throw Error(Status::InvalidArgument,
@@ -91,6 +95,7 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
     a.world_size = world_size_;
     a.num_values = plan.values().size();
     a.threads_per_stage = threads_per_stage;
+    a.heartbeat_interval = heartbeat_interval(o.comm_timeout);  // this side judges the beats
     a.weights = stage_options.weights;
     a.dtype = stage_options.dtype;
     for (size_t s = ranges[r].first; s < ranges[r].second; ++s) {

@@ -24,8 +24,10 @@ struct DistributedOptions {
   int world_size = 1;  // the driver included
   std::string store;   // "HOST:PORT" the driver hosts (PORT 0: a free one)
   std::chrono::milliseconds comm_timeout{60000};
-  // Tests: rank 0's end of an already connected transport (e.g. in-process ranks); no store.
+  // Tests: rank 0's end of an already connected transport (e.g. in-process ranks), and the store
+  // the workers' heartbeats go to (e.g. a c10d::HashStore that serve() is given too).
   std::shared_ptr<comm::Transport> connected;
+  c10::intrusive_ptr<c10d::Store> connected_store;
 };
 
 class WorkerGroup {
@@ -48,6 +50,8 @@ class WorkerGroup {
   void abort(const std::string& why) { transport_->abort(why); }
 
   int world_size() const { return world_size_; }
+  // Where the workers' heartbeats arrive (heartbeat.h).
+  c10d::Store& store() { return *store_; }
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;

@@ -17,6 +17,7 @@
 #include "runtime/log.h"
 #include "runtime/schedule/assignment.h"
 #include "runtime/schedule/bounded_queue.h"
+#include "runtime/schedule/heartbeat.h"
 
 namespace libpipe::schedule {
 
@@ -77,12 +78,40 @@ c10::Device nccl_device(int rank) {
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(rank % count));
 }
 
-void serve(comm::Transport& transport, const c10::Device& device, std::chrono::milliseconds setup_timeout,
-           int threads_per_stage) {
+void serve(comm::Transport& transport, const c10::Device& device, std::chrono::milliseconds comm_timeout,
+           int threads_per_stage, c10::intrusive_ptr<c10d::Store> store) {
   const int rank = transport.rank(), world = transport.world_size();
   const int prev = rank - 1, next = (rank + 1) % world;
-  const WorkerAssignment a = decode_assignment(transport.recv(0, setup_timeout));
+  const WorkerAssignment a = decode_assignment(transport.recv(0, comm_timeout));
   const bool nccl = !device.is_cpu();
+
+  // receiver -> queues[0] -> stage 0 -> queues[1] -> ... -> queues[k] -> sender. The driver's
+  // admission bounds what is in flight; the bound here only keeps memory finite if it did not.
+  const size_t k = a.stages.size();
+  std::vector<std::unique_ptr<BoundedQueue<Envelope>>> queues;
+  for (size_t i = 0; i <= k; ++i) queues.push_back(std::make_unique<BoundedQueue<Envelope>>(4096));
+  std::mutex failure_mutex;
+  std::string failure;     // guarded by failure_mutex
+  bool passed_on = false;  // this worker sent the Shutdown on; guarded by failure_mutex
+  auto fail = [&](const std::string& why) {
+    {
+      std::lock_guard lock(failure_mutex);
+      if (failure.empty()) failure = why;
+    }
+    transport.abort(why);
+    for (auto& q : queues) q->close();
+  };
+  // From here until it returns, this worker tells the driver it is alive, whatever its stages do,
+  // and learns that the driver is gone when the driver's store stops answering. Once it has sent
+  // the Shutdown on, the driver may end and take its store along: that is no failure.
+  HeartbeatSender heartbeat(std::move(store), rank, a.heartbeat_interval, comm_timeout, [&](const std::string& why) {
+    {
+      std::lock_guard lock(failure_mutex);
+      if (passed_on) return;
+    }
+    fail(why);
+  });
+
   std::vector<torch::jit::Module> stages;
   std::vector<device::Place> places;
   try {
@@ -101,22 +130,6 @@ void serve(comm::Transport& transport, const c10::Device& device, std::chrono::m
   const int threads = threads_per_stage > 0 ? threads_per_stage : a.threads_per_stage;
   log::info("rank " + std::to_string(rank) + " serves stages " + std::to_string(a.stages.front().index) + ".." +
             std::to_string(a.stages.back().index) + " with " + std::to_string(threads) + " thread(s) each");
-
-  // receiver -> queues[0] -> stage 0 -> queues[1] -> ... -> queues[k] -> sender. The driver's
-  // admission bounds what is in flight; the bound here only keeps memory finite if it did not.
-  const size_t k = stages.size();
-  std::vector<std::unique_ptr<BoundedQueue<Envelope>>> queues;
-  for (size_t i = 0; i <= k; ++i) queues.push_back(std::make_unique<BoundedQueue<Envelope>>(4096));
-  std::mutex failure_mutex;
-  std::string failure;
-  auto fail = [&](const std::string& why) {
-    {
-      std::lock_guard lock(failure_mutex);
-      if (failure.empty()) failure = why;
-    }
-    transport.abort(why);
-    for (auto& q : queues) q->close();
-  };
 
   std::vector<std::thread> threads_;
   for (size_t i = 0; i < k; ++i)
@@ -166,6 +179,10 @@ void serve(comm::Transport& transport, const c10::Device& device, std::chrono::m
                     {},
                     "rank " + std::to_string(rank) + " could not bring micro-batch " + std::to_string(m.microbatch) +
                         " to " + device.str() + " for the transport: " + e.what_without_backtrace()};
+      }
+      if (last) {
+        std::lock_guard lock(failure_mutex);
+        passed_on = true;
       }
       try {
         transport.send(next, m);
@@ -227,7 +244,7 @@ void serve_worker(const WorkerOptions& o) {
     throw Error(Status::Communication,
                 "the driver asked for transport '" + transport_name + "', which this worker does not know");
   }
-  serve(*transport, device, o.comm_timeout, o.threads_per_stage);
+  serve(*transport, device, o.comm_timeout, o.threads_per_stage, store);
 }
 
 }  // namespace libpipe::schedule

@@ -7,6 +7,7 @@
 #include <string>
 
 #include <c10/core/Device.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "runtime/comm/transport.h"
 
@@ -21,13 +22,16 @@ struct WorkerOptions {
 };
 
 // Returns when the driver ends the session. Throws Error: Communication when the store, the
-// driver or a peer cannot be reached or goes away; InvalidArgument for bad options; a stage's
+// driver or a peer cannot be reached or goes away (a driver whose store stops answering this
+// worker's heartbeats for the comm timeout is gone); InvalidArgument for bad options; a stage's
 // own load error (NotFound, Input, ...) after reporting it to the driver.
 void serve_worker(const WorkerOptions& options);
 
 // The same, on a transport already connected (tests use in-process ranks); stages run on `device`.
-void serve(comm::Transport& transport, const c10::Device& device, std::chrono::milliseconds setup_timeout,
-           int threads_per_stage);
+// The worker's heartbeats go to `store` (heartbeat.h) until it returns; `comm_timeout` bounds the
+// setup and tells when the driver is gone.
+void serve(comm::Transport& transport, const c10::Device& device, std::chrono::milliseconds comm_timeout,
+           int threads_per_stage, c10::intrusive_ptr<c10d::Store> store);
 
 // The GPU a rank's stages use with NCCL: one per rank, round robin over this machine's GPUs.
 c10::Device nccl_device(int rank);

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <arpa/inet.h>
@@ -16,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <fstream>
 #include <future>
 #include <mutex>
@@ -30,6 +32,7 @@
 #include "runtime/graph/plan.h"
 #include "runtime/log.h"
 #include "runtime/schedule/assignment.h"
+#include "runtime/schedule/heartbeat.h"
 #include "runtime/schedule/session.h"
 #include "runtime/schedule/worker_host.h"
 #include "tests/gate/gate.h"
@@ -272,23 +275,30 @@ at::Tensor eager(const graph::Model& model, const std::vector<c10::IValue>& inpu
   return const_cast<torch::jit::Module&>(model.module()).forward(inputs).toTensor();
 }
 
-// A session with world size 2 on the local transport: rank 1 is serve() in a thread.
+// A session with world size 2 on the local transport: rank 1 is serve() in a thread; the
+// heartbeats go through an in-process store.
 struct TwoRanks {
-  explicit TwoRanks(const std::string& model_file, milliseconds timeout = milliseconds(20000)) {
+  // The worker's own comm timeout may differ from the driver's (0: the same).
+  explicit TwoRanks(const std::string& model_file, milliseconds timeout = milliseconds(20000),
+                    milliseconds worker_timeout = milliseconds(0)) {
     model = graph::Model::load(test::fixture(model_file));
     auto ends = comm::make_local_transports(2);
     worker_end = std::move(ends[1]);
-    worker = std::async(std::launch::async, [this, timeout] {
-      return status_of([&] { schedule::serve(*worker_end, c10::Device(c10::kCPU), timeout, 1); }, &worker_message);
+    if (worker_timeout.count() == 0) worker_timeout = timeout;
+    worker = std::async(std::launch::async, [this, worker_timeout] {
+      return status_of([&] { schedule::serve(*worker_end, c10::Device(c10::kCPU), worker_timeout, 1, store); },
+                       &worker_message);
     });
     schedule::SessionOptions o;
     o.num_microbatches = 2;
     o.distributed.world_size = 2;
     o.distributed.comm_timeout = timeout;
     o.distributed.connected = std::shared_ptr<comm::Transport>(std::move(ends[0]));
+    o.distributed.connected_store = store;
     session = std::make_unique<schedule::Session>(graph::Plan::from_markers(model), o);
   }
   std::shared_ptr<const graph::Model> model;
+  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
   std::unique_ptr<comm::Transport> worker_end;
   std::future<Status> worker;
   std::string worker_message;
@@ -344,31 +354,187 @@ TEST(DistributedSession, AWorkerThatGoesAwayBreaksTheSessionAndItsCalls) {
   EXPECT_EQ(ranks.worker.get(), Status::Communication);
 }
 
-TEST(DistributedSession, AWorkerThatStaysSilentIsNoticedWithinTheCommTimeout) {
-  // Rank 1 takes its stages and warms up, then swallows every micro-batch without answering.
-  auto model = graph::Model::load(test::fixture("multi_mlp.traced.pt"));
-  auto ends = comm::make_local_transports(2);
-  std::shared_ptr<comm::Transport> worker_end(std::move(ends[1]));
-  auto silent = std::async(std::launch::async, [worker_end] {
-    return status_of([&] {
-      worker_end->recv(0);  // the assignment
-      worker_end->send(0, comm::control(Kind::Ready));
-      worker_end->send(0, worker_end->recv(0));  // the warm-up
-      for (;;) worker_end->recv(0);
+// Rank 1 takes its stages and warms up, then swallows every micro-batch without answering and
+// sends no heartbeat: what a stopped worker process looks like.
+struct SilentRank {
+  SilentRank() {
+    auto ends = comm::make_local_transports(2);
+    std::shared_ptr<comm::Transport> worker_end(std::move(ends[1]));
+    driver_end = std::move(ends[0]);
+    done = std::async(std::launch::async, [worker_end] {
+      return status_of([&] {
+        worker_end->recv(0);  // the assignment
+        worker_end->send(0, comm::control(Kind::Ready));
+        worker_end->send(0, worker_end->recv(0));  // the warm-up
+        for (;;) worker_end->recv(0);
+      });
     });
-  });
-  schedule::SessionOptions o;
-  o.distributed.world_size = 2;
-  o.distributed.comm_timeout = milliseconds(500);
-  o.distributed.connected = std::shared_ptr<comm::Transport>(std::move(ends[0]));
-  schedule::Session session(graph::Plan::from_markers(model), o);
+  }
+  schedule::SessionOptions options(milliseconds timeout) {
+    schedule::SessionOptions o;
+    o.distributed.world_size = 2;
+    o.distributed.comm_timeout = timeout;
+    o.distributed.connected = driver_end;
+    o.distributed.connected_store = c10::make_intrusive<c10d::HashStore>();
+    return o;
+  }
+  std::shared_ptr<comm::Transport> driver_end;
+  std::future<Status> done;
+};
+
+TEST(DistributedSession, AWorkerThatStopsItsHeartbeatFailsTheCallsItHoldsNamingItsRank) {
+  SilentRank silent;
+  schedule::Session session(graph::Plan::from_markers(graph::Model::load(test::fixture("multi_mlp.traced.pt"))),
+                            silent.options(milliseconds(500)));
   const auto start = std::chrono::steady_clock::now();
   std::string message;
   EXPECT_EQ(status_of([&] { session.run({at::randn({2, 512}), at::randn({2, 512})}); }, &message),
             Status::Communication);
-  EXPECT_NE(message.find("stopped answering"), std::string::npos) << message;
+  EXPECT_NE(message.find("worker rank 1 sent no heartbeat for 500 ms"), std::string::npos) << message;
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));  // not a hang
-  EXPECT_EQ(silent.get(), Status::Communication);  // the broken session aborted the transport
+  EXPECT_EQ(silent.done.get(), Status::Communication);  // the broken session aborted the transport
+}
+
+TEST(DistributedSession, AnIdleSessionWhoseWorkerStopsItsHeartbeatReportsItselfBroken) {
+  SilentRank silent;
+  schedule::Session session(graph::Plan::from_markers(graph::Model::load(test::fixture("multi_mlp.traced.pt"))),
+                            silent.options(milliseconds(300)));
+  const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(60);  // only fails a hung test
+  while (session.broken().empty() && std::chrono::steady_clock::now() < limit)
+    std::this_thread::sleep_for(milliseconds(20));
+  EXPECT_NE(session.broken().find("worker rank 1 sent no heartbeat"), std::string::npos) << session.broken();
+  std::string message;
+  EXPECT_EQ(status_of([&] { session.run({at::randn({2, 512}), at::randn({2, 512})}); }, &message),
+            Status::Communication);
+  EXPECT_NE(message.find("worker rank 1"), std::string::npos) << message;
+  EXPECT_EQ(silent.done.get(), Status::Communication);
+}
+
+TEST(DistributedSession, AWorkerThatHoldsACallForSeveralCommTimeoutsIsAliveAndFinishesIt) {
+  ASSERT_EQ(gate_init(), 0);
+  const milliseconds timeout(300);
+  // Stage 0 here, stage 1 in the worker. The worker's own timeout is the default minute: it beats
+  // at the pace the driver's timeout asks for, not at one its own would give.
+  TwoRanks ranks("gated.scripted.pt", timeout, milliseconds(60000));
+  const int64_t key = gate_new_key();
+  const at::Tensor x = at::randn({4, 64});
+  const std::vector<c10::IValue> inputs{x, at::scalar_tensor(key, at::kLong)};
+  auto request = ranks.session->submit(inputs);
+  gate_open(key, "stage0");
+  ASSERT_TRUE(gate_wait(key, "stage1", "arrived", 1));  // the worker holds the call
+  // Held well past the comm timeout: the worker's stage answers nothing, its heartbeat goes on.
+  const auto until = std::chrono::steady_clock::now() + 4 * timeout;
+  while (std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(milliseconds(20));
+  EXPECT_EQ(ranks.session->broken(), "");
+  gate_open(key, nullptr);
+  const auto out = request->result({});
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_TRUE(at::allclose(out[0].tensor, eager(*ranks.model, {x, at::scalar_tensor(0, at::kLong)}), 1e-5, 1e-5));
+  EXPECT_EQ(ranks.session->broken(), "");
+  const at::Tensor y = at::randn({3, 64});
+  EXPECT_TRUE(at::allclose(ranks.session->run({y, at::scalar_tensor(0, at::kLong)})[0].tensor,
+                           eager(*ranks.model, {y, at::scalar_tensor(0, at::kLong)}), 1e-5, 1e-5));
+  ranks.session.reset();
+  EXPECT_EQ(ranks.worker.get(), Status::Ok) << ranks.worker_message;
+}
+
+// A store whose add fails, or blocks until released, once `broken` is set: a driver that died or hangs.
+class FailingStore : public c10d::HashStore {
+ public:
+  enum class Mode { Works, Throws, Hangs };
+  int64_t add(const std::string& key, int64_t value) override {
+    std::unique_lock lock(mutex_);
+    ++calls_;
+    cv_.notify_all();
+    if (mode_ == Mode::Throws) throw std::runtime_error("Connection reset by peer");
+    cv_.wait(lock, [&] { return mode_ != Mode::Hangs; });
+    lock.unlock();
+    return c10d::HashStore::add(key, value);
+  }
+  void set_mode(Mode mode) {
+    std::lock_guard lock(mutex_);
+    mode_ = mode;
+    cv_.notify_all();
+  }
+  // Waits (bounded) until `count` bumps were asked for.
+  bool wait_calls(int count) {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_for(lock, std::chrono::seconds(60), [&] { return calls_ >= count; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  Mode mode_ = Mode::Works;
+  int calls_ = 0;
+};
+
+struct Lost {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::vector<std::string> why;
+  std::function<void(const std::string&)> callback() {
+    return [this](const std::string& w) {
+      std::lock_guard lock(mutex);
+      why.push_back(w);
+      cv.notify_all();
+    };
+  }
+  bool wait() {
+    std::unique_lock lock(mutex);
+    return cv.wait_for(lock, std::chrono::seconds(60), [&] { return !why.empty(); });
+  }
+};
+
+TEST(Heartbeat, BeatsAtItsOwnPaceAndTheMonitorSeesTheCountMove) {
+  auto store = c10::make_intrusive<FailingStore>();
+  Lost lost;
+  const milliseconds timeout(200);
+  schedule::HeartbeatMonitor monitor(*store, 3, timeout);
+  {
+    schedule::HeartbeatSender first(store, 1, schedule::heartbeat_interval(timeout), timeout, lost.callback());
+    schedule::HeartbeatSender second(store, 2, schedule::heartbeat_interval(timeout), timeout, lost.callback());
+    const auto count = [&](int rank) { return store->add(schedule::heartbeat_key(rank), 0); };
+    const int64_t one = count(1), two = count(2);
+    const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(60);  // only fails a hung test
+    while ((count(1) < one + 3 || count(2) < two + 3) && std::chrono::steady_clock::now() < limit)
+      std::this_thread::sleep_for(milliseconds(10));
+    EXPECT_GE(count(1), one + 3);  // several beats of each
+    EXPECT_GE(count(2), two + 3);
+    EXPECT_EQ(monitor.check(), "");
+  }
+  EXPECT_TRUE(lost.why.empty());  // stopped by its owner: nothing was lost
+  // With no beats, the monitor names the rank once the timeout has passed since it saw a change.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  std::string why;
+  while ((why = monitor.check()).empty() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(milliseconds(20));
+  EXPECT_EQ(why.rfind("worker rank 1 sent no heartbeat for 200 ms (the comm timeout)", 0), 0u) << why;
+}
+
+TEST(Heartbeat, AStoreThatFailsTellsTheWorkerItsDriverIsGone) {
+  auto store = c10::make_intrusive<FailingStore>();
+  Lost lost;
+  schedule::HeartbeatSender beat(store, 1, milliseconds(25), milliseconds(200), lost.callback());
+  ASSERT_TRUE(store->wait_calls(1));
+  store->set_mode(FailingStore::Mode::Throws);
+  ASSERT_TRUE(lost.wait());
+  EXPECT_NE(lost.why[0].find("Connection reset by peer"), std::string::npos) << lost.why[0];
+  EXPECT_NE(lost.why[0].find("the driver is gone"), std::string::npos) << lost.why[0];
+}
+
+TEST(Heartbeat, AStoreThatStopsAnsweringTellsTheWorkerAfterTheTimeout) {
+  auto store = c10::make_intrusive<FailingStore>();
+  Lost lost;
+  {
+    schedule::HeartbeatSender beat(store, 1, milliseconds(25), milliseconds(200), lost.callback());
+    ASSERT_TRUE(store->wait_calls(1));
+    store->set_mode(FailingStore::Mode::Hangs);
+    ASSERT_TRUE(lost.wait());
+    EXPECT_NE(lost.why[0].find("did not answer a heartbeat for 200 ms"), std::string::npos) << lost.why[0];
+  }  // destroyed while a bump is stuck: returns, leaving that bump to the store
+  store->set_mode(FailingStore::Mode::Works);  // the stuck bump ends, and its thread with it
+  EXPECT_EQ(lost.why.size(), 1u);
 }
 
 }  // namespace
