@@ -198,6 +198,8 @@ def test_worker_fault_breaks_the_session_and_a_new_one_works(tmp_path, mode, wor
     assert float(report["failed_after_ms"]) < FAIL_WITHIN_S * 1000
     assert float(report["destroy_ms"]) < FAIL_WITHIN_S * 1000
     assert report["message"], tree.stdout
+    if mode == "stop":  # only its heartbeat tells a stopped worker from a slow one
+        assert f"worker rank {rank} sent no heartbeat" in report["message"], report["message"]
     want = reference(model, load_file(inputs))
     close(load_file(tmp_path / "before.safetensors"), want, 1e-5)
     close(load_file(tmp_path / "after.safetensors"), want, 1e-5)

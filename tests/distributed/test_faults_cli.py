@@ -1,5 +1,5 @@
 """Faults while a multi-process `pipe bench` holds work in a worker: a worker killed, a worker
-stopped, the driver killed. Every request carries a gate key (tests/gate): the test opens the gates
+stopped, the driver killed or stopped. Every request carries a gate key (tests/gate): the test opens the gates
 of the stages before the victim's and waits until the victim's stage holds a micro-batch, so the
 fault always lands on a process with work in hand, whatever the machine's load. The survivors
 report a communication error within the comm timeout (plus a margin for slow machines), nothing
@@ -105,6 +105,8 @@ def test_worker_fault_while_it_holds_work_fails_the_driver(tmp_path, procs, vict
                 except OSError:
                     pass
     assert_error_line(tree, "communication", lower=True)
+    if signum == signal.SIGSTOP:  # only its heartbeat tells a stopped worker from a slow one
+        assert_error_line(tree, f"worker rank {victim} sent no heartbeat for {COMM_MS} ms")
     assert took < FAIL_WITHIN_S, f"took {took:.1f} s"
     tree.assert_no_leftovers()
 
@@ -176,3 +178,44 @@ def test_driver_of_local_workers_killed_leaves_no_workers(tmp_path):
     fault(tree.proc.pid, signal.SIGKILL, key)
     tree.wait(30)
     tree.assert_no_leftovers()
+
+
+def test_driver_stopped_while_workers_wait_for_work_fails_the_workers(tmp_path):
+    # A stopped driver keeps its connections open and the workers hold nothing: only the store's
+    # silence to their heartbeats tells them that it is gone.
+    key = gate().new_key()
+    env = gate().child_env()
+    driver, store = start_driver(
+        "bench",
+        gated_model(3),
+        "--input",
+        gated_inputs(tmp_path / "in.safetensors", key),
+        "--requests",
+        4,
+        "--world-size",
+        3,
+        "--comm-timeout-ms",
+        JOIN_MS,
+        env=env,
+        name="pipe bench",
+    )
+    workers = [start_worker(rank, 3, store, comm_ms=COMM_MS, env=env) for rank in (1, 2)]
+    wait_held(key, "stage0", driver, *workers)  # stage 0 is the driver's: the workers are idle
+    os.kill(driver.proc.pid, signal.SIGSTOP)
+    try:
+        wait_stopped(driver.proc.pid)
+        lines = []
+        for w in workers:
+            w.wait(FAIL_WITHIN_S)  # fails the test if a worker hangs
+            lines.append(assert_one_line_error(w, "lost its session", "[PIPE_ERR_COMMUNICATION]"))
+            w.assert_no_leftovers()
+        # The first to notice names the silent store; the other may learn it from that one's
+        # closed connections instead.
+        assert any("store did not answer a heartbeat" in line for line in lines), lines
+    finally:
+        for s in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.kill(driver.proc.pid, s)
+            except OSError:
+                pass
+        driver.wait(30)
