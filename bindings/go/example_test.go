@@ -67,3 +67,31 @@ func ExampleSession_Submit() {
 		fmt.Println(out.Names())
 	}
 }
+
+// Wait for whichever of several calls finishes first, or for the caller's context, in one select:
+// Done is closed when its call finishes, and no OS thread is held while the goroutine waits.
+func ExampleRequest_Done() {
+	var session *pipe.Session // from Plan.NewSession
+	var ctx context.Context   // e.g. an HTTP request's context
+	var a, b *pipe.Tensor
+	ra, err := session.Submit(ctx, a)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer ra.Close()
+	rb, err := session.Submit(ctx, b)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer rb.Close()
+	select {
+	case <-ra.Done():
+		out, err := ra.Wait() // finished: returns at once
+		fmt.Println("a first", out.Names(), err)
+	case <-rb.Done():
+		out, err := rb.Wait()
+		fmt.Println("b first", out.Names(), err)
+	case <-ctx.Done():
+		// Both calls are cancelled by ctx too; Close frees them.
+	}
+}

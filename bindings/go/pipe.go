@@ -23,7 +23,9 @@
 // code and libpipe's message, and errors.Is matches them against the status sentinels
 // ([ErrNotFound], [ErrInput], [ErrCancelled], [ErrDeadlineExceeded], ...). [Session.Run] and
 // [Session.Submit] honour a context: its deadline becomes the call's deadline and cancelling it
-// cancels the call.
+// cancels the call. Waiting for a call holds no OS thread: libpipe reports that a call finished
+// through a callback that closes [Request.Done], and [Request.Wait] (as [Session.Run] with a
+// context that can end) blocks on that channel, not inside libpipe.
 //
 // Handles ([Model], [Plan], [Session], [Request]) hold C resources: Close them. A cleanup
 // frees a handle that becomes unreachable without being closed, as a safety net only.

@@ -347,6 +347,13 @@ func contextError(op string, ctxErr error, message string) error {
 // also matches context.DeadlineExceeded) and cancelling it cancels the call (ErrCancelled,
 // which also matches context.Canceled). Errors: ErrInput for a wrong input count or inputs
 // that do not split, ErrExecution when a stage raised (the message names the stage).
+//
+// With a context that can end (a request's context, or one with a deadline or a cancel
+// function), Run is Submit and Request.Wait: while the call runs, the goroutine waits on a
+// channel, not inside libpipe, so a server with many calls in flight does not hold an OS thread
+// for each. With a context that can never end (context.Background()), Run is libpipe's blocking
+// call, which reads the inputs in place instead of copying them but holds an OS thread until the
+// call returns.
 func (s *Session) Run(ctx context.Context, inputs ...*Tensor) (TensorList, error) {
 	const op = "Session.Run"
 	if err := ctx.Err(); err != nil {
@@ -395,9 +402,10 @@ func (s *Session) callWithInputs(op, function string, inputs []*Tensor,
 }
 
 // Submit starts one call and returns without waiting for it (it may wait for room in the
-// pipeline). The inputs are copied by libpipe, so they may be reused as soon as Submit returns.
-// Errors in the inputs are reported here, errors while running by Request.Wait. ctx bounds the
-// call as in Run for as long as the request is open. Close the request when done with it.
+// pipeline, inside libpipe, when SessionOptions.MaxInflight micro-batches are in it already).
+// The inputs are copied by libpipe, so they may be reused as soon as Submit returns. Errors in
+// the inputs are reported here, errors while running by Request.Wait. ctx bounds the call as in
+// Run for as long as the request is open. Close the request when done with it.
 func (s *Session) Submit(ctx context.Context, inputs ...*Tensor) (*Request, error) {
 	const op = "Session.Submit"
 	if err := ctx.Err(); err != nil {
@@ -426,7 +434,7 @@ func (s *Session) Submit(ctx context.Context, inputs ...*Tensor) (*Request, erro
 	if err != nil {
 		return nil, err
 	}
-	return newRequest(ctx, rptr), nil
+	return newRequest(ctx, rptr)
 }
 
 // StageStats is what one stage worker has done since the session was created.
@@ -503,30 +511,45 @@ func (s *Session) TraceStop(path string) error {
 
 // ---- Requests ---------------------------------------------------------------------------------
 
-// Request is a call started by Session.Submit.
+// Request is a call started by Session.Submit. Its completion arrives without a waiting thread:
+// libpipe tells the binding when the call finishes (pipe_request_on_done), which closes Done, and
+// Wait only blocks on that channel. Many goroutines may wait for many requests without holding an
+// OS thread each.
 type Request struct {
 	core    *requestCore
 	cleanup runtime.Cleanup
 }
 
-// requestCore is what the context callback and the cleanup share; it never points back to the
-// Request, so an abandoned Request can still be collected and freed.
+// requestCore is what the context callback, the completion callback and the cleanup share; it
+// never points back to the Request, so an abandoned Request can still be collected and freed.
 type requestCore struct {
 	mu     sync.RWMutex // read: wait or cancel on ptr (pipe.h allows them together); write: destroy
 	waitMu sync.Mutex   // pipe_request_wait is exclusive per request
 	ptr    capi.SwigcptrPipe_request
 	ctx    context.Context
-	stop   func() bool // unregisters the context callback
+	stop   func() bool   // unregisters the context callback
+	done   chan struct{} // closed by libpipe's completion callback, once
 }
 
-func newRequest(ctx context.Context, ptr capi.SwigcptrPipe_request) *Request {
-	core := &requestCore{ptr: ptr, ctx: ctx}
+func newRequest(ctx context.Context, ptr capi.SwigcptrPipe_request) (*Request, error) {
+	core := &requestCore{ptr: ptr, ctx: ctx, done: make(chan struct{})}
+	// libpipe calls this exactly once: when the call finishes, at the latest inside
+	// pipe_request_destroy, possibly on one of its own threads. It takes no lock of the request,
+	// since destroy holds the write lock while pipe_request_destroy waits for it to return.
+	handle := capi.RegisterDone(func(int32) { close(core.done) })
+	err := call("pipe_request_on_done", func() int { return capi.Pipego_request_on_done(ptr, handle) })
+	if err != nil {
+		// Refused, so never called: nothing else will release the handle or the request.
+		capi.ForgetDone(handle)
+		capi.Pipe_request_destroy(ptr)
+		return nil, err
+	}
 	// Cancelling the context cancels the call. The callback runs on its own goroutine, at any
 	// time until stop: it takes the read lock, so it never races with destroy.
 	core.stop = context.AfterFunc(ctx, func() { core.cancel() })
 	r := &Request{core: core}
 	r.cleanup = runtime.AddCleanup(r, func(c *requestCore) { c.destroy() }, core)
-	return r
+	return r, nil
 }
 
 func (c *requestCore) cancel() error {
@@ -540,14 +563,37 @@ func (c *requestCore) cancel() error {
 
 func (c *requestCore) destroy() {
 	c.stop()
-	// Make a Wait in another goroutine return before taking the write lock it holds.
-	c.cancel()
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.ptr != 0 {
+		// Cancels a call still running; the completion callback has returned when this does.
 		capi.Pipe_request_destroy(c.ptr)
 		c.ptr = 0
 	}
+}
+
+// Done is closed when the call has finished: it succeeded or failed, was cancelled (Cancel, the
+// context, Close, the session's Close) or passed its deadline. Wait then returns at once. Use it
+// to wait for several requests, or for a request and something else, in one select.
+func (r *Request) Done() <-chan struct{} { return r.core.done }
+
+// FD is a file descriptor that becomes readable when the call has finished and stays readable
+// (level-triggered), for callers with a poller of their own (epoll, another language's event
+// loop); Go code waits on Done instead. It belongs to the request: do not read, write or close
+// it, and do not use it after Close, which closes it. ErrIO if the process has no descriptor left.
+func (r *Request) FD() (int, error) {
+	const op = "Request.FD"
+	c := r.core
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	if c.ptr == 0 {
+		return -1, closedError(op, "request")
+	}
+	var fd int32
+	if err := call("pipe_request_fd", func() int { return capi.Pipe_request_fd(c.ptr, &fd) }); err != nil {
+		return -1, err
+	}
+	return int(fd), nil
 }
 
 // Wait blocks until the call is done and returns its outputs. A finished call may be waited for
@@ -557,15 +603,24 @@ func (r *Request) Wait() (TensorList, error) { return r.wait("Request.Wait", -1)
 // WaitTimeout is Wait for at most d; ErrTimeout if the call is still running then (wait again,
 // cancel or close). d == 0 only checks.
 func (r *Request) WaitTimeout(d time.Duration) (TensorList, error) {
-	ms := int64((d + time.Millisecond - 1) / time.Millisecond)
-	if d < 0 {
-		ms = -1
-	}
-	return r.wait("Request.WaitTimeout", ms)
+	return r.wait("Request.WaitTimeout", d)
 }
 
-func (r *Request) wait(op string, timeoutMS int64) (TensorList, error) {
+// wait blocks on Done for at most d (d < 0: as long as it takes), then collects the call from
+// libpipe without waiting there: if it has not finished, that gives libpipe's ErrTimeout.
+func (r *Request) wait(op string, d time.Duration) (TensorList, error) {
 	c := r.core
+	switch {
+	case d < 0:
+		<-c.done // closed by Close too, at the latest
+	case d > 0:
+		timer := time.NewTimer(d)
+		select {
+		case <-c.done:
+		case <-timer.C:
+		}
+		timer.Stop()
+	}
 	c.waitMu.Lock()
 	defer c.waitMu.Unlock()
 	c.mu.RLock()
@@ -574,7 +629,7 @@ func (r *Request) wait(op string, timeoutMS int64) (TensorList, error) {
 		return nil, closedError(op, "request")
 	}
 	var out capi.SwigcptrPipe_tensor_list
-	err := call("pipe_request_wait", func() int { return capi.Pipe_request_wait(c.ptr, timeoutMS, &out) })
+	err := call("pipe_request_wait", func() int { return capi.Pipe_request_wait(c.ptr, 0, &out) })
 	c.mu.RUnlock()
 	if err != nil {
 		return nil, c.explain(err)
