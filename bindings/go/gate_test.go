@@ -55,6 +55,12 @@ type gated struct {
 
 func gatedSession(t *testing.T, microbatches int, mode pipe.Microbatching) *gated {
 	t.Helper()
+	return gatedSessionWith(t, pipe.SessionOptions{Microbatches: microbatches, Microbatching: mode})
+}
+
+// gatedSessionWith is a session of the gated model with opts, whose InputSpecs it sets.
+func gatedSessionWith(t *testing.T, opts pipe.SessionOptions) *gated {
+	t.Helper()
 	if gateErr != nil {
 		t.Fatalf("no test gate: %v (set LIBPIPE_TEST_GATE_LIB, or put libpipe_test_gate.so in LIBPIPE_FIXTURES)",
 			gateErr)
@@ -67,11 +73,8 @@ func gatedSession(t *testing.T, microbatches int, mode pipe.Microbatching) *gate
 		t.Fatalf("gated has %d stages, want 2", plan.NumStages())
 	}
 	// n is replicated: every micro-batch carries the key.
-	session := must(plan.NewSession(&pipe.SessionOptions{
-		Microbatches:  microbatches,
-		Microbatching: mode,
-		InputSpecs:    []pipe.ChunkSpec{{Kind: pipe.ChunkDefault}, pipe.Replicate},
-	}))(t)
+	opts.InputSpecs = []pipe.ChunkSpec{{Kind: pipe.ChunkDefault}, pipe.Replicate}
+	session := must(plan.NewSession(&opts))(t)
 	t.Cleanup(func() { session.Close() })
 	return &gated{
 		session:  session,
