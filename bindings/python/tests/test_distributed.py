@@ -1,7 +1,8 @@
 """Stages spread over processes (libpipe >= 0.4): a Gloo session in this process (rank 0, the
 driver) whose rank-1 worker is `libpipe.run_worker` in a child Python process; a worker that is
-killed or stops answering while it holds a call breaks the session with CommunicationError; bad
-stores and arguments.
+killed or stopped (its heartbeat stops) breaks the session with CommunicationError, whether or not
+it holds a call, while one that computes a call for several comm timeouts is only slow; bad stores
+and arguments.
 
 The driver's store is given 127.0.0.1:0 and picks a free port itself; the tests learn the port from
 libpipe's log ("store listening on HOST:PORT", read with the fixtures' storeport.py, shared with
@@ -221,9 +222,9 @@ def test_killed_worker_fails_the_calls_and_breaks_the_session(gated_plan, gated_
 
 
 def test_silent_worker_fails_the_calls_after_comm_timeout(gated_plan, gated_inputs, gate, tmp_path):
-    # A stopped worker keeps its connections open: only comm_timeout (here far below libpipe's
-    # one-minute default) tells it from a slow one. Once the broken session is closed, the worker,
-    # continued, finishes the call it held, finds its driver gone, and run_worker raises
+    # A stopped worker keeps its connections open: only its heartbeat, which stops for comm_timeout
+    # (here far below libpipe's one-minute default), tells it from a slow one. Once the broken
+    # session is closed, the worker, continued, finds its driver gone, and run_worker raises
     # CommunicationError there.
     comm_timeout = 5.0
     x = gated_inputs["x"]
@@ -235,10 +236,11 @@ def test_silent_worker_fails_the_calls_after_comm_timeout(gated_plan, gated_inpu
             worker.send_signal(signal.SIGSTOP)
             wait_stopped(worker)
             gate.open(key)  # what it holds may go on once it is continued
-            with pytest.raises(libpipe.CommunicationError):
+            with pytest.raises(libpipe.CommunicationError) as info:
                 request.wait(timeout=comm_timeout + MARGIN_S)
             assert time.monotonic() - stopped_at < comm_timeout + MARGIN_S
-            assert_broken(session, x)
+            assert "worker rank 1 sent no heartbeat for 5000 ms" in info.value.message, info.value.message
+            assert "worker rank 1 sent no heartbeat" in assert_broken(session, x).message
         finally:
             closing = time.monotonic()
             session.close()
@@ -246,6 +248,66 @@ def test_silent_worker_fails_the_calls_after_comm_timeout(gated_plan, gated_inpu
             worker.send_signal(signal.SIGCONT)
         rc, printed = finish(worker)
         assert rc == 3 and printed.startswith("CommunicationError "), (rc, printed, worker_stderr(tmp_path))
+
+
+def test_idle_session_whose_worker_stops_reports_itself_broken(
+    gated_plan, gated_inputs, gated_expected, gate, tmp_path
+):
+    # No call is in flight: the heartbeat alone tells that the worker is gone.
+    comm_timeout = 3.0
+    x = gated_inputs["x"]
+    with worker_process(tmp_path, env=gate.child_env()) as worker:
+        session, _ = gated_gloo_session(gated_plan, worker, comm_timeout)
+        try:
+            assert_close(session.run(x, n=0)["output"], gated_expected)
+            assert session.check() is None
+            worker.send_signal(signal.SIGSTOP)
+            wait_stopped(worker)
+
+            def broken():
+                try:
+                    session.check()
+                    return False
+                except libpipe.CommunicationError:
+                    return True
+
+            wait_until(broken, "the session broken by its stopped worker")
+            error = assert_broken(session, x)
+            assert "worker rank 1 sent no heartbeat for 3000 ms" in error.message, error.message
+        finally:
+            session.close()
+            worker.send_signal(signal.SIGCONT)
+        rc, printed = finish(worker)
+        assert rc == 3 and printed.startswith("CommunicationError "), (rc, printed, worker_stderr(tmp_path))
+
+
+# ---- a worker that computes for longer than comm_timeout is slow, not dead -------------------------
+
+
+def test_worker_holding_a_call_for_several_comm_timeouts_finishes_it(
+    gated_plan, gated_inputs, gated_expected, gate, tmp_path
+):
+    # The worker's own comm_timeout is the one-minute default given by worker_process: it beats at
+    # the pace that the driver's short comm_timeout asks for.
+    comm_timeout = 3.0
+    x = gated_inputs["x"]
+    with worker_process(tmp_path, env=gate.child_env()) as worker:
+        session, _ = gated_gloo_session(gated_plan, worker, comm_timeout)
+        try:
+            key, request = hold_in_worker(session, gate, x)
+            held_since = time.monotonic()
+            # The worker's stage sends nothing back for several comm timeouts; its heartbeat goes on.
+            wait_until(lambda: time.monotonic() > held_since + 3 * comm_timeout, "3 comm timeouts later")
+            assert session.check() is None
+            assert not request.done()
+            gate.open(key)
+            assert_close(request.wait(timeout=MARGIN_S)["output"], gated_expected)
+            assert session.check() is None
+            assert_close(session.run(x, n=0)["output"], gated_expected)
+        finally:
+            session.close()
+        rc, printed = finish(worker)
+        assert rc == 0 and printed == "finished\n", (rc, printed, worker_stderr(tmp_path))
 
 
 # ---- bad stores and arguments ----------------------------------------------------------------------
