@@ -51,10 +51,10 @@ const (
 	// deadline (pipe_run_options.timeout_ms).
 	StatusDeadlineExceeded Status = Status(capi.PIPE_ERR_DEADLINE_EXCEEDED)
 	// StatusCommunication is PIPE_ERR_COMMUNICATION: Talking to another process failed: a worker
-	// died, stopped answering for longer than the session's comm_timeout_ms, could not be reached,
-	// or the rendezvous store address is wrong. A session that reports this is broken for good
-	// (pipe_session_check says so): destroy it, start its workers again and create a new one. Since
-	// 0.4.
+	// died, sent no heartbeat for the session's comm_timeout_ms (killed, stopped, or its host
+	// hangs; the message names its rank), could not be reached, or the rendezvous store address is
+	// wrong. A session that reports this is broken for good (pipe_session_check says so): destroy
+	// it, start its workers again and create a new one. Since 0.4.
 	StatusCommunication Status = Status(capi.PIPE_ERR_COMMUNICATION)
 )
 
@@ -129,10 +129,11 @@ func (s Status) Description() string {
 	case StatusDeadlineExceeded:
 		return "The call did not finish before its deadline (pipe_run_options.timeout_ms)."
 	case StatusCommunication:
-		return "Talking to another process failed: a worker died, stopped answering for longer than the " +
-			"session's comm_timeout_ms, could not be reached, or the rendezvous store address is wrong." +
-			" A session that reports this is broken for good (pipe_session_check says so): destroy it, " +
-			"start its workers again and create a new one. Since 0.4."
+		return "Talking to another process failed: a worker died, sent no heartbeat for the session's " +
+			"comm_timeout_ms (killed, stopped, or its host hangs; the message names its rank), could " +
+			"not be reached, or the rendezvous store address is wrong. A session that reports this is " +
+			"broken for good (pipe_session_check says so): destroy it, start its workers again and " +
+			"create a new one. Since 0.4."
 	}
 	return ""
 }

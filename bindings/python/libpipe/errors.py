@@ -118,8 +118,8 @@ class DeadlineExceededError(Error):
 
 class CommunicationError(Error):
     """Talking to another process failed (PIPE_ERR_COMMUNICATION, libpipe >= 0.4): a worker died,
-    stayed silent longer than the session's comm_timeout, could not be reached, or the store
-    address is wrong. A session that raised it is broken for good (Session.check() raises it
+    sent no heartbeat for the session's comm_timeout (killed, stopped, or its host hangs; the
+    message names its rank), could not be reached, or the store address is wrong. A session that raised it is broken for good (Session.check() raises it
     again): close it, start its workers again and create a new one."""
 
 
