@@ -190,9 +190,12 @@ type SessionOptions struct {
 	// HOST:PORT" (SetLogCallback): the address to give the workers. A malformed address is
 	// ErrInvalidArgument, an unusable one ErrCommunication.
 	Store string
-	// How long a worker may stay silent while it holds work, and joining may take, before the
-	// session's calls fail with ErrCommunication (a worker that dies is noticed at once). 0 is
-	// libpipe's default, one minute; it is rounded up to whole milliseconds.
+	// How long joining and loading may take, and a worker may send no heartbeat, before the
+	// session breaks and the calls its workers hold fail with ErrCommunication naming the rank.
+	// Workers send heartbeats from a thread of their own whatever their stages do, so a stage may
+	// take longer than this per micro-batch; only a worker that was killed or stopped, or whose
+	// host hangs, stops them (a worker that dies is noticed at once). 0 is libpipe's default, one
+	// minute; it is rounded up to whole milliseconds.
 	CommTimeout time.Duration
 }
 
@@ -315,7 +318,7 @@ func (s *Session) acquire(op string) (capi.SwigcptrPipe_session, error) {
 func (s *Session) NumStages() int { return s.numStages }
 
 // Check is nil while the session works. Once a transport failure has broken it (a worker process
-// died, or stayed silent longer than SessionOptions.CommTimeout), it is an *Error with
+// died, or sent no heartbeat for SessionOptions.CommTimeout), it is an *Error with
 // ErrCommunication and the reason, and every later call fails at once the same way: close the
 // session, start its workers again and create a new one. A local session never breaks.
 func (s *Session) Check() error {

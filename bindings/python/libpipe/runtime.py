@@ -546,12 +546,16 @@ class Plan(_Closeable):
         given a contiguous group of the following stages. store: "HOST:PORT" of the rendezvous
         store, which this process hosts (it listens on PORT; HOST is this machine's address as
         the workers reach it); required unless the transport is "local". Creating the session
-        waits for the workers to join and load their stages. comm_timeout: seconds a worker may
-        stay silent while it holds work, and joining may take, before the session's calls fail
-        with CommunicationError (None: libpipe's default, one minute); a worker that dies is
-        noticed at once. CommunicationError also when the workers do not come or the address is
-        unusable; InvalidArgumentError for a malformed address, world_size > 1 with "local", or
-        fewer stages than processes; UnsupportedError for "nccl" where NCCL is missing."""
+        waits for the workers to join and load their stages. comm_timeout: seconds joining and
+        loading may take, and a worker may send no heartbeat, before the session breaks and the
+        calls its workers hold fail with CommunicationError naming the rank (None: libpipe's
+        default, one minute). Workers send heartbeats from a thread of their own whatever their
+        stages do, so a stage may take longer than comm_timeout per micro-batch; only a worker
+        that was killed or stopped, or whose host hangs, stops them (idle or not). A worker that
+        dies is noticed at once. CommunicationError also when the workers do not come or the
+        address is unusable; InvalidArgumentError for a malformed address, world_size > 1 with
+        "local", or fewer stages than processes; UnsupportedError for "nccl" where NCCL is
+        missing."""
         if not isinstance(microbatching, str) or microbatching not in MICROBATCHING_MODES:
             raise InvalidArgumentError(
                 Status.INVALID_ARGUMENT,
@@ -613,7 +617,8 @@ class Session(_Closeable):
     """Stage workers running a plan. run() and submit() are safe from many threads at once;
     close() waits for the runs in progress, and fails submitted requests still running with
     CancelledError. Closing a session whose stages run in worker processes tells them to finish
-    (their run_worker returns); it never blocks much longer than comm_timeout."""
+    (their run_worker returns); it waits until they have finished what they hold, as long as
+    their heartbeats go on (comm_timeout)."""
 
     transport = "local"
     world_size = 1
@@ -820,10 +825,12 @@ def run_worker(rank, world_size, store, *, comm_timeout=None, threads_per_stage=
 
     comm_timeout: seconds to keep trying to reach the store and to wait for the driver's stages
     (None: libpipe's default, one minute); once serving, the worker waits for work as long as the
-    driver is alive. threads_per_stage: intra-op threads per stage (0: the driver's setting).
-    CommunicationError when the store cannot be reached in time (the message names the
-    address), the rank is taken, the driver's libpipe version differs, or the driver goes away
-    (also after its session broke); InvalidArgumentError for a rank or world_size out of range.
+    driver is alive, and sends heartbeats to the driver's store: when the store fails one or
+    does not answer for comm_timeout, the driver is gone. threads_per_stage: intra-op threads
+    per stage (0: the driver's setting). CommunicationError when the store cannot be reached in
+    time (the message names the address), the rank is taken, the driver's libpipe version
+    differs, or the driver goes away (killed, stopped, its host hangs, or its session broke);
+    InvalidArgumentError for a rank or world_size out of range.
     Errors in this worker's stages are reported to the driver's calls, not here."""
     options = {
         "rank": int(rank),

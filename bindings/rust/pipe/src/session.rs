@@ -322,9 +322,12 @@ impl SessionOptions {
         self
     }
 
-    /// How long a worker may stay silent while it holds work, and joining may take, before the
-    /// session's calls fail with [`Status::Communication`] (a worker that dies is noticed at
-    /// once). Default: libpipe's, one minute. Rounded up to whole milliseconds; zero, or more
+    /// How long joining and loading may take, and a worker may send no heartbeat, before the
+    /// session breaks and the calls its workers hold fail with [`Status::Communication`] naming
+    /// the rank. Workers send heartbeats from a thread of their own whatever their stages do, so
+    /// a stage may take longer than this per micro-batch; only a worker that was killed or
+    /// stopped, or whose host hangs, stops them (a worker that dies is noticed at once).
+    /// Default: libpipe's, one minute. Rounded up to whole milliseconds; zero, or more
     /// than `i32::MAX` milliseconds, fails [`Session::new`] with [`Status::InvalidArgument`].
     pub fn comm_timeout(mut self, timeout: Duration) -> SessionOptions {
         self.comm_timeout = Some(timeout);
@@ -424,7 +427,7 @@ impl Session {
     }
 
     /// `Ok` while the session works. Once a transport failure has broken it (a worker process
-    /// died, or stayed silent longer than [`SessionOptions::comm_timeout`]), the error
+    /// died, or sent no heartbeat for [`SessionOptions::comm_timeout`]), the error
     /// [`Status::Communication`] with the reason, and every later call fails at once the same
     /// way: drop the session, start its workers again and create a new one. A local session
     /// never breaks.
