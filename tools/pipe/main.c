@@ -59,7 +59,7 @@ static const char usage_text[] =
     "                                  port) and, once it listens, prints on stderr\n"
     "                                  pipe: store listening on HOST:PORT (start workers with --store HOST:PORT)\n"
     "  --transport gloo|nccl           how stages talk (default gloo: CPU tensors over TCP)\n"
-    "  --comm-timeout-ms T             how long workers may stay silent (default 60000)\n";
+    "  --comm-timeout-ms T             setup limit; a heartbeat silent this long fails (default 60000)\n";
 
 int main(int argc, char **argv) {
   if (argc < 2) {

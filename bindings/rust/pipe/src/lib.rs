@@ -33,7 +33,8 @@
 //! With [`SessionOptions::transport`] Gloo or NCCL, [`SessionOptions::world_size`] and
 //! [`SessionOptions::store`], this process drives a session whose later stages run in worker
 //! processes, each calling [`run_worker`] with its rank. [`Session::check`] says whether a
-//! transport failure (a dead or silent worker) has broken the session ([`Status::Communication`]).
+//! transport failure (a dead worker, or one whose heartbeat stopped) has broken the session
+//! ([`Status::Communication`]).
 //!
 //! # Tensors
 //!
