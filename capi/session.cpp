@@ -61,7 +61,10 @@ libpipe::schedule::RunOptions run_options(const pipe_run_options* o, const char*
     if (o->timeout_ms < 0)
       throw Error(Status::InvalidArgument, std::string(function) + ": options->timeout_ms is " +
                                                std::to_string(o->timeout_ms) + "; use 0 for no deadline");
-    if (o->timeout_ms > 0) opts.deadline = libpipe::schedule::Clock::now() + std::chrono::milliseconds(o->timeout_ms);
+    const auto now = libpipe::schedule::Clock::now();
+    // A timeout past what the clock can count is no deadline (adding it would overflow).
+    const auto room = std::chrono::duration_cast<std::chrono::milliseconds>(opts.deadline - now).count();
+    if (o->timeout_ms > 0 && o->timeout_ms < room) opts.deadline = now + std::chrono::milliseconds(o->timeout_ms);
   }
   return opts;
 }
