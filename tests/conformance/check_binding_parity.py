@@ -47,6 +47,7 @@ NOT_BOUND = {
         "pipe_safetensors_write": "Python writes safetensors with the safetensors package, not libpipe lists",
         "pipe_plan_stage_param_bytes": "Plan.describe() gives every stage's param_bytes",
         "pipe_plan_stage_estimated_ms": "Plan.describe() gives every stage's estimated_ms",
+        "pipe_request_on_done": "asyncio watches pipe_request_fd; a callback would run Python on a libpipe thread",
     },
     "go": {
         "pipe_tensor_list_find": "outputs are copied into a Go TensorList at once, whose Get looks names up",

@@ -13,6 +13,13 @@ torch out; otherwise numpy) and own the memory libpipe produced.
 Every call that can block (load, split, session creation, run, wait) releases the GIL, so other
 Python threads keep running, and one Session may be used from many threads at once.
 
+asyncio (libpipe >= 0.7): `await session.run_async(x)` gives what run(x) gives, and a Request is
+awaitable. The event loop watches the request's file descriptor (Request.fileno()), so no thread
+is created or parked per call; cancelling the awaiting task cancels the call.
+
+    async def main(session, xs):
+        outs = await asyncio.gather(*(session.run_async(x, timeout=5.0) for x in xs))
+
 Stages may also run in other processes (libpipe >= 0.4): the driver creates the session with
 `plan.session(transport="gloo", world_size=2, store="HOST:PORT")` and hosts the rendezvous store
 there; each other process calls `libpipe.run_worker(rank, 2, "HOST:PORT")`, which serves its
@@ -23,6 +30,7 @@ The native module is imported on first use, so `import libpipe` (for pipe_split 
 helpers) works where it was never built.
 """
 
+import asyncio
 import atexit
 import contextlib
 import json
@@ -662,6 +670,25 @@ class Session(_Closeable):
         with self._handle.use() as h:
             return Request(_lib().pipe_session_submit(h, capsules, ms), flavour, self)
 
+    async def run_async(self, *inputs, timeout=None, output_type=None, **named):
+        """run() as a coroutine, for asyncio: `out = await session.run_async(x, timeout=5.0)`
+        gives what run(x, timeout=5.0) gives and raises the same errors (those in the inputs at
+        once, when the coroutine starts). No thread waits for the call: the event loop watches
+        the request's file descriptor (Request.fileno()), so any number of calls may be in
+        flight on one loop. Cancelling the awaiting task (task.cancel(), asyncio.wait_for's
+        timeout) cancels the call, and the request is freed either way. timeout: seconds until
+        DeadlineExceededError, which fires on its own.
+
+        The call is submitted on the event loop's thread, like submit(): when max_inflight
+        micro-batches are already in the pipeline, submitting waits there for room and the loop
+        stalls meanwhile, so give the session a max_inflight that covers the calls the loop
+        keeps in flight (or bound them, e.g. with an asyncio.Semaphore)."""
+        request = self.submit(*inputs, timeout=timeout, output_type=output_type, **named)
+        try:
+            return await request
+        finally:
+            request.close()
+
     def stats(self):
         """Per stage, since the session started: microbatches, failures, busy_ms, idle_ms,
         queue_depth."""
@@ -688,11 +715,20 @@ class Session(_Closeable):
 
 class Request(_Closeable):
     """A call started by Session.submit(). wait() gives its outputs (or raises its error);
-    cancel() asks it to stop; close() cancels it if it still runs."""
+    cancel() asks it to stop; close() cancels it if it still runs. In a coroutine,
+    `await request` gives what wait() gives without blocking the event loop; fileno() is the
+    descriptor that says the call finished, for select and selectors."""
 
     _POLL_S = 0.25  # an unbounded wait is cut into slices so that Ctrl-C gets through
+    # The event loop that watches the descriptor, while one does: (loop, fd, future). Only that
+    # loop's thread adds and removes the reader; _watch_lock orders it with _finish and close,
+    # which may run on any thread.
+    _watch = None
+    _awaiters = 0  # tasks awaiting the watch's future (touched on the loop's thread only)
+    _close_deferred = False  # close once the loop has stopped watching (it still uses the fd)
 
     def __init__(self, ptr, flavour, session):
+        self._watch_lock = threading.Lock()
         self._handle = _Handle(ptr, _lib().pipe_request_destroy, "request", 0)
         self._flavour = flavour
         self._session = session  # the session stays alive while the call may still run
@@ -745,10 +781,16 @@ class Request(_Closeable):
             return
 
     def _finish(self, result=None, error=None):
-        self._result, self._error = result, error
+        with self._watch_lock:
+            self._result, self._error = result, error
+            # The outcome is kept here, so the C request can go now, unless an event loop still
+            # watches its descriptor: closing it first would leave the loop a dead (or reused)
+            # number and its awaiters no wake-up. The loop closes it once it has stopped.
+            deferred = self._watch is not None
+            self._close_deferred = self._close_deferred or deferred
         self._session = None
-        # The outcome is kept here, so the C request can go now.
-        self._handle.close()
+        if not deferred:
+            self._handle.close()
 
     def done(self):
         """True once the call has finished (successfully or not). Never blocks: while another
@@ -775,9 +817,87 @@ class Request(_Closeable):
             with self._handle.use() as h:
                 _lib().pipe_request_cancel(h)
 
+    def fileno(self):
+        """A file descriptor that becomes readable when the call finishes (succeeds, fails, is
+        cancelled or passes its deadline) and stays readable: register it for reading with
+        select, selectors, poll or an event loop, then wait(0) gives the outcome at once. The
+        same descriptor every time; it belongs to the request, so never read, write or close
+        it. Getting the outcome (wait, done) frees the request, which closes the descriptor:
+        stop watching it first. InvalidArgumentError once the request is closed. In a
+        coroutine, `await request` does all of this."""
+        with self._handle.use() as h:
+            return _lib().pipe_request_fd(h)
+
+    def __await__(self):
+        """`await request`: the outcome as wait() gives it, without blocking the event loop (it
+        watches fileno(); no thread waits). Cancelling the awaiting task cancels the call, as
+        for an asyncio future (asyncio.shield(request) keeps it running); the request is still
+        the caller's to close. Several tasks of one loop may await one request."""
+        return self._outcome().__await__()
+
+    async def _outcome(self):
+        future = self._watched(asyncio.get_running_loop())
+        if future is not None:
+            self._awaiters += 1
+            try:
+                # Shielded: a cancelled awaiter leaves the future to the others.
+                await asyncio.shield(future)
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+            finally:
+                self._awaiters -= 1
+                if self._awaiters == 0:
+                    self._unwatch(future, finished=False)
+        return self.wait(0)  # finished: does not block (the GIL is released as in any wait)
+
+    def _watched(self, loop):
+        """The future of `loop` that is resolved when the call finishes (shared by the loop's
+        awaiters); None if the outcome is already kept."""
+        with self._watch_lock:
+            if self._result is not None or self._error is not None:
+                return None
+            if self._watch is not None:
+                watcher, _, future = self._watch
+                if watcher is not loop:
+                    raise InvalidArgumentError(
+                        Status.INVALID_ARGUMENT, "this request is already awaited on another event loop"
+                    )
+                return future
+            with self._handle.use() as h:  # raises if the request was closed
+                fd = _lib().pipe_request_fd(h)
+            future = loop.create_future()
+            # Level-triggered: a call that finished before this line wakes the loop at once.
+            loop.add_reader(fd, self._unwatch, future, True)
+            self._watch = (loop, fd, future)
+            return future
+
+    def _unwatch(self, future, finished):
+        """On the watching loop's thread: stop watching for `future` (nothing if it is no longer
+        the watch), resolve it if the call `finished`, and close the request if that was put
+        off while the loop watched."""
+        with self._watch_lock:
+            if self._watch is None or self._watch[2] is not future:
+                return
+            loop, fd, _ = self._watch
+            self._watch = None
+            loop.remove_reader(fd)  # before anyone may close fd: under the lock _finish takes
+            close = self._close_deferred
+        if finished and not future.done():
+            future.set_result(None)
+        if close:
+            self._handle.close()
+            self._session = None
+
     def close(self):
         if self._handle is not None and not self._handle.closed:
             self.cancel()
+        with self._watch_lock:
+            if self._watch is not None:
+                # An event loop watches the descriptor: the cancelled call finishes at once, and
+                # the loop closes the request when it wakes (its awaiters then find it closed).
+                self._close_deferred = True
+                return
         super().close()
         self._session = None
 

@@ -21,7 +21,9 @@
  * pipe_request_wait, the destroy functions that join worker threads, file reads and writes,
  * pipe_worker_run, which serves a whole session) and
  * costs nothing measurable on the quick ones. Helpers below that touch Python objects are marked
- * %nothread. Nothing in this module calls back into Python from libpipe's worker threads.
+ * %nothread. Nothing in this module calls back into Python from libpipe's worker threads: that is
+ * why pipe_request_on_done is not wrapped (its callback runs on a libpipe thread, where Python
+ * would need the GIL); asyncio learns that a call finished from pipe_request_fd instead.
  */
 %module(docstring="Low-level SWIG wrapper of libpipe's C ABI (pipe/pipe.h). Use the libpipe package.") native
 
@@ -278,6 +280,10 @@ LIBPIPE_VALUE_OUTPUT(uint64_t, PyLong_FromUnsignedLongLong)
 LIBPIPE_VALUE_OUTPUT(int32_t, PyLong_FromLong)
 LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
 
+/* pipe_request_fd's descriptor, as an int (named, so that no other int * is taken for an output). */
+%typemap(in, numinputs=0) int *fd (int tmp = -1) "$1 = &tmp;"
+%typemap(argout) int *fd { $result = SWIG_Python_AppendOutput($result, PyLong_FromLong(*$1)); }
+
 %typemap(in, numinputs=0) const char ** (const char *tmp = NULL) "$1 = ($1_ltype)&tmp;"
 %typemap(argout) const char ** { $result = SWIG_Python_AppendOutput($result, libpipe_str(*$1)); }
 
@@ -456,6 +462,9 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
 %ignore pipe_run_options_init;
 %ignore pipe_stage_stats_init;
 %ignore pipe_worker_options_init;
+/* Its callback would run Python on a libpipe thread; Request.fileno() and `await request` use
+ * pipe_request_fd, which an event loop watches without any thread. */
+%ignore pipe_request_on_done;
 
 %include <pipe/pipe.h>
 
