@@ -10,16 +10,17 @@ use std::env;
 use std::path::{Path, PathBuf};
 
 /// The oldest libpipe whose pipe.h has every field, constant and function these crates use (the
-/// safe crate starts every versioned struct with pipe_*_init, new in 0.6).
-const MIN_LIBPIPE: &str = "0.6";
+/// safe crate starts every versioned struct with pipe_*_init, new in 0.6, and its request futures
+/// use pipe_request_on_done and pipe_request_fd, new in 0.7).
+const MIN_LIBPIPE: &str = "0.7";
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-env-changed=DLPACK_INCLUDE_DIR");
 
     // pkg-config prints cargo:rustc-link-search / cargo:rustc-link-lib=pipe itself. An older
-    // pipe.h would lack what the safe crate calls (pipe_*_init), so require MIN_LIBPIPE here and
-    // fail with a clear message rather than a missing function.
+    // pipe.h would lack what the safe crate calls (pipe_*_init, pipe_request_on_done), so require
+    // MIN_LIBPIPE here and fail with a clear message rather than a missing function.
     let lib = match pkg_config::Config::new().atleast_version(MIN_LIBPIPE).probe("libpipe") {
         Ok(lib) => lib,
         Err(e) => panic!(

@@ -21,12 +21,39 @@
 //! Every handle type is `Send` and `Sync` exactly where `pipe.h` says its functions may be used
 //! so: [`Model`], [`Plan`] and [`Session`] are `Send + Sync` (share a session with `Arc` and call
 //! [`Session::run`] from many threads at once); [`Request`] is `Send + Sync` (its waits are
-//! serialised internally, [`Request::cancel`] may run beside a wait); [`TensorList`] is only
-//! `Send`; [`ManagedTensor`] is neither. Each `unsafe impl` says why next to it.
+//! serialised internally, [`Request::cancel`] may run beside a wait), and so are its futures;
+//! [`TensorList`] is only `Send`; [`ManagedTensor`] is neither. Each `unsafe impl` says why next
+//! to it.
 //!
 //! With the default [`Microbatching::Adaptive`], a call that arrives while other calls are in
 //! flight is cut into fewer micro-batches than [`SessionOptions::microbatches`] (the results are
 //! the same); [`Microbatching::Fixed`] cuts every call into that many.
+//!
+//! # Asynchronous calls
+//!
+//! [`Session::submit`] starts a call and returns its [`Request`]. Wait for it with
+//! [`Request::wait`] (a blocking thread per waiting call), or without any thread: await
+//! [`Request::wait_async`] (dropping that future leaves the call running), or the request itself
+//! (`session.submit(&inputs)?.await`; dropping that future cancels the call). libpipe wakes the
+//! task when the call finishes: succeeds, fails, is cancelled, or passes its deadline
+//! ([`RunOptions::with_timeout`]), which fires by itself. The futures use only `std::task`, so
+//! any executor runs them (tokio, async-std, `futures::executor`, smol), and thousands of calls
+//! can be awaited by one thread. Event loops that watch file descriptors can use
+//! [`Request::fd`] (or `AsFd`/`AsRawFd`, e.g. tokio's `AsyncFd`): readable once the call has
+//! finished; then `wait(Some(Duration::ZERO))` collects the result.
+//!
+//! ```no_run
+//! # use pipe::{Session, Tensor};
+//! # async fn serve(session: &Session, batches: Vec<Tensor>) -> pipe::Result<()> {
+//! // Submit every batch, then await them all, on one task, without a thread per call.
+//! let requests = batches.iter().map(|x| session.submit(&[x])).collect::<pipe::Result<Vec<_>>>()?;
+//! for request in requests {
+//!     let outputs = request.await?; // Vec<(String, Tensor)>
+//!     println!("{}", outputs[0].0);
+//! }
+//! # Ok(())
+//! # }
+//! ```
 //!
 //! # Stages in other processes
 //!
@@ -46,6 +73,7 @@
 //! built from the caller's tensors ([`TensorList::new`], [`TensorList::append`], which copies),
 //! e.g. to write them with libpipe's safetensors writer ([`safetensors::write_tensors`]).
 
+mod completion;
 mod defaults;
 mod error;
 mod list;
@@ -58,6 +86,7 @@ mod worker;
 
 pub mod safetensors;
 
+pub use completion::{RequestFuture, WaitFuture, WaitListFuture};
 pub use error::{Error, Result, Status};
 pub use list::TensorList;
 pub use log::{reset_log_callback, set_log_callback, LogLevel};

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use pipe_sys as sys;
 
+use crate::completion::DoneCallback;
 use crate::error::{check, Error, Result, Status};
 use crate::list::TensorList;
 use crate::plan::{Plan, StageOptions};
@@ -486,7 +487,7 @@ impl Session {
             sys::pipe_session_submit(self.ptr.as_ptr(), borrowed.as_ptr(), borrowed.len(), &raw, &mut request)
         })?;
         NonNull::new(request)
-            .map(|ptr| Request { ptr, wait_lock: Mutex::new(()) })
+            .map(|ptr| Request { ptr, wait_lock: Mutex::new(()), done: DoneCallback::default() })
             .ok_or_else(|| Error::new(Status::Internal, "libpipe returned a NULL request"))
     }
 
@@ -536,20 +537,31 @@ impl Drop for Session {
 
 /// An asynchronous call ([`Session::submit`]). Dropping it cancels the call if it is still
 /// running. It may outlive its session.
+///
+/// Wait for it with [`Request::wait`] (blocking), or without a thread: as a future
+/// ([`Request::wait_async`], or `request.await`, which cancels the call if dropped before it
+/// completes), or by watching [`Request::fd`] (also `AsFd`/`AsRawFd`) in an event loop.
 pub struct Request {
     ptr: NonNull<sys::pipe_request>,
     /// pipe_request_wait is exclusive per request: waits from several threads take turns.
     wait_lock: Mutex<()>,
+    /// The completion callback, set when a future of this request is first polled.
+    pub(crate) done: DoneCallback,
 }
 
 // SAFETY: pipe.h: pipe_request_wait is "exclusive per request" — serialised here by
-// `wait_lock`, so &Request may be shared; pipe_request_cancel is thread-safe, so it may run
-// while another thread waits; pipe_request_destroy is exclusive and runs in Drop with sole
-// ownership. Nothing ties a request to the thread that submitted it.
+// `wait_lock`, so &Request may be shared; pipe_request_cancel, pipe_request_on_done and
+// pipe_request_fd are thread-safe, so they may run while another thread waits;
+// pipe_request_destroy is exclusive and runs in Drop with sole ownership. Nothing ties a request
+// to the thread that submitted it.
 unsafe impl Send for Request {}
 unsafe impl Sync for Request {}
 
 impl Request {
+    pub(crate) fn as_ptr(&self) -> *mut sys::pipe_request {
+        self.ptr.as_ptr()
+    }
+
     /// Wait for the call: `None` as long as it takes, `Some(Duration::ZERO)` only checks.
     /// [`Status::Timeout`] if it is still running when the time is up (wait again, cancel, or
     /// drop); otherwise the call's own result. A finished call gives the same result again.
@@ -578,7 +590,9 @@ impl Request {
 
 impl Drop for Request {
     fn drop(&mut self) {
-        // SAFETY: exclusive (we own it); a call still running is cancelled.
+        // SAFETY: exclusive (we own it); a call still running is cancelled. A completion
+        // callback that has not run yet runs in here, before this returns; `done` is dropped
+        // after, so the state it shares with the callback is freed once, by the last of them.
         unsafe { sys::pipe_request_destroy(self.ptr.as_ptr()) }
     }
 }
