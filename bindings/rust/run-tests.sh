@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build the Rust binding (pipe-sys + pipe) against the libpipe installed at PREFIX and run its
 # tests: the unit tests, the integration tests in pipe/tests/ (demo vs reference, errors,
-# cancellation and deadlines, concurrent use of one session, a Gloo session whose worker is the
-# test binary itself run again as a child process) and the doc tests.
+# cancellation and deadlines, request futures and file descriptors run by a tiny executor in
+# the tests, many calls awaited by one thread, concurrent use of one session, a Gloo session
+# whose worker is the test binary itself run again as a child process) and the doc tests.
 #
 #   bindings/rust/run-tests.sh PREFIX FIXTURES WORKDIR
 #
