@@ -189,3 +189,28 @@ def test_fileno_says_when_the_call_finished(gate, gated_session, gated_inputs, g
     assert_close(request.wait(0)["output"], gated_expected)
     with pytest.raises(libpipe.InvalidArgumentError, match="closed"):
         request.fileno()  # the outcome is kept; the request and its descriptor are gone
+
+
+def test_tasks_awaiting_one_request(gate, gated_session, gated_inputs):
+    key = gate.new_key()
+
+    async def main():
+        request = gated_session.submit(gated_inputs["x"], n=key)
+        first = asyncio.create_task(_awaited(request))
+        second = asyncio.create_task(_awaited(request))
+        await until(lambda: gate.count(key, "stage0") == 1, "held in stage 0")
+        first.cancel()  # cancels the call, as cancelling an awaited future would
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        # The gate is still closed: only the cancel can have ended the call.
+        with pytest.raises(libpipe.CancelledError):
+            await second
+        with pytest.raises(libpipe.CancelledError):
+            request.wait(0)  # the outcome stays
+        request.close()
+
+    run(main())
+
+
+async def _awaited(request):
+    return await request
