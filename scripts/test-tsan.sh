@@ -14,4 +14,4 @@ export LIBPIPE_TEST_GATE_LIB=$build/tests/gate/libpipe_test_gate.so  # the gated
 PYTHONPATH=$LIBPIPE_ROOT/bindings/python "$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/tests/models/seed_models.py" "$models" >/dev/null
 export PIPE_TEST_MODELS=$models
 export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 exitcode=66"
-"$build/tests/unit_tests" --gtest_filter='Session.*:RequestCompletion.*:Microbatch*:LocalTransport.*:DistributedSession.*' "$@"
+"$build/tests/unit_tests" --gtest_filter='Session.*:RequestCompletion.*:Microbatch*:LocalTransport.*:DistributedSession.*:Heartbeat.*' "$@"
