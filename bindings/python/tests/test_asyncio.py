@@ -198,6 +198,10 @@ def test_tasks_awaiting_one_request(gate, gated_session, gated_inputs):
         request = gated_session.submit(gated_inputs["x"], n=key)
         first = asyncio.create_task(_awaited(request))
         second = asyncio.create_task(_awaited(request))
+        # Both tasks take their first step (up to awaiting the request) before this coroutine
+        # resumes: the loop runs ready callbacks in the order they were scheduled. A task
+        # cancelled before its first step would never have awaited, so it could not cancel.
+        await asyncio.sleep(0)
         await until(lambda: gate.count(key, "stage0") == 1, "held in stage 0")
         first.cancel()  # cancels the call, as cancelling an awaited future would
         with pytest.raises(asyncio.CancelledError):
