@@ -9,6 +9,52 @@
 
 namespace libpipe::graph {
 
+namespace {
+
+bool is_prefix(const std::vector<std::string>& a, const std::vector<std::string>& b) {
+  return a.size() <= b.size() && std::equal(a.begin(), a.end(), b.begin());
+}
+
+std::string join(const std::vector<std::string>& path) {
+  std::string out;
+  for (const auto& p : path) out += (out.empty() ? "" : ".") + p;
+  return out;
+}
+
+// A tensor the model updates in place (a KV cache) is state, and state must live in one stage:
+// each stage holds its own copy of every tensor it reads, so a write in one stage would never
+// reach another stage that reads or writes the same tensor. Throws Error(Split) naming the tensor
+// and the stages.
+void check_state_in_one_stage(const Program& model, const std::vector<StagePlan>& stages,
+                              const std::vector<int>& stage_of) {
+  const auto& attributes = model.attributes();
+  for (const AttributeRead& state : attributes) {
+    if (state.writers.empty()) continue;
+    std::set<size_t> users;
+    for (size_t w : state.writers)
+      if (stage_of.at(w) >= 0) users.insert(static_cast<size_t>(stage_of.at(w)));
+    // Readers of the tensor itself, or of a module that holds it.
+    for (size_t s = 0; s < stages.size(); ++s)
+      for (size_t a : stages[s].attributes)
+        if (is_prefix(attributes[a].path, state.path) || is_prefix(state.path, attributes[a].path)) users.insert(s);
+    if (users.size() < 2) continue;
+    std::string list;
+    size_t k = 0;
+    for (size_t s : users) list += (k++ == 0 ? "" : k == users.size() ? " and " : ", ") + std::to_string(s);
+    const std::string name = join(state.path);
+    throw Error(Status::Split, "'" + name + "' is updated in place (" + state.written_by + ") and used by stages " +
+                                   list +
+                                   "; a tensor written in place must belong to one stage (each stage holds its own "
+                                   "copy, so the others would never see the writes). Move the split point so that "
+                                   "every use of '" +
+                                   name +
+                                   "' falls in one stage (cut before or after the module "
+                                   "that owns it).");
+  }
+}
+
+}  // namespace
+
 std::shared_ptr<Plan> Plan::from_markers(std::shared_ptr<const Program> model) {
   if (!model->nested_marker().empty())
     throw Error(Status::Split, "pipe::split() at " + model->nested_marker() +
@@ -137,6 +183,7 @@ std::shared_ptr<Plan> Plan::from_groups(std::shared_ptr<const Program> model, st
   }
   for (size_t id = 0; id < plan->values_.size(); ++id)
     if (plan->values_[id].producer >= 0) plan->stages_[plan->values_[id].producer].outputs.push_back(id);
+  check_state_in_one_stage(*model, plan->stages_, stage_of);
   return plan;
 }
 

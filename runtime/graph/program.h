@@ -71,6 +71,11 @@ struct AttributeRead {
   std::vector<std::string> path;     // {"layers", "0", "weight"}
   uint64_t tensor_bytes = 0;         // the attribute's own bytes when it is a tensor of any kind, else 0
   std::vector<TensorEntry> tensors;  // the parameters and buffers it stands for (all of a submodule's)
+  // Nodes that update the tensor in place (directly or through a view of it), and the first such
+  // write for messages ("aten::index_put_ at decoder.py:123"). Such a tensor is state: the plan
+  // keeps it, its writers and its readers in one stage.
+  std::vector<size_t> writers;
+  std::string written_by;
 };
 
 class Program {

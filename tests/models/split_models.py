@@ -237,6 +237,38 @@ class NestedContainers(nn.Module):
         return self.heads["b"](x)
 
 
+# ---- state: buffers updated in place (the pattern of a KV cache) ----
+
+
+class Store(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.register_buffer("cache", torch.zeros(4, width), persistent=False)
+        self.register_buffer("calls", torch.zeros(1), persistent=False)
+
+    def forward(self, x):
+        h = self.proj(x)
+        self.cache.narrow(0, 0, h.shape[0]).copy_(h)  # written through a view
+        self.calls.add_(1)  # written directly
+        return h
+
+
+class StateAcrossCut(nn.Module):
+    """`store` writes its buffers in place; the root reads `store.cache` after `head`. A cut between
+    the write and the read (head:begin, head:end) must be refused: each stage would hold its own
+    copy. A cut inside store before the write (store.proj:end) keeps the state in one stage."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.store = Store(width)
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.head(self.store(x))
+        return h + self.store.cache.narrow(0, 0, h.shape[0]) + self.store.calls
+
+
 # ---- models that must be refused ----
 
 
@@ -321,6 +353,7 @@ MODELS = {
     "nested_traced": (NestedContainers, "traced", lambda: {"x": torch.randn(4, 16)}),
     "nested_scripted": (NestedContainers, "scripted", lambda: {"x": torch.randn(4, 16)}),
     "device_constant": (DeviceConstant, "traced", lambda: {"x": torch.randn(4, 16)}),
+    "state_across_cut": (StateAcrossCut, "scripted", lambda: {"x": torch.randn(4, 8)}),
     "call_inside_branch": (CallInsideBranch, "scripted", lambda: {"x": torch.randn(4, 32)}),
     "inside_autocast": (InsideAutocast, "scripted", lambda: {"x": torch.randn(4, 32)}),
     "resnet18": (resnet18, "traced", lambda: {"x": torch.randn(4, 3, 64, 64)}),

@@ -235,5 +235,50 @@ TEST(Planner, OtherRequestsReportNoPolicyCosts) {
   EXPECT_TRUE(used.bounds.empty() && used.costs.empty());
 }
 
+// ---- state: tensors the model updates in place (KV caches) ----
+
+std::shared_ptr<const graph::Plan> plan_at(const std::shared_ptr<const graph::Model>& model, const std::string& at) {
+  PlanRequest request;
+  request.split_points = {at};
+  return make_plan(model, request);
+}
+
+const graph::AttributeRead& attribute(const graph::Program& model, const std::string& dotted) {
+  for (const auto& a : model.attributes()) {
+    std::string name;
+    for (const auto& p : a.path) name += (name.empty() ? "" : ".") + p;
+    if (name == dotted) return a;
+  }
+  throw std::runtime_error("no attribute " + dotted);
+}
+
+TEST(State, WritesInPlaceAreFoundThroughViews) {
+  auto model = graph::Model::load(test::fixture("split/state_across_cut.pt"));
+  const auto& cache = attribute(*model, "store.cache");  // narrow(...).copy_(h)
+  EXPECT_FALSE(cache.writers.empty());
+  EXPECT_NE(cache.written_by.find("aten::copy_"), std::string::npos) << cache.written_by;
+  const auto& calls = attribute(*model, "store.calls");  // add_(1)
+  EXPECT_NE(calls.written_by.find("aten::add_"), std::string::npos) << calls.written_by;
+  EXPECT_TRUE(attribute(*model, "head.weight").writers.empty());
+}
+
+TEST(State, APlanThatSplitsATensorWrittenInPlaceIsRefused) {
+  auto model = graph::Model::load(test::fixture("split/state_across_cut.pt"));
+  for (const std::string at : {"head:begin", "head:end"}) {
+    SCOPED_TRACE(at);
+    std::string message;
+    EXPECT_EQ(test::status_of([&] { plan_at(model, at); }, &message), Status::Split);
+    EXPECT_NE(message.find("'store.cache' is updated in place"), std::string::npos) << message;
+    EXPECT_NE(message.find("used by stages 0 and 1"), std::string::npos) << message;
+    EXPECT_NE(message.find("Move the split point"), std::string::npos) << message;
+  }
+  // Before the writes, inside the module that owns the state: every use is in stage 1.
+  auto plan = plan_at(model, "store.proj:end");
+  ASSERT_EQ(plan->num_stages(), 2u);
+  const auto& held = plan->stage(1).buffers;
+  EXPECT_NE(std::find(held.begin(), held.end(), "store.cache"), held.end());
+  EXPECT_TRUE(plan->stage(0).buffers.empty());
+}
+
 }  // namespace
 }  // namespace libpipe

@@ -2,11 +2,13 @@
 
 #include <torch/csrc/jit/api/function_impl.h>
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
+#include <torch/csrc/jit/runtime/operator.h>
 #include <torch/csrc/jit/serialization/import.h>
 
 #include <algorithm>
 #include <map>
 #include <set>
+#include <unordered_set>
 
 #include "runtime/error.h"
 #include "runtime/graph/plan.h"
@@ -192,6 +194,68 @@ AttributeRead read_attribute(const torch::jit::Module& root, std::vector<std::st
   return read;
 }
 
+// The schema `n` calls, or nullptr for prim nodes and unknown operators. Node::maybeSchema would
+// cache it in the node, a write to the model's graph, which sessions on several threads share.
+const c10::FunctionSchema* schema_of(const Node* n) {
+  if (n->kind().is_prim()) return nullptr;
+  for (const auto& op : torch::jit::getAllOperatorsFor(n->kind()))
+    if (n->matches(op->schema())) return &op->schema();
+  return nullptr;
+}
+
+// The alias sets an argument or result belongs to; for a list (split's Tensor(a)[]) its elements'.
+const std::unordered_set<c10::Symbol>* alias_sets(const c10::AliasInfo* info) {
+  if (!info) return nullptr;
+  if (info->beforeSets().empty() && !info->containedTypes().empty()) return &info->containedTypes()[0].beforeSets();
+  return &info->beforeSets();
+}
+
+// The attribute of self that `v` is, or is a view of (a result in an alias set of one of its
+// producer's arguments), or an empty path when it is neither.
+std::vector<std::string> viewed_attribute(const torch::jit::Value* v, const torch::jit::Value* self) {
+  for (int hops = 0; hops < 256; ++hops) {
+    auto path = attribute_path(v, self);
+    if (!path.empty()) return path;
+    const Node* producer = v->node();
+    if (producer->kind() == torch::jit::prim::ListUnpack) {  // one part of split/chunk/unbind
+      v = producer->input(0);
+      continue;
+    }
+    const auto* schema = schema_of(producer);
+    if (!schema) return {};
+    const size_t out =
+        std::find(producer->outputs().begin(), producer->outputs().end(), v) - producer->outputs().begin();
+    if (out >= schema->returns().size()) return {};
+    const auto* result = alias_sets(schema->returns()[out].alias_info());
+    if (!result || result->empty()) return {};
+    const torch::jit::Value* from = nullptr;
+    for (size_t i = 0; i < schema->arguments().size() && i < producer->inputs().size() && !from; ++i)
+      if (const auto* arg = alias_sets(schema->arguments()[i].alias_info()))
+        for (const auto& set : *arg)
+          if (result->count(set)) from = producer->input(i);
+    if (!from) return {};
+    v = from;
+  }
+  return {};
+}
+
+void find_writes(const torch::jit::Block* block, const Node* top, const torch::jit::Value* self,
+                 std::vector<InPlaceWrite>& out) {
+  for (const Node* n : block->nodes()) {
+    const Node* outer = top ? top : n;
+    if (const auto* schema = schema_of(n)) {
+      for (size_t i = 0; i < schema->arguments().size() && i < n->inputs().size(); ++i) {
+        const auto* info = schema->arguments()[i].alias_info();
+        if (!info || !info->isWrite()) continue;
+        auto path = viewed_attribute(n->input(i), self);
+        if (!path.empty())
+          out.push_back({std::move(path), outer, std::string(n->kind().toQualString()) + " at " + where(n)});
+      }
+    }
+    for (const auto* sub : n->blocks()) find_writes(sub, outer, self, out);
+  }
+}
+
 void find_nested_marker(const torch::jit::Block* block, bool top, std::string& found) {
   for (const Node* node : block->nodes()) {
     if (!top && found.empty() && node->kind() == split_marker_kind()) found = where(node);
@@ -281,6 +345,21 @@ void Model::describe() {
   }
   collect(returns_, graph_->return_node());
   returns_.where = "the return of forward";
+
+  for (const InPlaceWrite& w : in_place_writes(*graph_)) {
+    auto [it, inserted] = attribute_id.emplace(w.path, attributes_.size());
+    if (inserted) attributes_.push_back(read_attribute(module_, w.path));
+    AttributeRead& a = attributes_[it->second];
+    const size_t writer = node_id(w.top);
+    if (std::find(a.writers.begin(), a.writers.end(), writer) == a.writers.end()) a.writers.push_back(writer);
+    if (a.written_by.empty()) a.written_by = w.what;
+  }
+}
+
+std::vector<InPlaceWrite> in_place_writes(const torch::jit::Graph& graph) {
+  std::vector<InPlaceWrite> out;
+  find_writes(graph.block(), nullptr, graph.inputs()[0], out);
+  return out;
 }
 
 const Model& torchscript_model(const Plan& plan) {

@@ -64,4 +64,18 @@ bool is_floating_node(const torch::jit::Node* node, const torch::jit::Value* sel
 // an empty vector if `value` is not such a chain.
 std::vector<std::string> attribute_path(const torch::jit::Value* value, const torch::jit::Value* self);
 
+// A write in place into an attribute of self: an operator whose schema marks an argument as
+// written (add_, index_put_, copy_, out= variants) applied to the attribute or to a view of it
+// (select, slice, narrow, view, transpose, split, ... followed through the schemas' alias sets).
+struct InPlaceWrite {
+  std::vector<std::string> path;          // the attribute written ({"layers","0","attn","k_cache"})
+  const torch::jit::Node* top = nullptr;  // the top-level node of `graph` that holds the write
+  std::string what;                       // "aten::index_put_ at decoder.py:123", for messages
+};
+
+// Every write in place into an attribute of self (`graph`'s input 0) in `graph`, its if/loop
+// blocks included. A write into a tensor that came from anywhere else (a forward argument, a
+// value computed here) is not one. Reads the graph only (no schema is cached in its nodes).
+std::vector<InPlaceWrite> in_place_writes(const torch::jit::Graph& graph);
+
 }  // namespace libpipe::graph
