@@ -10,6 +10,7 @@
 
 #include "runtime/error.h"
 #include "runtime/stage/stage_module.h"
+#include "runtime/stage/weights.h"
 
 namespace libpipe::stage {
 
@@ -20,7 +21,11 @@ std::vector<double> time_stages(const graph::Plan& plan, const std::vector<c10::
     throw Error(Status::Input, "the example inputs hold " + std::to_string(inputs.size()) +
                                    " tensors but the model takes " + std::to_string(names.size()));
   std::vector<torch::jit::Module> stages;
-  for (size_t s = 0; s < plan.num_stages(); ++s) stages.push_back(build_stage_module(plan, s));
+  for (size_t s = 0; s < plan.num_stages(); ++s) {
+    stages.push_back(build_stage_module(plan, s));
+    // Tensors the stages update in place (caches) become their own, so timing never writes the model's.
+    load_stage_weights(stages.back(), plan, s, StageOptions{}, nullptr);
+  }
 
   std::vector<std::vector<double>> samples(stages.size());
   std::exception_ptr failure;

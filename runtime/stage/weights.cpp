@@ -1,6 +1,7 @@
 #include "runtime/stage/weights.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
 #include <nlohmann/json.hpp>
 
 #include <fcntl.h>
@@ -10,6 +11,7 @@
 
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <set>
 
 #include "runtime/device/upload.h"
@@ -165,6 +167,27 @@ at::Tensor Checkpoint::load(const std::string& key) {
 
 namespace {
 
+// A tensor that covers more elements than its storage holds: an expanded one
+// (torch.zeros((), dtype).expand(shape)), which a skeleton stores as a few bytes.
+bool is_placeholder(const at::Tensor& t) {
+  if (t.numel() < 2) return false;
+  const auto storage_elems = t.storage().nbytes() / t.element_size();
+  return storage_elems < static_cast<size_t>(t.numel());
+}
+
+// A fresh contiguous tensor of `t`'s shape and value, in `dtype` on `device`, allocated there
+// without ever making the full tensor on the host: one fill when every element is one value.
+at::Tensor materialize(const at::Tensor& t, at::ScalarType dtype, const c10::Device& device,
+                       device::Uploader* uploader) {
+  const auto options = at::TensorOptions().dtype(dtype).device(device);
+  std::optional<c10::StreamGuard> guard;  // on a GPU, on the uploads' stream: finish() waits for it
+  if (uploader) guard.emplace(uploader->stream());
+  bool uniform = true;
+  for (int64_t d = 0; d < t.dim(); ++d) uniform &= t.size(d) < 2 || t.stride(d) == 0;
+  if (uniform) return at::full(t.sizes(), t.flatten()[0].item(), options);
+  return t.to(options, /*non_blocking=*/false, /*copy=*/true).contiguous();
+}
+
 // The submodule holding `dotted`'s leaf, and the leaf's name.
 std::pair<torch::jit::Module, std::string> owner_of(const torch::jit::Module& root, const std::string& dotted) {
   torch::jit::Module m = root;
@@ -227,6 +250,7 @@ void load_stage_weights(torch::jit::Module& stage, const AliasGroups& aliases, s
   std::vector<Slot> slots;
   for (const auto& p : stage.named_parameters()) slots.push_back({p.name, false, p.value});
   for (const auto& b : stage.named_buffers()) slots.push_back({b.name, true, b.value});
+  std::vector<bool> from_checkpoint(slots.size(), false);
 
   if (checkpoint) {
     std::vector<std::string> keys;
@@ -271,25 +295,51 @@ void load_stage_weights(torch::jit::Module& stage, const AliasGroups& aliases, s
         if (options.progress) options.progress(stage_index, done, total);
       }
       slot.current = t;
+      from_checkpoint[i] = true;
     }
   }
+  // Tensors the stage's forward updates in place (KV caches) become the stage's own: never the
+  // model's (which every session built from it would share), never a placeholder.
+  std::set<std::string> written_names;
+  if (auto forward = stage.find_method("forward"))
+    for (const auto& w : graph::in_place_writes(*forward->graph())) {
+      std::string name;
+      for (const auto& p : w.path) name += (name.empty() ? "" : ".") + p;
+      written_names.insert(name);
+    }
+  std::set<const c10::TensorImpl*> written;  // by tensor, so that a tie to a written one follows it
+  for (const auto& slot : slots)
+    if (written_names.count(slot.name)) written.insert(slot.current.unsafeGetTensorImpl());
+
   std::unique_ptr<device::Uploader> uploader;
   if (device.is_cuda()) uploader = std::make_unique<device::Uploader>(device);
   std::map<const c10::TensorImpl*, at::Tensor> placed;  // tied tensors are placed once
-  for (auto& slot : slots) {
+  for (size_t i = 0; i < slots.size(); ++i) {
+    Slot& slot = slots[i];
     if (slot.current.is_meta())
       throw Error(Status::InvalidArgument, "tensor '" + slot.name + "'" + where +
                                                " has no data (it is on the meta device): give its weights with a "
                                                "checkpoint (--weights / pipe_stage_options.weights)");
-    const bool cast =
-        options.dtype && at::isFloatingType(slot.current.scalar_type()) && slot.current.scalar_type() != *options.dtype;
-    if (uploader) {
-      auto [it, fresh] = placed.try_emplace(slot.current.unsafeGetTensorImpl());
-      if (fresh) it->second = uploader->upload(slot.current, cast ? options.dtype : std::nullopt);
-      slot.current = it->second;
-    } else if (cast) {
-      slot.current = slot.current.to(*options.dtype);
+    const at::Tensor& t = slot.current;
+    auto [it, fresh] = placed.try_emplace(t.unsafeGetTensorImpl());
+    if (fresh) {
+      const bool cast = options.dtype && at::isFloatingType(t.scalar_type()) && t.scalar_type() != *options.dtype;
+      const bool own = written.count(t.unsafeGetTensorImpl()) > 0;
+      const auto dtype = cast ? *options.dtype : t.scalar_type();
+      if (own && !from_checkpoint[i] && is_placeholder(t)) {
+        it->second = materialize(t, dtype, device, uploader.get());
+      } else if (uploader) {
+        it->second = uploader->upload(t, cast ? options.dtype : std::nullopt);
+      } else if (cast) {
+        it->second = t.to(*options.dtype);
+      } else if (own && !from_checkpoint[i]) {
+        // A checkpoint's tensor is a view of this load's own private mapping; the model's is shared.
+        it->second = t.clone(at::MemoryFormat::Contiguous);
+      } else {
+        it->second = t;
+      }
     }
+    slot.current = it->second;
     auto [owner, leaf] = owner_of(stage, slot.name);
     owner.register_parameter(leaf, slot.current, slot.is_buffer);
   }

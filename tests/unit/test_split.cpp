@@ -11,6 +11,7 @@
 #include "runtime/graph/split_spec.h"
 #include "runtime/planner/planner.h"
 #include "runtime/stage/stage_module.h"
+#include "runtime/stage/weights.h"
 
 namespace libpipe {
 namespace {
@@ -278,6 +279,56 @@ TEST(State, APlanThatSplitsATensorWrittenInPlaceIsRefused) {
   const auto& held = plan->stage(1).buffers;
   EXPECT_NE(std::find(held.begin(), held.end(), "store.cache"), held.end());
   EXPECT_TRUE(plan->stage(0).buffers.empty());
+}
+
+at::Tensor buffer(const torch::jit::Module& m, const std::string& dotted) {
+  for (const auto& b : m.named_buffers())
+    if (b.name == dotted) return b.value;
+  throw std::runtime_error("no buffer " + dotted);
+}
+
+// Two stages built from one model (two sessions) each hold their own copy of the tensors they
+// write, and running them changes neither the model's nor the other's.
+TEST(State, EachStageWritesItsOwnCopy) {
+  auto model = graph::Model::load(test::fixture("split/state_across_cut.pt"));
+  auto plan = plan_at(model, "store.proj:end");
+  const at::Tensor original = model->module().attr("store").toModule().attr("cache").toTensor().clone();
+  std::vector<torch::jit::Module> stages;
+  for (int k = 0; k < 2; ++k) {
+    stages.push_back(stage::build_stage_module(*plan, 1));
+    stage::load_stage_weights(stages.back(), *plan, 1, {}, nullptr);
+  }
+  const auto h = at::randn({3, 8});
+  stages[0].forward({h});
+  EXPECT_TRUE(at::equal(buffer(stages[0], "store.cache").narrow(0, 0, 3), h));
+  EXPECT_TRUE(at::equal(buffer(stages[1], "store.cache"), original));
+  EXPECT_TRUE(at::equal(model->module().attr("store").toModule().attr("cache").toTensor(), original));
+  // Read-only tensors are not copied.
+  const auto bias = [](const torch::jit::Module& m) { return m.attr("head").toModule().attr("bias").toTensor(); };
+  EXPECT_EQ(bias(stages[0]).data_ptr(), bias(stages[1]).data_ptr());
+}
+
+// A tensor written in place that the model holds as a placeholder (one element seen through zero
+// strides, as a skeleton stores its caches) becomes a contiguous tensor of that value, in the
+// stage's dtype, and the stage's writes land in it.
+TEST(State, APlaceholderWrittenInPlaceIsMaterializedInTheStageDtype) {
+  auto model = graph::Model::load(test::fixture("split/state_across_cut.pt"));
+  auto plan = plan_at(model, "store.proj:end");
+  auto stage = stage::build_stage_module(*plan, 1, c10::Device(c10::kCPU), at::kBFloat16);
+  auto store = stage.attr("store").toModule();
+  store.register_buffer("cache", at::zeros({}).expand({4, 8}));
+  store.register_buffer("calls", at::full({}, 2.0).expand({1}));
+  stage::StageOptions options;
+  options.dtype = at::kBFloat16;
+  stage::load_stage_weights(stage, *plan, 1, options, nullptr);
+  const auto cache = buffer(stage, "store.cache");
+  EXPECT_TRUE(cache.is_contiguous());
+  EXPECT_EQ(cache.storage().nbytes(), size_t{4 * 8 * 2});
+  EXPECT_EQ(cache.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::equal(cache, at::zeros({4, 8}, at::kBFloat16)));
+  EXPECT_EQ(buffer(stage, "store.calls").item<float>(), 2.0f);
+  stage.forward({at::randn({3, 8}, at::kBFloat16)});
+  EXPECT_EQ(buffer(stage, "store.calls").item<float>(), 3.0f);
 }
 
 }  // namespace
