@@ -15,8 +15,13 @@ pipe_status pipe_request_wait(pipe_request* request, int64_t timeout_ms, pipe_te
   return guarded(__func__, [&](const char* fn) {
     require(request, fn, "request");
     require(outputs, fn, "outputs");
-    const auto until = timeout_ms < 0 ? libpipe::schedule::Clock::time_point::max()
-                                      : libpipe::schedule::Clock::now() + std::chrono::milliseconds(timeout_ms);
+    using libpipe::schedule::Clock;
+    const auto now = Clock::now();
+    // A timeout past what the clock can count waits as long as it takes (adding it would overflow
+    // into the past and report PIPE_ERR_TIMEOUT at once).
+    const auto room = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::time_point::max() - now).count();
+    const auto until =
+        timeout_ms < 0 || timeout_ms >= room ? Clock::time_point::max() : now + std::chrono::milliseconds(timeout_ms);
     if (!get(request)->impl->wait_until(until))
       throw Error(Status::Timeout, std::string(fn) + ": the call is still running after " + std::to_string(timeout_ms) +
                                        " ms; wait again, or cancel it");

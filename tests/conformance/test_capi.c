@@ -1404,6 +1404,31 @@ static pipe_session *completion_session(const loaded *l) {
   return session;
 }
 
+/* pipe_request_wait with a timeout beyond what the clock counts waits as long as it takes (here:
+ * until the call's own deadline fires while its gate stays shut), rather than overflowing into
+ * the past and reporting PIPE_ERR_TIMEOUT at once. */
+static void a_wait_longer_than_the_clock_counts(void **state) {
+  (void)state;
+  loaded l;
+  load_fixture(&l, "gated.scripted.pt", "gated");
+  pipe_session *session = gated_session(&l, 2, PIPE_MICROBATCHING_FIXED);
+  const int64_t key = gate_new_key();
+  gated_call held;
+  make_gated_call(&held, &l, key);
+  pipe_run_options ro = PIPE_RUN_OPTIONS_INIT;
+  ro.timeout_ms = 300;
+  pipe_request *request = NULL;
+  pipe_tensor_list *out = NULL;
+  ASSERT_OK(pipe_session_submit(session, held.args, 2, &ro, &request));
+  ASSERT_FAILS(pipe_request_wait(request, INT64_MAX, &out), PIPE_ERR_DEADLINE_EXCEEDED,
+               "the call did not finish before its deadline");
+  assert_null(out);
+  gate_open(key, NULL);
+  pipe_request_destroy(request);
+  pipe_session_destroy(session);
+  unload(&l);
+}
+
 /* A call held at its gate: neither told nor readable; once the gate opens, the callback runs once
  * (on a libpipe thread) with PIPE_OK, the descriptor becomes readable and stays so, and
  * pipe_request_wait(0) collects the fixture's result. */
@@ -1802,6 +1827,7 @@ int main(void) {
       cmocka_unit_test(a_request_outlives_its_session),
       cmocka_unit_test(adaptive_microbatching),
       cmocka_unit_test(deadlines),
+      cmocka_unit_test(a_wait_longer_than_the_clock_counts),
       cmocka_unit_test(on_done_and_fd_tell_a_finished_call),
       cmocka_unit_test(on_done_tells_cancel_destroy_and_deadline),
       cmocka_unit_test(many_calls_through_one_poll_loop),
