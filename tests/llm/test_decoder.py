@@ -272,6 +272,24 @@ def test_skeleton_has_no_weights_and_checkpoint_names(exported):
     for n in caches:
         assert not buffers[n].is_meta
         assert buffers[n].shape == (SLOTS, kv_heads, MAX_LEN, buffers[n].shape[3])
+        # A placeholder: one zero seen through zero strides, which libpipe allocates per stage.
+        assert set(buffers[n].stride()) == {0} and buffers[n].untyped_storage().nbytes() == buffers[n].element_size()
+        assert not buffers[n].any()
+
+
+def test_skeleton_file_does_not_hold_the_caches(exported, tmp_path):
+    """Caches of 3 layers x 16 slots x 2048 tokens (over 8 MiB) cost a few bytes in the file."""
+    skeleton = tmp_path / "big.pt"
+    result = export(exported.folder, skeleton, "--max-seq-len", 2048, "--max-batch", 16, "--dtype", "fp32")
+    if exported.config["model_type"] == "gpt2":  # its position table bounds the length
+        assert result.returncode == 1 and "n_positions" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr
+    shapes = build_decoder(exported.config, 2048, 16, placeholder_caches=True).named_buffers()
+    cache_bytes = sum(b.numel() * 4 for n, b in shapes if n.endswith(("k_cache", "v_cache")))
+    assert f"KV cache {cache_bytes / 2**20:.1f} MiB" in result.stdout
+    assert cache_bytes > 8 * 2**20
+    assert os.path.getsize(skeleton) < 2**20, os.path.getsize(skeleton)
 
 
 def test_scripted_decoder_equals_transformers(exported):
@@ -324,6 +342,54 @@ def test_libpipe_session_equals_transformers(exported, stages):
                 assert got == exported.reference
 
 
+def greedy_interleaved(steps, prompt_sets, slots):
+    """greedy_batched for several sessions at once, their calls interleaved: session k prefills
+    prompt_sets[k] (of one length each) in `slots`, then each decode step runs in every session in
+    turn. Sessions sharing a cache would overwrite each other's slots. Returns one result per session."""
+    slot_t = torch.tensor(slots, dtype=torch.int64)
+    ones = torch.ones(len(slots), dtype=torch.int64)
+    outs, starts = [], []
+    for step, prompts in zip(steps, prompt_sets):
+        tokens, lengths = pad(prompts)
+        zero = torch.zeros(len(prompts), dtype=torch.int64)
+        outs.append([[int(x)] for x in step(tokens, zero, lengths, slot_t).argmax(-1)])
+        starts.append(lengths.clone())
+    for _ in range(NEW_TOKENS - 1):
+        for step, out, start in zip(steps, outs, starts):
+            last = torch.tensor([[o[-1]] for o in out], dtype=torch.int64)
+            for o, x in zip(out, step(last, start, ones, slot_t).argmax(-1)):
+                o.append(int(x))
+            start += 1
+    return outs
+
+
+@pytest.mark.parametrize("caches", ["placeholder", "allocated"])
+def test_sessions_from_one_model_have_their_own_caches(exported, caches, tmp_path):
+    """Two sessions of one plan (and a third of another plan of the same Model) write the same
+    slots with different prompts, calls interleaved: each generates what transformers does. Also
+    from a skeleton that stores its caches allocated (the model's own tensors, which every session
+    must copy rather than share)."""
+    skeleton = exported.skeleton
+    if caches == "allocated":
+        from libpipe.export import save_skeleton
+
+        decoder = build_decoder(exported.config, MAX_LEN, SLOTS, weights_device="meta")
+        skeleton = tmp_path / "allocated.pt"
+        save_skeleton(torch.jit.script(decoder), str(skeleton), module=decoder)
+        assert all(b.stride()[-1] == 1 for n, b in torch.jit.load(skeleton).named_buffers() if n.endswith("k_cache"))
+    first, second = PROMPTS[:SLOTS], PROMPTS[SLOTS - 2 : 2 * SLOTS - 2]
+    with libpipe.Model.load(skeleton) as model, split(model, 2, exported.config) as plan:
+        with split(model, 1, exported.config) as whole:
+            a = plan.session(weights=exported.weights, microbatches=2)
+            b = plan.session(weights=exported.weights, microbatches=2)
+            c = whole.session(weights=exported.weights)
+            with a, b, c:
+                got = greedy_interleaved([libpipe_step(x) for x in (a, b, c)], [first, second, first], [0, 1, 2, 3])
+    assert got[0] == exported.reference[:SLOTS]
+    assert got[1] == exported.reference[SLOTS - 2 : 2 * SLOTS - 2]
+    assert got[2] == exported.reference[:SLOTS]
+
+
 def test_bf16_checkpoint_equals_transformers_in_bf16(exported, tmp_path):
     """A checkpoint saved in bfloat16: export_llm takes its dtype from config.json, the weights load
     without conversion, and greedy decoding over 2 stages equals transformers' in bfloat16 (whose
@@ -356,6 +422,16 @@ def test_bf16_checkpoint_equals_transformers_in_bf16(exported, tmp_path):
     with libpipe.Model.load(skeleton) as model, split(model, 2, exported.config) as plan:
         with plan.session(weights=tmp_path / "model.safetensors", microbatches=2) as session:
             assert greedy_batched(libpipe_step(session), prompts, [0, 1, 2, 3]) == reference
+    # The float32 skeleton and checkpoint run in bfloat16 by the session's dtype, which means eager
+    # model.to(bfloat16): the caches are allocated in bfloat16 (a float32 cache would refuse the
+    # bfloat16 keys), and the rotary inv_freq is cast too, which transformers keeps in float32 (so
+    # Mistral's tokens differ from transformers' there: export with --dtype bf16 for those).
+    eager = scripted_with_weights(exported).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = greedy_batched(eager, prompts, [0, 1, 2, 3])
+    with libpipe.Model.load(exported.skeleton) as model, split(model, 2, exported.config) as plan:
+        with plan.session(weights=exported.weights, dtype="bfloat16") as session:  # as eager: one batch
+            assert greedy_batched(libpipe_step(session), prompts, [0, 1, 2, 3]) == expected
     # The dtype decides tokens here, so a float32 computation somewhere would be caught.
     assert reference != exported.reference[:SLOTS]
 

@@ -18,7 +18,18 @@ needs; no [B, T, vocab] tensor is made). So:
 
 Caches. Every attention layer owns two buffers, `k_cache` and `v_cache`, of shape
 [slots, kv_heads, max_len, head_dim] in the model's dtype, registered as non-persistent buffers
-(no checkpoint stores them). The forward writes the keys and values of the valid tokens of
+(no checkpoint stores them). A skeleton stores each as a zero-stride placeholder
+(torch.zeros((), dtype).expand(shape): a few bytes in the file), and libpipe makes the caches
+when it builds a stage: every parameter or buffer that a stage's forward updates in place (an
+operator that writes its argument, such as index_put_ or copy_, applied to the tensor or to a
+view of it) is the stage's own, so that sessions made from one model never share one, and a
+placeholder of them (a tensor that covers more elements than it stores) becomes fresh
+contiguous zeros (its value) on the stage's device, in the stage's dtype (--dtype converts it
+like any floating buffer). A plan that would use such a tensor in two stages is refused
+(PIPE_ERR_SPLIT), so each layer's caches live in the stage of its layer; over several
+processes a worker receives the placeholder and allocates the caches itself. An eager call or
+a libpipe older than this refuses to write into a placeholder (ValueError below), never taking
+the writes silently. The forward writes the keys and values of the valid tokens of
 each row at positions start .. start+lengths-1 of its slot, in place (padding never writes),
 and attends over positions 0 .. start+lengths-1 of the slot with a causal mask (and a sliding
 window where the model has one). What a slot holds at positions >= start is overwritten by
@@ -103,6 +114,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def new_cache(shape, dtype: torch.dtype, placeholder: bool) -> torch.Tensor:
+    """Zeros of `shape`: allocated, or a placeholder (one zero seen through zero strides: a few
+    bytes in a saved file), which libpipe allocates in the stage that writes it."""
+    return torch.zeros((), dtype=dtype).expand(shape) if placeholder else torch.zeros(shape, dtype=dtype)
 
 
 def write_cache(
@@ -209,6 +226,7 @@ class Attention(nn.Module):
         slots: int,
         max_len: int,
         weights,
+        placeholder_caches: bool = False,
     ):
         super().__init__()
         self.heads = heads
@@ -221,8 +239,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias, **weights)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias, **weights)
         shape = (slots, kv_heads, max_len, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=weights["dtype"]), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=weights["dtype"]), persistent=False)
+        self.register_buffer("k_cache", new_cache(shape, weights["dtype"], placeholder_caches), persistent=False)
+        self.register_buffer("v_cache", new_cache(shape, weights["dtype"], placeholder_caches), persistent=False)
 
     def forward(
         self,
@@ -325,7 +343,9 @@ class Conv1D(nn.Module):
 class GPT2Attention(nn.Module):
     """GPT-2's attention (fused q/k/v projection c_attn, output c_proj) over the slot's cache."""
 
-    def __init__(self, hidden: int, heads: int, scale: float, slots: int, max_len: int, weights):
+    def __init__(
+        self, hidden: int, heads: int, scale: float, slots: int, max_len: int, weights, placeholder_caches: bool = False
+    ):
         super().__init__()
         self.heads = heads
         self.head_dim = hidden // heads
@@ -334,8 +354,8 @@ class GPT2Attention(nn.Module):
         self.c_attn = Conv1D(3 * hidden, hidden, weights)
         self.c_proj = Conv1D(hidden, hidden, weights)
         shape = (slots, heads, max_len, self.head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=weights["dtype"]), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=weights["dtype"]), persistent=False)
+        self.register_buffer("k_cache", new_cache(shape, weights["dtype"], placeholder_caches), persistent=False)
+        self.register_buffer("v_cache", new_cache(shape, weights["dtype"], placeholder_caches), persistent=False)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, end: torch.Tensor, slots: torch.Tensor
@@ -413,7 +433,7 @@ class GPT2LM(nn.Module):
         return self.lm_head(self.transformer.ln_f(last)).to(torch.float32)
 
 
-def build_gpt2(config, max_len, slots, weights):
+def build_gpt2(config, max_len, slots, weights, placeholder_caches=False):
     """GPT2LM for a GPT-2 config.json (GPT2LMHeadModel's names: transformer.h.N.attn.c_attn, ...)."""
     if config.get("add_cross_attention"):
         raise ValueError("GPT-2 with cross-attention (add_cross_attention) is not a decoder-only model")
@@ -434,7 +454,7 @@ def build_gpt2(config, max_len, slots, weights):
     vocab = config["vocab_size"]
     blocks = [
         GPT2Block(
-            GPT2Attention(hidden, heads, scale, slots, max_len, weights),
+            GPT2Attention(hidden, heads, scale, slots, max_len, weights, placeholder_caches),
             GPT2MLP(hidden, inner, weights),
             hidden,
             eps,
@@ -519,12 +539,13 @@ def config_dtype(config):
     return _DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32)
 
 
-def build_decoder(config, max_len, slots, dtype=torch.float32, weights_device="cpu"):
+def build_decoder(config, max_len, slots, dtype=torch.float32, weights_device="cpu", placeholder_caches=False):
     """An eager DecoderLM for a Hugging Face config dict (config.json), with caches of
     [slots, kv_heads, max_len, head_dim] per attention layer. ValueError for what it cannot build
     exactly: another model type, rope type, activation, or a max_len or slots below 1.
     weights_device "meta" makes the parameters without memory (for a skeleton); the caches and
-    rotary frequencies are always made on the CPU."""
+    rotary frequencies are always made on the CPU. placeholder_caches makes each cache a
+    zero-stride placeholder (see the module docstring: libpipe allocates it; eager calls refuse it)."""
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -535,7 +556,7 @@ def build_decoder(config, max_len, slots, dtype=torch.float32, weights_device="c
         raise ValueError(f"max_len and slots must be at least 1 (got {max_len} and {slots})")
     weights = {"dtype": dtype, "device": torch.device(weights_device)}
     if model_type == "gpt2":
-        return build_gpt2(config, max_len, slots, weights).eval()
+        return build_gpt2(config, max_len, slots, weights, placeholder_caches).eval()
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
@@ -557,7 +578,19 @@ def build_decoder(config, max_len, slots, dtype=torch.float32, weights_device="c
     inv_freq, scaling = rotary_inv_freq(config, head_dim)
     layers = [
         DecoderLayer(
-            Attention(hidden, heads, kv_heads, head_dim, qkv_bias, o_bias, windows[i], slots, max_len, weights),
+            Attention(
+                hidden,
+                heads,
+                kv_heads,
+                head_dim,
+                qkv_bias,
+                o_bias,
+                windows[i],
+                slots,
+                max_len,
+                weights,
+                placeholder_caches,
+            ),
             MLP(hidden, config["intermediate_size"], mlp_bias, weights),
             hidden,
             eps,

@@ -10,8 +10,9 @@ the meta device, named as in the Hugging Face checkpoint, so that
     pipe ... OUT.pt --weights HF_MODEL_DIR/model.safetensors          (or model.safetensors.index.json)
 
 loads them unchanged (a tied head included). The rotary frequencies and the caches are
-non-persistent buffers, which no checkpoint holds: the skeleton keeps them with their data, so the
-file holds the zero caches: 2 x layers x S x kv_heads x L x head_dim x dtype size bytes (printed).
+non-persistent buffers, which no checkpoint holds: the skeleton keeps them with their data, the
+caches as zero-stride placeholders (a few bytes each), which libpipe allocates in the stage that
+owns each layer: 2 x layers x S x kv_heads x L x head_dim x dtype size bytes in all (printed).
 
 --dtype defaults to the checkpoint's (config.json `dtype` / `torch_dtype`, else fp32): libpipe
 refuses weights whose dtype differs from the skeleton's unless a session dtype converts them.
@@ -34,7 +35,7 @@ DEFAULT_MAX_BATCH = 8
 
 
 def cache_bytes(decoder):
-    """Bytes of every k_cache and v_cache of a decoder."""
+    """Bytes of every k_cache and v_cache of a decoder once allocated (placeholders included)."""
     return sum(b.numel() * b.element_size() for n, b in decoder.named_buffers() if n.endswith(("k_cache", "v_cache")))
 
 
@@ -65,8 +66,10 @@ def export_llm(model_dir, out, *, max_seq_len=None, max_batch=DEFAULT_MAX_BATCH,
         dtype = _DTYPES[dtype]
     if dtype is None:
         dtype = config_dtype(config)
-    # The caches are the only big tensors made here; the weights are made on the meta device.
-    decoder = build_decoder(config, int(max_seq_len), int(max_batch), dtype, weights_device="meta")
+    # Nothing big is made here: the weights are on the meta device, the caches placeholders.
+    decoder = build_decoder(
+        config, int(max_seq_len), int(max_batch), dtype, weights_device="meta", placeholder_caches=True
+    )
     scripted = torch.jit.script(decoder)
     try:
         save_skeleton(scripted, os.fspath(out), module=decoder)
@@ -100,7 +103,7 @@ def main(argv=None):
     print(
         f"export_llm: wrote {args.out}: {layers} layers, {args.max_batch} slots x "
         f"{decoder.max_len} tokens, KV cache {cache_bytes(decoder) / 2**20:.1f} MiB "
-        f"({per_slot / 2**20:.2f} MiB per slot)"
+        f"({per_slot / 2**20:.2f} MiB per slot), allocated by libpipe in the stages"
     )
     return 0
 
