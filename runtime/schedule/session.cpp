@@ -57,6 +57,14 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
     throw Error(Status::InvalidArgument,
                 "the comm timeout must be positive, got " + std::to_string(dist.comm_timeout.count()) + " ms");
   const bool distributed = dist.world_size > 1;
+  // Workers beat every comm_timeout/8 (at least every 10 ms); a timeout of a few beats' length
+  // would fail healthy workers whenever a beat is late.
+  if (distributed && dist.comm_timeout < kMinDistributedCommTimeout)
+    throw Error(Status::InvalidArgument, "the comm timeout of a distributed session must be at least " +
+                                             std::to_string(kMinDistributedCommTimeout.count()) + " ms, got " +
+                                             std::to_string(dist.comm_timeout.count()) +
+                                             " ms: workers send a heartbeat every comm_timeout/8, and a shorter "
+                                             "timeout leaves no room for one that is late");
   const bool nccl = distributed && dist.transport == TransportKind::Nccl;
   const auto ranges = place_stages(n, dist.world_size);
   const size_t local = ranges[0].second;

@@ -19,6 +19,10 @@ namespace libpipe::schedule {
 
 enum class TransportKind { Local, Gloo, Nccl };
 
+// The shortest comm timeout a distributed session accepts (runtime/schedule/heartbeat.h: workers
+// beat every comm_timeout/8, at least every 10 ms).
+inline constexpr std::chrono::milliseconds kMinDistributedCommTimeout{100};
+
 struct DistributedOptions {
   TransportKind transport = TransportKind::Local;
   int world_size = 1;  // the driver included

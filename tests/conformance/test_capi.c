@@ -533,6 +533,8 @@ static void distributed_options(void **state) {
   o.world_size = 2;
   o.comm_timeout_ms = -1;
   ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "comm_timeout_ms");
+  o.comm_timeout_ms = 99; /* shorter than a few heartbeats */
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "at least 100 ms");
   o.comm_timeout_ms = 300;
   o.store = "192.0.2.1:29999"; /* TEST-NET-1: never this machine's */
   ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_COMMUNICATION, "not an address of this machine");
