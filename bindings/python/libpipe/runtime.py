@@ -726,6 +726,7 @@ class Request(_Closeable):
     _watch = None
     _awaiters = 0  # tasks awaiting the watch's future (touched on the loop's thread only)
     _close_deferred = False  # close once the loop has stopped watching (it still uses the fd)
+    _closing = False  # close() has begun: no loop may start watching the fd it is about to close
 
     def __init__(self, ptr, flavour, session):
         self._watch_lock = threading.Lock()
@@ -857,6 +858,8 @@ class Request(_Closeable):
         with self._watch_lock:
             if self._result is not None or self._error is not None:
                 return None
+            if self._closing:
+                raise InvalidArgumentError(Status.INVALID_ARGUMENT, "this request is closed")
             if self._watch is not None:
                 watcher, _, future = self._watch
                 if watcher is not loop:
@@ -898,6 +901,9 @@ class Request(_Closeable):
                 # the loop closes the request when it wakes (its awaiters then find it closed).
                 self._close_deferred = True
                 return
+            # Decided under the lock: a loop that comes after this finds the request closed
+            # instead of watching a descriptor that the close below may free and the system reuse.
+            self._closing = True
         super().close()
         self._session = None
 
