@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the unit tests with ThreadSanitizer in build-tsan/ and runs the scheduler's tests
-# (sessions, requests, cancellation, deadlines, completion callbacks, shutdown) under it. LibTorch
+# (sessions, requests, cancellation, deadlines, completion callbacks, shutdown, the generation engine's
+# scheduler thread and token callbacks) under it. LibTorch
 # is not instrumented: TSan sees libpipe's own threads, locks and shared state, which is what these tests exercise.
 # Extra arguments go to the test binary (e.g. --gtest_filter=Session.Cancel*).
 set -euo pipefail
@@ -12,6 +13,7 @@ cmake --build "$build" --target unit_tests pipe_test_gate
 models=$build/tests/models
 export LIBPIPE_TEST_GATE_LIB=$build/tests/gate/libpipe_test_gate.so  # the gated model's operator (tests/gate)
 PYTHONPATH=$LIBPIPE_ROOT/bindings/python "$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/tests/models/seed_models.py" "$models" >/dev/null
+"$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/tests/models/decoder_models.py" "$models" >/dev/null  # Engine.* decoders
 export PIPE_TEST_MODELS=$models
 export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 exitcode=66"
-"$build/tests/unit_tests" --gtest_filter='Session.*:RequestCompletion.*:Microbatch*:LocalTransport.*:DistributedSession.*:Heartbeat.*' "$@"
+"$build/tests/unit_tests" --gtest_filter='Session.*:RequestCompletion.*:Microbatch*:LocalTransport.*:DistributedSession.*:Heartbeat.*:StepPlanner.*:Engine.*' "$@"
