@@ -37,8 +37,13 @@ struct PlanHandle {
   std::string json;
 };
 
+// A session the caller created owns it; the session of a generator (pipe_generator_session) is
+// the generator's engine's, lent to the caller for statistics and traces: `owned` is then empty,
+// and pipe_session_destroy, run and submit refuse it (the engine alone drives that session).
 struct SessionHandle {
-  std::unique_ptr<libpipe::schedule::Session> impl;
+  std::unique_ptr<libpipe::schedule::Session> owned;
+  libpipe::schedule::Session* impl = nullptr;  // owned.get(), or the generator's session
+  bool borrowed() const { return !owned; }
 };
 
 struct RequestHandle {
@@ -112,5 +117,10 @@ pipe_tensor_list* make_list(std::vector<libpipe::NamedTensor> tensors);
 std::vector<c10::IValue> borrow_inputs(const DLManagedTensor* const* inputs, size_t num_inputs, const char* function);
 // pipe_stage_options (NULL: defaults) as the runtime's StageOptions, within the caller's struct_size.
 libpipe::stage::StageOptions stage_options(const pipe_stage_options* o, const char* function);
+// pipe_session_options (NULL: defaults) as the runtime's SessionOptions, within the caller's
+// struct_size, as pipe_session_create and pipe_generator_create take them (capi/session.cpp).
+// Error(InvalidArgument) for a bad value, naming the field as `param`->field ("options->outputs").
+libpipe::schedule::SessionOptions session_options(const pipe_session_options* options, const char* function,
+                                                  const char* param);
 
 }  // namespace libpipe::capi

@@ -52,4 +52,29 @@ pipe_status pipe_worker_options_init(pipe_worker_options* options, size_t struct
   return init(__func__, "options", options, struct_size, kWorkerOptions, defaults);
 }
 
+pipe_status pipe_generator_options_init(pipe_generator_options* options, size_t struct_size) {
+  static const pipe_generator_options defaults = PIPE_GENERATOR_OPTIONS_INIT;
+  return init(__func__, "options", options, struct_size, kGeneratorOptions, defaults);
+}
+
+pipe_status pipe_generator_info_init(pipe_generator_info* info, size_t struct_size) {
+  static const pipe_generator_info defaults = PIPE_GENERATOR_INFO_INIT;
+  return init(__func__, "info", info, struct_size, kGeneratorInfo, defaults);
+}
+
+pipe_status pipe_generation_options_init(pipe_generation_options* options, size_t struct_size) {
+  static const pipe_generation_options defaults = PIPE_GENERATION_OPTIONS_INIT;
+  return init(__func__, "options", options, struct_size, kGenerationOptions, defaults);
+}
+
+pipe_status pipe_generation_info_init(pipe_generation_info* info, size_t struct_size) {
+  static const pipe_generation_info defaults = PIPE_GENERATION_INFO_INIT;
+  return init(__func__, "info", info, struct_size, kGenerationInfo, defaults);
+}
+
+pipe_status pipe_generator_stats_init(pipe_generator_stats* stats, size_t struct_size) {
+  static const pipe_generator_stats defaults = PIPE_GENERATOR_STATS_INIT;
+  return init(__func__, "stats", stats, struct_size, kGeneratorStats, defaults);
+}
+
 }  // extern "C"

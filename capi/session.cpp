@@ -69,7 +69,96 @@ libpipe::schedule::RunOptions run_options(const pipe_run_options* o, const char*
   return opts;
 }
 
+// A generator drives its session step by step (its caches hold its sequences): calls of the
+// caller's own would interleave with them.
+void require_owned(const pipe_session* session, const char* function) {
+  if (get(session)->borrowed())
+    throw Error(Status::InvalidArgument, std::string(function) +
+                                             ": session is a generator's (pipe_generator_session), which only "
+                                             "the generator runs; use pipe_generator_submit, or create a session "
+                                             "of your own with pipe_session_create");
+}
+
 }  // namespace
+
+namespace libpipe::capi {
+
+libpipe::schedule::SessionOptions session_options(const pipe_session_options* options, const char* function,
+                                                  const char* param) {
+  const pipe_session_options defaults = PIPE_SESSION_OPTIONS_INIT;
+  const pipe_session_options* o = options ? options : &defaults;
+  // "options->transport": the field as the caller's code names it.
+  const auto field = [param](const char* name) { return std::string(param) + "->" + name; };
+  const std::string fn = function;
+  require_struct_size(o->struct_size, kSessionOptions, function, field("struct_size").c_str());
+  // Fields beyond what the caller's struct_size covers keep their defaults.
+#define PIPE_HAS(name) (o->struct_size >= offsetof(pipe_session_options, name) + sizeof(o->name))
+  libpipe::schedule::SessionOptions opts;
+  if (PIPE_HAS(num_microbatches)) opts.num_microbatches = o->num_microbatches;
+  if (PIPE_HAS(threads_per_stage)) opts.threads_per_stage = o->threads_per_stage;
+  if (PIPE_HAS(max_inflight)) opts.max_inflight = o->max_inflight;
+  if (PIPE_HAS(num_input_specs) && o->num_input_specs > 0) {
+    require(o->input_specs, function, field("input_specs").c_str());
+    for (size_t i = 0; i < o->num_input_specs; ++i)
+      opts.input_specs.push_back(input_spec(o->input_specs[i], i, function));
+  }
+  if (PIPE_HAS(num_output_specs) && o->num_output_specs > 0) {
+    require(o->output_specs, function, field("output_specs").c_str());
+    for (size_t i = 0; i < o->num_output_specs; ++i)
+      opts.output_specs.push_back(output_spec(o->output_specs[i], i, function));
+  }
+  if (PIPE_HAS(stage_options)) opts.stage = stage_options(o->stage_options, function);
+  if (PIPE_HAS(microbatching)) {
+    if (o->microbatching != PIPE_MICROBATCHING_ADAPTIVE && o->microbatching != PIPE_MICROBATCHING_FIXED)
+      throw Error(Status::InvalidArgument, fn + ": " + field("microbatching") + " is " +
+                                               std::to_string(o->microbatching) +
+                                               "; use PIPE_MICROBATCHING_ADAPTIVE or PIPE_MICROBATCHING_FIXED");
+    opts.adaptive_microbatches = o->microbatching == PIPE_MICROBATCHING_ADAPTIVE;
+  }
+  auto& dist = opts.distributed;
+  if (PIPE_HAS(transport)) {
+    switch (o->transport) {
+      case PIPE_TRANSPORT_LOCAL: dist.transport = libpipe::schedule::TransportKind::Local; break;
+      case PIPE_TRANSPORT_GLOO: dist.transport = libpipe::schedule::TransportKind::Gloo; break;
+      case PIPE_TRANSPORT_NCCL: dist.transport = libpipe::schedule::TransportKind::Nccl; break;
+      default:
+        throw Error(Status::InvalidArgument,
+                    fn + ": " + field("transport") + " is " + std::to_string(o->transport) +
+                        "; use PIPE_TRANSPORT_LOCAL, PIPE_TRANSPORT_GLOO or PIPE_TRANSPORT_NCCL");
+    }
+  }
+  if (PIPE_HAS(world_size)) dist.world_size = o->world_size == 0 ? 1 : o->world_size;  // zeroed structs
+  if (PIPE_HAS(store) && o->store) dist.store = o->store;
+  if (PIPE_HAS(comm_timeout_ms)) {
+    if (o->comm_timeout_ms < 0)
+      throw Error(Status::InvalidArgument, fn + ": " + field("comm_timeout_ms") + " is " +
+                                               std::to_string(o->comm_timeout_ms) + "; give 0 (one minute) or more");
+    if (o->comm_timeout_ms > 0) dist.comm_timeout = std::chrono::milliseconds(o->comm_timeout_ms);
+  }
+  if (PIPE_HAS(devices) && o->devices) opts.devices = o->devices;
+  if (PIPE_HAS(outputs)) {
+    if (o->outputs != PIPE_OUTPUTS_ON_CPU && o->outputs != PIPE_OUTPUTS_ON_DEVICE)
+      throw Error(Status::InvalidArgument, fn + ": " + field("outputs") + " is " + std::to_string(o->outputs) +
+                                               "; use PIPE_OUTPUTS_ON_CPU or PIPE_OUTPUTS_ON_DEVICE");
+    opts.outputs_on_device = o->outputs == PIPE_OUTPUTS_ON_DEVICE;
+  }
+#undef PIPE_HAS
+  if (dist.transport == libpipe::schedule::TransportKind::Local && !dist.store.empty())
+    throw Error(Status::InvalidArgument, fn + ": " + field("store") +
+                                             " is set but the transport is local; "
+                                             "choose PIPE_TRANSPORT_GLOO or NCCL, or leave store NULL");
+  if (dist.transport != libpipe::schedule::TransportKind::Local && dist.world_size < 2)
+    throw Error(Status::InvalidArgument, fn + ": a Gloo or NCCL session needs " + field("world_size") +
+                                             " >= 2 (this process and at least one worker), got " +
+                                             std::to_string(dist.world_size));
+  if (dist.transport == libpipe::schedule::TransportKind::Nccl) {
+    std::string why;
+    if (!libpipe::comm::nccl_available(&why)) throw Error(Status::Unsupported, fn + ": " + why);
+  }
+  return opts;
+}
+
+}  // namespace libpipe::capi
 
 extern "C" {
 
@@ -77,75 +166,10 @@ pipe_status pipe_session_create(const pipe_plan* plan, const pipe_session_option
   return guarded(__func__, [&](const char* fn) {
     require(plan, fn, "plan");
     require(session, fn, "session");
-    const pipe_session_options defaults = PIPE_SESSION_OPTIONS_INIT;
-    const pipe_session_options* o = options ? options : &defaults;
-    require_struct_size(o->struct_size, kSessionOptions, fn, "options->struct_size");
-    // Fields beyond what the caller's struct_size covers keep their defaults.
-#define PIPE_HAS(field) (o->struct_size >= offsetof(pipe_session_options, field) + sizeof(o->field))
-    libpipe::schedule::SessionOptions opts;
-    if (PIPE_HAS(num_microbatches)) opts.num_microbatches = o->num_microbatches;
-    if (PIPE_HAS(threads_per_stage)) opts.threads_per_stage = o->threads_per_stage;
-    if (PIPE_HAS(max_inflight)) opts.max_inflight = o->max_inflight;
-    if (PIPE_HAS(num_input_specs) && o->num_input_specs > 0) {
-      require(o->input_specs, fn, "options->input_specs");
-      for (size_t i = 0; i < o->num_input_specs; ++i) opts.input_specs.push_back(input_spec(o->input_specs[i], i, fn));
-    }
-    if (PIPE_HAS(num_output_specs) && o->num_output_specs > 0) {
-      require(o->output_specs, fn, "options->output_specs");
-      for (size_t i = 0; i < o->num_output_specs; ++i)
-        opts.output_specs.push_back(output_spec(o->output_specs[i], i, fn));
-    }
-    if (PIPE_HAS(stage_options)) opts.stage = stage_options(o->stage_options, fn);
-    if (PIPE_HAS(microbatching)) {
-      if (o->microbatching != PIPE_MICROBATCHING_ADAPTIVE && o->microbatching != PIPE_MICROBATCHING_FIXED)
-        throw Error(Status::InvalidArgument, std::string(fn) + ": options->microbatching is " +
-                                                 std::to_string(o->microbatching) +
-                                                 "; use PIPE_MICROBATCHING_ADAPTIVE or PIPE_MICROBATCHING_FIXED");
-      opts.adaptive_microbatches = o->microbatching == PIPE_MICROBATCHING_ADAPTIVE;
-    }
-    auto& dist = opts.distributed;
-    if (PIPE_HAS(transport)) {
-      switch (o->transport) {
-        case PIPE_TRANSPORT_LOCAL: dist.transport = libpipe::schedule::TransportKind::Local; break;
-        case PIPE_TRANSPORT_GLOO: dist.transport = libpipe::schedule::TransportKind::Gloo; break;
-        case PIPE_TRANSPORT_NCCL: dist.transport = libpipe::schedule::TransportKind::Nccl; break;
-        default:
-          throw Error(Status::InvalidArgument,
-                      std::string(fn) + ": options->transport is " + std::to_string(o->transport) +
-                          "; use PIPE_TRANSPORT_LOCAL, PIPE_TRANSPORT_GLOO or PIPE_TRANSPORT_NCCL");
-      }
-    }
-    if (PIPE_HAS(world_size)) dist.world_size = o->world_size == 0 ? 1 : o->world_size;  // zeroed structs
-    if (PIPE_HAS(store) && o->store) dist.store = o->store;
-    if (PIPE_HAS(comm_timeout_ms)) {
-      if (o->comm_timeout_ms < 0)
-        throw Error(Status::InvalidArgument, std::string(fn) + ": options->comm_timeout_ms is " +
-                                                 std::to_string(o->comm_timeout_ms) + "; give 0 (one minute) or more");
-      if (o->comm_timeout_ms > 0) dist.comm_timeout = std::chrono::milliseconds(o->comm_timeout_ms);
-    }
-    if (PIPE_HAS(devices) && o->devices) opts.devices = o->devices;
-    if (PIPE_HAS(outputs)) {
-      if (o->outputs != PIPE_OUTPUTS_ON_CPU && o->outputs != PIPE_OUTPUTS_ON_DEVICE)
-        throw Error(Status::InvalidArgument, std::string(fn) + ": options->outputs is " + std::to_string(o->outputs) +
-                                                 "; use PIPE_OUTPUTS_ON_CPU or PIPE_OUTPUTS_ON_DEVICE");
-      opts.outputs_on_device = o->outputs == PIPE_OUTPUTS_ON_DEVICE;
-    }
-    if (dist.transport == libpipe::schedule::TransportKind::Local && !dist.store.empty())
-      throw Error(Status::InvalidArgument, std::string(fn) +
-                                               ": options->store is set but the transport is local; "
-                                               "choose PIPE_TRANSPORT_GLOO or NCCL, or leave store NULL");
-    if (dist.transport != libpipe::schedule::TransportKind::Local && dist.world_size < 2)
-      throw Error(Status::InvalidArgument, std::string(fn) +
-                                               ": a Gloo or NCCL session needs options->world_size >= 2 "
-                                               "(this process and at least one worker), got " +
-                                               std::to_string(dist.world_size));
-    if (dist.transport == libpipe::schedule::TransportKind::Nccl) {
-      std::string why;
-      if (!libpipe::comm::nccl_available(&why)) throw Error(Status::Unsupported, std::string(fn) + ": " + why);
-    }
-#undef PIPE_HAS
+    auto opts = session_options(options, fn, "options");
     auto s = std::make_unique<libpipe::capi::SessionHandle>();
-    s->impl = std::make_unique<libpipe::schedule::Session>(get(plan)->impl, std::move(opts));
+    s->owned = std::make_unique<libpipe::schedule::Session>(get(plan)->impl, std::move(opts));
+    s->impl = s->owned.get();
     *session = handle(s.release());
   });
 }
@@ -155,6 +179,7 @@ pipe_status pipe_session_run(pipe_session* session, const DLManagedTensor* const
   return guarded(__func__, [&](const char* fn) {
     require(session, fn, "session");
     require(outputs, fn, "outputs");
+    require_owned(session, fn);
     const auto run = run_options(options, fn);
     auto args = borrow_inputs(inputs, num_inputs, fn);
     *outputs = make_list(get(session)->impl->run(args, run));
@@ -166,6 +191,7 @@ pipe_status pipe_session_submit(pipe_session* session, const DLManagedTensor* co
   return guarded(__func__, [&](const char* fn) {
     require(session, fn, "session");
     require(request, fn, "request");
+    require_owned(session, fn);
     const auto run = run_options(options, fn);  // checked before the inputs are copied
     auto args = borrow_inputs(inputs, num_inputs, fn);
     // The call outlives this function, the caller's tensors may not: it runs on copies.
@@ -240,6 +266,10 @@ pipe_status pipe_session_check(const pipe_session* session) {
   });
 }
 
-void pipe_session_destroy(pipe_session* session) { delete get(session); }
+void pipe_session_destroy(pipe_session* session) {
+  // A generator's session is freed with its generator; the handle stays the generator's.
+  if (session && get(session)->borrowed()) return;
+  delete get(session);
+}
 
 }  // extern "C"

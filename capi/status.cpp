@@ -25,6 +25,7 @@ PIPE_CHECK_STATUS(PIPE_ERR_TIMEOUT, Timeout);
 PIPE_CHECK_STATUS(PIPE_ERR_CANCELLED, Cancelled);
 PIPE_CHECK_STATUS(PIPE_ERR_DEADLINE_EXCEEDED, DeadlineExceeded);
 PIPE_CHECK_STATUS(PIPE_ERR_COMMUNICATION, Communication);
+PIPE_CHECK_STATUS(PIPE_ERR_BUSY, Busy);
 static_assert(PIPE_LOG_DEBUG == libpipe::log::Debug && PIPE_LOG_ERROR == libpipe::log::Error, "log level mismatch");
 
 }  // namespace
@@ -54,6 +55,7 @@ const char* pipe_status_string(pipe_status status) {
     case PIPE_ERR_CANCELLED: return "PIPE_ERR_CANCELLED";
     case PIPE_ERR_DEADLINE_EXCEEDED: return "PIPE_ERR_DEADLINE_EXCEEDED";
     case PIPE_ERR_COMMUNICATION: return "PIPE_ERR_COMMUNICATION";
+    case PIPE_ERR_BUSY: return "PIPE_ERR_BUSY";
     default: return "PIPE_ERR_UNKNOWN";
   }
 }

@@ -62,6 +62,34 @@ inline constexpr uint32_t kWorkerOptionsSizes[] = {
     layout_size(PIPE_FIELD_END(pipe_worker_options, threads_per_stage), alignof(pipe_worker_options)),
 };
 
+inline constexpr uint32_t kGeneratorOptionsSizes[] = {
+    // 0.8.0 (40): struct_size, max_queued, prefill_chunk, steps_in_flight, max_rows_per_step.
+    layout_size(PIPE_FIELD_END(pipe_generator_options, max_rows_per_step), alignof(pipe_generator_options)),
+};
+
+inline constexpr uint32_t kGeneratorInfoSizes[] = {
+    // 0.8.0 (40): struct_size, slots, max_len, vocab, cache_bytes_per_slot.
+    layout_size(PIPE_FIELD_END(pipe_generator_info, cache_bytes_per_slot), alignof(pipe_generator_info)),
+};
+
+inline constexpr uint32_t kGenerationOptionsSizes[] = {
+    // 0.8.0 (72): struct_size, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, num_stop_ids,
+    // timeout_ms.
+    layout_size(PIPE_FIELD_END(pipe_generation_options, timeout_ms), alignof(pipe_generation_options)),
+};
+
+inline constexpr uint32_t kGenerationInfoSizes[] = {
+    // 0.8.0 (48): struct_size, finish_reason, prompt_tokens, generated_tokens, queued_ms,
+    // time_to_first_token_ms, mean_inter_token_ms.
+    layout_size(PIPE_FIELD_END(pipe_generation_info, mean_inter_token_ms), alignof(pipe_generation_info)),
+};
+
+inline constexpr uint32_t kGeneratorStatsSizes[] = {
+    // 0.8.0 (96): struct_size, slots_in_use, queued, sequences_finished, prompt_tokens, generated_tokens,
+    // steps, tokens_per_s, mean_time_to_first_token_ms, mean_inter_token_ms, mean_rows_per_step, sampling_ms.
+    layout_size(PIPE_FIELD_END(pipe_generator_stats, sampling_ms), alignof(pipe_generator_stats)),
+};
+
 #undef PIPE_FIELD_END
 
 // A struct grown without its new layout listed here would refuse its own INIT macro: the last size
@@ -75,6 +103,13 @@ static_assert(last(kSessionOptionsSizes) == sizeof(pipe_session_options), "list 
 static_assert(last(kRunOptionsSizes) == sizeof(pipe_run_options), "list pipe_run_options' new layout");
 static_assert(last(kStageStatsSizes) == sizeof(pipe_stage_stats), "list pipe_stage_stats' new layout");
 static_assert(last(kWorkerOptionsSizes) == sizeof(pipe_worker_options), "list pipe_worker_options' new layout");
+static_assert(last(kGeneratorOptionsSizes) == sizeof(pipe_generator_options),
+              "list pipe_generator_options' new layout");
+static_assert(last(kGeneratorInfoSizes) == sizeof(pipe_generator_info), "list pipe_generator_info's new layout");
+static_assert(last(kGenerationOptionsSizes) == sizeof(pipe_generation_options),
+              "list pipe_generation_options' new layout");
+static_assert(last(kGenerationInfoSizes) == sizeof(pipe_generation_info), "list pipe_generation_info's new layout");
+static_assert(last(kGeneratorStatsSizes) == sizeof(pipe_generator_stats), "list pipe_generator_stats' new layout");
 
 #if UINTPTR_MAX == UINT64_MAX && defined(__LP64__)
 // The sizes each version's header gave on LP64, as recorded above.
@@ -84,6 +119,8 @@ static_assert(kSessionOptionsSizes[0] == 12 && kSessionOptionsSizes[1] == 48 && 
 static_assert(kRunOptionsSizes[0] == 16);
 static_assert(kStageStatsSizes[0] == 48);
 static_assert(kWorkerOptionsSizes[0] == 32);
+static_assert(kGeneratorOptionsSizes[0] == 40 && kGeneratorInfoSizes[0] == 40 && kGenerationOptionsSizes[0] == 72 &&
+              kGenerationInfoSizes[0] == 48 && kGeneratorStatsSizes[0] == 96);
 #endif
 
 // One versioned struct: its name, how callers initialise it, and the sizes it has had.
@@ -108,6 +145,21 @@ inline constexpr VersionedStruct kStageStats{"pipe_stage_stats", "PIPE_STAGE_STA
 inline constexpr VersionedStruct kWorkerOptions{"pipe_worker_options", "PIPE_WORKER_OPTIONS_INIT",
                                                 "pipe_worker_options_init", kWorkerOptionsSizes,
                                                 std::size(kWorkerOptionsSizes)};
+inline constexpr VersionedStruct kGeneratorOptions{"pipe_generator_options", "PIPE_GENERATOR_OPTIONS_INIT",
+                                                   "pipe_generator_options_init", kGeneratorOptionsSizes,
+                                                   std::size(kGeneratorOptionsSizes)};
+inline constexpr VersionedStruct kGeneratorInfo{"pipe_generator_info", "PIPE_GENERATOR_INFO_INIT",
+                                                "pipe_generator_info_init", kGeneratorInfoSizes,
+                                                std::size(kGeneratorInfoSizes)};
+inline constexpr VersionedStruct kGenerationOptions{"pipe_generation_options", "PIPE_GENERATION_OPTIONS_INIT",
+                                                    "pipe_generation_options_init", kGenerationOptionsSizes,
+                                                    std::size(kGenerationOptionsSizes)};
+inline constexpr VersionedStruct kGenerationInfo{"pipe_generation_info", "PIPE_GENERATION_INFO_INIT",
+                                                 "pipe_generation_info_init", kGenerationInfoSizes,
+                                                 std::size(kGenerationInfoSizes)};
+inline constexpr VersionedStruct kGeneratorStats{"pipe_generator_stats", "PIPE_GENERATOR_STATS_INIT",
+                                                 "pipe_generator_stats_init", kGeneratorStatsSizes,
+                                                 std::size(kGeneratorStatsSizes)};
 
 // Error(InvalidArgument) unless `size` is one of `s`'s sizes. `function` is the exported function
 // and `what` the argument as the caller knows it ("options->struct_size"), both named in the

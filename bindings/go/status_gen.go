@@ -56,6 +56,10 @@ const (
 	// wrong. A session that reports this is broken for good (pipe_session_check says so): destroy
 	// it, start its workers again and create a new one. Since 0.4.
 	StatusCommunication Status = Status(capi.PIPE_ERR_COMMUNICATION)
+	// StatusBusy is PIPE_ERR_BUSY: pipe_generator_submit: the generator's queue of sequences
+	// waiting for a cache slot is full (pipe_generator_options.max_queued). Nothing was started;
+	// retry once a generation finished (an HTTP server answers 503). Since 0.8.
+	StatusBusy Status = Status(capi.PIPE_ERR_BUSY)
 )
 
 // Sentinels for errors.Is, one per failure status.
@@ -88,6 +92,8 @@ var (
 	ErrDeadlineExceeded error = StatusDeadlineExceeded
 	// ErrCommunication matches every error of status StatusCommunication.
 	ErrCommunication error = StatusCommunication
+	// ErrBusy matches every error of status StatusBusy.
+	ErrBusy error = StatusBusy
 )
 
 // Description is what the code means, as pipe.h's comment on it says ("" for a code this
@@ -134,6 +140,10 @@ func (s Status) Description() string {
 			"not be reached, or the rendezvous store address is wrong. A session that reports this is " +
 			"broken for good (pipe_session_check says so): destroy it, start its workers again and " +
 			"create a new one. Since 0.4."
+	case StatusBusy:
+		return "pipe_generator_submit: the generator's queue of sequences waiting for a cache slot is full" +
+			" (pipe_generator_options.max_queued). Nothing was started; retry once a generation " +
+			"finished (an HTTP server answers 503). Since 0.8."
 	}
 	return ""
 }
