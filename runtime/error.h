@@ -26,6 +26,7 @@ enum class Status : int32_t {
   Cancelled = 12,
   DeadlineExceeded = 13,
   Communication = 14,
+  Busy = 15,
 };
 
 class Error : public std::runtime_error {

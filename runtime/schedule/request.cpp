@@ -142,6 +142,23 @@ std::vector<NamedTensor> Request::result(const std::vector<chunk::OutputSpec>& s
   return outputs_;
 }
 
+c10::IValue Request::take_single() {
+  wait_until(Clock::time_point::max());
+  std::lock_guard lock(mutex_);
+  if (failed_) throw Error(status_, message_);
+  if (results_.size() != 1)
+    throw Error(Status::Internal, "take_single() on a call of " + std::to_string(results_.size()) + " micro-batches");
+  c10::InferenceMode inference;
+  device::wait(result_ready_);
+  if (outputs_on_device_) {
+    device::lend_to_current_streams(results_[0]);
+  } else {
+    device::Place cpu;
+    cpu.receive(results_, {});
+  }
+  return std::move(results_[0]);
+}
+
 device::Ready MicroBatch::ready_for(const std::vector<int>& producers) const {
   device::Ready ready;
   for (int p : producers) {

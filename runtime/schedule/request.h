@@ -54,6 +54,9 @@ class Request {
   // for the GPU work that writes the results. GPU outputs are handed to the calling thread's
   // current streams (their memory is not reused before the caller's kernels have read it).
   std::vector<NamedTensor> result(const std::vector<chunk::OutputSpec>& specs);
+  // The result of a call of one micro-batch (Session::submit_step) as the last stage returned it, on the CPU
+  // unless the session keeps outputs on the device; throws the call's Error if it failed. Waits for the call.
+  c10::IValue take_single();
 
   // Calls `fn(status)` once, when the call finishes (Status::Ok when every micro-batch ran): at
   // once on this thread if it already has, otherwise on the thread that finishes it, never while

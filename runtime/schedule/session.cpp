@@ -328,6 +328,32 @@ std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs,
   return request;
 }
 
+std::shared_ptr<Request> Session::submit_step(std::vector<c10::IValue>&& inputs) {
+  if (ring_) {
+    const std::string why = ring_->broken();
+    if (!why.empty())
+      throw Error(Status::Communication,
+                  "the session is broken (" + why + "); destroy it, restart its workers and create a new one");
+  }
+  auto request = std::make_shared<Request>(next_request_id_++, 1, Clock::time_point::max(), options_.outputs_on_device);
+  {
+    std::lock_guard lock(admission_mutex_);
+    if (stopping_) throw Error(Status::Cancelled, "the session is shutting down");
+    ++inflight_;  // counted like any micro-batch, so release() balances it; the caller bounds how many
+  }
+  MicroBatch mb{request, 0, std::vector<c10::IValue>(plan_->values().size()), {}, {}};
+  for (size_t id = 0; id < plan_->values().size(); ++id) {
+    const auto& cv = plan_->values()[id];
+    if (cv.producer < 0) mb.env[id] = inputs.at(cv.input_index);  // a reference, not a copy of the data
+  }
+  if (!workers_[0]->queue->push(std::move(mb))) {
+    request->fail(Status::Cancelled, "the session was destroyed while the call was running");
+    release();
+    request->finish_one();
+  }
+  return request;
+}
+
 std::vector<NamedTensor> Session::run(const std::vector<c10::IValue>& inputs, const RunOptions& options) {
   auto request = submit(inputs, options);
   try {

@@ -89,6 +89,11 @@ class Session {
   // submit() and wait for the merged outputs; a failed call returns (throws) only once it is
   // drained, so the caller's inputs are free to go when run() returns. Thread-safe.
   std::vector<NamedTensor> run(const std::vector<c10::IValue>& inputs, const RunOptions& options = {});
+  // One step of a generation engine (runtime/generate): `inputs` are moved in, not copied, cut, cast or checked
+  // (the engine makes them right), and run as one micro-batch; Request::take_single() gives the last stage's
+  // result as it is. Never waits for admission: the caller keeps fewer than max_inflight steps in flight, and
+  // learns that one finished from Request::on_done. Thread-safe. Throws Error(Communication) on a broken session.
+  std::shared_ptr<Request> submit_step(std::vector<c10::IValue>&& inputs);
 
   size_t num_stages() const { return total_stages_; }
   // The device of every stage, those in worker processes included.

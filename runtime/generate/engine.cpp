@@ -1,0 +1,526 @@
+#include "runtime/generate/engine.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/InferenceMode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <unordered_set>
+#include <utility>
+
+#include "runtime/generate/step_planner.h"
+#include "runtime/log.h"
+
+namespace libpipe::generate {
+
+// One sequence as the scheduler sees it. Only the scheduler thread changes it once it is in sequences_ (submit()
+// creates it under the lock), so the scheduler may read it without the lock while it samples.
+struct Engine::Sequence {
+  uint64_t id = 0;
+  std::shared_ptr<Generation> generation;
+  std::vector<int64_t> prompt;
+  GenerationOptions options;
+  TokenRng rng;
+  Clock::time_point submitted{};
+  int64_t slot = -1;         // -1 while queued
+  int64_t cached = 0;        // tokens of this sequence in its cache slot
+  int64_t generated = 0;     // tokens sampled for it
+  int64_t next_token = -1;   // a decoding sequence's next input
+  bool in_flight = false;    // one of its rows is in a step in the pipeline
+  bool ended = false;        // its generation finished; the slot goes back once no step holds it
+  uint64_t ready_since = 0;  // the step counter when it last became ready, for oldest-first
+  Clock::time_point last_token{};
+};
+
+struct Engine::Step {
+  uint64_t id = 0;
+  std::vector<PlannedRow> rows;
+  std::shared_ptr<schedule::Request> request;
+};
+
+// What the scheduler tells generations once it has let go of its lock: callbacks run there.
+struct Engine::Notice {
+  std::shared_ptr<Generation> generation;
+  std::vector<int64_t> tokens;
+  bool finish = false;
+  FinishReason reason = FinishReason::None;
+  Status status = Status::Ok;
+  std::string message;
+};
+
+namespace {
+
+schedule::SessionOptions step_session_options(schedule::SessionOptions options, int64_t steps_in_flight) {
+  // A step is one micro-batch; pipelining comes from several steps in flight.
+  options.num_microbatches = 1;
+  options.adaptive_microbatches = false;
+  options.input_specs.clear();
+  options.output_specs.clear();
+  options.max_inflight = std::max<int64_t>(options.max_inflight, steps_in_flight);
+  return options;
+}
+
+void check_option(int64_t value, const char* name) {
+  if (value < 0)
+    throw Error(Status::InvalidArgument,
+                std::string(name) + " must be 0 (the default) or positive, got " + std::to_string(value));
+}
+
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+}  // namespace
+
+Engine::Engine(std::shared_ptr<const graph::Plan> plan, schedule::SessionOptions session_options, EngineOptions options)
+    : options_(options) {
+  check_option(options_.max_queued, "max_queued");
+  check_option(options_.prefill_chunk, "prefill_chunk");
+  check_option(options_.steps_in_flight, "steps_in_flight");
+  check_option(options_.max_rows_per_step, "max_rows_per_step");
+  // Before anything is built: a model that is no decoder is refused at once.
+  decoder_ = read_decoder_info(*plan, session_options.stage.dtype);
+  if (options_.steps_in_flight == 0) options_.steps_in_flight = static_cast<int64_t>(plan->num_stages());
+  if (options_.max_queued == 0) options_.max_queued = 4 * decoder_.slots;
+  if (options_.prefill_chunk == 0) options_.prefill_chunk = 256;
+  if (options_.max_rows_per_step == 0) options_.max_rows_per_step = decoder_.slots;
+  options_.max_rows_per_step = std::min(options_.max_rows_per_step, decoder_.slots);
+  session_ = std::make_unique<schedule::Session>(
+      std::move(plan), step_session_options(std::move(session_options), options_.steps_in_flight));
+  probe();
+  for (int64_t s = decoder_.slots - 1; s >= 0; --s) free_slots_.push_back(s);
+  waker_ = std::make_shared<Waker>();
+  waker_->engine = this;
+  scheduler_ = std::thread([this] { scheduler_loop(); });
+}
+
+void Engine::probe() {
+  // One token in slot 0 at position 0: the model runs as a decoder or says why not, and its logits give the
+  // vocabulary. The slot is overwritten by the first sequence that gets it.
+  c10::InferenceMode inference;
+  auto zeros = [] { return at::zeros({1}, at::kLong); };
+  std::vector<c10::IValue> inputs{at::zeros({1, 1}, at::kLong), zeros(), at::ones({1}, at::kLong), zeros()};
+  c10::IValue out;
+  try {
+    out = session_->submit_step(std::move(inputs))->take_single();
+  } catch (const Error& e) {
+    if (e.status() != Status::Execution && e.status() != Status::Input) throw;
+    throw Error(Status::InvalidArgument, std::string("the model does not follow the decoder contract: a step of one "
+                                                     "token at position 0 in slot 0 failed (") +
+                                             e.what() + "). Expected: " + kDecoderContract);
+  }
+  if (!out.isTensor())
+    throw Error(Status::InvalidArgument, "the model does not follow the decoder contract: its forward returned " +
+                                             out.tagKind() + ", not a tensor. Expected: " + kDecoderContract);
+  const at::Tensor logits = out.toTensor();
+  if (logits.dim() != 2 || logits.size(0) != 1 || logits.scalar_type() != at::kFloat)
+    throw Error(Status::InvalidArgument, "the model does not follow the decoder contract: for one row it returned a " +
+                                             std::string(c10::toString(logits.scalar_type())) + " tensor of " +
+                                             std::to_string(logits.dim()) + " dimensions " + c10::str(logits.sizes()) +
+                                             ", not float32 [1, vocab]. Expected: " + kDecoderContract);
+  decoder_.vocab = logits.size(1);
+}
+
+Engine::~Engine() {
+  {
+    std::lock_guard lock(waker_->mutex);
+    waker_->engine = nullptr;  // generations that outlive the engine wake nobody
+  }
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+    woken_ = true;
+  }
+  cv_.notify_all();
+  scheduler_.join();
+  session_.reset();
+}
+
+void Engine::wake() {
+  {
+    std::lock_guard lock(mutex_);
+    woken_ = true;
+  }
+  cv_.notify_all();
+}
+
+std::shared_ptr<Generation> Engine::submit(std::vector<int64_t> prompt, GenerationOptions options) {
+  if (prompt.empty()) throw Error(Status::InvalidArgument, "the prompt is empty: give at least one token id");
+  for (size_t i = 0; i < prompt.size(); ++i)
+    if (prompt[i] < 0 || prompt[i] >= decoder_.vocab)
+      throw Error(Status::InvalidArgument, "prompt token " + std::to_string(i) + " is " + std::to_string(prompt[i]) +
+                                               ", outside the model's vocabulary 0.." +
+                                               std::to_string(decoder_.vocab - 1));
+  if (static_cast<int64_t>(prompt.size()) + 1 > decoder_.max_len)
+    throw Error(Status::InvalidArgument, "the prompt has " + std::to_string(prompt.size()) +
+                                             " tokens, which leaves no room for a new one in the model's " +
+                                             std::to_string(decoder_.max_len) +
+                                             " positions (max_len): shorten it, or export the model with a larger "
+                                             "--max-seq-len");
+  if (options.max_new_tokens < 1)
+    throw Error(Status::InvalidArgument,
+                "max_new_tokens must be at least 1, got " + std::to_string(options.max_new_tokens));
+  validate(options.sampling);
+  const std::string broken = session_->broken();
+  if (!broken.empty())
+    throw Error(Status::Communication, "the generator's session is broken (" + broken +
+                                           "); destroy the generator, restart its workers and create a new one");
+
+  auto seq = std::make_unique<Sequence>();
+  seq->prompt = std::move(prompt);
+  seq->rng = TokenRng(options.seed);
+  seq->options = std::move(options);
+  seq->submitted = Clock::now();
+  std::weak_ptr<Waker> waker = waker_;
+  seq->generation = std::make_shared<Generation>(static_cast<int64_t>(seq->prompt.size()), seq->submitted, [waker] {
+    if (auto w = waker.lock()) {
+      std::lock_guard lock(w->mutex);
+      if (w->engine) w->engine->wake();
+    }
+  });
+  auto generation = seq->generation;
+  {
+    std::lock_guard lock(mutex_);
+    if (stopping_) throw Error(Status::Cancelled, "the generator is being destroyed");
+    // A free slot is taken here, so that the queue holds only sequences that truly wait.
+    if (queue_.empty() && !free_slots_.empty()) {
+      take_slot(*seq, seq->submitted);
+    } else if (static_cast<int64_t>(queue_.size()) >= options_.max_queued) {
+      throw Error(Status::Busy, "the generator is busy: " + std::to_string(queue_.size()) +
+                                    " sequences already wait for one of its " + std::to_string(decoder_.slots) +
+                                    " cache slots (max_queued); retry when one has finished");
+    } else {
+      queue_.push_back(next_sequence_);
+    }
+    seq->id = next_sequence_++;
+    sequences_.emplace(seq->id, std::move(seq));
+    woken_ = true;
+  }
+  cv_.notify_all();
+  return generation;
+}
+
+void Engine::take_slot(Sequence& seq, Clock::time_point now) {
+  seq.slot = free_slots_.back();
+  free_slots_.pop_back();
+  seq.ready_since = next_step_;
+  if (active_++ == 0) active_since_ = now;
+  seq.generation->started(now);
+}
+
+void Engine::release_slot(Sequence& seq, Clock::time_point now) {
+  if (seq.slot < 0) return;
+  free_slots_.push_back(seq.slot);
+  seq.slot = -1;
+  if (--active_ == 0) active_ns_ += std::chrono::duration<double, std::nano>(now - active_since_).count();
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard lock(mutex_);
+  EngineStats st = totals_;
+  st.slots_in_use = decoder_.slots - static_cast<int64_t>(free_slots_.size());
+  st.queued = static_cast<int64_t>(queue_.size());
+  double active_ns = active_ns_;
+  if (active_ > 0) active_ns += std::chrono::duration<double, std::nano>(Clock::now() - active_since_).count();
+  st.tokens_per_s = active_ns > 0 ? static_cast<double>(st.generated_tokens) / (active_ns / 1e9) : 0;
+  st.mean_time_to_first_token_ms = ttft_count_ ? ttft_sum_ms_ / static_cast<double>(ttft_count_) : 0;
+  st.mean_inter_token_ms = itl_count_ ? itl_sum_ms_ / static_cast<double>(itl_count_) : 0;
+  st.mean_rows_per_step = st.steps ? static_cast<double>(rows_total_) / static_cast<double>(st.steps) : 0;
+  return st;
+}
+
+void Engine::scheduler_loop() {
+  c10::InferenceMode inference;
+  std::unique_lock lock(mutex_);
+  std::vector<Notice> notices;
+  for (;;) {
+    woken_ = false;
+    const auto now = Clock::now();
+    // Steps that came back: sample, hand out tokens, end sequences.
+    while (!returned_.empty()) {
+      const uint64_t id = returned_.front();
+      returned_.pop_front();
+      complete_step(lock, id, notices);
+    }
+    if (stopping_) {
+      for (auto& [id, seq] : sequences_)
+        if (!seq->ended) end(*seq, FinishReason::Cancelled, Status::Cancelled, "the generator was destroyed", notices);
+      // The pipeline drops what it has not run yet. Outside the lock: a cancelled request runs its callback here.
+      std::vector<std::shared_ptr<schedule::Request>> requests;
+      for (auto& [id, step] : in_flight_)
+        if (step->request && !step->request->failed()) requests.push_back(step->request);
+      if (!requests.empty()) {
+        lock.unlock();
+        for (auto& r : requests) r->cancel();
+        lock.lock();
+      }
+    } else {
+      expire_and_cancel(now, notices);
+    }
+    retire_ended(now);
+    if (!stopping_) {
+      admit(now);
+      launch_steps(lock);
+    }
+    if (!notices.empty()) {
+      lock.unlock();
+      deliver(notices);
+      lock.lock();
+      continue;  // callbacks may have submitted or cancelled
+    }
+    if (stopping_ && in_flight_.empty()) break;
+    if (!returned_.empty() || woken_) continue;  // news came while the lock was let go
+    const auto until = next_deadline();
+    const auto news = [&] { return woken_ || !returned_.empty(); };
+    if (until == Clock::time_point::max()) cv_.wait(lock, news);
+    else cv_.wait_until(lock, until, news);
+  }
+}
+
+void Engine::deliver(std::vector<Notice>& notices) {
+  const auto now = Clock::now();
+  for (auto& n : notices) {
+    if (!n.tokens.empty()) n.generation->publish(n.tokens.data(), n.tokens.size(), now);
+    if (n.finish) n.generation->finish(n.reason, n.status, n.message);
+  }
+  notices.clear();
+}
+
+Clock::time_point Engine::next_deadline() const {
+  auto until = Clock::time_point::max();
+  for (const auto& [id, seq] : sequences_)
+    if (!seq->ended) until = std::min(until, seq->options.deadline);
+  return until;
+}
+
+void Engine::end(Sequence& seq, FinishReason reason, Status status, const std::string& message,
+                 std::vector<Notice>& notices) {
+  if (seq.ended) return;
+  seq.ended = true;
+  totals_.sequences_finished++;
+  notices.push_back({seq.generation, {}, true, reason, status, message});
+}
+
+void Engine::expire_and_cancel(Clock::time_point now, std::vector<Notice>& notices) {
+  for (auto& [id, seq] : sequences_) {
+    if (seq->ended) continue;
+    if (seq->generation->cancel_requested())
+      end(*seq, FinishReason::Cancelled, Status::Cancelled, "the generation was cancelled", notices);
+    else if (now >= seq->options.deadline)
+      end(*seq, FinishReason::Deadline, Status::DeadlineExceeded, "the generation did not finish before its deadline",
+          notices);
+  }
+}
+
+void Engine::retire_ended(Clock::time_point now) {
+  // An ended sequence leaves once no step holds its row: until then a stage may still write its cache slot.
+  for (auto it = sequences_.begin(); it != sequences_.end();) {
+    Sequence& seq = *it->second;
+    if (seq.ended && !seq.in_flight) {
+      if (seq.slot < 0) queue_.erase(std::remove(queue_.begin(), queue_.end(), seq.id), queue_.end());
+      release_slot(seq, now);
+      it = sequences_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Engine::admit(Clock::time_point now) {
+  while (!queue_.empty() && !free_slots_.empty()) {
+    Sequence& seq = *sequences_.at(queue_.front());
+    queue_.pop_front();
+    take_slot(seq, now);
+  }
+}
+
+void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
+  while (static_cast<int64_t>(in_flight_.size()) < options_.steps_in_flight) {
+    std::vector<ReadyRow> ready;
+    for (const auto& [id, seq] : sequences_) {
+      if (seq->ended || seq->in_flight || seq->slot < 0) continue;
+      const int64_t prompt_len = static_cast<int64_t>(seq->prompt.size());
+      const int64_t remaining = seq->cached < prompt_len ? prompt_len - seq->cached : 0;
+      ready.push_back({id, seq->slot, seq->cached, remaining, seq->ready_since});
+    }
+    if (ready.empty()) return;
+    StepBudget budget;
+    budget.active = active_;
+    budget.steps_in_flight = options_.steps_in_flight;
+    budget.max_rows = options_.max_rows_per_step;
+    budget.prefill_chunk = options_.prefill_chunk;
+    auto step = std::make_unique<Step>();
+    step->id = next_step_++;
+    step->rows = plan_step(ready, budget);
+    if (step->rows.empty()) return;
+
+    const int64_t b = static_cast<int64_t>(step->rows.size());
+    int64_t t = 0;
+    for (const auto& r : step->rows) t = std::max(t, r.length);
+    at::Tensor tokens = at::zeros({b, t}, at::kLong);
+    at::Tensor start = at::empty({b}, at::kLong), lengths = at::empty({b}, at::kLong),
+               slots = at::empty({b}, at::kLong);
+    int64_t* tok = tokens.data_ptr<int64_t>();
+    for (int64_t i = 0; i < b; ++i) {
+      const PlannedRow& r = step->rows[i];
+      Sequence& seq = *sequences_.at(r.sequence);
+      seq.in_flight = true;
+      const int64_t prompt_len = static_cast<int64_t>(seq.prompt.size());
+      if (r.start < prompt_len) std::copy_n(seq.prompt.data() + r.start, r.length, tok + i * t);
+      else tok[i * t] = seq.next_token;
+      start.data_ptr<int64_t>()[i] = r.start;
+      lengths.data_ptr<int64_t>()[i] = r.length;
+      slots.data_ptr<int64_t>()[i] = r.slot;
+      rows_total_++;
+    }
+    totals_.steps++;
+    Step* raw = step.get();
+    in_flight_.emplace(step->id, std::move(step));
+    // Outside the lock: a request that finishes at once runs its callback on this thread, and the callback locks.
+    lock.unlock();
+    std::shared_ptr<schedule::Request> request;
+    std::string error;
+    Status status = Status::Ok;
+    try {
+      request = session_->submit_step({tokens, start, lengths, slots});
+    } catch (const Error& e) {
+      status = e.status();
+      error = e.what();
+    }
+    lock.lock();
+    if (!request) {
+      // Treated as a step that failed: its sequences end with the error.
+      failed_submits_.push_back({raw->id, status, error});
+      returned_.push_back(raw->id);
+      continue;
+    }
+    raw->request = request;
+    const uint64_t id = raw->id;
+    lock.unlock();
+    request->on_done([this, id](Status) {
+      // Notified under the lock: once it is released this callback touches nothing of the engine, which may be
+      // destroyed as soon as its scheduler has seen the last step return.
+      std::lock_guard guard(mutex_);
+      returned_.push_back(id);
+      cv_.notify_all();
+    });
+    lock.lock();
+  }
+}
+
+void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id, std::vector<Notice>& notices) {
+  auto node = in_flight_.extract(step_id);
+  if (node.empty()) return;
+  std::unique_ptr<Step> step = std::move(node.mapped());
+  const auto now = Clock::now();
+  Status status = Status::Ok;
+  std::string message;
+  at::Tensor logits;
+  auto failed = std::find_if(failed_submits_.begin(), failed_submits_.end(),
+                             [&](const FailedSubmit& f) { return f.step == step_id; });
+  if (failed != failed_submits_.end()) {
+    status = failed->status;
+    message = failed->message;
+    failed_submits_.erase(failed);
+  } else {
+    try {
+      c10::IValue out = step->request->take_single();
+      if (!out.isTensor()) throw Error(Status::Execution, "the decoder's forward returned " + out.tagKind());
+      logits = out.toTensor();
+      if (logits.dim() != 2 || logits.size(0) != static_cast<int64_t>(step->rows.size()) ||
+          logits.size(1) != decoder_.vocab || logits.scalar_type() != at::kFloat)
+        throw Error(Status::Execution, "the decoder returned logits of shape " + c10::str(logits.sizes()) +
+                                           " and dtype " + c10::toString(logits.scalar_type()) + ", not float32 [" +
+                                           std::to_string(step->rows.size()) + ", " + std::to_string(decoder_.vocab) +
+                                           "]");
+    } catch (const Error& e) {
+      status = e.status();
+      message = e.what();
+    } catch (const std::exception& e) {
+      status = Status::Internal;
+      message = e.what();
+    }
+  }
+
+  // Rows whose sequence still wants a token: sample them together.
+  std::vector<int64_t> sample_rows;
+  for (size_t i = 0; i < step->rows.size(); ++i) {
+    const PlannedRow& r = step->rows[i];
+    Sequence& seq = *sequences_.at(r.sequence);
+    seq.in_flight = false;
+    seq.ready_since = next_step_;
+    if (status != Status::Ok) {
+      end(seq, FinishReason::Error, status, message, notices);
+      continue;
+    }
+    seq.cached = r.start + r.length;
+    if (!seq.ended && r.completes_prompt) sample_rows.push_back(static_cast<int64_t>(i));
+    if (r.start < static_cast<int64_t>(seq.prompt.size())) totals_.prompt_tokens += r.length;
+  }
+  if (sample_rows.empty()) return;
+
+  std::vector<SamplingParams> params;
+  std::vector<TokenRng*> rngs;
+  std::vector<Sequence*> seqs;
+  for (int64_t i : sample_rows) {
+    Sequence& seq = *sequences_.at(step->rows[i].sequence);
+    params.push_back(seq.options.sampling);
+    rngs.push_back(&seq.rng);
+    seqs.push_back(&seq);
+  }
+  const at::Tensor rows_logits =
+      static_cast<size_t>(logits.size(0)) == sample_rows.size()
+          ? logits
+          : logits.index_select(0, at::tensor(sample_rows, at::TensorOptions().dtype(at::kLong)));
+  std::vector<std::string> row_errors;
+  std::vector<int64_t> tokens;
+  // Sampling reads only these sequences, which nothing but this thread changes: the lock can go meanwhile, so
+  // submit() and stats() do not wait for it.
+  lock.unlock();
+  const auto sampling_start = Clock::now();
+  std::string sample_error;
+  Status sample_status = Status::Ok;
+  try {
+    tokens = sampler_.sample(rows_logits, params, rngs, &row_errors);
+  } catch (const Error& e) {
+    sample_status = e.status();
+    sample_error = e.what();
+  }
+  const auto sampled = Clock::now();
+  lock.lock();
+  totals_.sampling_ms += ms_between(sampling_start, sampled);
+
+  for (size_t k = 0; k < seqs.size(); ++k) {
+    Sequence& seq = *seqs[k];
+    if (seq.ended) continue;
+    if (sample_status != Status::Ok) {
+      end(seq, FinishReason::Error, sample_status, sample_error, notices);
+      continue;
+    }
+    if (!row_errors.empty() && !row_errors[k].empty()) {
+      end(seq, FinishReason::Error, Status::Execution, row_errors[k], notices);
+      continue;
+    }
+    const int64_t token = tokens[k];
+    seq.generated++;
+    totals_.generated_tokens++;
+    if (seq.generated == 1) {
+      ttft_sum_ms_ += ms_between(seq.submitted, sampled);
+      ttft_count_++;
+    } else {
+      itl_sum_ms_ += ms_between(seq.last_token, sampled);
+      itl_count_++;
+    }
+    seq.last_token = sampled;
+    seq.next_token = token;
+    notices.push_back({seq.generation, {token}, false, FinishReason::None, Status::Ok, {}});
+    const auto& stops = seq.options.stop_ids;
+    if (std::find(stops.begin(), stops.end(), token) != stops.end())
+      end(seq, FinishReason::Stop, Status::Ok, "", notices);
+    else if (seq.generated >= seq.options.max_new_tokens || seq.cached + 1 > decoder_.max_len)
+      end(seq, FinishReason::Length, Status::Ok, "", notices);
+  }
+  (void)now;
+}
+
+}  // namespace libpipe::generate

@@ -1,0 +1,44 @@
+// Step planning: which sequences go into the next step and with how many tokens each. A pure function over a
+// snapshot of the ready sequences, so the batching rules are unit-tested without threads or a model.
+//
+// Rules (docs/DESIGN.md, "Generation"): at most row_cap rows, where row_cap = clamp(ceil(active / steps_in_flight),
+// 1, max_rows), so that the active sequences spread over the steps in flight instead of one step taking everyone
+// and the other stages idling. Decode rows first (one token each, oldest first; when a prompt is ready and
+// row_cap >= 2 they take at most row_cap - 1 rows, so decoding never starves a prefill), then prompt chunks (oldest
+// first) within a budget of max(prefill_chunk - decode rows, 1) tokens: a prompt longer than what is left is cut,
+// and the next chunk starts where this one ends (start = cached).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace libpipe::generate {
+
+// A sequence that is in no step and has input to give.
+struct ReadyRow {
+  uint64_t sequence = 0;  // the engine's id, passed through
+  int64_t slot = 0;
+  int64_t cached = 0;        // tokens already in the cache: the next row's start
+  int64_t remaining = 0;     // prompt tokens not yet prefilled; 0 for a decoding sequence (its next input is 1 token)
+  uint64_t ready_since = 0;  // ordering: smaller goes first (the engine's step counter when it became ready)
+};
+
+struct PlannedRow {
+  uint64_t sequence = 0;
+  int64_t slot = 0;
+  int64_t start = 0;
+  int64_t length = 0;             // tokens this row carries
+  bool completes_prompt = false;  // its logits give a token: a decode row, or a prompt's last chunk
+};
+
+struct StepBudget {
+  int64_t active = 0;           // sequences holding a slot (ready or in flight)
+  int64_t steps_in_flight = 1;  // D
+  int64_t max_rows = 1;         // rows per step at most
+  int64_t prefill_chunk = 256;  // prompt tokens per step, all rows together
+};
+
+// The rows of the next step (empty when `ready` is empty). Never takes a sequence twice.
+std::vector<PlannedRow> plan_step(const std::vector<ReadyRow>& ready, const StepBudget& budget);
+
+}  // namespace libpipe::generate
