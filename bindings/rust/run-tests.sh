@@ -3,13 +3,15 @@
 # tests: the unit tests, the integration tests in pipe/tests/ (demo vs reference, errors,
 # cancellation and deadlines, request futures and file descriptors run by a tiny executor in
 # the tests, many calls awaited by one thread, concurrent use of one session, a Gloo session
-# whose worker is the test binary itself run again as a child process) and the doc tests.
+# whose worker is the test binary itself run again as a child process, token generation against
+# transformers' greedy tokens) and the doc tests.
 #
 #   bindings/rust/run-tests.sh PREFIX FIXTURES WORKDIR
 #
 # PREFIX    a libpipe install (PREFIX/lib/pkgconfig/libpipe.pc, include/pipe/pipe.h, lib/libpipe.so)
 # FIXTURES  folder with demo.pt, demo.{inputs,expected}.safetensors, gated.scripted.pt and its
-#           safetensors files, and the test gate's operator library libpipe_test_gate.so, which the
+#           safetensors files, the decoders tiny_decoder.pt (with tiny_decoder.expected.json) and
+#           gated_decoder.pt, and the test gate's operator library libpipe_test_gate.so, which the
 #           tests load (pipe/tests/common/gate.rs) to hold a stage while they act
 # WORKDIR   where every build artefact goes (CARGO_TARGET_DIR=WORKDIR/target)
 #

@@ -40,3 +40,23 @@ started_from_init!(
     /// PIPE_WORKER_OPTIONS_INIT.
     worker_options: pipe_worker_options by pipe_worker_options_init
 );
+started_from_init!(
+    /// PIPE_GENERATOR_OPTIONS_INIT.
+    generator_options: pipe_generator_options by pipe_generator_options_init
+);
+started_from_init!(
+    /// PIPE_GENERATOR_INFO_INIT.
+    generator_info: pipe_generator_info by pipe_generator_info_init
+);
+started_from_init!(
+    /// PIPE_GENERATOR_STATS_INIT.
+    generator_stats: pipe_generator_stats by pipe_generator_stats_init
+);
+started_from_init!(
+    /// PIPE_GENERATION_OPTIONS_INIT.
+    generation_options: pipe_generation_options by pipe_generation_options_init
+);
+started_from_init!(
+    /// PIPE_GENERATION_INFO_INIT.
+    generation_info: pipe_generation_info by pipe_generation_info_init
+);

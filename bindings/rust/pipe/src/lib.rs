@@ -22,8 +22,9 @@
 //! so: [`Model`], [`Plan`] and [`Session`] are `Send + Sync` (share a session with `Arc` and call
 //! [`Session::run`] from many threads at once); [`Request`] is `Send + Sync` (its waits are
 //! serialised internally, [`Request::cancel`] may run beside a wait), and so are its futures;
-//! [`TensorList`] is only `Send`; [`ManagedTensor`] is neither. Each `unsafe impl` says why next
-//! to it.
+//! [`TensorList`] is only `Send`; [`ManagedTensor`] is neither; [`Generator`] and [`Generation`]
+//! are `Send + Sync` (reading a generation takes `&mut`; a [`CancelHandle`] cancels it
+//! meanwhile). Each `unsafe impl` says why next to it.
 //!
 //! With the default [`Microbatching::Adaptive`], a call that arrives while other calls are in
 //! flight is cut into fewer micro-batches than [`SessionOptions::microbatches`] (the results are
@@ -55,6 +56,27 @@
 //! # }
 //! ```
 //!
+//! # Generating tokens
+//!
+//! A [`Generator`] drives a decoder (pipe.h's decoder contract) step by step, batching and
+//! pipelining the steps of many sequences; [`Generator::generate`] starts one and returns its
+//! [`Generation`], an iterator of tokens that blocks in poll(2) on the generation's descriptor
+//! (no thread per generation). [`Generation::next_async`] awaits the next token without blocking
+//! (any executor), [`Generation::try_next`] never waits (with [`Generation::fd`] in an event loop).
+//! A full queue of sequences waiting for a cache slot is [`Status::Busy`].
+//!
+//! ```no_run
+//! # use pipe::{GenerationOptions, Generator};
+//! # async fn f(generator: &Generator, prompt: &[i64]) -> pipe::Result<()> {
+//! let options = GenerationOptions { max_new_tokens: 32, temperature: 0.7, seed: 1, ..Default::default() };
+//! let mut generation = generator.generate(prompt, &options)?;
+//! while let Some(token) = generation.next_async().await {
+//!     println!("{}", token?);
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! # Stages in other processes
 //!
 //! With [`SessionOptions::transport`] Gloo or NCCL, [`SessionOptions::world_size`] and
@@ -76,6 +98,9 @@
 mod completion;
 mod defaults;
 mod error;
+mod generation;
+mod generation_async;
+mod generator;
 mod list;
 mod log;
 mod model;
@@ -88,6 +113,9 @@ pub mod safetensors;
 
 pub use completion::{RequestFuture, WaitFuture, WaitListFuture};
 pub use error::{Error, Result, Status};
+pub use generation::{CancelHandle, FinishReason, Generation, GenerationInfo};
+pub use generation_async::NextToken;
+pub use generator::{GenerationOptions, Generator, GeneratorInfo, GeneratorOptions, GeneratorSession, GeneratorStats};
 pub use list::TensorList;
 pub use log::{reset_log_callback, set_log_callback, LogLevel};
 pub use model::{Model, ModuleInfo};

@@ -1,6 +1,7 @@
 use std::borrow::Borrow;
 use std::ffi::CString;
 use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
 use std::path::Path;
 use std::ptr::{self, NonNull};
 use std::sync::Mutex;
@@ -11,7 +12,7 @@ use pipe_sys as sys;
 use crate::completion::DoneCallback;
 use crate::error::{check, Error, Result, Status};
 use crate::list::TensorList;
-use crate::plan::{Plan, StageOptions};
+use crate::plan::{Plan, RawStageOptions, StageOptions};
 use crate::tensor::Tensor;
 
 /// Rust tensors described as DLPack for one libpipe call. The DLManagedTensors point into the
@@ -44,7 +45,7 @@ pub(crate) fn borrow_inputs<T: Borrow<Tensor>>(inputs: &[T]) -> BorrowedInputs<'
 
 /// Milliseconds for libpipe, rounded up so that a non-zero duration never becomes 0 ("no
 /// deadline" / "only check"), saturating at i64::MAX.
-fn duration_ms(d: Duration) -> i64 {
+pub(crate) fn duration_ms(d: Duration) -> i64 {
     let ms = d.as_millis() + u128::from(!d.subsec_nanos().is_multiple_of(1_000_000));
     i64::try_from(ms).unwrap_or(i64::MAX)
 }
@@ -336,6 +337,60 @@ impl SessionOptions {
     }
 }
 
+/// A pipe_session_options and everything it points into, owned together so that the pointers stay
+/// valid while this value lives (a Vec's or CString's heap buffer does not move with it; the stage
+/// options are boxed for the same reason).
+pub(crate) struct RawSessionOptions {
+    pub(crate) raw: sys::pipe_session_options,
+    _input_specs: Vec<sys::pipe_chunk_spec>,
+    _output_specs: Vec<sys::pipe_chunk_spec>,
+    _stage: Option<Box<RawStageOptions>>,
+    _devices: Option<CString>,
+    _store: Option<CString>,
+}
+
+impl SessionOptions {
+    /// libpipe's form of these options, for pipe_session_create and pipe_generator_create.
+    pub(crate) fn to_raw(&self) -> Result<RawSessionOptions> {
+        let devices = self
+            .devices
+            .as_deref()
+            .map(|d| CString::new(d).map_err(|_| Error::new(Status::InvalidArgument, "devices contains a NUL byte")))
+            .transpose()?;
+        let input_specs: Vec<sys::pipe_chunk_spec> = self.input_specs.iter().map(|s| s.to_raw()).collect();
+        let output_specs: Vec<sys::pipe_chunk_spec> = self.output_specs.iter().map(|s| s.to_raw()).collect();
+        let stage = self.stage_options.as_ref().map(StageOptions::to_raw).transpose()?.map(Box::new);
+        let store = self.store.as_deref().map(|s| crate::cstring("store", s)).transpose()?;
+        let mut raw = crate::defaults::session_options()?;
+        raw.num_microbatches = to_i32("microbatches", self.microbatches)?;
+        raw.microbatching = self.microbatching.to_raw();
+        raw.threads_per_stage = to_i32("threads_per_stage", self.threads_per_stage)?;
+        raw.max_inflight = to_i32("max_inflight", self.max_inflight)?;
+        if !input_specs.is_empty() {
+            raw.input_specs = input_specs.as_ptr();
+            raw.num_input_specs = input_specs.len();
+        }
+        if !output_specs.is_empty() {
+            raw.output_specs = output_specs.as_ptr();
+            raw.num_output_specs = output_specs.len();
+        }
+        raw.stage_options = stage.as_ref().map_or(ptr::null(), |s| &s.raw as *const _);
+        raw.devices = devices.as_ref().map_or(ptr::null(), |d| d.as_ptr());
+        raw.transport = self.transport.to_raw();
+        raw.world_size = to_i32("world_size", self.world_size)?;
+        raw.store = store.as_ref().map_or(ptr::null(), |s| s.as_ptr());
+        raw.comm_timeout_ms = comm_timeout_ms(self.comm_timeout)?;
+        Ok(RawSessionOptions {
+            raw,
+            _input_specs: input_specs,
+            _output_specs: output_specs,
+            _stage: stage,
+            _devices: devices,
+            _store: store,
+        })
+    }
+}
+
 /// Per-call options.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RunOptions {
@@ -390,41 +445,24 @@ impl Session {
     /// Build every stage of `plan` on its device ([`SessionOptions::devices`]; the CPU by
     /// default) and start one worker thread per stage.
     pub fn new(plan: &Plan, options: &SessionOptions) -> Result<Session> {
-        let devices = options
-            .devices
-            .as_deref()
-            .map(|d| CString::new(d).map_err(|_| Error::new(Status::InvalidArgument, "devices contains a NUL byte")))
-            .transpose()?;
-        let input_specs: Vec<sys::pipe_chunk_spec> = options.input_specs.iter().map(|s| s.to_raw()).collect();
-        let output_specs: Vec<sys::pipe_chunk_spec> = options.output_specs.iter().map(|s| s.to_raw()).collect();
-        let stage = options.stage_options.as_ref().map(StageOptions::to_raw).transpose()?;
-        let store = options.store.as_deref().map(|s| crate::cstring("store", s)).transpose()?;
-        let mut raw = crate::defaults::session_options()?;
-        raw.num_microbatches = to_i32("microbatches", options.microbatches)?;
-        raw.microbatching = options.microbatching.to_raw();
-        raw.threads_per_stage = to_i32("threads_per_stage", options.threads_per_stage)?;
-        raw.max_inflight = to_i32("max_inflight", options.max_inflight)?;
-        if !input_specs.is_empty() {
-            raw.input_specs = input_specs.as_ptr();
-            raw.num_input_specs = input_specs.len();
-        }
-        if !output_specs.is_empty() {
-            raw.output_specs = output_specs.as_ptr();
-            raw.num_output_specs = output_specs.len();
-        }
-        raw.stage_options = stage.as_ref().map_or(ptr::null(), |s| &s.raw as *const _);
-        raw.devices = devices.as_ref().map_or(ptr::null(), |d| d.as_ptr());
-        raw.transport = options.transport.to_raw();
-        raw.world_size = to_i32("world_size", options.world_size)?;
-        raw.store = store.as_ref().map_or(ptr::null(), |s| s.as_ptr());
-        raw.comm_timeout_ms = comm_timeout_ms(options.comm_timeout)?;
+        let raw = options.to_raw()?;
         let mut session = ptr::null_mut();
         // SAFETY: thread-safe on the plan; every pointer in `raw` outlives the call (the spec
         // arrays, the device list and the store address are copied by libpipe).
-        check(unsafe { sys::pipe_session_create(plan.as_ptr(), &raw, &mut session) })?;
+        check(unsafe { sys::pipe_session_create(plan.as_ptr(), &raw.raw, &mut session) })?;
         NonNull::new(session)
             .map(|ptr| Session { ptr })
             .ok_or_else(|| Error::new(Status::Internal, "libpipe returned a NULL session"))
+    }
+
+    /// A `Session` for a session that libpipe owns (a generator's, [`crate::Generator::session`]):
+    /// never dropped, so never destroyed here.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must stay valid while the result is used.
+    pub(crate) unsafe fn borrowed(ptr: NonNull<sys::pipe_session>) -> ManuallyDrop<Session> {
+        ManuallyDrop::new(Session { ptr })
     }
 
     /// `Ok` while the session works. Once a transport failure has broken it (a worker process

@@ -2,6 +2,7 @@
 //! run-tests.sh), never from a hard-coded path.
 #![allow(dead_code)]
 
+pub mod decoder;
 pub mod executor;
 pub mod gate;
 
