@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Build the Rust example against the libpipe installed at PREFIX and run it on FIXTURES/demo.pt.
-# Exits non-zero if the build fails or the output differs from PyTorch's.
+# Build the Rust examples against the libpipe installed at PREFIX and run them: example_rust on
+# FIXTURES/demo.pt (its output against PyTorch's), and the generation example (src/bin/generate.rs)
+# through check_generate.py: on FIXTURES/tiny_decoder.pt with a word-level tokenizer against
+# transformers' greedy tokens, and on SmolLM2 against transformers' answer when the model can be
+# had. Exits non-zero if a build fails or an output differs.
 #
 #   examples/rust/run.sh PREFIX FIXTURES WORKDIR
 #
 # Every build artefact goes under WORKDIR (CARGO_TARGET_DIR); crates come from crates.io into
-# the usual cargo cache, at the versions Cargo.lock pins.
+# the usual cargo cache, at the versions Cargo.lock pins. Python: $LIBPIPE_PYTHON, else python3.
 set -euo pipefail
 
 if [[ $# -ne 3 ]]; then
@@ -26,8 +29,11 @@ export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
 
 cargo build --locked --quiet --manifest-path "$here/Cargo.toml"
 
-# The binary links libpipe.so.0 without an rpath, as an application using an installed libpipe
+# The binaries link libpipe.so.0 without an rpath, as an application using an installed libpipe
 # would; point the loader at PREFIX's copy.
-LD_LIBRARY_PATH="$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-  "$CARGO_TARGET_DIR/debug/example_rust" \
+export LD_LIBRARY_PATH="$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+cargo test --locked --quiet --manifest-path "$here/Cargo.toml"
+"$CARGO_TARGET_DIR/debug/example_rust" \
   "$fixtures/demo.pt" "$fixtures/demo.inputs.safetensors" "$fixtures/demo.expected.safetensors"
+"${LIBPIPE_PYTHON:-python3}" "$here/check_generate.py" "$CARGO_TARGET_DIR/debug/generate" "$fixtures" \
+  "$workdir/generate" "$(cd "$here/../.." && pwd)"
