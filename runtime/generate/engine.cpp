@@ -236,6 +236,9 @@ void Engine::scheduler_loop() {
   for (;;) {
     woken_ = false;
     const auto now = Clock::now();
+    // Cancels and deadlines first: a sequence cancelled while its step was in a stage must not get that step's
+    // token when the step returns in the same turn.
+    if (!stopping_) expire_and_cancel(now, notices);
     // Steps that came back: sample, hand out tokens, end sequences.
     while (!returned_.empty()) {
       const uint64_t id = returned_.front();
@@ -254,8 +257,6 @@ void Engine::scheduler_loop() {
         for (auto& r : requests) r->cancel();
         lock.lock();
       }
-    } else {
-      expire_and_cancel(now, notices);
     }
     retire_ended(now);
     if (!stopping_) {
@@ -454,6 +455,8 @@ void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id,
       continue;
     }
     seq.cached = r.start + r.length;
+    if (!seq.ended && seq.generation->cancel_requested())  // cancelled since this turn began: no token
+      end(seq, FinishReason::Cancelled, Status::Cancelled, "the generation was cancelled", notices);
     if (!seq.ended && r.completes_prompt) sample_rows.push_back(static_cast<int64_t>(i));
     if (r.start < static_cast<int64_t>(seq.prompt.size())) totals_.prompt_tokens += r.length;
   }
