@@ -18,8 +18,7 @@ using libpipe::Error;
 using libpipe::Status;
 using libpipe::generate::FinishReason;
 
-#define PIPE_CHECK_FINISH(code, name) \
-  static_assert(code == static_cast<int32_t>(FinishReason::name), #code " mismatch")
+#define PIPE_CHECK_FINISH(code, name) static_assert(code == static_cast<int32_t>(FinishReason::name), #code " mismatch")
 PIPE_CHECK_FINISH(PIPE_FINISH_NONE, None);
 PIPE_CHECK_FINISH(PIPE_FINISH_STOP, Stop);
 PIPE_CHECK_FINISH(PIPE_FINISH_LENGTH, Length);
@@ -98,8 +97,7 @@ libpipe::generate::EngineOptions engine_options(const pipe_generator_options* o,
   return opts;
 }
 
-libpipe::generate::GenerationOptions generation_options(const pipe_generation_options* options,
-                                                        const char* function) {
+libpipe::generate::GenerationOptions generation_options(const pipe_generation_options* options, const char* function) {
   const pipe_generation_options defaults = PIPE_GENERATION_OPTIONS_INIT;
   const pipe_generation_options* o = options ? options : &defaults;
   require_struct_size(o->struct_size, kGenerationOptions, function, "options->struct_size");
@@ -119,14 +117,14 @@ libpipe::generate::GenerationOptions generation_options(const pipe_generation_op
   }
   if (PIPE_HAS(timeout_ms)) {
     if (o->timeout_ms < 0)
-      throw Error(Status::InvalidArgument, fn + ": options->timeout_ms is " + std::to_string(o->timeout_ms) +
-                                               "; use 0 for no deadline");
+      throw Error(Status::InvalidArgument,
+                  fn + ": options->timeout_ms is " + std::to_string(o->timeout_ms) + "; use 0 for no deadline");
     if (o->timeout_ms > 0) opts.deadline = after(o->timeout_ms);
   }
 #undef PIPE_HAS
   if (opts.max_new_tokens < 1)
-    throw Error(Status::InvalidArgument, fn + ": options->max_new_tokens is " + std::to_string(opts.max_new_tokens) +
-                                             "; give 1 or more");
+    throw Error(Status::InvalidArgument,
+                fn + ": options->max_new_tokens is " + std::to_string(opts.max_new_tokens) + "; give 1 or more");
   // Checked here too so that the message names this function; the engine checks it again.
   try {
     libpipe::generate::validate(opts.sampling);

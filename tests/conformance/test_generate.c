@@ -44,8 +44,7 @@ _Static_assert(sizeof(pipe_generation_options) == 72 && offsetof(pipe_generation
                    offsetof(pipe_generation_options, max_new_tokens) == 8 &&
                    offsetof(pipe_generation_options, temperature) == 16 &&
                    offsetof(pipe_generation_options, top_k) == 24 && offsetof(pipe_generation_options, top_p) == 32 &&
-                   offsetof(pipe_generation_options, seed) == 40 &&
-                   offsetof(pipe_generation_options, stop_ids) == 48 &&
+                   offsetof(pipe_generation_options, seed) == 40 && offsetof(pipe_generation_options, stop_ids) == 48 &&
                    offsetof(pipe_generation_options, num_stop_ids) == 56 &&
                    offsetof(pipe_generation_options, timeout_ms) == 64,
                "pipe_generation_options");
@@ -394,17 +393,17 @@ static void unknown_struct_sizes_are_refused(void **state) {
   (void)state;
   unsigned char buf[256];
   const size_t bogus[] = {0, 3, 8, 24};
-#define REFUSED(init, type, name)                                                                      \
-  do {                                                                                                 \
-    const size_t sizes[] = {bogus[0], bogus[1], bogus[2], bogus[3], sizeof(type) - 8, sizeof(type) + 8, \
-                            ((size_t)1 << 32) + sizeof(type)};                                         \
-    for (size_t k = 0; k < sizeof sizes / sizeof *sizes; ++k) {                                        \
-      memset(buf, 0xAB, sizeof buf);                                                                   \
-      ASSERT_FAILS(init((type *)(void *)buf, sizes[k]), PIPE_ERR_INVALID_ARGUMENT, name);              \
-      assert_non_null(strstr(pipe_last_error(), #init));                                               \
-      for (size_t b = 0; b < sizeof buf; ++b) assert_int_equal(buf[b], 0xAB);                          \
-    }                                                                                                  \
-    ASSERT_FAILS(init(NULL, sizeof(type)), PIPE_ERR_INVALID_ARGUMENT, "is NULL");                      \
+#define REFUSED(init, type, name)                                                                                      \
+  do {                                                                                                                 \
+    const size_t sizes[] = {                                                                                           \
+        bogus[0], bogus[1], bogus[2], bogus[3], sizeof(type) - 8, sizeof(type) + 8, ((size_t)1 << 32) + sizeof(type)}; \
+    for (size_t k = 0; k < sizeof sizes / sizeof *sizes; ++k) {                                                        \
+      memset(buf, 0xAB, sizeof buf);                                                                                   \
+      ASSERT_FAILS(init((type *)(void *)buf, sizes[k]), PIPE_ERR_INVALID_ARGUMENT, name);                              \
+      assert_non_null(strstr(pipe_last_error(), #init));                                                               \
+      for (size_t b = 0; b < sizeof buf; ++b) assert_int_equal(buf[b], 0xAB);                                          \
+    }                                                                                                                  \
+    ASSERT_FAILS(init(NULL, sizeof(type)), PIPE_ERR_INVALID_ARGUMENT, "is NULL");                                      \
   } while (0)
   REFUSED(pipe_generator_options_init, pipe_generator_options, "pipe_generator_options");
   REFUSED(pipe_generator_info_init, pipe_generator_info, "pipe_generator_info");
@@ -791,8 +790,7 @@ static void events_tell_tokens_and_the_end(void **state) {
   event_record_init(&rec);
   pipe_generation *gen = submit(g, ref.prompts[1].ids, ref.prompts[1].len, ref.max_new_tokens);
   ASSERT_OK(pipe_generation_on_event(gen, record_event, &rec));
-  ASSERT_FAILS(pipe_generation_on_event(gen, record_event, &rec), PIPE_ERR_INVALID_ARGUMENT,
-               "already has a callback");
+  ASSERT_FAILS(pipe_generation_on_event(gen, record_event, &rec), PIPE_ERR_INVALID_ARGUMENT, "already has a callback");
   assert_true(wait_finished_event(&rec));
   ASSERT_OK(pipe_generation_wait(gen, 0));
   pthread_mutex_lock(&rec.mutex);
@@ -906,8 +904,7 @@ static void busy_and_cancel(void **state) {
   assert_int_equal(st.slots_in_use, 1);
   assert_int_equal(st.queued, 1);
   pipe_generation *refused = (pipe_generation *)0x1;
-  ASSERT_FAILS(pipe_generator_submit(g, ref.prompts[1].ids, ref.prompts[1].len, NULL, &refused), PIPE_ERR_BUSY,
-               "busy");
+  ASSERT_FAILS(pipe_generator_submit(g, ref.prompts[1].ids, ref.prompts[1].len, NULL, &refused), PIPE_ERR_BUSY, "busy");
   assert_ptr_equal(refused, (pipe_generation *)0x1);
   assert_true(gate_wait(key, "stage1", "arrived", 1));
 
