@@ -27,7 +27,11 @@
 // through a callback that closes [Request.Done], and [Request.Wait] (as [Session.Run] with a
 // context that can end) blocks on that channel, not inside libpipe.
 //
-// Handles ([Model], [Plan], [Session], [Request]) hold C resources: Close them. A cleanup
+// A [Generator] generates tokens from a decoder (a language model that follows pipe.h's decoder
+// contract): [Generator.Generate] returns a [Generation] whose tokens arrive on a channel as they
+// are sampled, with the sequences of concurrent calls batched into shared pipeline steps.
+//
+// Handles ([Model], [Plan], [Session], [Request], [Generator]) hold C resources: Close them. A cleanup
 // frees a handle that becomes unreachable without being closed, as a safety net only.
 // Every method is safe for concurrent use; Close waits for calls in progress on the handle.
 //

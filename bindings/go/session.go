@@ -217,14 +217,62 @@ func (p *Plan) NewSession(opts *SessionOptions) (*Session, error) {
 		return nil, err
 	}
 	defer p.mu.RUnlock()
+	so, err := newSessionOptions(op, opts)
+	if err != nil {
+		return nil, err
+	}
+	defer so.free()
+	var ptr capi.SwigcptrPipe_session
+	if err := call("pipe_session_create", func() int { return capi.Pipe_session_create(pptr, so.c, &ptr) }); err != nil {
+		return nil, err
+	}
+	s := &Session{ptr: ptr}
+	s.cleanup = runtime.AddCleanup(s, func(h capi.SwigcptrPipe_session) { capi.Pipe_session_destroy(h) }, ptr)
+	if err := s.countStages(); err != nil {
+		s.Close()
+		return nil, err
+	}
+	return s, nil
+}
+
+// countStages reads the number of stages once: it never changes.
+func (s *Session) countStages() error {
+	var n int64
+	if err := call("pipe_session_num_stages", func() int { return capi.Pipe_session_num_stages(s.ptr, &n) }); err != nil {
+		return err
+	}
+	s.numStages = int(n)
+	return nil
+}
+
+// sessionOptions is a C pipe_session_options built from a SessionOptions, with what it owns.
+type sessionOptions struct {
+	c     capi.Pipe_session_options
+	stage capi.Pipe_stage_options // nil when the stage options are the model's own
+}
+
+func (o sessionOptions) free() {
+	if o.stage != nil {
+		capi.DeletePipe_stage_options(o.stage)
+	}
+	capi.DeletePipe_session_options(o.c)
+}
+
+// newSessionOptions checks opts (nil: the defaults) and makes libpipe's struct from them, for
+// pipe_session_create and pipe_generator_create; free it when the call returned.
+func newSessionOptions(op string, opts *SessionOptions) (sessionOptions, error) {
 	if opts == nil {
 		opts = &SessionOptions{}
 	}
 	so := capi.NewPipe_session_options()
 	if so.Swigcptr() == 0 {
-		return nil, errorf(op, StatusOutOfMemory, "cannot allocate session options")
+		return sessionOptions{}, errorf(op, StatusOutOfMemory, "cannot allocate session options")
 	}
-	defer capi.DeletePipe_session_options(so)
+	built := sessionOptions{c: so}
+	fail := func(err error) (sessionOptions, error) {
+		built.free()
+		return sessionOptions{}, err
+	}
 	if opts.Microbatches != 0 {
 		so.SetNum_microbatches(opts.Microbatches)
 	}
@@ -239,17 +287,17 @@ func (p *Plan) NewSession(opts *SessionOptions) (*Session, error) {
 	so.SetTransport(int(opts.Transport))
 	worldSize, err := int32Option(op, "WorldSize", opts.WorldSize)
 	if err != nil {
-		return nil, err
+		return fail(err)
 	}
 	so.SetWorld_size(int(worldSize)) // libpipe reads 0 as 1
 	store, err := storeAddress(op, opts.Store)
 	if err != nil {
-		return nil, err
+		return fail(err)
 	}
 	so.Set_store_address(store)
 	commTimeout, err := commTimeoutMS(op, opts.CommTimeout)
 	if err != nil {
-		return nil, err
+		return fail(err)
 	}
 	so.SetComm_timeout_ms(int(commTimeout))
 	if len(opts.InputSpecs) > 0 {
@@ -260,25 +308,13 @@ func (p *Plan) NewSession(opts *SessionOptions) (*Session, error) {
 	}
 	stage, err := newStageOptions(op, opts.Stage)
 	if err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if stage != nil {
-		defer capi.DeletePipe_stage_options(stage)
+		built.stage = stage
 		so.SetStage_options(stage)
 	}
-	var ptr capi.SwigcptrPipe_session
-	if err := call("pipe_session_create", func() int { return capi.Pipe_session_create(pptr, so, &ptr) }); err != nil {
-		return nil, err
-	}
-	s := &Session{ptr: ptr}
-	s.cleanup = runtime.AddCleanup(s, func(h capi.SwigcptrPipe_session) { capi.Pipe_session_destroy(h) }, ptr)
-	var n int64
-	if err := call("pipe_session_num_stages", func() int { return capi.Pipe_session_num_stages(ptr, &n) }); err != nil {
-		s.Close()
-		return nil, err
-	}
-	s.numStages = int(n)
-	return s, nil
+	return built, nil
 }
 
 func specPairs(specs []ChunkSpec) []int32 {
@@ -643,13 +679,19 @@ func (r *Request) wait(op string, d time.Duration) (TensorList, error) {
 // explain adds the context's error to a cancellation or deadline that the context caused, and
 // reports a cancellation caused by the context's deadline as ErrDeadlineExceeded (whichever of
 // Go's timer and libpipe's own deadline fired first).
-func (c *requestCore) explain(err error) error {
+func (c *requestCore) explain(err error) error { return explainContext(c.ctx, err, true) }
+
+// explainContext is err, a libpipe status of a call or generation made under ctx, with ctx's
+// error added when ctx ended it (see requestCore.explain). ctxDeadline says whether libpipe's
+// deadline was ctx's: otherwise a libpipe deadline is not ctx's doing unless ctx has ended.
+func explainContext(ctx context.Context, err error, ctxDeadline bool) error {
 	var pe *Error
 	if !errors.As(err, &pe) {
 		return err
 	}
-	ctxErr := c.ctx.Err()
-	if _, hasDeadline := c.ctx.Deadline(); ctxErr == nil && hasDeadline && pe.Status == StatusDeadlineExceeded {
+	ctxErr := ctx.Err()
+	if _, hasDeadline := ctx.Deadline(); ctxErr == nil && ctxDeadline && hasDeadline &&
+		pe.Status == StatusDeadlineExceeded {
 		// libpipe's deadline is the context's (rounded up), so it has passed; Go's timer may
 		// just not have marked the context yet.
 		ctxErr = context.DeadlineExceeded

@@ -56,8 +56,8 @@ NOT_BOUND = {
     "go": {
         "pipe_tensor_list_find": "outputs are copied into a Go TensorList at once, whose Get looks names up",
         "pipe_tensor_list_get": "outputs are taken out of the list and copied, never borrowed",
-        # ---- Generation (0.8, issue 15): as for python above; owned by the go binding's helper.
-        "pipe_generation_fd": "not bound yet (issue 15: the go binding binds it or says why not)",
+        "pipe_generation_fd": "tokens reach a Go channel through pipe_generation_on_event, read at once: "
+        "a descriptor would tell a poller of nothing left to read",
     },
     # ---- Generation (0.8, issue 15): the rust binding already used every function when the C ABI landed.
     "rust": {},
