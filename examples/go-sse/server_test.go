@@ -1,0 +1,660 @@
+package main
+
+// The service as a client sees it: the go-sse binary (GO_SSE_BIN, built by run.sh) is started on a
+// free port and queried with net/http.
+//
+// The completion test serves SmolLM2-135M-Instruct when this machine has it (GO_SSE_SMOLLM2 names
+// the description testdata/smollm2.py wrote: the exported decoder and transformers' greedy
+// continuation of a prompt), else the tiny decoder fixture with a tokenizer.json written here (one
+// character per token id), whose greedy continuations transformers computed
+// (tiny_decoder.expected.json). Either way the streamed text must be the reference's tokens
+// decoded by the same tokenizer.
+//
+// Busy (503) and disconnect tests run on the gated decoder (same weights, a test gate between its
+// layers that holds the prefill step of a prompt whose first token is 119 + key until the test
+// opens the key), so that "every slot is taken" and "the client left while its sequence was in
+// the pipeline" are states the test has seen, not guesses about timing. The service process loads
+// the gate's operator library through LD_PRELOAD and finds its gate folder in
+// LIBPIPE_TEST_GATE_DIR.
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// waitLimit bounds every wait for something the test has made sure will happen: it only ends a
+// hung test, it never decides a verdict.
+const waitLimit = 300 * time.Second
+
+// until returns once cond holds, failing the test after waitLimit.
+func until(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	giveUp := time.Now().Add(waitLimit)
+	for !cond() {
+		if time.Now().After(giveUp) {
+			t.Fatalf("gave up after %v waiting for %s", waitLimit, what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func fixture(t *testing.T, name string) string {
+	t.Helper()
+	for _, env := range []string{"LIBPIPE_FIXTURES", "PIPE_TEST_MODELS"} {
+		if dir := os.Getenv(env); dir != "" {
+			if path := filepath.Join(dir, name); fileExists(path) {
+				return path
+			}
+		}
+	}
+	t.Fatalf("%s is in neither LIBPIPE_FIXTURES nor PIPE_TEST_MODELS (run.sh sets them)", name)
+	return ""
+}
+
+func fileExists(path string) bool {
+	_, err := os.Stat(path)
+	return err == nil
+}
+
+// ---- the tiny decoder and its one-character-per-token tokenizer ---------------------------------
+
+// tinyRune is the character of token id i in the tiny tokenizer: Latin Extended-A letters, so
+// that every id is one printable character (and no id is a control character or a space).
+func tinyRune(id int64) rune { return rune(0x100 + id) }
+
+func tinyText(ids []int64) string {
+	var b strings.Builder
+	for _, id := range ids {
+		b.WriteRune(tinyRune(id))
+	}
+	return b.String()
+}
+
+// tinyModelDir is a model folder for the tiny decoders: only a tokenizer.json, in Hugging Face's
+// format (a BPE model without merges over 128 one-character tokens, joined back by the Fuse
+// decoder). No generation_config.json: no end token, so completions end by length.
+func tinyModelDir(t *testing.T) string {
+	t.Helper()
+	vocab := map[string]int64{}
+	for id := int64(0); id < 128; id++ {
+		vocab[string(tinyRune(id))] = id
+	}
+	tok := map[string]any{
+		"version": "1.0", "truncation": nil, "padding": nil, "added_tokens": []any{},
+		"normalizer": nil, "pre_tokenizer": nil, "post_processor": nil,
+		"decoder": map[string]any{"type": "Fuse"},
+		"model": map[string]any{
+			"type": "BPE", "dropout": nil, "unk_token": nil, "continuing_subword_prefix": nil,
+			"end_of_word_suffix": nil, "fuse_unk": false, "byte_fallback": false, "vocab": vocab, "merges": []any{},
+		},
+	}
+	dir := filepath.Join(t.TempDir(), "tiny")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	data, err := json.Marshal(tok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "tokenizer.json"), data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+type tinyExpected struct {
+	Prompts      [][]int64 `json:"prompts"`
+	MaxNewTokens int       `json:"max_new_tokens"`
+	Greedy       [][]int64 `json:"greedy"`
+}
+
+func readTinyExpected(t *testing.T) tinyExpected {
+	t.Helper()
+	var e tinyExpected
+	data, err := os.ReadFile(fixture(t, "tiny_decoder.expected.json"))
+	if err == nil {
+		err = json.Unmarshal(data, &e)
+	}
+	if err != nil || len(e.Prompts) < 2 || len(e.Greedy) != len(e.Prompts) {
+		t.Fatalf("tiny_decoder.expected.json: %v (%d prompts, %d continuations)", err, len(e.Prompts), len(e.Greedy))
+	}
+	return e
+}
+
+// ---- the service process ------------------------------------------------------------------------
+
+type service struct {
+	base    string // http://HOST:PORT
+	gateDir string // the gated service's gate folder
+	stderr  *syncBuffer
+}
+
+// syncBuffer collects the service's log while the test reads it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// startService runs the binary with args on a free port of the loopback, and stops it when the
+// test ends (after the cleanups registered later, such as opening gates, have run).
+func startService(t *testing.T, env []string, args ...string) *service {
+	t.Helper()
+	bin := os.Getenv("GO_SSE_BIN")
+	if bin == "" {
+		t.Fatal("GO_SSE_BIN is not set: run.sh builds the service and sets it")
+	}
+	cmd := exec.Command(bin, append([]string{"-addr", "127.0.0.1:0"}, args...)...)
+	cmd.Env = append(os.Environ(), env...)
+	s := &service{stderr: &syncBuffer{}}
+	cmd.Stderr = s.stderr
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		cmd.Process.Signal(syscall.SIGTERM) // graceful: the requests in progress finish
+		select {
+		case err := <-exited:
+			if err != nil {
+				t.Errorf("the service ended with %v; its log:\n%s", err, s.stderr.String())
+			}
+		case <-time.After(waitLimit):
+			cmd.Process.Kill()
+			t.Errorf("the service did not stop within %v; its log:\n%s", waitLimit, s.stderr.String())
+		}
+	})
+	lines := make(chan string, 1)
+	go func() {
+		scanner := bufio.NewScanner(stdout)
+		for scanner.Scan() {
+			if after, ok := strings.CutPrefix(scanner.Text(), "go-sse: listening on "); ok {
+				lines <- after
+			}
+		}
+		io.Copy(io.Discard, stdout)
+	}()
+	select {
+	case s.base = <-lines:
+	case err := <-exited:
+		t.Fatalf("the service exited (%v) before listening; its log:\n%s", err, s.stderr.String())
+	case <-time.After(waitLimit):
+		t.Fatalf("the service did not listen within %v; its log:\n%s", waitLimit, s.stderr.String())
+	}
+	return s
+}
+
+// gatedService is the gated decoder's service, with its own gate folder; maxQueued requests may
+// wait for a slot before it answers 503.
+func gatedService(t *testing.T, maxQueued int) *service {
+	t.Helper()
+	gateDir := t.TempDir()
+	s := startService(t, []string{"LD_PRELOAD=" + fixture(t, "libpipe_test_gate.so"), "LIBPIPE_TEST_GATE_DIR=" + gateDir},
+		"-decoder", fixture(t, "gated_decoder.pt"), "-model-dir", tinyModelDir(t), "-split", "model.layers.1:begin",
+		"-max-queued", fmt.Sprint(maxQueued), "-name", "gated")
+	s.gateDir = gateDir
+	return s
+}
+
+// heldPrompt is a prompt the gated decoder holds at key's gate (its first token is 119 + key);
+// the gate opens when the test ends, before the service stops.
+func (s *service) heldPrompt(t *testing.T, key int64, rest []int64) string {
+	t.Helper()
+	t.Cleanup(func() { s.openGate(t, key) })
+	return tinyText(append([]int64{119 + key}, rest...))
+}
+
+func (s *service) gateArrived(key int64) bool {
+	entries, _ := os.ReadDir(s.gateDir)
+	prefix := fmt.Sprintf("gate-%d.stage1.arrived.", key)
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), prefix) {
+			return true
+		}
+	}
+	return false
+}
+
+func (s *service) openGate(t *testing.T, key int64) {
+	if err := os.WriteFile(filepath.Join(s.gateDir, fmt.Sprintf("gate-%d.open", key)), nil, 0o644); err != nil {
+		t.Error(err)
+	}
+}
+
+type health struct {
+	Status       string            `json:"status"`
+	SlotsInUse   int               `json:"slots_in_use"`
+	Queued       int               `json:"queued"`
+	Requests     uint64            `json:"requests"`
+	RejectedBusy uint64            `json:"rejected_busy"`
+	Disconnects  uint64            `json:"client_disconnects"`
+	Finished     map[string]uint64 `json:"finished"`
+}
+
+func (s *service) health(t *testing.T) health {
+	t.Helper()
+	resp, err := http.Get(s.base + "/health")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var h health
+	if err := json.NewDecoder(resp.Body).Decode(&h); err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("/health: %d, %v", resp.StatusCode, err)
+	}
+	return h
+}
+
+// ---- requests -----------------------------------------------------------------------------------
+
+func post(ctx context.Context, s *service, body any) (*http.Response, error) {
+	data, err := json.Marshal(body)
+	if err != nil {
+		return nil, err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.base+"/v1/completions", bytes.NewReader(data))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	return http.DefaultClient.Do(req)
+}
+
+type chunk struct {
+	Object  string `json:"object"`
+	Choices []struct {
+		Text         string  `json:"text"`
+		Index        int     `json:"index"`
+		FinishReason *string `json:"finish_reason"`
+	} `json:"choices"`
+	Usage *struct {
+		PromptTokens     int `json:"prompt_tokens"`
+		CompletionTokens int `json:"completion_tokens"`
+	} `json:"usage"`
+}
+
+// streamed reads a server-sent event stream to its end: the text of every event, the finish
+// reason of the last, and whether `data: [DONE]` closed it.
+type streamed struct {
+	pieces []string
+	finish string
+	done   bool
+}
+
+func readStream(t *testing.T, body io.Reader) streamed {
+	t.Helper()
+	var out streamed
+	scanner := bufio.NewScanner(body)
+	for scanner.Scan() {
+		line := scanner.Text()
+		if line == "" {
+			continue // the blank line between events
+		}
+		data, ok := strings.CutPrefix(line, "data: ")
+		if !ok {
+			t.Fatalf("not an event line: %q", line)
+		}
+		if out.done {
+			t.Fatalf("an event after [DONE]: %q", line)
+		}
+		if data == "[DONE]" {
+			out.done = true
+			continue
+		}
+		var c chunk
+		if err := json.Unmarshal([]byte(data), &c); err != nil || len(c.Choices) != 1 || c.Object != "text_completion" {
+			t.Fatalf("event %q: %v", data, err)
+		}
+		if out.finish != "" {
+			t.Fatalf("an event after the one with finish_reason %q: %q", out.finish, data)
+		}
+		if f := c.Choices[0].FinishReason; f != nil {
+			out.finish = *f
+		} else {
+			out.pieces = append(out.pieces, c.Choices[0].Text)
+		}
+	}
+	if err := scanner.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// completionCase is a prompt and the reference continuation the service must stream.
+type completionCase struct {
+	model, modelDir, decoder, split string
+	prompt                          string
+	promptTokens                    int
+	maxTokens                       int
+	expectedIDs                     []int64
+	expectedText                    string // from Hugging Face's tokenizers, or "" (the tiny case)
+}
+
+// referenceCase is SmolLM2 when testdata/smollm2.py described it, else the tiny decoder.
+func referenceCase(t *testing.T) completionCase {
+	t.Helper()
+	if path := os.Getenv("GO_SSE_SMOLLM2"); path != "" && fileExists(path) {
+		var d struct {
+			ModelDir     string  `json:"model_dir"`
+			Decoder      string  `json:"decoder"`
+			Split        string  `json:"split"`
+			Prompt       string  `json:"prompt"`
+			PromptIDs    []int64 `json:"prompt_ids"`
+			MaxTokens    int     `json:"max_tokens"`
+			ExpectedIDs  []int64 `json:"expected_ids"`
+			ExpectedText string  `json:"expected_text"`
+		}
+		data, err := os.ReadFile(path)
+		if err == nil {
+			err = json.Unmarshal(data, &d)
+		}
+		if err != nil {
+			t.Fatalf("%s: %v", path, err)
+		}
+		t.Logf("serving SmolLM2 from %s", d.ModelDir)
+		return completionCase{"smollm2", d.ModelDir, d.Decoder, d.Split, d.Prompt, len(d.PromptIDs), d.MaxTokens,
+			d.ExpectedIDs, d.ExpectedText}
+	}
+	t.Log("no SmolLM2 description (GO_SSE_SMOLLM2): serving the tiny decoder")
+	e := readTinyExpected(t)
+	return completionCase{"tiny", tinyModelDir(t), fixture(t, "tiny_decoder.pt"), "model.layers.1:begin",
+		tinyText(e.Prompts[0]), len(e.Prompts[0]), e.MaxNewTokens, e.Greedy[0], ""}
+}
+
+// The streamed completion is the reference's greedy continuation, as text through the model's
+// tokenizer, in several events, then a finish reason and [DONE]; the same request without
+// streaming gives the same text in one object with the token counts.
+func TestCompletionMatchesTheReference(t *testing.T) {
+	c := referenceCase(t)
+	codec, err := loadTokenizer(filepath.Join(c.modelDir, "tokenizer.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := codec.Decode(c.expectedIDs)
+	if c.expectedText != "" && want != c.expectedText {
+		t.Fatalf("the Go tokenizer decodes the reference as %q, Hugging Face's as %q", want, c.expectedText)
+	}
+	if ids, err := codec.Encode(c.prompt); err != nil || len(ids) != c.promptTokens {
+		t.Fatalf("the Go tokenizer encodes the prompt as %v (%v), want %d tokens", ids, err, c.promptTokens)
+	}
+	wantFinish := "length"
+	if len(c.expectedIDs) < c.maxTokens {
+		wantFinish = "stop" // transformers stopped at the model's end token
+	}
+	s := startService(t, nil, "-decoder", c.decoder, "-model-dir", c.modelDir, "-split", c.split, "-name", c.model)
+
+	body := map[string]any{"model": c.model, "prompt": c.prompt, "max_tokens": c.maxTokens, "temperature": 0,
+		"top_p": 1, "seed": 3, "stream": true}
+	resp, err := post(context.Background(), s, body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+		t.Fatalf("streaming: %s, Content-Type %q", resp.Status, resp.Header.Get("Content-Type"))
+	}
+	got := readStream(t, resp.Body)
+	if text := strings.Join(got.pieces, ""); text != want {
+		t.Fatalf("streamed %q (in %d events), want %q", text, len(got.pieces), want)
+	}
+	if len(got.pieces) < 2 || got.finish != wantFinish || !got.done {
+		t.Fatalf("%d text events, finish_reason %q (want %q), [DONE] %v", len(got.pieces), got.finish, wantFinish, got.done)
+	}
+	t.Logf("%s streamed %q in %d events", c.model, want, len(got.pieces))
+
+	body["stream"] = false
+	resp, err = post(context.Background(), s, body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var whole chunk
+	if err := json.NewDecoder(resp.Body).Decode(&whole); err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("not streaming: %s, %v", resp.Status, err)
+	}
+	if len(whole.Choices) != 1 || whole.Choices[0].Text != want || whole.Choices[0].FinishReason == nil ||
+		*whole.Choices[0].FinishReason != wantFinish || whole.Usage == nil ||
+		whole.Usage.PromptTokens != c.promptTokens || whole.Usage.CompletionTokens != len(c.expectedIDs) {
+		t.Fatalf("not streaming: %+v, want text %q, finish %q, %d+%d tokens", whole, want, wantFinish,
+			c.promptTokens, len(c.expectedIDs))
+	}
+
+	t.Run("BadRequests", func(t *testing.T) { checkBadRequests(t, s, c) })
+}
+
+// Bad requests get 400 with an OpenAI-style error object naming the field, and the service goes
+// on serving.
+func checkBadRequests(t *testing.T, s *service, c completionCase) {
+	long := strings.Repeat(c.prompt, 200)
+	cases := []struct {
+		what, body, param string
+	}{
+		{"not JSON", `{"prompt": `, ""},
+		{"two values", `{"prompt": "a"} {}`, ""},
+		{"no prompt", `{"max_tokens": 4}`, "prompt"},
+		{"empty prompt", `{"prompt": ""}`, "prompt"},
+		{"a prompt of a number", `{"prompt": 5}`, "prompt"},
+		{"two prompts", `{"prompt": ["a", "b"]}`, "prompt"},
+		{"a token id outside the vocabulary", `{"prompt": [1, 1000000]}`, "prompt"},
+		{"a prompt longer than the model takes", fmt.Sprintf(`{"prompt": %q}`, long), "prompt"},
+		{"max_tokens 0", fmt.Sprintf(`{"prompt": %q, "max_tokens": 0}`, c.prompt), "max_tokens"},
+		{"max_tokens a string", fmt.Sprintf(`{"prompt": %q, "max_tokens": "4"}`, c.prompt), ""},
+		{"temperature 3", fmt.Sprintf(`{"prompt": %q, "temperature": 3}`, c.prompt), "temperature"},
+		{"top_p 0", fmt.Sprintf(`{"prompt": %q, "top_p": 0}`, c.prompt), "top_p"},
+		{"n 2", fmt.Sprintf(`{"prompt": %q, "n": 2}`, c.prompt), "n"},
+		{"stop strings", fmt.Sprintf(`{"prompt": %q, "stop": ["."]}`, c.prompt), "stop"},
+		{"another model", fmt.Sprintf(`{"prompt": %q, "model": "gpt-nothing"}`, c.prompt), "model"},
+	}
+	if c.model == "tiny" {
+		// Its tokenizer has one character per id and no unknown token (SmolLM2's covers every byte).
+		cases = append(cases, struct{ what, body, param string }{"text the tokenizer cannot cover",
+			`{"prompt": "a b"}`, "prompt"})
+	}
+	for _, bc := range cases {
+		resp, err := http.Post(s.base+"/v1/completions", "application/json", strings.NewReader(bc.body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var e struct {
+			Error struct {
+				Message string  `json:"message"`
+				Type    string  `json:"type"`
+				Param   *string `json:"param"`
+			} `json:"error"`
+		}
+		err = json.NewDecoder(resp.Body).Decode(&e)
+		resp.Body.Close()
+		param := ""
+		if e.Error.Param != nil {
+			param = *e.Error.Param
+		}
+		if resp.StatusCode != http.StatusBadRequest || err != nil || e.Error.Message == "" ||
+			e.Error.Type != "invalid_request_error" || param != bc.param {
+			t.Fatalf("%s: %s, %+v (%v); want 400, an invalid_request_error on %q with a message",
+				bc.what, resp.Status, e.Error, err, bc.param)
+		}
+		t.Logf("%s: %s", bc.what, e.Error.Message)
+	}
+	resp, err := http.Get(s.base + "/v1/completions")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusMethodNotAllowed {
+		t.Fatalf("GET /v1/completions: %s", resp.Status)
+	}
+	if h := s.health(t); h.Status != "ok" || h.SlotsInUse != 0 {
+		t.Fatalf("after the bad requests: %+v", h)
+	}
+}
+
+// With one sequence held in the pipeline, requests are accepted while a slot or a place in the
+// queue is free, then refused with 503 and an error object; once the pipeline moves, every
+// accepted request completes with its reference continuation.
+func TestBusyGets503(t *testing.T) {
+	e := readTinyExpected(t)
+	const maxQueued = 1
+	s := gatedService(t, maxQueued)
+	type answer struct {
+		status int
+		text   string
+		err    error
+	}
+	ask := func(prompt string) <-chan answer {
+		c := make(chan answer, 1)
+		go func() {
+			resp, err := post(context.Background(), s, map[string]any{"prompt": prompt, "max_tokens": e.MaxNewTokens,
+				"temperature": 0})
+			if err != nil {
+				c <- answer{err: err}
+				return
+			}
+			defer resp.Body.Close()
+			var whole chunk
+			data, err := io.ReadAll(resp.Body)
+			if err == nil && resp.StatusCode == http.StatusOK {
+				err = json.Unmarshal(data, &whole)
+			}
+			a := answer{status: resp.StatusCode, err: err, text: string(data)}
+			if err == nil && resp.StatusCode == http.StatusOK && len(whole.Choices) == 1 {
+				a.text = whole.Choices[0].Text
+			}
+			if resp.StatusCode == http.StatusServiceUnavailable && resp.Header.Get("Retry-After") == "" {
+				a.err = errors.New("503 without Retry-After")
+			}
+			c <- a
+		}()
+		return c
+	}
+	held := ask(s.heldPrompt(t, 1, e.Prompts[0]))
+	until(t, "the held request at the gate", func() bool { return s.gateArrived(1) })
+
+	// One request at a time, each settled before the next: refused, or in the generator (holding
+	// a slot or queued).
+	type accepted struct {
+		answer <-chan answer
+		prompt int
+	}
+	var ok []accepted
+	var refused answer
+	for i := 0; ; i++ {
+		if i > 8 {
+			t.Fatalf("%d requests accepted with one held: never 503", i)
+		}
+		p := i % len(e.Prompts)
+		c := ask(tinyText(e.Prompts[p]))
+		var a answer
+		var gotAnswer bool
+		until(t, fmt.Sprintf("request %d refused or in the generator", i), func() bool {
+			select {
+			case a = <-c:
+				gotAnswer = true
+				return true
+			default:
+			}
+			h := s.health(t)
+			return h.SlotsInUse+h.Queued == len(ok)+2
+		})
+		if gotAnswer {
+			refused = a
+			break
+		}
+		ok = append(ok, accepted{c, p})
+	}
+	if refused.err != nil || refused.status != http.StatusServiceUnavailable ||
+		!strings.Contains(refused.text, `"error"`) {
+		t.Fatalf("after %d accepted: %d %q (%v), want 503 with an error object", len(ok), refused.status,
+			refused.text, refused.err)
+	}
+	t.Logf("%d requests accepted besides the held one, then 503: %s", len(ok), refused.text)
+
+	s.openGate(t, 1)
+	if a := <-held; a.err != nil || a.status != http.StatusOK {
+		t.Fatalf("the held request: %d %q %v", a.status, a.text, a.err)
+	}
+	for i, acc := range ok {
+		a := <-acc.answer
+		if want := tinyText(e.Greedy[acc.prompt]); a.err != nil || a.status != http.StatusOK || a.text != want {
+			t.Fatalf("accepted request %d: %d %q (%v), want %q", i, a.status, a.text, a.err, want)
+		}
+	}
+	if h := s.health(t); h.RejectedBusy != 1 {
+		t.Fatalf("health after one 503: %+v", h)
+	}
+}
+
+// A client that disconnects while its sequence is held in the pipeline cancels it: the service
+// sees the disconnect, the sequence ends cancelled without a token once its step returns, its slot
+// is free, and the next request is served.
+func TestDisconnectCancelsTheSequence(t *testing.T) {
+	e := readTinyExpected(t)
+	s := gatedService(t, 4)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	resp, err := post(ctx, s, map[string]any{"prompt": s.heldPrompt(t, 1, e.Prompts[0]), "max_tokens": 8,
+		"temperature": 0, "stream": true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("streaming: %s", resp.Status)
+	}
+	until(t, "the streamed request at the gate", func() bool { return s.gateArrived(1) })
+	cancel() // the client goes away: its connection closes
+	resp.Body.Close()
+	until(t, "the service to see the disconnect", func() bool { return s.health(t).Disconnects == 1 })
+
+	s.openGate(t, 1)
+	until(t, "the sequence to end cancelled", func() bool {
+		h := s.health(t)
+		return h.Finished["cancelled"] == 1 && h.SlotsInUse == 0
+	})
+	h := s.health(t)
+	if h.Finished["length"] != 0 || h.Finished["stop"] != 0 || h.Finished["error"] != 0 {
+		t.Fatalf("health after the disconnect: %+v", h)
+	}
+
+	resp, err = post(context.Background(), s, map[string]any{"prompt": tinyText(e.Prompts[1]),
+		"max_tokens": e.MaxNewTokens, "temperature": 0, "stream": true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	got := readStream(t, resp.Body)
+	if text := strings.Join(got.pieces, ""); text != tinyText(e.Greedy[1]) || got.finish != "length" || !got.done {
+		t.Fatalf("after the disconnect: %q (%q, %v), want %q", text, got.finish, got.done, tinyText(e.Greedy[1]))
+	}
+	if h := s.health(t); h.Finished["length"] != 1 || h.Finished["cancelled"] != 1 {
+		t.Fatalf("health at the end: %+v", h)
+	}
+}

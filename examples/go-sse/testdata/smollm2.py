@@ -1,0 +1,115 @@
+"""The real-model case of the go-sse test: SmolLM2-135M-Instruct, when this machine has it.
+
+    python smollm2.py REPO OUT_DIR
+
+Looks for the converted SmolLM2 folder of tests/models/smollm2.py (LIBPIPE_MODEL_CACHE, else
+~/.cache/libpipe/models) without converting it (that takes a minute; scripts/install-deps.sh
+does it once per machine). When it is there: exports its decoder skeleton with
+`libpipe.export_llm` into OUT_DIR/smollm2.pt and computes transformers' greedy continuation of a
+prompt (the independent reference), then writes OUT_DIR/smollm2.json:
+
+  {"model_dir", "decoder", "split", "prompt", "prompt_ids", "max_tokens", "expected_ids",
+   "expected_text"}
+
+expected_text is the continuation as Hugging Face's `tokenizers` decodes it from the folder's
+tokenizer.json (special tokens skipped), for the service's Go tokenizer to match. Otherwise it
+writes nothing and says why on stderr: the test then serves the tiny decoder instead.
+
+Exporting and running transformers take 10-20 s, mostly imports: a description whose "key" (the
+folder, its fixture marker, the exporter's sources and this file) is still right is kept as it is.
+"""
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+PROMPT = "The capital of France is"
+MAX_TOKENS = 12
+MAX_LEN = 128  # the exported caches: enough for the prompt and the continuation
+SLOTS = 4
+
+
+def find_folder(repo):
+    sys.path.insert(0, str(repo / "tests" / "models"))
+    import smollm2
+
+    try:
+        gguf = smollm2.gguf_path()
+    except smollm2.FixtureError as e:
+        return None, str(e)
+    digest = smollm2.sha256(gguf)
+    folder = smollm2.cache_root() / f"smollm2-135m-instruct-{digest[:12]}"
+    if not smollm2.is_complete(folder, digest):
+        return None, f"{folder} is not converted (python tests/models/smollm2.py makes it)"
+    return folder, None
+
+
+def cache_key(repo, folder):
+    h = hashlib.sha256(str(folder).encode())
+    exporter = repo / "bindings" / "python" / "libpipe"
+    for path in [folder / "libpipe-fixture.json", Path(__file__), *sorted(exporter.glob("*.py"))]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def main():
+    repo, out = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
+    folder, why = find_folder(repo)
+    if folder is None:
+        print(f"smollm2.py: no SmolLM2 here ({why}); the test serves the tiny decoder", file=sys.stderr)
+        (out / "smollm2.json").unlink(missing_ok=True)
+        return 0
+    key = cache_key(repo, folder)
+    try:
+        if json.loads((out / "smollm2.json").read_text()).get("key") == key:
+            print(f"smollm2.py: {out / 'smollm2.json'} is up to date", file=sys.stderr)
+            return 0
+    except (OSError, ValueError):
+        pass
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from libpipe.export_llm import export_llm
+
+    out.mkdir(parents=True, exist_ok=True)
+    decoder = out / "smollm2.pt"
+    export_llm(str(folder), str(decoder), max_seq_len=MAX_LEN, max_batch=SLOTS, dtype="fp32")
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    prompt_ids = tok.encode(PROMPT, add_special_tokens=False).ids
+    eos = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32)
+    with torch.no_grad():
+        ids = torch.tensor([prompt_ids])
+        generated = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=MAX_TOKENS,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )[0, len(prompt_ids) :].tolist()
+    description = {
+        "key": key,
+        "model_dir": str(folder),
+        "decoder": str(decoder),
+        "split": f"model.layers.{layers // 2}:begin",
+        "prompt": PROMPT,
+        "prompt_ids": prompt_ids,
+        "max_tokens": MAX_TOKENS,
+        "expected_ids": generated,
+        "expected_text": tok.decode(generated, skip_special_tokens=True),
+    }
+    (out / "smollm2.json").write_text(json.dumps(description, indent=1))
+    print(f"smollm2.py: {folder} exported; transformers continues {PROMPT!r} with "
+          f"{description['expected_text']!r}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
