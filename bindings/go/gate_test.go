@@ -30,7 +30,7 @@ func TestMain(m *testing.M) {
 		// 127), so it can only be held at keys 1 .. decoderKeys: they are kept for it, before
 		// any other test takes a key (a key another test opened would let it pass at once).
 		for range decoderKeys {
-			gate.NewKey()
+			decoderKeyPool <- gate.NewKey()
 		}
 	}
 	code := m.Run()

@@ -17,7 +17,6 @@ import (
 	"runtime"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -26,25 +25,60 @@ import (
 	"github.com/libpipe/libpipe/bindings/go/internal/testgate"
 )
 
-// decoderKeys gate keys (1 .. decoderKeys) are kept for the gated decoder by TestMain.
+// decoderKeys gate keys (1 .. decoderKeys) are kept for the gated decoder by TestMain, which puts
+// them in decoderKeyPool. A test takes one per sequence it holds and gives it back once that
+// sequence's step has passed the gate, so that the tests can run again in one process (-count).
 const decoderKeys = 8
 
-var lastDecoderKey atomic.Int64
+var decoderKeyPool = make(chan int64, decoderKeys)
 
-// decoderKey is a key of the gated decoder that no test used before; its gates are opened when
-// the test ends, before the generator is closed (cleanups run last-in first-out).
+// decoderKey is a key of the gated decoder that no sequence holds; it is opened when the test
+// ends, before the generator is closed (cleanups run last-in first-out), and given back to the
+// pool once the step it held has left the gate. The test must see that step arrive at the gate.
 func decoderKey(t *testing.T) int64 {
 	t.Helper()
 	if gateErr != nil {
 		t.Fatalf("no test gate: %v (set LIBPIPE_TEST_GATE_LIB, or put libpipe_test_gate.so in LIBPIPE_FIXTURES)",
 			gateErr)
 	}
-	k := lastDecoderKey.Add(1)
-	if k > decoderKeys {
-		t.Fatalf("more than %d keys of the gated decoder used: raise decoderKeys", decoderKeys)
+	var k int64
+	select {
+	case k = <-decoderKeyPool:
+	default:
+		t.Fatalf("all %d keys of the gated decoder are in use", decoderKeys)
 	}
-	t.Cleanup(func() { gate.Open(k, "") })
+	t.Cleanup(func() { releaseDecoderKey(t, k) })
 	return k
+}
+
+// releaseDecoderKey opens key k and, once its held step has left the gate, removes its gate files
+// and gives it back. A key whose step never arrived (the test failed before) stays open and out
+// of the pool: its step may still arrive, and must then pass.
+func releaseDecoderKey(t *testing.T, k int64) {
+	if err := gate.Open(k, ""); err != nil {
+		t.Error(err)
+		return
+	}
+	arrived, err := gate.Count(k, "stage1", testgate.Arrived)
+	if err != nil || arrived == 0 {
+		return
+	}
+	if err := gate.Wait(k, "stage1", testgate.Left, arrived); err != nil {
+		t.Error(err)
+		return
+	}
+	files, err := filepath.Glob(filepath.Join(gate.Dir(), fmt.Sprintf("gate-%d.*", k)))
+	if err != nil {
+		t.Error(err)
+		return
+	}
+	for _, f := range files {
+		if err := os.Remove(f); err != nil {
+			t.Error(err)
+			return
+		}
+	}
+	decoderKeyPool <- k
 }
 
 // heldPrompt is a prompt whose prefill step the gated decoder holds at key's gate.
@@ -408,6 +442,8 @@ func TestGenerateDeadlineWhileHeld(t *testing.T) {
 		}
 		g = must(next, err)(t)
 	}
+	// Its step reaches the gate whatever the deadline (a stage is not interrupted).
+	waitGate(t, key, "stage1", testgate.Arrived, 1)
 	got, err := collect(t, g, "past the deadline") // the gate stays shut: only the deadline ends it
 	asError(t, err, pipe.StatusDeadlineExceeded)
 	if !errors.Is(err, context.DeadlineExceeded) || len(got) != 0 {
