@@ -106,8 +106,8 @@ def main():
         "expected_text": tok.decode(generated, skip_special_tokens=True),
     }
     (out / "smollm2.json").write_text(json.dumps(description, indent=1))
-    print(f"smollm2.py: {folder} exported; transformers continues {PROMPT!r} with "
-          f"{description['expected_text']!r}", file=sys.stderr)
+    text = description["expected_text"]
+    print(f"smollm2.py: {folder} exported; transformers continues {PROMPT!r} with {text!r}", file=sys.stderr)
     return 0
 
 
