@@ -124,7 +124,8 @@ func (g *Generator) load() error {
 		return errorf(op, StatusOutOfMemory, "cannot allocate generator info")
 	}
 	defer capi.DeletePipe_generator_info(info)
-	if err := call("pipe_generator_get_info", func() int { return capi.Pipe_generator_get_info(g.ptr, info) }); err != nil {
+	err := call("pipe_generator_get_info", func() int { return capi.Pipe_generator_get_info(g.ptr, info) })
+	if err != nil {
 		return err
 	}
 	g.info = GeneratorInfo{
@@ -552,7 +553,8 @@ func (c *generationCore) info() (GenerationInfo, error) {
 		return GenerationInfo{}, errorf("Generation.Info", StatusOutOfMemory, "cannot allocate generation info")
 	}
 	defer capi.DeletePipe_generation_info(info)
-	if err := call("pipe_generation_get_info", func() int { return capi.Pipe_generation_get_info(c.ptr, info) }); err != nil {
+	err := call("pipe_generation_get_info", func() int { return capi.Pipe_generation_get_info(c.ptr, info) })
+	if err != nil {
 		return GenerationInfo{}, err
 	}
 	return GenerationInfo{
