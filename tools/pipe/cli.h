@@ -1,5 +1,5 @@
 /* The pipe tool's internals, shared by its command files: argument parsing (args.c), the
- * pipeline that run and bench open (pipeline.c), local worker processes (workers.c), and one
+ * pipeline that run, bench and generate open (pipeline.c), local worker processes (workers.c), and one
  * cmd_* entry point per command. Everything here is written against the public C ABI only. */
 #ifndef PIPE_CLI_H
 #define PIPE_CLI_H
@@ -17,6 +17,7 @@ int cmd_split(int argc, char **argv);
 int cmd_run(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_worker(int argc, char **argv);
+int cmd_generate(int argc, char **argv);
 
 /* ---- reporting (args.c) ---- */
 /* Prints "pipe: error: <message> (run 'pipe --help' for usage)" and returns 2. */
@@ -31,7 +32,7 @@ int parse_int(const char *flag, const char *text, int32_t *out);
 
 #define MAX_SPLIT_POINTS 256
 
-/* The SPLIT arguments shared by split, run and bench, with the stage weight options. */
+/* The SPLIT arguments shared by split, run, bench and generate, with the stage weight options. */
 typedef struct {
   const char *points[MAX_SPLIT_POINTS];
   int num_points;
@@ -49,7 +50,7 @@ int parse_split_arg(int argc, char **argv, int *i, split_args *s);
 /* 2 after a usage error for a combination SPLIT does not allow, else 0. */
 int check_split_args(const char *cmd, const split_args *split);
 
-/* The session options run and bench share: micro-batching, and the processes the stages are
+/* The session options run, bench and generate share: micro-batching (not generate), and the processes the stages are
  * spread over. */
 typedef struct {
   pipe_session_options options;
@@ -79,7 +80,7 @@ int start_workers(local_workers *w, const session_args *s, const char *store);
  * the comm timeout, or all of them at once with `kill_now`. */
 void reap_workers(local_workers *w, int kill_now);
 
-/* ---- the model, plan and session behind run and bench (pipeline.c) ---- */
+/* ---- the model, plan and session behind run, bench and generate (pipeline.c) ---- */
 /* Cuts `model` as SPLIT says; `examples` (may be NULL) are example inputs for timing. 0, or 1
  * after reporting. */
 int make_plan(pipe_model *model, const split_args *split, const DLManagedTensor *const *examples, size_t num_examples,
@@ -91,11 +92,12 @@ int read_inputs(const pipe_model *model, const char *path, pipe_tensor_list **li
                 size_t *num_args);
 
 /* A model loaded, its inputs read, cut as SPLIT says, and a session started: what run and bench
- * share. */
+ * share; generate has no inputs and a generator that owns the session. */
 typedef struct {
   pipe_model *model;
   pipe_plan *plan;
-  pipe_session *session;
+  pipe_session *session;     /* generate: borrowed from `generator` */
+  pipe_generator *generator; /* generate only */
   pipe_tensor_list *in;
   const DLManagedTensor **args;
   size_t num_args;
@@ -104,6 +106,10 @@ typedef struct {
 
 /* Returns 0, or 1 after reporting the error (and closing what was opened). */
 int open_pipeline(pipeline *p, const char *model_path, const char *in_path, const split_args *split, session_args *s);
+/* For generate: the model loaded and cut, and a generator created with `options` (may be NULL).
+ * Returns 0, or 1 after reporting the error (and closing what was opened). */
+int open_generator(pipeline *p, const char *model_path, const split_args *split, session_args *s,
+                   const pipe_generator_options *options);
 void close_pipeline(pipeline *p);
 
 static inline double now_ms(void) {

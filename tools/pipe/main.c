@@ -29,10 +29,23 @@ static const char usage_text[] =
     "      warm-up, and report throughput, latency percentiles and each stage's busy fraction.\n"
     "      --microbatching fixed cuts every request into M micro-batches; adaptive (the\n"
     "      default) cuts a request that arrives while others are in flight more coarsely.\n"
+    "  generate MODEL [SPLIT] --weights W --prompt-ids ID,ID,... [--prompt-ids ...]\n"
+    "      --max-new-tokens N [--temperature T [--top-k K] [--top-p P]] [--seed S]\n"
+    "      [--stop-ids ID,...] [--prefill-chunk C] [--threads-per-stage T] [--json]\n"
+    "      Generate up to N tokens after each prompt with MODEL, a decoder (`python -m\n"
+    "      libpipe.export_llm` writes one for a Hugging Face model). Every prompt is submitted\n"
+    "      at once, so they are batched and pipelined together; prints the generated ids, one\n"
+    "      line per prompt in order. Greedy unless --temperature T > 0, then sampled among the\n"
+    "      top K ids (default all) and the top-P probability mass (default 1), prompt i with\n"
+    "      seed S + i (default S 0). A sequence ends at a --stop-ids id (printed as its last\n"
+    "      id) or after N tokens. --prefill-chunk: prompt tokens per step (default 256), so that\n"
+    "      long prompts do not stall the others. --json prints {\"outputs\": [[ids], ...],\n"
+    "      \"tokens_per_s\": x, \"time_to_first_token_ms\": y, \"finish_reasons\": [...]} (each\n"
+    "      \"stop\" or \"length\").\n"
     "  worker --rank R --world-size N --store HOST:PORT [--comm-timeout-ms T] [--threads T]\n"
-    "      Host stages for a session whose driver (a `pipe run`/`bench` with --world-size, or a\n"
-    "      program of the C ABI) listens at HOST:PORT (the port it reported, never 0); exits\n"
-    "      when that session ends.\n"
+    "      Host stages for a session whose driver (a `pipe run`/`bench`/`generate` with\n"
+    "      --world-size, or a program of the C ABI) listens at HOST:PORT (the port it\n"
+    "      reported, never 0); exits when that session ends.\n"
     "  version\n"
     "      Print the libpipe version.\n"
     "\n"
@@ -47,12 +60,12 @@ static const char usage_text[] =
     "                                  *.safetensors.index.json (needed for skeleton models)\n"
     "  --dtype fp32|fp16|bf16          convert floating weights (and inputs) to this dtype\n"
     "\n"
-    "run and bench place the stages with:\n"
+    "run, bench and generate place the stages with:\n"
     "  --devices D0,D1,...|D|auto      one device per stage (cpu, cuda, cuda:N), one device for\n"
     "                                  all, or auto (the visible GPUs in order, else the CPU);\n"
     "                                  default: every stage on the CPU\n"
     "\n"
-    "run and bench spread the stages over processes with:\n"
+    "run, bench and generate spread the stages over processes with:\n"
     "  --processes N                   start N-1 local workers (`pipe worker`) and use them\n"
     "  --world-size N --store HOST:PORT  drive N-1 workers started elsewhere; this process\n"
     "                                  hosts the rendezvous store at HOST:PORT (PORT 0: a free\n"
@@ -79,6 +92,7 @@ int main(int argc, char **argv) {
   if (strcmp(cmd, "split") == 0) return cmd_split(argc - 2, argv + 2);
   if (strcmp(cmd, "run") == 0) return cmd_run(argc - 2, argv + 2);
   if (strcmp(cmd, "bench") == 0) return cmd_bench(argc - 2, argv + 2);
+  if (strcmp(cmd, "generate") == 0) return cmd_generate(argc - 2, argv + 2);
   if (strcmp(cmd, "worker") == 0) return cmd_worker(argc - 2, argv + 2);
   return usage_error("unknown command '%s'", cmd);
 }

@@ -1,5 +1,6 @@
-/* What run and bench share: the model loaded, its inputs read and lined up with its forward
- * arguments, the plan made as SPLIT says, local workers started, and the session created. */
+/* What run, bench and generate share: the model loaded, its inputs read and lined up with its
+ * forward arguments (run and bench), the plan made as SPLIT says, local workers started, and the
+ * session created (for generate, the generator that owns one). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -112,54 +113,73 @@ void close_pipeline(pipeline *p) {
   pipe_tensor_list_destroy(p->in);
   /* A session that works tells its workers to finish; a broken one cannot. */
   int broken = p->session && pipe_session_check(p->session) != PIPE_OK;
-  pipe_session_destroy(p->session);
+  if (p->generator) pipe_generator_destroy(p->generator); /* and the session it owns */
+  else pipe_session_destroy(p->session);
   reap_workers(&p->workers, broken || !p->session);
   pipe_plan_destroy(p->plan);
   pipe_model_destroy(p->model);
   memset(p, 0, sizeof *p);
 }
 
-int open_pipeline(pipeline *p, const char *model_path, const char *in_path, const split_args *split, session_args *s) {
+/* Loads the model, reads `in_path` (NULL: no inputs) and cuts the plan. */
+static int open_plan(pipeline *p, const char *model_path, const char *in_path, const split_args *split,
+                     session_args *s) {
   memset(p, 0, sizeof *p);
   p->workers.comm_timeout_ms = s->options.comm_timeout_ms;
   pipe_status st = pipe_model_load(model_path, &p->model);
-  if (st != PIPE_OK) {
-    fail("cannot load model", st);
-    return 1;
-  }
-  if (read_inputs(p->model, in_path, &p->in, &p->args, &p->num_args) != 0) goto failed;
+  if (st != PIPE_OK) return fail("cannot load model", st);
+  if (in_path && read_inputs(p->model, in_path, &p->in, &p->args, &p->num_args) != 0) return 1;
   /* Policy time measures the model on the inputs being run. */
-  int timed = split->policy && strcmp(split->policy, "time") == 0;
-  if (make_plan(p->model, split, timed ? p->args : NULL, p->num_args, &p->plan) != 0) goto failed;
+  int timed = in_path && split->policy && strcmp(split->policy, "time") == 0;
+  if (make_plan(p->model, split, timed ? p->args : NULL, p->num_args, &p->plan) != 0) return 1;
   if (s->processes > 1) {
     size_t stages = 0;
-    if ((st = pipe_plan_num_stages(p->plan, &stages)) != PIPE_OK) {
-      fail("cannot count the plan's stages", st);
-      goto failed;
-    }
+    if ((st = pipe_plan_num_stages(p->plan, &stages)) != PIPE_OK) return fail("cannot count the plan's stages", st);
     if (stages < (size_t)s->processes) {
       fprintf(stderr,
               "pipe: error: --processes %d: the plan has only %zu stage%s and every process hosts at least "
               "one; use at most %zu processes or cut more stages\n",
               s->processes, stages, stages == 1 ? "" : "s", stages);
-      goto failed;
+      return 1;
     }
     if (!s->options.store) s->options.store = "127.0.0.1:0"; /* the store picks a free port */
   }
+  return 0;
+}
+
+/* Creates the session, or with `generate` the generator and its session, starting the local
+ * workers once the store listens. */
+static int start_session(pipeline *p, const split_args *split, session_args *s,
+                         const pipe_generator_options *generate) {
   pipe_session_options with_weights = s->options;
   with_weights.stage_options = &split->weights;
   store_watch watch = {&p->workers, s};
-  if (s->options.world_size > 1 && (st = pipe_set_log_callback(watch_store, &watch, PIPE_LOG_INFO)) != PIPE_OK) {
-    fail("cannot watch libpipe's log for the store's address", st);
-    goto failed;
+  pipe_status st;
+  if (s->options.world_size > 1 && (st = pipe_set_log_callback(watch_store, &watch, PIPE_LOG_INFO)) != PIPE_OK)
+    return fail("cannot watch libpipe's log for the store's address", st);
+  if (generate) {
+    st = pipe_generator_create(p->plan, &with_weights, generate, &p->generator);
+    if (st == PIPE_OK) st = pipe_generator_session(p->generator, &p->session);
+    /* before the next call replaces its message */
+    if (st != PIPE_OK) fail(p->generator ? "cannot reach the generator's session" : "cannot create the generator", st);
+  } else {
+    st = pipe_session_create(p->plan, &with_weights, &p->session);
+    if (st != PIPE_OK) fail("cannot create session", st);
   }
-  st = pipe_session_create(p->plan, &with_weights, &p->session);
-  if (st != PIPE_OK) fail("cannot create session", st); /* before the next call replaces its message */
   if (s->options.world_size > 1 && pipe_set_log_callback(NULL, NULL, PIPE_LOG_WARNING) != PIPE_OK)
     fprintf(stderr, "pipe: warning: cannot put libpipe's default logger back: %s\n", pipe_last_error());
-  if (st != PIPE_OK) goto failed;
-  return 0;
-failed:
+  return st == PIPE_OK ? 0 : 1;
+}
+
+int open_pipeline(pipeline *p, const char *model_path, const char *in_path, const split_args *split, session_args *s) {
+  if (open_plan(p, model_path, in_path, split, s) == 0 && start_session(p, split, s, NULL) == 0) return 0;
+  close_pipeline(p);
+  return 1;
+}
+
+int open_generator(pipeline *p, const char *model_path, const split_args *split, session_args *s,
+                   const pipe_generator_options *options) {
+  if (open_plan(p, model_path, NULL, split, s) == 0 && start_session(p, split, s, options) == 0) return 0;
   close_pipeline(p);
   return 1;
 }

@@ -1,0 +1,370 @@
+/* pipe generate MODEL [SPLIT] --weights W --prompt-ids 1,2,3 [--prompt-ids ...] --max-new-tokens N:
+ * token generation with a decoder (pipe.h, "Generation") through the C ABI's generator. Every
+ * prompt is submitted at once, so that they batch and pipeline together (prompt i samples with
+ * seed S + i); the output is one line of generated ids per prompt, in prompt order, or with --json
+ * {"outputs": [[...], ...], "tokens_per_s": x, "time_to_first_token_ms": y, "finish_reasons": [...]}. */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+
+typedef struct {
+  int64_t *ids;
+  size_t len;
+} id_list;
+
+/* One prompt: its ids, its generation, and what it generated. */
+typedef struct {
+  id_list prompt;
+  pipe_generation *generation;
+  int finished; /* its wait returned */
+  id_list out;
+  int32_t finish_reason;
+} prompt_state;
+
+typedef struct {
+  int json;
+  int has_max_new_tokens;
+  int greedy;                /* no --temperature, or 0 */
+  const char *sampling_flag; /* a sampling-only flag given (--top-k, --top-p), for the greedy check */
+  pipe_generation_options generation;
+  pipe_generator_options generator;
+  id_list stop;
+  prompt_state *prompts;
+  size_t num_prompts;
+} generate_args;
+
+static int parse_int64(const char *flag, const char *text, int64_t min, int64_t *out) {
+  char *end = NULL;
+  errno = 0;
+  long long value = strtoll(text, &end, 10);
+  if (errno != 0 || end == text || *end != '\0')
+    return usage_error("generate: %s expects an integer, got '%s'", flag, text);
+  if (value < min) return usage_error("generate: %s must be at least %lld, got %lld", flag, (long long)min, value);
+  *out = (int64_t)value;
+  return 0;
+}
+
+static int parse_double(const char *flag, const char *text, double *out) {
+  char *end = NULL;
+  errno = 0;
+  double value = strtod(text, &end);
+  if (errno != 0 || end == text || *end != '\0' || !isfinite(value))
+    return usage_error("generate: %s expects a number, got '%s'", flag, text);
+  *out = value;
+  return 0;
+}
+
+static int parse_seed(const char *text, uint64_t *out) {
+  char *end = NULL;
+  errno = 0;
+  const char *digits = text + strspn(text, " ");
+  unsigned long long value = strtoull(digits, &end, 10);
+  if (*digits == '-' || *digits == '+' || errno != 0 || end == digits || *end != '\0')
+    return usage_error("generate: --seed expects an integer from 0 to 18446744073709551615, got '%s'", text);
+  *out = (uint64_t)value;
+  return 0;
+}
+
+/* "1,2,3" (spaces around the ids allowed) into a fresh list. Only the syntax is checked here:
+ * libpipe checks the ids against the model's vocabulary. */
+static int parse_ids(const char *flag, const char *text, id_list *out) {
+  size_t items = 1;
+  for (const char *c = text; *c; ++c) items += *c == ',';
+  out->ids = malloc(items * sizeof *out->ids);
+  out->len = 0;
+  if (!out->ids) {
+    fprintf(stderr, "pipe: error: out of memory\n");
+    return 1;
+  }
+  const char *item = text;
+  for (size_t k = 0; k < items; ++k) {
+    const char *comma = strchr(item, ',');
+    size_t length = comma ? (size_t)(comma - item) : strlen(item);
+    char *end = NULL;
+    errno = 0;
+    long long value = strtoll(item, &end, 10);
+    while (end && end < item + length && *end == ' ') ++end;
+    if (errno != 0 || end == item || end != item + length) {
+      free(out->ids);
+      out->ids = NULL;
+      return usage_error("generate: %s expects comma-separated token ids such as 1,2,3; id %zu of '%s' is '%.*s'", flag,
+                         k + 1, text, (int)length, item);
+    }
+    out->ids[out->len++] = (int64_t)value;
+    item = comma ? comma + 1 : item + length;
+  }
+  return 0;
+}
+
+/* Consumes argv[*i] (and its value) if it is one of generate's own flags: 1 if consumed, 0 if
+ * not one of them, 2 after a usage error. */
+static int parse_generate_arg(int argc, char **argv, int *i, generate_args *g, session_args *s) {
+  static const char *const flags[] = {
+      "--prompt-ids", "--max-new-tokens", "--temperature",   "--top-k", "--top-p",
+      "--seed",       "--stop-ids",       "--prefill-chunk", "--json",  "--threads-per-stage"};
+  const char *a = argv[*i];
+  size_t k = 0;
+  while (k < sizeof flags / sizeof *flags && strcmp(a, flags[k]) != 0) ++k;
+  if (k == sizeof flags / sizeof *flags) return 0;
+  if (strcmp(a, "--json") == 0) {
+    g->json = 1;
+    return 1;
+  }
+  if (*i + 1 >= argc) return usage_error("generate: %s needs a value", a);
+  const char *v = argv[++*i];
+  pipe_generation_options *o = &g->generation;
+  switch (k) {
+    case 0: {
+      prompt_state *p = &g->prompts[g->num_prompts];
+      if (parse_ids(a, v, &p->prompt) != 0) return 2;
+      ++g->num_prompts;
+      return 1;
+    }
+    case 1: g->has_max_new_tokens = 1; return parse_int64(a, v, 1, &o->max_new_tokens) ? 2 : 1;
+    case 2:
+      if (parse_double(a, v, &o->temperature)) return 2;
+      if (o->temperature < 0) return usage_error("generate: --temperature must be 0 (greedy) or more, got %s", v);
+      g->greedy = o->temperature == 0;
+      return 1;
+    case 3: g->sampling_flag = a; return parse_int64(a, v, 0, &o->top_k) ? 2 : 1;
+    case 4:
+      g->sampling_flag = a;
+      if (parse_double(a, v, &o->top_p)) return 2;
+      if (!(o->top_p > 0 && o->top_p <= 1)) return usage_error("generate: --top-p must be in (0, 1], got %s", v);
+      return 1;
+    case 5: return parse_seed(v, &o->seed) ? 2 : 1;
+    case 6: free(g->stop.ids); return parse_ids(a, v, &g->stop) ? 2 : 1;
+    case 7: return parse_int64(a, v, 1, &g->generator.prefill_chunk) ? 2 : 1;
+    default:
+      if (parse_int(a, v, &s->options.threads_per_stage)) return 2;
+      if (s->options.threads_per_stage < 0)
+        return usage_error("generate: --threads-per-stage must be 0 (libpipe decides) or more, got %s", v);
+      return 1;
+  }
+}
+
+static void free_args(generate_args *g) {
+  for (size_t i = 0; i < g->num_prompts; ++i) {
+    free(g->prompts[i].prompt.ids);
+    free(g->prompts[i].out.ids);
+  }
+  free(g->prompts);
+  free(g->stop.ids);
+}
+
+/* Reports a failed call about prompt `i` (0-based; users count from 1). Returns 1. */
+static int fail_prompt(const generate_args *g, size_t i, const char *what, pipe_status status) {
+  char label[160];
+  snprintf(label, sizeof label, "prompt %zu of %zu: %s", i + 1, g->num_prompts, what);
+  return fail(label, status);
+}
+
+/* Waits for prompt i's generation to finish and reads what it generated. 0, or 1 after
+ * reporting (a sequence that failed names its prompt and the error). */
+static int collect(generate_args *g, size_t i) {
+  prompt_state *p = &g->prompts[i];
+  pipe_status st = pipe_generation_wait(p->generation, -1);
+  p->finished = 1;
+  if (st != PIPE_OK) return fail_prompt(g, i, "generation failed", st);
+  if (p->out.ids) return 0; /* collected before, while waiting for room to submit */
+  pipe_generation_info info = PIPE_GENERATION_INFO_INIT;
+  if ((st = pipe_generation_get_info(p->generation, &info)) != PIPE_OK)
+    return fail_prompt(g, i, "cannot read the generation's progress", st);
+  p->finish_reason = info.finish_reason;
+  size_t capacity = info.generated_tokens > 0 ? (size_t)info.generated_tokens : 1;
+  p->out.ids = malloc(capacity * sizeof *p->out.ids);
+  if (!p->out.ids) {
+    fprintf(stderr, "pipe: error: out of memory\n");
+    return 1;
+  }
+  for (int32_t done = 0; !done;) {
+    if (p->out.len == capacity) {
+      int64_t *grown = realloc(p->out.ids, 2 * capacity * sizeof *grown);
+      if (!grown) {
+        fprintf(stderr, "pipe: error: out of memory\n");
+        return 1;
+      }
+      p->out.ids = grown;
+      capacity *= 2;
+    }
+    size_t count = 0;
+    st = pipe_generation_read(p->generation, p->out.ids + p->out.len, capacity - p->out.len, &count, &done);
+    if (st != PIPE_OK) return fail_prompt(g, i, "cannot read the generated tokens", st);
+    p->out.len += count;
+    /* A finished sequence has every token ready: a read that gives none and is not done would
+     * loop forever. */
+    if (count == 0 && !done) {
+      fprintf(stderr, "pipe: error: prompt %zu: libpipe reported the sequence finished but holds back its tokens\n",
+              i + 1);
+      return 1;
+    }
+  }
+  return 0;
+}
+
+/* libpipe checks prompts, but a stop id outside the vocabulary would just never match: a typo
+ * that silently generates to the limit. 0, or 1 after reporting. */
+static int check_stop_ids(const generate_args *g, const pipe_generator *generator) {
+  pipe_generator_info info = PIPE_GENERATOR_INFO_INIT;
+  pipe_status st = pipe_generator_get_info(generator, &info);
+  if (st != PIPE_OK) return fail("cannot read what the decoder offers", st);
+  for (size_t k = 0; k < g->stop.len; ++k) {
+    if (g->stop.ids[k] < 0 || g->stop.ids[k] >= info.vocab) {
+      fprintf(stderr, "pipe: error: --stop-ids: %lld is outside the model's vocabulary 0..%lld\n",
+              (long long)g->stop.ids[k], (long long)info.vocab - 1);
+      return 1;
+    }
+  }
+  return 0;
+}
+
+/* Submits every prompt. When the generator's queue is full (PIPE_ERR_BUSY), waits for the
+ * oldest generation still going, which holds a cache slot, to finish and tries again. */
+static int submit_all(generate_args *g, pipe_generator *generator) {
+  size_t oldest = 0; /* every prompt before it has finished */
+  for (size_t i = 0; i < g->num_prompts; ++i) {
+    pipe_generation_options o = g->generation;
+    o.seed = g->generation.seed + (uint64_t)i; /* wraps around, as the seed is any 64-bit value */
+    o.stop_ids = g->stop.ids;
+    o.num_stop_ids = g->stop.len;
+    prompt_state *p = &g->prompts[i];
+    for (;;) {
+      pipe_status st = pipe_generator_submit(generator, p->prompt.ids, p->prompt.len, &o, &p->generation);
+      if (st == PIPE_OK) break;
+      if (st != PIPE_ERR_BUSY) return fail_prompt(g, i, "cannot submit", st);
+      while (oldest < i && g->prompts[oldest].finished) ++oldest;
+      if (oldest == i) { /* nothing of ours is in flight: busy would never end */
+        fail_prompt(g, i, "the generator is busy with no generation of this command in flight", st);
+        return 1;
+      }
+      if (collect(g, oldest) != 0) return 1;
+    }
+  }
+  return 0;
+}
+
+static const char *finish_reason_name(int32_t reason) {
+  switch (reason) {
+    case PIPE_FINISH_STOP: return "stop";
+    case PIPE_FINISH_LENGTH: return "length";
+    case PIPE_FINISH_CANCELLED: return "cancelled";
+    case PIPE_FINISH_DEADLINE: return "deadline";
+    case PIPE_FINISH_ERROR: return "error";
+    default: return "none";
+  }
+}
+
+static void print_ids(const id_list *ids) {
+  for (size_t k = 0; k < ids->len; ++k) printf("%s%lld", k ? " " : "", (long long)ids->ids[k]);
+}
+
+static int print_json(const generate_args *g, pipe_generator *generator) {
+  pipe_generator_stats stats = PIPE_GENERATOR_STATS_INIT;
+  pipe_status st = pipe_generator_get_stats(generator, &stats);
+  if (st != PIPE_OK) return fail("cannot read the generator's statistics", st);
+  printf("{\"outputs\": [");
+  for (size_t i = 0; i < g->num_prompts; ++i) {
+    const id_list *out = &g->prompts[i].out;
+    printf("%s[", i ? ", " : "");
+    for (size_t k = 0; k < out->len; ++k) printf("%s%lld", k ? ", " : "", (long long)out->ids[k]);
+    printf("]");
+  }
+  printf("], \"tokens_per_s\": %.3f, \"time_to_first_token_ms\": %.3f, \"finish_reasons\": [",
+         isfinite(stats.tokens_per_s) ? stats.tokens_per_s : 0.0,
+         isfinite(stats.mean_time_to_first_token_ms) ? stats.mean_time_to_first_token_ms : 0.0);
+  for (size_t i = 0; i < g->num_prompts; ++i)
+    printf("%s\"%s\"", i ? ", " : "", finish_reason_name(g->prompts[i].finish_reason));
+  printf("]}\n");
+  return 0;
+}
+
+int cmd_generate(int argc, char **argv) {
+  const char *model_path = NULL;
+  split_args split = SPLIT_ARGS_INIT;
+  session_args session;
+  init_session_args(&session);
+  generate_args g;
+  memset(&g, 0, sizeof g);
+  pipe_generation_options generation = PIPE_GENERATION_OPTIONS_INIT;
+  pipe_generator_options generator = PIPE_GENERATOR_OPTIONS_INIT;
+  g.generation = generation;
+  g.generator = generator;
+  g.greedy = 1;
+  g.prompts = calloc(argc > 0 ? (size_t)argc : 1, sizeof *g.prompts);
+  if (!g.prompts) {
+    fprintf(stderr, "pipe: error: out of memory\n");
+    return 1;
+  }
+  int rc = 2;
+  for (int i = 0; i < argc; ++i) {
+    const char *a = argv[i];
+    if (strcmp(a, "--microbatches") == 0 || strcmp(a, "--microbatching") == 0) {
+      usage_error("generate: %s does not apply: each generation step is one micro-batch", a);
+      goto done;
+    }
+    int r = parse_split_arg(argc, argv, &i, &split);
+    if (r == 0) r = parse_session_arg(argc, argv, &i, "generate", &session);
+    if (r == 0) r = parse_generate_arg(argc, argv, &i, &g, &session);
+    if (r == 2) goto done;
+    if (r == 1) continue;
+    if (a[0] == '-') {
+      usage_error("generate: unknown option '%s'", a);
+      goto done;
+    }
+    if (model_path) {
+      usage_error("generate: unexpected argument '%s'", a);
+      goto done;
+    }
+    model_path = a;
+  }
+  if (!model_path) {
+    usage_error("generate: MODEL is required");
+    goto done;
+  }
+  if (g.num_prompts == 0) {
+    usage_error("generate: give at least one prompt as --prompt-ids ID,ID,... (token ids of the model's vocabulary)");
+    goto done;
+  }
+  if (!g.has_max_new_tokens) {
+    usage_error("generate: --max-new-tokens N is required (tokens to generate per prompt at most)");
+    goto done;
+  }
+  if (g.greedy && g.sampling_flag) {
+    usage_error("generate: %s samples, which needs --temperature T above 0 (without it, decoding is greedy)",
+                g.sampling_flag);
+    goto done;
+  }
+  if (split.policy && strcmp(split.policy, "time") == 0) {
+    usage_error(
+        "generate: --policy time measures the model on inputs, which generate does not take; use uniform "
+        "or params, or --split-at between decoder layers");
+    goto done;
+  }
+  if (check_split_args("generate", &split) || check_session_args("generate", &session)) goto done;
+
+  rc = 1;
+  pipeline p;
+  if (open_generator(&p, model_path, &split, &session, &g.generator) != 0) goto done;
+  if (check_stop_ids(&g, p.generator) == 0 && submit_all(&g, p.generator) == 0) {
+    int failed = 0;
+    for (size_t i = 0; i < g.num_prompts && !failed; ++i) {
+      failed = collect(&g, i) != 0;
+      if (!failed && !g.json) {
+        print_ids(&g.prompts[i].out);
+        putchar('\n');
+        fflush(stdout);
+      }
+    }
+    if (!failed) rc = g.json ? print_json(&g, p.generator) : 0;
+  }
+  /* The generator first: it cancels what still runs (after an error) at once. */
+  close_pipeline(&p);
+  for (size_t i = 0; i < g.num_prompts; ++i) pipe_generation_destroy(g.prompts[i].generation);
+done:
+  free_args(&g);
+  return rc;
+}
