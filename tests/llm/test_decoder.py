@@ -1,33 +1,25 @@
 """The decoder contract (libpipe.decoder) and `python -m libpipe.export_llm`, against transformers.
 
-Tiny random-weight Llama (tied head, llama3 rope scaling in one variant), Qwen2 (q/k/v biases),
-Mistral (a sliding window shorter than the sequences) and GPT-2 (learned positions, fused q/k/v
-stored [in, out], always tied) are saved with save_pretrained; the skeleton
-exported from their config.json, with weights from their own model.safetensors, must generate
-token for token what transformers' greedy `generate` does, prompt by prompt:
+The random-weight Llama, Qwen2, Mistral and GPT-2 models of llm_models.py, exported (conftest.py's
+`exported` fixture), must generate token for token what transformers' greedy `generate` does:
 
-- scripted in this process (the contract alone, no libpipe);
-- through libpipe sessions of 1, 2 and 3 stages cut at decoder layers, each call cut into
-  micro-batches, so that every layer's cache lives in the stage of its layer and its in-place
-  updates must survive the split: a batched prefill of prompts of different lengths in different
-  slots, then decode steps, with sequences joining mid-flight (a prefill row beside decode rows),
-  long prompts prefilled in chunks, and a finished sequence's slot reused by a new one;
-- over 2 processes (Gloo), the second stage's caches living in a `libpipe.run_worker` process.
+- scripted in this process (the contract alone, no libpipe): a batched prefill of prompts of
+  different lengths in different slots, then decode steps, and sequences joining mid-flight (a
+  prefill row beside decode rows), long prompts prefilled in chunks, a finished sequence's slot
+  reused by a new one;
+- through libpipe sessions driven step by step from here: two sessions of one plan (and one of
+  another plan) must not share caches, and a bfloat16 checkpoint or session dtype decodes as
+  transformers or eager PyTorch do in bfloat16.
 
-The weights are drawn with a large initializer_range so that generations vary from token to
-token (with the default, a random model repeats one token, which a broken cache would too).
-Errors: an unsupported model type or rope type fails the export with one line naming what is
-supported; positions beyond the caches, token ids outside the vocabulary and one slot twice in
-a call are refused by the module itself.
+Generation through libpipe's engine, over 1, 2 and 3 stages and 2 processes, is test_generate.py's
+(`pipe generate`). Here also: each layer's caches are buffers of the stage of its layer; errors: an
+unsupported model type or rope type fails the export with one line naming what is supported;
+positions beyond the caches, token ids outside the vocabulary and one slot twice in a call are
+refused by the module itself.
 """
 
-import contextlib
 import json
 import os
-import subprocess
-import sys
-import threading
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -35,151 +27,21 @@ from safetensors.torch import load_file
 
 import libpipe
 from libpipe.decoder import build_decoder
-
-MAX_LEN = 40
-SLOTS = 4
-NEW_TOKENS = 12
-VOCAB = 256
-# Prompts of different lengths; the longest is prefilled in chunks in the mid-flight test.
-PROMPTS = [
-    [5, 6, 7, 8, 9],
-    [100, 3],
-    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
-    [200, 201, 17, 250, 9, 9, 40],
-    [77],
-    [13, 31, 131, 113, 11, 3, 30, 90, 180, 255, 0, 12, 21, 14],
-]
-CHUNK = 4  # prefill chunk of the mid-flight test
-
-
-def common(**kw):
-    base = dict(
-        num_hidden_layers=3,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        initializer_range=0.3,
-        bos_token_id=0,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    base.update(kw)
-    return base
-
-
-def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(**common(tie_word_embeddings=True)))
-
-
-def llama3_rope():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    # Scaled frequencies that differ from the defaults within the positions generated here.
-    rope = dict(
-        rope_type="llama3",
-        rope_theta=500.0,
-        factor=8.0,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_position_embeddings=16,
-    )
-    return LlamaForCausalLM(LlamaConfig(**common(rope_parameters=rope, num_key_value_heads=1)))
-
-
-def qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    return Qwen2ForCausalLM(Qwen2Config(**common(num_key_value_heads=4)))
-
-
-def mistral():
-    from transformers import MistralConfig, MistralForCausalLM
-
-    # A window shorter than prompt + generation, so that the sliding mask decides outputs.
-    return MistralForCausalLM(MistralConfig(**common(sliding_window=8, head_dim=32)))
-
-
-def gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(
-        n_layer=3,
-        n_embd=64,
-        n_head=4,
-        n_positions=64,
-        vocab_size=VOCAB,
-        initializer_range=0.3,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    return GPT2LMHeadModel(cfg)
-
-
-MODELS = {"llama": llama, "llama3_rope": llama3_rope, "qwen2": qwen2, "mistral": mistral, "gpt2": gpt2}
-
-
-def num_layers(config):
-    return config.get("n_layer") or config["num_hidden_layers"]
-
-
-def layer_path(config):
-    """Where the decoder layers are: Hugging Face's module path, which the decoder keeps."""
-    return "transformer.h" if config["model_type"] == "gpt2" else "model.layers"
-
-
-@dataclass
-class Exported:
-    folder: str
-    skeleton: str
-    weights: str
-    config: dict
-    reference: list = field(default_factory=list)  # transformers' greedy tokens per prompt
-
-
-def export(folder, out, *args):
-    return subprocess.run(
-        [sys.executable, "-m", "libpipe.export_llm", str(folder), str(out), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-@pytest.fixture(scope="module", params=list(MODELS))
-def exported(request, tmp_path_factory):
-    name = request.param
-    folder = tmp_path_factory.mktemp(name)
-    torch.manual_seed(0)
-    hf = MODELS[name]().eval()
-    hf.save_pretrained(folder)
-    skeleton = folder / "decoder.pt"
-    result = export(folder, skeleton, "--max-seq-len", MAX_LEN, "--max-batch", SLOTS, "--dtype", "fp32")
-    assert result.returncode == 0, result.stderr
-    assert "KV cache" in result.stdout
-    reference = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            ids = torch.tensor([p])
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            reference.append(out[0, len(p) :].tolist())
-    # The test can fail: a random model that repeated one token would not tell a broken cache.
-    assert all(len(set(r)) >= 3 for r in reference), reference
-    with open(folder / "config.json") as f:
-        config = json.load(f)
-    return Exported(str(folder), str(skeleton), str(folder / "model.safetensors"), config, reference)
+from llm_models import (
+    CHUNK,
+    MAX_LEN,
+    NEW_TOKENS,
+    PROMPTS,
+    SLOTS,
+    VOCAB,
+    common,
+    export,
+    export_command,
+    greedy_reference,
+    layer_path,
+    num_layers,
+    split_points,
+)
 
 
 def pad(rows):
@@ -305,12 +167,6 @@ def libpipe_step(session):
     return lambda *args: session.run(*args)["output"]
 
 
-def split_points(config, stages):
-    layers = num_layers(config)
-    cut = [round(k * layers / stages) for k in range(1, stages)]
-    return [f"{layer_path(config)}.{k}:begin" for k in cut]
-
-
 def split(model, how, config):
     """1, 2, 3: cut at decoder layers; "params3": 3 stages balanced by libpipe (cuts may fall
     between a layer's attention and MLP, never inside the attention that holds the caches)."""
@@ -319,27 +175,24 @@ def split(model, how, config):
     return model.split(split_at=split_points(config, how) or None)
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3, "params3"])
-def test_libpipe_session_equals_transformers(exported, stages):
+@pytest.mark.parametrize("stages", [2, 3, "params3"])
+def test_caches_live_in_the_stage_of_their_layer(exported, stages):
     with libpipe.Model.load(exported.skeleton) as model:
         assert model.input_names == ("tokens", "start", "lengths", "slots")
         with split(model, stages, exported.config) as plan:
             assert plan.num_stages == (3 if stages == "params3" else stages)
-            described = plan.describe()["stages"]
-            # Each layer's caches are buffers of exactly one stage: the one of its layer.
             owners = {}
-            for s in described:
+            for s in plan.describe()["stages"]:
                 for b in s["buffers"]:
                     if b.endswith(("k_cache", "v_cache")):
                         assert b not in owners, f"{b} in stages {owners[b]} and {s['index']}"
                         owners[b] = s["index"]
             assert len(owners) == 2 * num_layers(exported.config)
-            with plan.session(weights=exported.weights, microbatches=2, microbatching="fixed") as session:
-                step = libpipe_step(session)
-                got = greedy_batched(step, PROMPTS[:SLOTS], [3, 1, 0, 2])
-                assert got == exported.reference[:SLOTS]
-                got = greedy_mid_flight(step, PROMPTS, [2, 0, 1])
-                assert got == exported.reference
+            if stages != "params3":  # cut at layers: each cache in the stage of its layer
+                cuts = [int(p.split(":")[0].split(".")[-1]) for p in split_points(exported.config, stages)]
+                for name, stage in owners.items():
+                    layer = int(name[len(layer_path(exported.config)) + 1 :].split(".")[0])
+                    assert stage == sum(layer >= c for c in cuts), name
 
 
 def greedy_interleaved(steps, prompt_sets, slots):
@@ -406,19 +259,7 @@ def test_bf16_checkpoint_equals_transformers_in_bf16(exported, tmp_path):
     result = export(tmp_path, skeleton, "--max-seq-len", MAX_LEN, "--max-batch", SLOTS)
     assert result.returncode == 0, result.stderr
     prompts = PROMPTS[:SLOTS]
-    reference = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            reference.append(out[0, len(p) :].tolist())
+    reference = greedy_reference(hf, prompts)
     with libpipe.Model.load(skeleton) as model, split(model, 2, exported.config) as plan:
         with plan.session(weights=tmp_path / "model.safetensors", microbatches=2) as session:
             assert greedy_batched(libpipe_step(session), prompts, [0, 1, 2, 3]) == reference
@@ -503,84 +344,11 @@ def test_unsupported_rope_is_refused(tmp_path):
 
 
 def test_missing_config_is_refused(tmp_path):
-    one_error_line(export(tmp_path, tmp_path / "out.pt"), "config.json")
+    """Through the command itself (`python -m`); every other export here calls its main()."""
+    one_error_line(export_command(tmp_path, tmp_path / "out.pt"), "config.json")
 
 
 def test_bad_sizes_and_output_are_refused(tmp_path):
     folder = write_config(tmp_path / "llama")
     one_error_line(export(folder, tmp_path / "out.pt", "--max-batch", 0), "at least 1")
     one_error_line(export(folder, tmp_path / "no" / "such" / "out.pt", "--max-seq-len", 8), "cannot write")
-
-
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOIN_TIMEOUT_S = 120  # joining and loading on a loaded machine; never decides a verdict
-
-
-@contextlib.contextmanager
-def worker_process(tmp_path):
-    """A child Python serving rank 1 of 2 with libpipe.run_worker; it prints "ready" once imported,
-    then reads the store address from stdin (so that its start-up never counts against joining)."""
-    code = (
-        "import sys, libpipe\n"
-        "print('ready', flush=True)\n"
-        "libpipe.run_worker(1, 2, sys.stdin.readline().strip(), comm_timeout=%r)\n" % JOIN_TIMEOUT_S
-    )
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    with open(tmp_path / "worker.stderr", "wb") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", code],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            env=env,
-        )
-        try:
-            assert proc.stdout.readline() == "ready\n", (tmp_path / "worker.stderr").read_text()
-            yield proc
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=60)
-            proc.stdout.close()
-            with contextlib.suppress(BrokenPipeError):
-                proc.stdin.close()
-
-
-def test_two_processes_equal_transformers(exported, tmp_path):
-    sys.path.insert(0, os.path.join(TESTS, "distributed"))
-    from storeport import ANY_PORT, StoreLog, wait_for_store
-
-    with libpipe.Model.load(exported.skeleton) as model, model.split(split_at=split_points(exported.config, 2)) as plan:
-        with worker_process(tmp_path) as worker:
-            created = {}
-
-            def create():
-                try:
-                    created["session"] = plan.session(
-                        transport="gloo",
-                        world_size=2,
-                        store=ANY_PORT,
-                        comm_timeout=JOIN_TIMEOUT_S,
-                        weights=exported.weights,
-                        microbatches=2,
-                    )
-                except BaseException as e:  # raised in the test's thread below
-                    created["error"] = e
-
-            with StoreLog() as log:
-                thread = threading.Thread(target=create, daemon=True)
-                thread.start()
-                store = wait_for_store(log.text, alive=thread.is_alive, what="plan.session")
-                worker.stdin.write(store + "\n")
-                worker.stdin.flush()
-                thread.join(2 * JOIN_TIMEOUT_S)
-            assert not thread.is_alive(), "plan.session hung"
-            if "error" in created:
-                raise created["error"]
-            with created["session"] as session:
-                step = libpipe_step(session)
-                assert greedy_batched(step, PROMPTS[:SLOTS], [1, 2, 3, 0]) == exported.reference[:SLOTS]
-                assert greedy_mid_flight(step, PROMPTS, [3, 1]) == exported.reference
-            assert worker.wait(timeout=JOIN_TIMEOUT_S) == 0, (tmp_path / "worker.stderr").read_text()
