@@ -2,7 +2,9 @@
 # there through pkg-config, as users find an installed libpipe) and one folder FIXTURES with the
 # demo model, the slow_loop model, the gated model and the test gate (tests/gate: the operator
 # library libpipe_test_gate.so, which a test process loads before the gated model, and gate.py),
-# and storeport.py (reads the port a driver's store picked, from libpipe's log).
+# storeport.py (reads the port a driver's store picked, from libpipe's log), and the decoders of
+# the generation tests (tiny_decoder.pt with its expected greedy tokens, gated_decoder.pt; made by
+# the decoder_models fixture, tests/models/decoder_models.py).
 #   cmake -DBUILD=... -DSTAGE=... -DFIXTURES=... -DDEMO=... -DMODELS=... -DGATE_LIB=... -DGATE_PY=... \
 #         -DSTOREPORT_PY=... -P stage.cmake
 execute_process(COMMAND "${CMAKE_COMMAND}" --install "${BUILD}" --prefix "${STAGE}"
@@ -15,5 +17,6 @@ file(COPY "${DEMO}/demo.pt" "${DEMO}/demo.inputs.safetensors" "${DEMO}/demo.expe
           "${MODELS}/slow_loop.scripted.pt" "${MODELS}/slow_loop.inputs.safetensors"
           "${MODELS}/slow_loop.expected.safetensors"
           "${MODELS}/gated.scripted.pt" "${MODELS}/gated.inputs.safetensors" "${MODELS}/gated.expected.safetensors"
+          "${MODELS}/tiny_decoder.pt" "${MODELS}/tiny_decoder.expected.json" "${MODELS}/gated_decoder.pt"
           "${GATE_LIB}" "${GATE_PY}" "${STOREPORT_PY}"
      DESTINATION "${FIXTURES}")
