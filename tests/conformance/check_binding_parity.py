@@ -48,10 +48,8 @@ NOT_BOUND = {
         "pipe_plan_stage_param_bytes": "Plan.describe() gives every stage's param_bytes",
         "pipe_plan_stage_estimated_ms": "Plan.describe() gives every stage's estimated_ms",
         "pipe_request_on_done": "asyncio watches pipe_request_fd; a callback would run Python on a libpipe thread",
-        # ---- Generation (0.8, issue 15): being bound now. Each line below is owned by that binding's helper,
-        # who deletes it on binding the function, or replaces the reason with the real one if it stays unbound.
-        # The functions the bindings already used when the C ABI landed are not listed.
-        "pipe_generation_on_event": "not bound yet (issue 15: the python binding binds it or says why not)",
+        "pipe_generation_on_event": "iteration polls and asyncio watches pipe_generation_fd; a callback would run "
+        "Python on a libpipe thread",
     },
     "go": {
         "pipe_tensor_list_find": "outputs are copied into a Go TensorList at once, whose Get looks names up",

@@ -10,10 +10,13 @@ imported on first use):
   `Model.load(path)` -> `model.split(...)` -> `plan.session(...)` -> `session.run(*inputs)`;
   `plan.session(transport="gloo", world_size=N, store="HOST:PORT")` spreads the stages over
   processes that serve them with `run_worker(rank, N, "HOST:PORT")`;
+  `Generator(decoder_path, ...)` -> `generator.generate(prompt)` generates tokens (or text, with a
+  tokenizer) from a language model (libpipe.generation);
   failures raise `libpipe.Error` subclasses carrying a `Status`. See libpipe.runtime.
 """
 
 from .errors import (
+    BusyError,
     CancelledError,
     CommunicationError,
     DeadlineExceededError,
@@ -31,7 +34,8 @@ from .errors import (
     UnsupportedError,
     WaitTimeoutError,
 )
-from . import runtime
+from . import generation, runtime
+from .generation import FINISH_REASONS, Generation, GenerationInfo, Generator, GeneratorInfo, GeneratorSession
 from .runtime import (
     LOG_DEBUG,
     LOG_ERROR,
@@ -78,6 +82,7 @@ __all__ = [
     "save_checkpoint",
     "save_skeleton",
     *runtime.__all__,  # the names imported from .runtime above
+    *generation.__all__,
     "Status",
     "Error",
     "InvalidArgumentError",
@@ -94,4 +99,5 @@ __all__ = [
     "CancelledError",
     "DeadlineExceededError",
     "CommunicationError",
+    "BusyError",
 ]

@@ -123,6 +123,12 @@ class CommunicationError(Error):
     again): close it, start its workers again and create a new one."""
 
 
+class BusyError(Error):
+    """Generator.generate() found the generator's queue of sequences waiting for a cache slot full
+    (its max_queued; PIPE_ERR_BUSY, libpipe >= 0.8). Nothing was started: retry once a generation
+    finished (an HTTP server answers 503)."""
+
+
 # The exception class of each failure status, by its name in Status. Hand-written, as the classes
 # are: the binding parity test (tests/conformance/check_binding_parity.py) fails when pipe.h has a
 # status code that is missing here.
@@ -141,6 +147,7 @@ _BY_NAME = {
     "CANCELLED": CancelledError,
     "DEADLINE_EXCEEDED": DeadlineExceededError,
     "COMMUNICATION": CommunicationError,
+    "BUSY": BusyError,
 }
 _BY_STATUS = {status: _BY_NAME[status.name] for status in Status if status.name in _BY_NAME}
 

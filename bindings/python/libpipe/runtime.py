@@ -569,43 +569,70 @@ class Plan(_Closeable):
                 Status.INVALID_ARGUMENT,
                 f"microbatching must be one of {MICROBATCHING_MODES}, not {microbatching!r}",
             )
-        if not isinstance(outputs, str) or outputs not in OUTPUT_PLACEMENTS:
-            raise InvalidArgumentError(
-                Status.INVALID_ARGUMENT, f"outputs must be one of {tuple(OUTPUT_PLACEMENTS)}, not {outputs!r}"
-            )
-        if devices is not None and not isinstance(devices, str):
-            raise InvalidArgumentError(
-                Status.INVALID_ARGUMENT, f"devices must be a str such as 'cpu,cuda:0' or 'auto', not {devices!r}"
-            )
-        if not isinstance(transport, str) or transport not in TRANSPORTS:
-            raise InvalidArgumentError(
-                Status.INVALID_ARGUMENT, f"transport must be one of {TRANSPORTS}, not {transport!r}"
-            )
-        lib = _lib()
-        options = {
-            "num_microbatches": int(microbatches),
-            "threads_per_stage": int(threads_per_stage),
-            "max_inflight": int(max_inflight),
-            "microbatching": _constants.MICROBATCHING[microbatching.upper()],
-            "input_specs": _specs(input_specs, _INPUT_KINDS, "input_specs", self.input_names),
-            "output_specs": _specs(output_specs, _OUTPUT_KINDS, "output_specs"),
-            "transport": _constants.TRANSPORT[transport.upper()],
-            "world_size": int(world_size),
-            "comm_timeout_ms": _comm_timeout_ms(comm_timeout),
-            "outputs": _constants.OUTPUTS[OUTPUT_PLACEMENTS[outputs]],
-        }
-        if devices is not None:
-            options["devices"] = devices
-        if store is not None:
-            options["store"] = _store(store)
-        options.update(_stage_options(dtype, weights) or {})
+        options = _session_options(
+            threads_per_stage=threads_per_stage,
+            max_inflight=max_inflight,
+            dtype=dtype,
+            weights=weights,
+            transport=transport,
+            world_size=world_size,
+            store=store,
+            comm_timeout=comm_timeout,
+            devices=devices,
+            outputs=outputs,
+        )
+        options.update(
+            {
+                "num_microbatches": int(microbatches),
+                "microbatching": _constants.MICROBATCHING[microbatching.upper()],
+                "input_specs": _specs(input_specs, _INPUT_KINDS, "input_specs", self.input_names),
+                "output_specs": _specs(output_specs, _OUTPUT_KINDS, "output_specs"),
+            }
+        )
         with self._handle.use() as h:
-            session = Session(lib.pipe_session_create(h, options), self.input_names)
+            session = Session(_lib().pipe_session_create(h, options), self.input_names)
         session.transport, session.world_size, session.store = transport, int(world_size), store
         return session
 
+    def generator(self, **options):
+        """A Generator of this plan's decoder: Generator(plan, **options) (see Generator)."""
+        from .generation import Generator
+
+        return Generator(self, **options)
+
     def __repr__(self):
         return f"<libpipe.Plan {self.num_stages} stages{' closed' if self.closed else ''}>"
+
+
+def _session_options(
+    *, threads_per_stage, max_inflight, dtype, weights, transport, world_size, store, comm_timeout, devices, outputs
+):
+    """The options of pipe_session_create that Plan.session and Generator share, checked, as the
+    dict the native module takes (Plan.session adds the micro-batching ones)."""
+    if not isinstance(outputs, str) or outputs not in OUTPUT_PLACEMENTS:
+        raise InvalidArgumentError(
+            Status.INVALID_ARGUMENT, f"outputs must be one of {tuple(OUTPUT_PLACEMENTS)}, not {outputs!r}"
+        )
+    if devices is not None and not isinstance(devices, str):
+        raise InvalidArgumentError(
+            Status.INVALID_ARGUMENT, f"devices must be a str such as 'cpu,cuda:0' or 'auto', not {devices!r}"
+        )
+    if not isinstance(transport, str) or transport not in TRANSPORTS:
+        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"transport must be one of {TRANSPORTS}, not {transport!r}")
+    options = {
+        "threads_per_stage": int(threads_per_stage),
+        "max_inflight": int(max_inflight),
+        "transport": _constants.TRANSPORT[transport.upper()],
+        "world_size": int(world_size),
+        "comm_timeout_ms": _comm_timeout_ms(comm_timeout),
+        "outputs": _constants.OUTPUTS[OUTPUT_PLACEMENTS[outputs]],
+    }
+    if devices is not None:
+        options["devices"] = devices
+    if store is not None:
+        options["store"] = _store(store)
+    options.update(_stage_options(dtype, weights) or {})
+    return options
 
 
 def _stage_options(dtype, weights):

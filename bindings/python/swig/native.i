@@ -18,12 +18,13 @@
  * The GIL: the module is generated with -threads, so every wrapped pipe_* call runs with the GIL
  * released (argument conversion and result conversion hold it). That covers the blocking calls
  * (pipe_model_load, pipe_plan_create, pipe_session_create, pipe_session_run, pipe_session_submit,
- * pipe_request_wait, the destroy functions that join worker threads, file reads and writes,
- * pipe_worker_run, which serves a whole session) and
- * costs nothing measurable on the quick ones. Helpers below that touch Python objects are marked
+ * pipe_request_wait, pipe_generator_create, the destroy functions that join worker threads, file
+ * reads and writes, pipe_worker_run, which serves a whole session) and costs nothing measurable on
+ * the quick ones. Helpers below that touch Python objects are marked
  * %nothread. Nothing in this module calls back into Python from libpipe's worker threads: that is
- * why pipe_request_on_done is not wrapped (its callback runs on a libpipe thread, where Python
- * would need the GIL); asyncio learns that a call finished from pipe_request_fd instead.
+ * why pipe_request_on_done and pipe_generation_on_event are not wrapped (their callbacks run on a
+ * libpipe thread, where Python would need the GIL); asyncio learns that a call finished from
+ * pipe_request_fd, and that a generation has tokens from pipe_generation_fd, instead.
  */
 %module(docstring="Low-level SWIG wrapper of libpipe's C ABI (pipe/pipe.h). Use the libpipe package.") native
 
@@ -33,6 +34,10 @@
 #include <string.h>
 
 #include <pipe/pipe.h>
+
+#if PIPE_VERSION_MAJOR == 0 && PIPE_VERSION_MINOR < 8
+#error "the Python binding needs libpipe >= 0.8 (pipe.h found through pkg-config libpipe is older)"
+#endif
 
 /* Raises the libpipe.errors exception for `status`, with the message of the failed call. Must run
  * before any other libpipe call on this thread: the message is per thread and lives until then. */
@@ -234,6 +239,63 @@ static int libpipe_dict_str(PyObject *d, const char *key, const char **out, PyOb
   return 0;
 }
 
+/* Optional int64 field `key` of dict `d` into *out (left as it is when absent or None). */
+static int libpipe_dict_int64(PyObject *d, const char *key, int64_t *out) {
+  PyObject *v = PyDict_GetItemString(d, key);
+  if (!v || v == Py_None) return 0;
+  long long x = PyLong_AsLongLong(v);
+  if (x == -1 && PyErr_Occurred()) return -1;
+  *out = (int64_t)x;
+  return 0;
+}
+
+/* Optional uint64 field `key` of dict `d` into *out (left as it is when absent or None). */
+static int libpipe_dict_uint64(PyObject *d, const char *key, uint64_t *out) {
+  PyObject *v = PyDict_GetItemString(d, key);
+  if (!v || v == Py_None) return 0;
+  unsigned long long x = PyLong_AsUnsignedLongLong(v);
+  if (x == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+  *out = (uint64_t)x;
+  return 0;
+}
+
+/* Optional float field `key` of dict `d` into *out (left as it is when absent or None). */
+static int libpipe_dict_double(PyObject *d, const char *key, double *out) {
+  PyObject *v = PyDict_GetItemString(d, key);
+  if (!v || v == Py_None) return 0;
+  double x = PyFloat_AsDouble(v);
+  if (x == -1.0 && PyErr_Occurred()) return -1;
+  *out = x;
+  return 0;
+}
+
+/* A sequence of ints as a malloc'ed int64 array (never NULL, so that an empty sequence is told
+ * apart from a failure; the count says how many). `what` names the argument in errors. */
+static int libpipe_int64_array(PyObject *obj, const char *what, int64_t **out, size_t *count) {
+  PyObject *seq = PySequence_Fast(obj, what);
+  if (!seq) return -1;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  int64_t *array = (int64_t *)malloc((n ? (size_t)n : 1) * sizeof *array);
+  if (!array) {
+    Py_DECREF(seq);
+    PyErr_NoMemory();
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    long long x = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+    if (x == -1 && PyErr_Occurred()) {
+      free(array);
+      Py_DECREF(seq);
+      return -1;
+    }
+    array[i] = (int64_t)x;
+  }
+  Py_DECREF(seq);
+  *out = array;
+  *count = (size_t)n;
+  return 0;
+}
+
 typedef struct {
   pipe_session_options session;
   pipe_stage_options stage;
@@ -245,6 +307,9 @@ typedef struct {
 } libpipe_session_options_holder;
 %}
 
+/* LP64 (libpipe asserts DLPack's LP64 layout): int64_t is `long`, as in <stdint.h>, so the casts
+ * SWIG writes agree with the real prototypes (pipe_generator_submit's const int64_t *). */
+#define SWIGWORDSIZE64
 %include <stdint.i>
 
 /* ---- status codes become exceptions --------------------------------------------------------- */
@@ -270,6 +335,8 @@ LIBPIPE_HANDLE_OUTPUT(pipe_plan)
 LIBPIPE_HANDLE_OUTPUT(pipe_plan_options)
 LIBPIPE_HANDLE_OUTPUT(pipe_session)
 LIBPIPE_HANDLE_OUTPUT(pipe_request)
+LIBPIPE_HANDLE_OUTPUT(pipe_generator)
+LIBPIPE_HANDLE_OUTPUT(pipe_generation)
 
 %define LIBPIPE_VALUE_OUTPUT(TYPE, CONVERT)
 %typemap(in, numinputs=0) TYPE * (TYPE tmp = 0) "$1 = ($1_ltype)&tmp;"
@@ -280,7 +347,8 @@ LIBPIPE_VALUE_OUTPUT(uint64_t, PyLong_FromUnsignedLongLong)
 LIBPIPE_VALUE_OUTPUT(int32_t, PyLong_FromLong)
 LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
 
-/* pipe_request_fd's descriptor, as an int (named, so that no other int * is taken for an output). */
+/* pipe_request_fd's and pipe_generation_fd's descriptor, as an int (named, so that no other int * is
+ * taken for an output). */
 %typemap(in, numinputs=0) int *fd (int tmp = -1) "$1 = &tmp;"
 %typemap(argout) int *fd { $result = SWIG_Python_AppendOutput($result, PyLong_FromLong(*$1)); }
 
@@ -305,6 +373,75 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
       "failures", (unsigned long long)$1->failures, "busy_ms", $1->busy_ms, "idle_ms", $1->idle_ms,
       "queue_depth", (unsigned long long)$1->queue_depth));
 }
+
+/* ---- generation: the structs libpipe fills in become dicts ----------------------------------- */
+
+%typemap(in, numinputs=0) pipe_generator_info * (pipe_generator_info tmp) {
+  if (LIBPIPE_INIT(pipe_generator_info_init, &tmp) < 0) SWIG_fail;
+  $1 = &tmp;
+}
+%typemap(argout) pipe_generator_info * {
+  $result = SWIG_Python_AppendOutput($result, Py_BuildValue(
+      "{s:L,s:L,s:L,s:K}", "slots", (long long)$1->slots, "max_len", (long long)$1->max_len,
+      "vocab", (long long)$1->vocab, "cache_bytes_per_slot", (unsigned long long)$1->cache_bytes_per_slot));
+}
+
+%typemap(in, numinputs=0) pipe_generator_stats * (pipe_generator_stats tmp) {
+  if (LIBPIPE_INIT(pipe_generator_stats_init, &tmp) < 0) SWIG_fail;
+  $1 = &tmp;
+}
+%typemap(argout) pipe_generator_stats * {
+  $result = SWIG_Python_AppendOutput($result, Py_BuildValue(
+      "{s:L,s:L,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:d}", "slots_in_use", (long long)$1->slots_in_use,
+      "queued", (long long)$1->queued, "sequences_finished", (unsigned long long)$1->sequences_finished,
+      "prompt_tokens", (unsigned long long)$1->prompt_tokens,
+      "generated_tokens", (unsigned long long)$1->generated_tokens, "steps", (unsigned long long)$1->steps,
+      "tokens_per_s", $1->tokens_per_s, "mean_time_to_first_token_ms", $1->mean_time_to_first_token_ms,
+      "mean_inter_token_ms", $1->mean_inter_token_ms, "mean_rows_per_step", $1->mean_rows_per_step,
+      "sampling_ms", $1->sampling_ms));
+}
+
+%typemap(in, numinputs=0) pipe_generation_info * (pipe_generation_info tmp) {
+  if (LIBPIPE_INIT(pipe_generation_info_init, &tmp) < 0) SWIG_fail;
+  $1 = &tmp;
+}
+%typemap(argout) pipe_generation_info * {
+  $result = SWIG_Python_AppendOutput($result, Py_BuildValue(
+      "{s:i,s:L,s:L,s:d,s:d,s:d}", "finish_reason", (int)$1->finish_reason,
+      "prompt_tokens", (long long)$1->prompt_tokens, "generated_tokens", (long long)$1->generated_tokens,
+      "queued_ms", $1->queued_ms, "time_to_first_token_ms", $1->time_to_first_token_ms,
+      "mean_inter_token_ms", $1->mean_inter_token_ms));
+}
+
+/* pipe_generation_read: the argument is the capacity; the result [tokens, finished], tokens a tuple
+ * of the ids read (as many as pipe_generation_read's count says; a tuple, since SWIG would append
+ * the next output to a list). */
+%typemap(in) (int64_t *tokens, size_t capacity, size_t *count) (int64_t *buffer = NULL, size_t n = 0) {
+  size_t capacity = PyLong_AsSize_t($input);
+  if (capacity == (size_t)-1 && PyErr_Occurred()) SWIG_fail;
+  buffer = (int64_t *)malloc((capacity ? capacity : 1) * sizeof *buffer);
+  if (!buffer) {
+    PyErr_NoMemory();
+    SWIG_fail;
+  }
+  $1 = buffer;
+  $2 = capacity;
+  $3 = &n;
+}
+%typemap(argout) (int64_t *tokens, size_t capacity, size_t *count) {
+  PyObject *ids = PyTuple_New((Py_ssize_t)*$3);
+  if (!ids) SWIG_fail;
+  for (size_t i = 0; i < *$3; ++i) {
+    PyObject *id = PyLong_FromLongLong((long long)$1[i]);
+    if (!id) {
+      Py_DECREF(ids);
+      SWIG_fail;
+    }
+    PyTuple_SET_ITEM(ids, (Py_ssize_t)i, id);
+  }
+  $result = SWIG_Python_AppendOutput($result, ids);
+}
+%typemap(freearg) (int64_t *tokens, size_t capacity, size_t *count) { free(buffer$argnum); }
 
 /* ---- tensor arguments: borrowed DLManagedTensors --------------------------------------------- */
 
@@ -436,6 +573,64 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
 }
 %typemap(freearg) const pipe_worker_options * { Py_XDECREF(keep$argnum); }
 
+/* pipe_generator_submit's prompt: a sequence of ints (the Python layer has made them ints). */
+%typemap(in) (const int64_t *prompt, size_t prompt_len) (int64_t *ids = NULL) {
+  if (libpipe_int64_array($input, "the prompt must be a sequence of token ids", &ids, &$2) < 0) SWIG_fail;
+  $1 = ids;
+}
+%typemap(freearg) (const int64_t *prompt, size_t prompt_len) { free(ids$argnum); }
+
+/* None or a dict with the fields of pipe_generator_options ("max_queued", "prefill_chunk",
+ * "steps_in_flight", "max_rows_per_step"). Absent keys keep libpipe's defaults. */
+%typemap(in) const pipe_generator_options * (pipe_generator_options tmp) {
+  if ($input == Py_None) {
+    $1 = NULL;
+  } else {
+    static const char *const allowed[] = {"max_queued", "prefill_chunk", "steps_in_flight", "max_rows_per_step",
+                                          NULL};
+    if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "generator options must be a dict or None");
+    if (libpipe_check_keys($input, allowed, "generator") < 0) SWIG_fail;
+    if (LIBPIPE_INIT(pipe_generator_options_init, &tmp) < 0) SWIG_fail;
+    if (libpipe_dict_int64($input, "max_queued", &tmp.max_queued) < 0 ||
+        libpipe_dict_int64($input, "prefill_chunk", &tmp.prefill_chunk) < 0 ||
+        libpipe_dict_int64($input, "steps_in_flight", &tmp.steps_in_flight) < 0 ||
+        libpipe_dict_int64($input, "max_rows_per_step", &tmp.max_rows_per_step) < 0)
+      SWIG_fail;
+    $1 = &tmp;
+  }
+}
+
+/* None or a dict with the fields of pipe_generation_options ("max_new_tokens", "temperature",
+ * "top_k", "top_p", "seed", "timeout_ms", and "stop_ids" as a sequence of ints, copied into an
+ * array kept for the call). Absent keys keep libpipe's defaults. */
+%typemap(in) const pipe_generation_options * (pipe_generation_options tmp, int64_t *stop = NULL) {
+  if ($input == Py_None) {
+    $1 = NULL;
+  } else {
+    static const char *const allowed[] = {"max_new_tokens", "temperature", "top_k", "top_p", "seed",
+                                          "stop_ids", "timeout_ms", NULL};
+    if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "generation options must be a dict or None");
+    if (libpipe_check_keys($input, allowed, "generation") < 0) SWIG_fail;
+    if (LIBPIPE_INIT(pipe_generation_options_init, &tmp) < 0) SWIG_fail;
+    if (libpipe_dict_int64($input, "max_new_tokens", &tmp.max_new_tokens) < 0 ||
+        libpipe_dict_double($input, "temperature", &tmp.temperature) < 0 ||
+        libpipe_dict_int64($input, "top_k", &tmp.top_k) < 0 ||
+        libpipe_dict_double($input, "top_p", &tmp.top_p) < 0 ||
+        libpipe_dict_uint64($input, "seed", &tmp.seed) < 0 ||
+        libpipe_dict_int64($input, "timeout_ms", &tmp.timeout_ms) < 0)
+      SWIG_fail;
+    PyObject *ids = PyDict_GetItemString($input, "stop_ids");
+    if (ids && ids != Py_None) {
+      size_t n = 0;
+      if (libpipe_int64_array(ids, "stop_ids must be a sequence of token ids", &stop, &n) < 0) SWIG_fail;
+      tmp.stop_ids = n ? stop : NULL;
+      tmp.num_stop_ids = n;
+    }
+    $1 = &tmp;
+  }
+}
+%typemap(freearg) const pipe_generation_options * { free(stop$argnum); }
+
 /* ---- what is not wrapped ------------------------------------------------------------------------ */
 
 /* Tensor lists never reach Python (see the pipe_tensor_list ** typemap), so their accessors and
@@ -456,15 +651,28 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
 %ignore pipe_run_options;
 %ignore pipe_stage_stats;
 %ignore pipe_worker_options;
+%ignore pipe_generator_options;
+%ignore pipe_generator_info;
+%ignore pipe_generator_stats;
+%ignore pipe_generation_options;
+%ignore pipe_generation_info;
 /* The typemaps above start every struct with these; Python has no struct to pass them. */
 %ignore pipe_stage_options_init;
 %ignore pipe_session_options_init;
 %ignore pipe_run_options_init;
 %ignore pipe_stage_stats_init;
 %ignore pipe_worker_options_init;
+%ignore pipe_generator_options_init;
+%ignore pipe_generator_info_init;
+%ignore pipe_generator_stats_init;
+%ignore pipe_generation_options_init;
+%ignore pipe_generation_info_init;
 /* Its callback would run Python on a libpipe thread; Request.fileno() and `await request` use
  * pipe_request_fd, which an event loop watches without any thread. */
 %ignore pipe_request_on_done;
+/* The same for a generation's events: Generation iterates (and `async for`) by watching
+ * pipe_generation_fd. */
+%ignore pipe_generation_on_event;
 
 %include <pipe/pipe.h>
 
