@@ -188,3 +188,101 @@ def assert_close(got, want):
     got = np.asarray(got)
     assert got.shape == want.shape and got.dtype == want.dtype
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+# ---- generation: the decoder fixtures (tests/models/decoder_models.py) ----------------------------
+
+# The tiny decoders have two layers; a cut before the second makes two stages.
+DECODER_SPLIT = ["model.layers.1:begin"]
+# gated_decoder.pt holds a prefill row whose first token is 119 + key (key 1 .. 8) at gate `key`
+# in stage "stage1", and fails the step of a prefill row whose first token is 119.
+GATED_FIRST_ID = 119
+GATED_MAX_KEY = 8
+
+
+@pytest.fixture(scope="session")
+def decoder_path(fixtures_dir):
+    return fixtures_dir / "tiny_decoder.pt"
+
+
+@pytest.fixture(scope="session")
+def decoder_expected(fixtures_dir):
+    """{"prompts": [[ids]], "max_new_tokens": N, "greedy": [[ids]]}: transformers' greedy
+    generation on the tiny decoder's weights (the independent reference)."""
+    import json
+
+    expected = json.loads((fixtures_dir / "tiny_decoder.expected.json").read_text())
+    assert all(p[0] < GATED_FIRST_ID for p in expected["prompts"])  # no prompt would hold the gated one
+    return expected
+
+
+@pytest.fixture(scope="module")
+def tiny_generator(decoder_path):
+    with libpipe.Generator(decoder_path, split_at=DECODER_SPLIT) as generator:
+        yield generator
+
+
+@pytest.fixture(scope="module")
+def gated_decoder_plan(fixtures_dir, gate):
+    # `gate` loads the gate operator before the model.
+    with libpipe.Model.load(fixtures_dir / "gated_decoder.pt") as model:
+        with model.split(split_at=DECODER_SPLIT) as plan:
+            yield plan
+
+
+class DecoderGate:
+    """The gate of the gated decoder for one test, in a folder of its own so that keys start at 1
+    again (the decoder takes its key from a token id, so only keys 1 .. 8 exist; the session's
+    gate has given out many more by now). The gate operator reads the folder from the environment
+    each time a gated row comes, and none is held between tests."""
+
+    def __init__(self, gate_class):
+        self.gate = gate_class(load=False)
+        self._keys = iter(range(1, GATED_MAX_KEY + 1))
+
+    def new_key(self):
+        return next(self._keys)
+
+    @staticmethod
+    def prompt(key, rest=(5, 6, 7)):
+        """A prompt whose prefill is held at gate `key`."""
+        return [GATED_FIRST_ID + key, *rest]
+
+    def wait(self, key):
+        """Until the prefill of `key` is held in stage 1."""
+        self.gate.wait(key, "stage1")
+
+    def open(self, key):
+        self.gate.open(key)
+
+    def open_all(self):
+        for key in range(1, GATED_MAX_KEY + 1):
+            self.open(key)
+
+
+@pytest.fixture
+def decoder_gate(gate):
+    before = os.environ.pop("LIBPIPE_TEST_GATE_DIR", None)
+    ours = DecoderGate(type(gate))
+    try:
+        yield ours
+    finally:
+        ours.open_all()  # a failed test leaves nothing held
+        if before is None:
+            os.environ.pop("LIBPIPE_TEST_GATE_DIR", None)
+        else:
+            os.environ["LIBPIPE_TEST_GATE_DIR"] = before
+        shutil.rmtree(ours.gate.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def gated_generator(plan, decoder_gate, **options):
+    """A generator of the gated decoder. Before it closes, which waits for the steps in flight,
+    every gate is opened: a test that failed while holding a step then ends at once instead of at
+    the gate's own limit."""
+    generator = plan.generator(**options)
+    try:
+        yield generator
+    finally:
+        decoder_gate.open_all()
+        generator.close()
