@@ -1,0 +1,511 @@
+"""Token generation: libpipe's `pipe generate` against transformers' `generate`, on SmolLM2-135M-Instruct.
+
+For each concurrency C (default 1, 8 and 32 sequences at once), the same chat prompts (real user
+messages of varied lengths through the model's chat template) are generated greedily by
+- transformers: LlamaForCausalLM.generate(do_sample=False), the C prompts batched with left
+  padding (C = 1: one prompt at a time), torch threads = the machine's cores, the model loaded
+  once and warmed up;
+- libpipe: `pipe generate SKELETON --weights model.safetensors --stages 2 --json` with the C
+  prompts (all submitted at once), the skeleton exported by libpipe.export_llm with C cache slots.
+Both stop a sequence at the model's end-of-turn id (eos 2) or after --max-new-tokens; only generated
+tokens count (the eos included, transformers' padding after it not). transformers' tokens/s is
+those tokens over the wall time of its generate() call; libpipe's is `pipe generate`'s
+tokens_per_s (generated tokens over the time some sequence held a cache slot: the process start,
+the model load and the generator's creation excluded, as transformers' load is). Time to first
+token: libpipe's mean over sequences from submit; transformers' is a generate() of one new token
+on the same batch (every sequence of the batch gets its first token at that moment). C = 1 runs
+--single prompts one after another, each its own `pipe generate`.
+
+Greedy outputs are checked against transformers' one prompt at a time (no padding: the
+reference): equal at C = 1, and per sequence at C > 1, where batching (other GEMM shapes) and
+transformers' padding may flip a near tie; the agreement rates are reported, not failed.
+
+With the Python binding's native module importable (libpipe.Generator), --stage-stats also runs
+each C through the binding in this process, after a warm-up, and reports the stages' busy
+fractions (pipe_session_stage_stats), the generator's step and sampling figures and, with
+--trace DIR, a Chrome trace per C.
+
+    python bench/generate.py [--pipe build/pipe] [--concurrency 1 8 32] [--max-new-tokens 48]
+                             [--repeats 3] [--stages 2] [--stage-stats] [--trace DIR]
+
+Run with the project's virtualenv python (scripts/env.sh: LIBPIPE_PYTHON) after scripts/build.sh.
+"""
+
+import argparse
+import json
+import math
+import shutil
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+# An installed libpipe (with its native module, for --stage-stats) wins over the sources, which
+# serve export_llm when none is installed.
+sys.path.append(os.path.join(ROOT, "bindings", "python"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "models"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is local; never wait on a network
+
+# Real chat requests, short to long, so that prompt lengths (and prefill work) vary across a batch.
+MESSAGES = [
+    "What is the capital of France?",
+    "Give me three tips for sleeping better.",
+    "Translate 'good morning, how are you?' into Spanish.",
+    "Write a haiku about autumn leaves.",
+    "Summarize the following text in one paragraph for a newsletter.\n\nThe town council met on Tuesday "
+    "evening to discuss the future of the old railway station, which has stood empty for eleven years. "
+    "Three proposals were presented. The first, from a local housing association, would turn the main "
+    "building into twenty small flats for young families and keep the clock tower as a shared space. "
+    "The second, from a group of artists, would keep the building open to the public as studios, a "
+    "cafe and a small market on weekends, paid for by rents and a lottery grant. The third, from a "
+    "supermarket chain, would demolish the station and build a store with a car park, promising forty "
+    "jobs. Residents who spoke at the meeting were divided: some welcomed new homes and jobs, others "
+    "feared more traffic and the loss of a building that many consider part of the town's identity. "
+    "The council will hold a public consultation in the spring and vote on the plans in June.",
+    "What is the difference between a virus and a bacterium?",
+    "Explain recursion to a ten-year-old.",
+    "How do I boil an egg so that the yolk stays soft?",
+    "List the planets of the solar system in order from the sun.",
+    "Why is the sky blue? Please keep the answer short and simple.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "What are the main causes of inflation, and how do central banks usually respond to it?",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "I have chicken, rice, an onion and some spinach. Suggest a quick dinner recipe I could cook tonight.",
+    "What is photosynthesis? Explain the inputs and the outputs of the process.",
+    "Write a polite email to my landlord asking when the broken heating in my flat will be repaired.",
+    "Can you explain what a hash table is and why lookups in it are fast on average?",
+    "My plant's leaves are turning yellow at the edges. I water it twice a week and it sits near a "
+    "north-facing window. What could be wrong, and what should I change?",
+    "Give me a short workout plan for a beginner who has twenty minutes a day and no equipment.",
+    "What were the most important consequences of the invention of the printing press in Europe?",
+    "Compare trains and planes for a 600 km trip: cost, time, comfort and environmental impact.",
+    "I am learning to play the guitar. My fingertips hurt after practice and I struggle to switch "
+    "between chords quickly. How can I improve, and how long does it usually take?",
+    "Explain the difference between weather and climate, with an example of each.",
+    "Write a short story opening, about four sentences, set in a lighthouse during a storm.",
+    "What is the Pythagorean theorem, and how would I use it to find the diagonal of a rectangle "
+    "that is 3 metres wide and 4 metres long?",
+    "I need to prepare a five-minute presentation for my team about time management. Suggest a "
+    "structure with a title for each part and one key idea per part.",
+    "How does a refrigerator keep food cold? Describe the cycle of the refrigerant.",
+    "What should I pack for a three-day hiking trip in the mountains in early autumn, when nights "
+    "can be cold and rain is likely? Please group the items by category.",
+    "Explain what an API is to someone who has never programmed, using an analogy from everyday life.",
+    "My team keeps missing deadlines because tasks are not clearly assigned and people only notice "
+    "problems at the last minute. We are six people working remotely across two time zones. What "
+    "practical changes to our weekly routine would help?",
+    "Write a limerick about a cat who is afraid of cucumbers.",
+    "Here is my cover letter draft. Point out its three biggest weaknesses and suggest a better first "
+    "sentence.\n\nDear hiring manager, I am writing to apply for the job. I have worked in many "
+    "places and I think I would be good at this job because I am hard working and a team player. In my "
+    "last job I was responsible for a lot of things including customer service, stock control and "
+    "training new staff, and I got good feedback from my manager. I am also good with computers. I "
+    "would like this job because it is close to my home and the company seems nice. I hope to hear "
+    "from you soon. Thank you for your time. Yours sincerely, Sam",
+    "Describe the water cycle: evaporation, condensation, precipitation and collection. Mention "
+    "where the energy that drives it comes from and why the cycle matters for life on land.",
+    "What is the difference between a list and a tuple in Python, and when should I use each?",
+]
+EOS = 2  # SmolLM2's <|im_end|> (generation_config.json eos_token_id): ends a chat turn
+
+
+def chat_prompts(tokenizer, count):
+    """Token ids of the first `count` messages, each as one user turn through the chat template."""
+    if count > len(MESSAGES):
+        sys.exit(f"generate.py: at most {len(MESSAGES)} prompts are defined; asked for {count}")
+    out = []
+    for text in MESSAGES[:count]:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        out.append([int(i) for i in (ids["input_ids"] if isinstance(ids, dict) else ids)])
+    return out
+
+
+def until_eos(ids):
+    """Generated ids up to and including the first eos: what a sequence generated (transformers
+    pads a finished row of a batch with eos after it)."""
+    ids = list(ids)
+    return ids[: ids.index(EOS) + 1] if EOS in ids else ids
+
+
+# ---- transformers ------------------------------------------------------------------------------
+
+
+class Transformers:
+    def __init__(self, folder):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def generate(self, prompts, max_new_tokens, threads):
+        """Greedy generation of the prompts as one left-padded batch with `threads` torch threads:
+        (outputs, seconds)."""
+        torch = self.torch
+        torch.set_num_threads(threads)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), EOS, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=EOS,
+                pad_token_id=EOS,
+            )
+            seconds = time.perf_counter() - start
+        return [until_eos(row[width:].tolist()) for row in out], seconds
+
+
+# ---- libpipe ------------------------------------------------------------------------------------
+
+
+def export_skeleton(folder, path, max_len, slots):
+    from libpipe.export_llm import export_llm
+
+    export_llm(str(folder), path, max_seq_len=max_len, max_batch=slots)
+
+
+def split_args(split_at, stages):
+    """pipe's cut: --split-at points when given, else --stages N (equal layers per stage)."""
+    return [a for point in split_at for a in ("--split-at", point)] if split_at else ["--stages", str(stages)]
+
+
+def pipe_generate(pipe, skeleton, weights, prompts, max_new_tokens, cut, threads_per_stage):
+    """One `pipe generate --json` run: (outputs, tokens_per_s, time_to_first_token_ms, wall s)."""
+    cmd = [pipe, "generate", skeleton, "--weights", weights, *cut, "--json"]
+    cmd += ["--max-new-tokens", str(max_new_tokens), "--stop-ids", str(EOS)]
+    if threads_per_stage:
+        cmd += ["--threads-per-stage", str(threads_per_stage)]
+    for p in prompts:
+        cmd += ["--prompt-ids", ",".join(map(str, p))]
+    start = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if r.returncode != 0:
+        sys.exit(f"generate.py: `pipe generate` failed ({r.returncode}): {r.stderr.strip()}")
+    result = json.loads(r.stdout)
+    return result["outputs"], result["tokens_per_s"], result["time_to_first_token_ms"], wall
+
+
+def binding_generator():
+    """libpipe.Generator when the Python binding's native module is importable, else None."""
+    try:
+        import libpipe
+        from libpipe.runtime import _lib
+
+        _lib()
+        return libpipe.Generator
+    except (ImportError, AttributeError) as e:
+        print(f"generate.py: no stage statistics: the Python binding is not usable here ({e})", file=sys.stderr)
+        return None
+
+
+def stage_stats(Generator, skeleton, weights, prompts, max_new_tokens, split_at, stages, threads_per_stage, trace):
+    """The prompts through the binding in this process, all submitted at once, after a warm-up
+    wave of the same prompts: each stage's busy fraction over the measured wave (busy time from
+    pipe_session_stage_stats over the wave's wall time) and the generator's per-step figures."""
+    cut = {"split_at": split_at} if split_at else {"stages": stages}
+    with Generator(skeleton, weights=weights, threads_per_stage=threads_per_stage, **cut) as gen:
+
+        def wave():
+            done = gen.stats()["sequences_finished"] + len(prompts)
+            gens = [gen.generate(p, max_new_tokens=max_new_tokens, stop_ids=[EOS]) for p in prompts]
+            # Finished sequences counted by the generator: no token needs reading here.
+            limit = time.monotonic() + 600
+            while gen.stats()["sequences_finished"] < done:
+                if time.monotonic() > limit:
+                    sys.exit("generate.py: the binding's generations did not finish within 600 s")
+                time.sleep(0.002)
+            for g in gens:
+                g.close()
+
+        wave()  # warm-up: TorchScript's profiling runs and the allocator's first steps
+        session = gen.session
+        before, gen_before = session.stats(), gen.stats()
+        if trace:
+            session.trace_start()
+        start = time.perf_counter()
+        wave()
+        wall = time.perf_counter() - start
+        if trace:
+            session.trace_stop(trace)
+        after, gen_after = session.stats(), gen.stats()
+        info = gen.info
+    steps = gen_after["steps"] - gen_before["steps"]
+    tokens = gen_after["generated_tokens"] - gen_before["generated_tokens"]
+    return {
+        "busy": [(a["busy_ms"] - b["busy_ms"]) / (wall * 1000) for a, b in zip(after, before)],
+        "stage_ms_per_step": [(a["busy_ms"] - b["busy_ms"]) / max(steps, 1) for a, b in zip(after, before)],
+        "steps": steps,
+        "tokens_per_step": tokens / max(steps, 1),
+        "sampling_ms_per_step": (gen_after["sampling_ms"] - gen_before["sampling_ms"]) / max(steps, 1),
+        "tokens_per_s": tokens / wall,
+        "cache_bytes_per_slot": info.cache_bytes_per_slot,
+    }
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+
+def agreement(outputs, reference):
+    """(sequences equal to the reference, mean fraction of the reference matched before the first
+    difference)."""
+    equal = sum(o == r for o, r in zip(outputs, reference))
+    prefix = []
+    for o, r in zip(outputs, reference):
+        n = next((k for k, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r)))
+        prefix.append(n / max(len(r), 1))
+    return equal, statistics.mean(prefix)
+
+
+def machine():
+    flags = set()
+    model = "?"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags.update(line.split(":", 1)[1].split())
+            elif line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+    wanted = ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"]
+    have = " ".join(f if f in flags else f"no {f}" for f in wanted)
+    return f"{model}, {os.cpu_count()} cores; {have}"
+
+
+def reference_outputs(hf, prompts, max_new_tokens, threads, work):
+    """transformers' outputs one prompt at a time (no padding): the reference. Kept in `work`
+    (keyed by the prompts, max_new_tokens and transformers' version), as they take a while."""
+    import transformers
+
+    key = {"prompts": prompts, "max_new_tokens": max_new_tokens, "transformers": transformers.__version__}
+    path = os.path.join(work, "reference.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if saved["key"] == key:
+            return saved["outputs"]
+    except (OSError, ValueError, KeyError):
+        pass
+    outputs = []
+    for k, p in enumerate(prompts):
+        print(f"reference: prompt {k + 1} of {len(prompts)}", file=sys.stderr, flush=True)
+        outputs.append(hf.generate([p], max_new_tokens, threads)[0][0])
+    with open(path, "w") as f:
+        json.dump({"key": key, "outputs": outputs}, f)
+    return outputs
+
+
+def median_row(c, indices, hf_runs, pipe_runs, hf_outs, pipe_outs, reference):
+    """The medians of one concurrency's runs ({threads: [(tokens/s, ttft ms)]} for transformers,
+    [(tokens/s, ttft ms, process s)] for libpipe), and the outputs against the reference."""
+    ref = [reference[i] for i in indices]
+    return {
+        "concurrency": c,
+        "sequences": len(indices),
+        "hf": {
+            t: {
+                "tokens_per_s": statistics.median(r[0] for r in runs),
+                "ttft_ms": statistics.median(r[1] for r in runs),
+                "runs_tokens_per_s": [r[0] for r in runs],
+            }
+            for t, runs in hf_runs.items()
+        },
+        "pipe_tokens_per_s": statistics.median(r[0] for r in pipe_runs),
+        "pipe_ttft_ms": statistics.median(r[1] for r in pipe_runs),
+        "pipe_process_s": statistics.median(r[2] for r in pipe_runs),
+        "pipe_runs_tokens_per_s": [r[0] for r in pipe_runs],
+        "generated_tokens": {"hf": sum(map(len, hf_outs)), "pipe": sum(map(len, pipe_outs))},
+        "pipe_equal": agreement(pipe_outs, ref),
+        "hf_equal": agreement(hf_outs, ref),
+    }
+
+
+def print_tables(rows, hf_threads):
+    """The Markdown tables of bench/RESULTS.md; ratios against transformers with hf_threads[0]."""
+
+    def threads(t):
+        return f"{t} thread{'s' if t > 1 else ''}"
+
+    print(
+        "| sequences at once | "
+        + " | ".join(f"transformers ({threads(t)}) tokens/s" for t in hf_threads)
+        + " | libpipe tokens/s | libpipe / transformers | "
+        + " | ".join(f"transformers ({threads(t)}) TTFT ms" for t in hf_threads)
+        + " | libpipe TTFT ms | libpipe = reference | transformers batched = reference |"
+    )
+    print("|" + " --- |" * (6 + 2 * len(hf_threads)))
+    for r in rows:
+        (pe, pp), (he, hp), n, hf = r["pipe_equal"], r["hf_equal"], r["sequences"], r["hf"]
+        print(
+            f"| {r['concurrency']} | "
+            + " | ".join(f"{hf[t]['tokens_per_s']:.1f}" for t in hf_threads)
+            + f" | {r['pipe_tokens_per_s']:.1f} | {r['pipe_tokens_per_s'] / hf[hf_threads[0]]['tokens_per_s']:.2f}x | "
+            + " | ".join(f"{hf[t]['ttft_ms']:.0f}" for t in hf_threads)
+            + f" | {r['pipe_ttft_ms']:.0f} | {pe}/{n} ({100 * pp:.0f}% of tokens before a difference) | "
+            f"{he}/{n} ({100 * hp:.0f}%) |"
+        )
+    if any("stats" in r for r in rows):
+        print()
+        print(
+            "| sequences at once | stage busy | stage ms per step | steps | tokens per step | "
+            "sampling ms per step | tokens/s (binding, warm) |"
+        )
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for r in rows:
+            s = r.get("stats")
+            if s:
+                print(
+                    f"| {r['concurrency']} | {' / '.join(f'{100 * b:.0f}%' for b in s['busy'])} | "
+                    f"{' / '.join(f'{t:.1f}' for t in s['stage_ms_per_step'])} | {s['steps']} | "
+                    f"{s['tokens_per_step']:.1f} | {s['sampling_ms_per_step']:.2f} | {s['tokens_per_s']:.1f} |"
+                )
+        per_slot = {r["stats"]["cache_bytes_per_slot"] for r in rows if "stats" in r}
+        print()
+        print(f"KV cache per slot (pipe_generator_get_info): {', '.join(f'{b / 2**20:.2f} MiB' for b in per_slot)}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pipe", default=os.path.join(ROOT, "build", "pipe"), help="the pipe CLI (default build/pipe)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each measurement; medians are reported")
+    ap.add_argument("--single", type=int, default=4, help="prompts run one at a time for C = 1")
+    ap.add_argument("--stages", type=int, default=2, help="pipe's --stages N (equal layers per stage)")
+    ap.add_argument("--split-at", action="append", default=[], help="pipe's --split-at instead of --stages")
+    ap.add_argument("--threads-per-stage", type=int, default=0, help="0: libpipe's default (cores / stages)")
+    ap.add_argument(
+        "--hf-threads",
+        type=int,
+        nargs="+",
+        default=[os.cpu_count()],
+        help="transformers' torch threads (several: each measured; ratios against the first)",
+    )
+    ap.add_argument("--stage-stats", action="store_true", help="also measure stage busy fractions (Python binding)")
+    ap.add_argument("--trace", help="with --stage-stats: write trace-C<C>.json into this folder")
+    ap.add_argument("--work", help="folder for the skeletons and the reference outputs (default: a temporary one)")
+    args = ap.parse_args()
+
+    from smollm2 import smollm2_folder
+    from transformers import AutoTokenizer
+
+    folder = smollm2_folder()
+    weights = os.path.join(folder, "model.safetensors")
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = chat_prompts(tokenizer, max(*args.concurrency, args.single))
+    # C = 1 takes --single prompts spread over the list, so that their lengths vary too.
+    singles = list(range(0, len(prompts), max(len(prompts) // args.single, 1)))[: args.single]
+    lengths = [len(p) for p in prompts]
+    # Room for the longest prompt and its answer; the cache length costs memory, not compute
+    # (attention reads only the context of the call).
+    max_len = 64 * math.ceil((max(lengths) + args.max_new_tokens) / 64)
+    cut = split_args(args.split_at, args.stages)
+
+    print(f"machine: {machine()}; load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        f"model: SmolLM2-135M-Instruct float32 ({folder}); {len(prompts)} chat prompts of "
+        f"{min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}); max_new_tokens "
+        f"{args.max_new_tokens}, greedy, stop at eos {EOS}; libpipe `pipe generate {' '.join(cut)}`"
+        f"{f' --threads-per-stage {args.threads_per_stage}' if args.threads_per_stage else ''}; transformers "
+        f"{__import__('transformers').__version__} with {' and '.join(map(str, args.hf_threads))} torch threads; medians of "
+        f"{args.repeats} runs"
+    )
+    layers, kv_heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_slot = layers * 2 * kv_heads * max_len * head_dim * 4
+    print(
+        f"KV cache per slot: {layers} layers x 2 (K, V) x {kv_heads} kv heads x {max_len} tokens x "
+        f"{head_dim} x 4 bytes = {per_slot / 2**20:.2f} MiB ({per_slot / max_len / 1024:.1f} KiB per token)"
+    )
+
+    work = args.work or tempfile.mkdtemp(prefix="bench-generate-")
+    os.makedirs(work, exist_ok=True)
+    try:
+        return run(args, folder, weights, prompts, singles, max_len, cut, work)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args, folder, weights, prompts, singles, max_len, cut, work):
+    hf = Transformers(folder)
+    for t in args.hf_threads:
+        hf.generate(prompts[:2], 4, t)  # warm-up: first calls allocate and pick kernels
+    reference = reference_outputs(hf, prompts, args.max_new_tokens, args.hf_threads[0], work)
+
+    Generator = binding_generator() if args.stage_stats else None
+    rows = []
+    for c in args.concurrency:
+        skeleton = os.path.join(work, f"smollm2-{c}slots-{max_len}.pt")
+        if not os.path.exists(skeleton):
+            export_skeleton(folder, skeleton, max_len, c)
+        # C = 1: the single prompts one after another; otherwise one wave of C prompts at once.
+        indices = singles if c == 1 else list(range(c))
+        waves = [[prompts[i]] for i in indices] if c == 1 else [prompts[:c]]
+        hf_runs, pipe_runs = {t: [] for t in args.hf_threads}, []
+        for _ in range(args.repeats):
+            # Both sides in each repeat, so that a drift in the machine's speed hits both.
+            for t in args.hf_threads:
+                tokens = seconds = first = 0.0
+                outputs = []
+                for wave in waves:
+                    outs, s = hf.generate(wave, args.max_new_tokens, t)
+                    _, f = hf.generate(wave, 1, t)
+                    tokens += sum(map(len, outs))
+                    seconds += s
+                    first += f * 1000 / len(waves)
+                    outputs += outs
+                hf_runs[t].append((tokens / seconds, first))
+                if t == args.hf_threads[0]:
+                    hf_outs = outputs
+            tokens = seconds = first = wall = 0.0
+            pipe_outs = []
+            for wave in waves:
+                outs, tps, ttft, w = pipe_generate(
+                    args.pipe, skeleton, weights, wave, args.max_new_tokens, cut, args.threads_per_stage
+                )
+                n = sum(map(len, outs))
+                tokens += n
+                seconds += n / tps
+                first += ttft / len(waves)
+                wall += w
+                pipe_outs += outs
+            pipe_runs.append((tokens / seconds, first, wall))
+        row = median_row(c, indices, hf_runs, pipe_runs, hf_outs, pipe_outs, reference)
+        if Generator:
+            row["stats"] = stage_stats(
+                Generator,
+                skeleton,
+                weights,
+                [prompts[i] for i in indices],
+                args.max_new_tokens,
+                args.split_at,
+                args.stages,
+                args.threads_per_stage,
+                os.path.join(args.trace, f"trace-C{c}.json") if args.trace else None,
+            )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print()
+    print_tables(rows, args.hf_threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
