@@ -18,27 +18,35 @@ std::vector<PlannedRow> plan_step(const std::vector<ReadyRow>& ready, const Step
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return ready[a].ready_since < ready[b].ready_since; });
 
-  // Decode rows first: one token each, and each is a token for its caller. When a prompt waits, they leave it one
-  // row (if there are two or more), so a stream of decode rows can never starve a prefill.
-  const bool prompt_waits = std::any_of(ready.begin(), ready.end(), [](const ReadyRow& r) { return r.remaining > 0; });
-  const int64_t decode_cap = prompt_waits && row_cap > 1 ? row_cap - 1 : row_cap;
-  for (size_t i : order) {
-    if (static_cast<int64_t>(rows.size()) >= decode_cap) break;
-    const ReadyRow& r = ready[i];
-    if (r.remaining > 0) continue;
-    rows.push_back({r.sequence, r.slot, r.cached, 1, true});
+  // One kind of row per step. Rows are right-padded to the longest, so a decode row beside a prompt chunk of T
+  // tokens costs T positions of compute in every layer for its one token: mixing them multiplies the work of the
+  // step (16 decode rows beside a 240-token chunk compute 3,840 positions for 256 tokens). The oldest ready row
+  // decides the kind, so prompts and decoding are served first come, first served and neither starves: decode
+  // rows that return after a prompt became ready wait behind it, and the prompt waits behind those before it.
+  if (ready[order.front()].remaining == 0) {
+    for (size_t i : order) {
+      if (static_cast<int64_t>(rows.size()) >= row_cap) break;
+      const ReadyRow& r = ready[i];
+      if (r.remaining == 0) rows.push_back({r.sequence, r.slot, r.cached, 1, true});
+    }
+    return rows;
   }
-  // Then prompt chunks within what the decode rows left of the token budget (at least one token, so prompts always
-  // advance).
+  // A prefill step: the oldest prompt sets the padded width (its remaining tokens, at most prefill_chunk); the next
+  // prompts join, cut to that width, while the padded step (rows x width) stays within prefill_chunk. A prompt
+  // longer than the width is cut, and its next chunk starts where this one ends (start = cached).
   const int64_t chunk = std::max<int64_t>(budget.prefill_chunk, 1);
-  int64_t budget_left = std::max<int64_t>(chunk - static_cast<int64_t>(rows.size()), 1);
+  int64_t width = 0;
   for (size_t i : order) {
-    if (static_cast<int64_t>(rows.size()) >= row_cap || budget_left <= 0) break;
+    if (static_cast<int64_t>(rows.size()) >= row_cap) break;
     const ReadyRow& r = ready[i];
     if (r.remaining <= 0) continue;
-    const int64_t length = std::min(r.remaining, budget_left);
+    if (width == 0) {
+      width = std::min(r.remaining, chunk);
+    } else if ((static_cast<int64_t>(rows.size()) + 1) * width > chunk) {
+      break;
+    }
+    const int64_t length = std::min(r.remaining, width);
     rows.push_back({r.sequence, r.slot, r.cached, length, length == r.remaining});
-    budget_left -= length;
   }
   return rows;
 }

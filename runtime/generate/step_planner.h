@@ -3,10 +3,11 @@
 //
 // Rules (docs/DESIGN.md, "Generation"): at most row_cap rows, where row_cap = clamp(ceil(active / steps_in_flight),
 // 1, max_rows), so that the active sequences spread over the steps in flight instead of one step taking everyone
-// and the other stages idling. Decode rows first (one token each, oldest first; when a prompt is ready and
-// row_cap >= 2 they take at most row_cap - 1 rows, so decoding never starves a prefill), then prompt chunks (oldest
-// first) within a budget of max(prefill_chunk - decode rows, 1) tokens: a prompt longer than what is left is cut,
-// and the next chunk starts where this one ends (start = cached).
+// and the other stages idling. One kind of row per step, as rows are right-padded to the longest: the oldest ready
+// row decides whether it is a decode step (the oldest decode rows, one token each) or a prefill step (the oldest
+// prompts, each cut to the oldest one's width, at most prefill_chunk tokens, while rows x width fits in
+// prefill_chunk; the next chunk of a cut prompt starts where this one ends: start = cached). First come, first
+// served between prompts and decoding, so neither starves.
 #pragma once
 
 #include <cstdint>

@@ -1,11 +1,9 @@
 // The step planner's rules (runtime/generate/step_planner.h), against hand-worked plans and, for random ready sets,
-// against invariants computed independently from the rules: decode rows first (oldest first), then prompt chunks
-// (oldest first) within prefill_chunk minus the decode rows, at most row_cap = clamp(ceil(active / D), 1, max_rows)
-// rows, start = cached, never a sequence twice, completes_prompt exactly for decode rows and last chunks.
-//
-// Beyond the header's text, two liveness rules (the planner's own comment; to be stated in the header): a waiting
-// prompt is never starved by decode rows: when row_cap >= 2 the decode rows leave it one row, and it gets at least
-// one token even when the decode rows use up prefill_chunk.
+// against invariants computed independently from the rules: one kind of row per step, chosen by the oldest ready row
+// (so prompts and decoding are served first come, first served and neither starves); decode steps take the oldest
+// decode rows; prefill steps take the oldest prompts, padded to the oldest one's width (at most prefill_chunk), while
+// rows x width fits in prefill_chunk; at most row_cap = clamp(ceil(active / D), 1, max_rows) rows, start = cached,
+// never a sequence twice, completes_prompt exactly for decode rows and last chunks.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -41,58 +39,52 @@ TEST(StepPlanner, NothingReadyPlansNothing) {
   EXPECT_TRUE(plan_step({}, budget(0, 1, 1, 1)).empty());
 }
 
-TEST(StepPlanner, DecodeRowsComeFirstOldestFirstThenPromptsOldestFirst) {
-  // Given in neither age nor kind order; every row fits (row_cap 8, budget 256).
-  const std::vector<ReadyRow> ready = {
+TEST(StepPlanner, TheOldestReadyRowDecidesTheKindOfTheStep) {
+  // Given in neither age nor kind order; every row fits (row_cap 8, chunk 256). The oldest is decode row 13.
+  std::vector<ReadyRow> ready = {
       prompt(10, 0, 0, 5, 7), decoding(11, 1, 9, 4), prompt(12, 2, 0, 3, 2),
       decoding(13, 3, 20, 1), decoding(14, 4, 6, 9), prompt(15, 5, 4, 2, 5),
   };
-  const auto rows = plan_step(ready, budget(8, 1, 8, 256));
-  ASSERT_EQ(sequences(rows), (std::vector<uint64_t>{13, 11, 14, 12, 15, 10}));
-  // Decode rows: one token at start = cached, and each gives a token.
-  const std::map<uint64_t, std::pair<int64_t, int64_t>> slot_start = {{13, {3, 20}}, {11, {1, 9}}, {14, {4, 6}},
-                                                                      {12, {2, 0}},  {15, {5, 4}}, {10, {0, 0}}};
-  for (size_t i = 0; i < rows.size(); ++i) {
-    SCOPED_TRACE(rows[i].sequence);
-    EXPECT_EQ(rows[i].slot, slot_start.at(rows[i].sequence).first);
-    EXPECT_EQ(rows[i].start, slot_start.at(rows[i].sequence).second);
-    EXPECT_TRUE(rows[i].completes_prompt);  // decode rows, and prompts that fit whole
+  auto rows = plan_step(ready, budget(8, 1, 8, 256));
+  ASSERT_EQ(sequences(rows), (std::vector<uint64_t>{13, 11, 14}));
+  for (const auto& row : rows) {
+    EXPECT_EQ(row.length, 1);
+    EXPECT_TRUE(row.completes_prompt);
   }
-  EXPECT_EQ(rows[0].length, 1);
-  EXPECT_EQ(rows[1].length, 1);
+  EXPECT_EQ(rows[0].slot, 3);
+  EXPECT_EQ(rows[0].start, 20);
+  // Without it, prompt 12 is the oldest: the prompts, oldest first, padded to 12's width of 3 (15 fits whole, 10 is
+  // cut to 3 tokens from its cached position).
+  ready.erase(ready.begin() + 3);
+  rows = plan_step(ready, budget(8, 1, 8, 256));
+  ASSERT_EQ(sequences(rows), (std::vector<uint64_t>{12, 15, 10}));
+  EXPECT_EQ(rows[0].length, 3);
+  EXPECT_TRUE(rows[0].completes_prompt);
+  EXPECT_EQ(rows[1].start, 4);
+  EXPECT_EQ(rows[1].length, 2);
+  EXPECT_TRUE(rows[1].completes_prompt);
+  EXPECT_EQ(rows[2].start, 0);
+  EXPECT_EQ(rows[2].length, 3);
+  EXPECT_FALSE(rows[2].completes_prompt);
+}
+
+TEST(StepPlanner, PrefillRowsArePaddedToTheOldestPromptsWidthWithinTheChunk) {
+  // chunk 16, the oldest prompt has 5 tokens left: width 5, so three rows fit (15 positions), a fourth would not
+  // (20). Prompt 2 is cut to 5 tokens from its cached position 8; prompt 3 (1 token) fits whole.
+  const std::vector<ReadyRow> ready = {prompt(1, 0, 0, 5, 1), prompt(2, 1, 8, 6, 2), prompt(3, 2, 0, 1, 3),
+                                       prompt(4, 3, 0, 3, 4)};
+  const auto rows = plan_step(ready, budget(8, 1, 8, 16));
+  ASSERT_EQ(sequences(rows), (std::vector<uint64_t>{1, 2, 3}));
+  EXPECT_EQ(rows[0].length, 5);
+  EXPECT_TRUE(rows[0].completes_prompt);
+  EXPECT_EQ(rows[1].start, 8);
+  EXPECT_EQ(rows[1].length, 5);
+  EXPECT_FALSE(rows[1].completes_prompt);
   EXPECT_EQ(rows[2].length, 1);
-  EXPECT_EQ(rows[3].length, 3);
-  EXPECT_EQ(rows[4].length, 2);
-  EXPECT_EQ(rows[5].length, 5);
+  EXPECT_TRUE(rows[2].completes_prompt);
 }
 
-TEST(StepPlanner, DecodeRowsTakeTheRowsBeforePromptsWhenFewerRowsFit) {
-  // row_cap = 1 (active 3 over D 4): the oldest decode row, though an older prompt waits.
-  const std::vector<ReadyRow> ready = {prompt(1, 0, 0, 4, 1), decoding(2, 1, 5, 3), decoding(3, 2, 7, 2)};
-  const auto rows = plan_step(ready, budget(3, 4, 8, 256));
-  ASSERT_EQ(sequences(rows), (std::vector<uint64_t>{3}));
-  EXPECT_EQ(rows[0].start, 7);
-  EXPECT_EQ(rows[0].length, 1);
-}
-
-TEST(StepPlanner, PromptTokensStayWithinTheChunkLessTheDecodeRows) {
-  // prefill_chunk 10, 3 decode rows: 7 prompt tokens. The oldest prompt (5) fits whole, the next gets the 2 left
-  // (a chunk from its cached position, not its last), the third nothing.
-  const std::vector<ReadyRow> ready = {
-      decoding(1, 0, 3, 1),  decoding(2, 1, 3, 2),  decoding(3, 2, 3, 3),
-      prompt(4, 3, 0, 5, 4), prompt(5, 4, 8, 6, 5), prompt(6, 5, 0, 1, 6),
-  };
-  const auto rows = plan_step(ready, budget(6, 1, 8, 10));
-  ASSERT_EQ(sequences(rows), (std::vector<uint64_t>{1, 2, 3, 4, 5}));
-  EXPECT_EQ(rows[3].start, 0);
-  EXPECT_EQ(rows[3].length, 5);
-  EXPECT_TRUE(rows[3].completes_prompt);
-  EXPECT_EQ(rows[4].start, 8);
-  EXPECT_EQ(rows[4].length, 2);
-  EXPECT_FALSE(rows[4].completes_prompt);
-}
-
-TEST(StepPlanner, WithoutDecodeRowsTheWholeChunkGoesToPrompts) {
+TEST(StepPlanner, APromptLongerThanTheChunkTakesTheStepAlone) {
   const std::vector<ReadyRow> ready = {prompt(1, 2, 16, 20, 1), prompt(2, 0, 0, 3, 2)};
   const auto rows = plan_step(ready, budget(2, 1, 4, 8));
   ASSERT_EQ(sequences(rows), (std::vector<uint64_t>{1}));
@@ -123,26 +115,28 @@ TEST(StepPlanner, ALongPromptIsChunkedFromItsCachedPositionUntilItsLastChunk) {
   EXPECT_EQ(completes, (std::vector<bool>{false, false, false, false, true}));
 }
 
-TEST(StepPlanner, DecodeRowsRideAlongWithEveryChunkOfALongPrompt) {
-  // Two decoding sequences and a 20-token prompt, chunk 8: each step carries both decode rows and 6 prompt tokens
-  // (no stall of the decoders while the prompt is prefilled).
+TEST(StepPlanner, PrefillAndDecodeStepsTakeTurnsFirstComeFirstServed) {
+  // A 20-token prompt ready first, two decoding sequences after it, chunk 8, one step at a time (each step's rows
+  // are ready again after it, younger than everything that waited): prefill and decode steps alternate, so the
+  // decoders never wait more than one chunk and the prompt never more than one decode step.
   ReadyRow p = prompt(3, 2, 0, 20, 0);
-  int64_t cached = 10;
-  std::vector<int64_t> lengths;
-  for (uint64_t step = 1; p.remaining > 0; ++step) {
-    const auto rows =
-        plan_step({p, decoding(1, 0, cached, 2 * step), decoding(2, 1, cached, 2 * step + 1)}, budget(3, 1, 4, 8));
-    ASSERT_EQ(rows.size(), 3u);
-    EXPECT_EQ(sequences(rows), (std::vector<uint64_t>{1, 2, 3}));
-    EXPECT_EQ(rows[2].start, p.cached);
-    lengths.push_back(rows[2].length);
-    EXPECT_EQ(rows[2].completes_prompt, rows[2].length == p.remaining);
-    p.cached += rows[2].length;
-    p.remaining -= rows[2].length;
-    ++cached;
-    ASSERT_LE(lengths.size(), 4u);
+  ReadyRow d1 = decoding(1, 0, 10, 1), d2 = decoding(2, 1, 10, 2);
+  std::vector<std::vector<uint64_t>> steps;
+  for (uint64_t clock = 3; steps.size() < 5; ++clock) {
+    const auto rows = plan_step({p, d1, d2}, budget(3, 1, 4, 8));
+    ASSERT_FALSE(rows.empty());
+    steps.push_back(sequences(rows));
+    for (const auto& row : rows) {
+      ReadyRow& r = row.sequence == 3 ? p : row.sequence == 1 ? d1 : d2;
+      EXPECT_EQ(row.start, r.cached);
+      r.cached += row.length;
+      r.remaining -= row.sequence == 3 ? row.length : 0;
+      r.ready_since = clock;
+    }
   }
-  EXPECT_EQ(lengths, (std::vector<int64_t>{6, 6, 6, 2}));
+  EXPECT_EQ(steps, (std::vector<std::vector<uint64_t>>{{3}, {1, 2}, {3}, {1, 2}, {3}}));
+  EXPECT_EQ(p.remaining, 0);  // 8 + 8 + 4: its last chunk gave its first token
+  EXPECT_EQ(p.cached, 20);
 }
 
 TEST(StepPlanner, RowCapIsActiveOverStepsInFlightRoundedUpWithinOneAndMaxRows) {
@@ -178,37 +172,26 @@ TEST(StepPlanner, RowCapSpreadsTheActiveSequencesOverTheStepsInFlight) {
 }
 
 TEST(StepPlanner, PromptRowsCountAgainstTheRowCap) {
-  // row_cap 4: one decode row and the three oldest of five short prompts.
+  // row_cap 4: the four oldest of five short prompts (a prompt is the oldest ready row), not the decode row.
   const std::vector<ReadyRow> ready = {
       prompt(1, 0, 0, 2, 1), prompt(2, 1, 0, 2, 2), prompt(3, 2, 0, 2, 3),
       prompt(4, 3, 0, 2, 4), prompt(5, 4, 0, 2, 5), decoding(6, 5, 3, 9),
   };
-  EXPECT_EQ(sequences(plan_step(ready, budget(4, 1, 8, 256))), (std::vector<uint64_t>{6, 1, 2, 3}));
+  EXPECT_EQ(sequences(plan_step(ready, budget(4, 1, 8, 256))), (std::vector<uint64_t>{1, 2, 3, 4}));
 }
 
-// ---- liveness: a waiting prompt is not starved by decode rows (see the top of this file) ----
+// ---- liveness: neither kind starves the other ----
 
-TEST(StepPlanner, DecodeRowsLeaveAWaitingPromptOneRowWhenTwoOrMoreFit) {
-  // row_cap 2 (active 4 over D 2), three decode rows ready: the oldest decodes and the prompt gets the other row.
-  const std::vector<ReadyRow> ready = {decoding(1, 0, 5, 1), decoding(2, 1, 5, 2), decoding(3, 2, 5, 3),
-                                       prompt(4, 3, 0, 6, 4)};
-  const auto rows = plan_step(ready, budget(4, 2, 4, 256));
-  ASSERT_EQ(sequences(rows), (std::vector<uint64_t>{1, 4}));
-  EXPECT_EQ(rows[1].length, 6);
-  EXPECT_TRUE(rows[1].completes_prompt);
-  // Without a waiting prompt the decode rows take both rows.
-  EXPECT_EQ(sequences(plan_step({ready[0], ready[1], ready[2]}, budget(4, 2, 4, 256))), (std::vector<uint64_t>{1, 2}));
-}
-
-TEST(StepPlanner, AWaitingPromptGetsATokenEvenWhenDecodeRowsUseUpTheChunk) {
-  // prefill_chunk 2, four decode rows: the chunk is used up, yet the prompt advances by one token.
-  const std::vector<ReadyRow> ready = {decoding(1, 0, 5, 1), decoding(2, 1, 5, 2), decoding(3, 2, 5, 3),
-                                       decoding(4, 3, 5, 4), prompt(5, 4, 3, 10, 5)};
-  const auto rows = plan_step(ready, budget(5, 1, 8, 2));
-  ASSERT_EQ(sequences(rows), (std::vector<uint64_t>{1, 2, 3, 4, 5}));
-  EXPECT_EQ(rows[4].start, 3);
-  EXPECT_EQ(rows[4].length, 1);
-  EXPECT_FALSE(rows[4].completes_prompt);
+TEST(StepPlanner, AWaitingPromptGoesBeforeDecodeRowsThatReturnedAfterIt) {
+  // The prompt became ready at 4: decode rows ready since 5 and 6 wait behind it; rows ready since 1 and 2 go first.
+  const auto later =
+      plan_step({decoding(1, 0, 5, 5), decoding(2, 1, 5, 6), prompt(4, 3, 0, 6, 4)}, budget(4, 2, 4, 256));
+  ASSERT_EQ(sequences(later), (std::vector<uint64_t>{4}));
+  EXPECT_EQ(later[0].length, 6);
+  EXPECT_TRUE(later[0].completes_prompt);
+  const auto earlier =
+      plan_step({decoding(1, 0, 5, 1), decoding(2, 1, 5, 2), prompt(4, 3, 0, 6, 4)}, budget(4, 2, 4, 256));
+  EXPECT_EQ(sequences(earlier), (std::vector<uint64_t>{1, 2}));
 }
 
 // ---- random ready sets against the rules' invariants ----
@@ -254,47 +237,39 @@ TEST(StepPlanner, RandomReadySetsFollowEveryRule) {
     ASSERT_LE(static_cast<int64_t>(rows.size()), row_cap);
     std::set<uint64_t> seen;
     std::set<int64_t> seen_slots;
-    size_t decode_rows = 0;
-    int64_t prompt_tokens = 0;
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const auto& row = rows[i];
+    for (const auto& row : rows) {
       ASSERT_TRUE(by_sequence.count(row.sequence)) << "row of a sequence that was not ready: " << row.sequence;
       EXPECT_TRUE(seen.insert(row.sequence).second) << "sequence " << row.sequence << " twice";
       EXPECT_TRUE(seen_slots.insert(row.slot).second) << "slot " << row.slot << " twice";
-      const ReadyRow& from = by_sequence[row.sequence];
-      EXPECT_EQ(row.slot, from.slot);
-      EXPECT_EQ(row.start, from.cached);
-      if (from.remaining == 0) {
-        EXPECT_EQ(decode_rows, i) << "a decode row after a prompt row";
-        ++decode_rows;
+      EXPECT_EQ(row.slot, by_sequence[row.sequence].slot);
+      EXPECT_EQ(row.start, by_sequence[row.sequence].cached);
+    }
+    // The oldest ready row decides the kind; the step takes the oldest rows of that kind, in age order.
+    const ReadyRow oldest = *std::min_element(ready.begin(), ready.end(), older);
+    const std::vector<ReadyRow>& kind = oldest.remaining == 0 ? decoders : prompts;
+    ASSERT_LE(rows.size(), kind.size());
+    for (size_t i = 0; i < rows.size(); ++i) EXPECT_EQ(rows[i].sequence, kind[i].sequence) << "row " << i;
+    if (oldest.remaining == 0) {
+      for (const auto& row : rows) {
         EXPECT_EQ(row.length, 1);
         EXPECT_TRUE(row.completes_prompt);
-      } else {
-        EXPECT_GE(row.length, 1);
-        EXPECT_LE(row.length, from.remaining);
-        EXPECT_EQ(row.completes_prompt, row.length == from.remaining);
-        prompt_tokens += row.length;
       }
+      EXPECT_EQ(static_cast<int64_t>(rows.size()), std::min<int64_t>(static_cast<int64_t>(kind.size()), row_cap));
+      continue;
     }
-    const size_t prompt_rows = rows.size() - decode_rows;
-    // The oldest of each kind, in age order.
-    for (size_t i = 0; i < decode_rows; ++i) EXPECT_EQ(rows[i].sequence, decoders[i].sequence);
-    for (size_t i = 0; i < prompt_rows; ++i) EXPECT_EQ(rows[decode_rows + i].sequence, prompts[i].sequence);
-    // Decode rows: as many as fit, less the one row a waiting prompt keeps when two or more fit.
-    const int64_t reserve = !prompts.empty() && row_cap > 1 ? 1 : 0;
-    EXPECT_EQ(static_cast<int64_t>(decode_rows),
-              std::min<int64_t>(static_cast<int64_t>(decoders.size()), row_cap - reserve));
-    // Prompt tokens within the chunk less the decode rows (at least one token); every prompt row but the last is
-    // whole; a prompt left out means the rows or the tokens ran out.
-    const int64_t prompt_budget = std::max<int64_t>(chunk - static_cast<int64_t>(decode_rows), 1);
-    EXPECT_LE(prompt_tokens, prompt_budget);
-    for (size_t i = 0; i + 1 < prompt_rows; ++i) EXPECT_TRUE(rows[decode_rows + i].completes_prompt);
-    if (prompt_rows < prompts.size()) {
-      EXPECT_TRUE(static_cast<int64_t>(rows.size()) == row_cap || prompt_tokens == prompt_budget)
-          << "prompt " << prompts[prompt_rows].sequence << " left out with rows and tokens to spare";
+    // Prefill: the oldest prompt's width (at most the chunk); every row cut to it; rows x width within the chunk;
+    // a prompt left out means the rows ran out or one more row would not fit.
+    const int64_t width = std::min<int64_t>(kind[0].remaining, chunk);
+    for (const auto& row : rows) {
+      const ReadyRow& from = by_sequence[row.sequence];
+      EXPECT_EQ(row.length, std::min(from.remaining, width));
+      EXPECT_EQ(row.completes_prompt, row.length == from.remaining);
     }
-    if (prompt_rows > 0 && !rows.back().completes_prompt) {
-      EXPECT_EQ(prompt_tokens, prompt_budget);
+    EXPECT_LE(static_cast<int64_t>(rows.size()) * width, chunk);
+    if (rows.size() < kind.size()) {
+      EXPECT_TRUE(static_cast<int64_t>(rows.size()) == row_cap ||
+                  (static_cast<int64_t>(rows.size()) + 1) * width > chunk)
+          << "prompt " << kind[rows.size()].sequence << " left out with rows and positions to spare";
     }
   }
 }
