@@ -28,8 +28,8 @@ type GeneratorOptions struct {
 	// Sequences that may wait for a free cache slot; one more is refused with ErrBusy.
 	// 0: 4 x the decoder's slots.
 	MaxQueued int
-	// Prompt tokens per step, all rows together: a longer prompt is prefilled in chunks, so
-	// that it does not stall the other sequences' decode steps. 0: 256.
+	// Positions per prefill step, all rows together as padded (rows x the longest chunk): a
+	// longer prompt is prefilled in chunks, so that it does not hold up the others for long. 0: 256.
 	PrefillChunk int
 	// Steps in the pipeline at once. 0: the number of stages (every stage busy).
 	StepsInFlight int
