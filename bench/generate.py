@@ -22,8 +22,9 @@ transformers' padding may flip a near tie; the agreement rates are reported, not
 
 With the Python binding's native module importable (libpipe.Generator), --stage-stats also runs
 each C through the binding in this process, after a warm-up, and reports the stages' busy
-fractions (pipe_session_stage_stats), the generator's step and sampling figures and, with
---trace DIR, a Chrome trace per C.
+fractions (pipe_session_stage_stats) over the whole wave and, from the stages' timeline, while the
+pipeline is full (as many steps in flight as stages: the fill and the drain of the wave left
+out), the generator's step and sampling figures and, with --trace DIR, a Chrome trace per C.
 
     python bench/generate.py [--pipe build/pipe] [--concurrency 1 8 32] [--max-new-tokens 48]
                              [--repeats 3] [--stages 2] [--stage-stats] [--trace DIR]
@@ -234,19 +235,22 @@ def stage_stats(Generator, skeleton, weights, prompts, max_new_tokens, split_at,
         wave()  # warm-up: TorchScript's profiling runs and the allocator's first steps
         session = gen.session
         before, gen_before = session.stats(), gen.stats()
-        if trace:
-            session.trace_start()
+        session.trace_start()  # the steady state is read from the stages' timeline
         start = time.perf_counter()
         wave()
         wall = time.perf_counter() - start
-        if trace:
-            session.trace_stop(trace)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = trace or os.path.join(tmp, "trace.json")
+            session.trace_stop(path)
+            with open(path) as f:
+                steady = steady_state_busy(json.load(f), len(before))
         after, gen_after = session.stats(), gen.stats()
         info = gen.info
     steps = gen_after["steps"] - gen_before["steps"]
     tokens = gen_after["generated_tokens"] - gen_before["generated_tokens"]
     return {
         "busy": [(a["busy_ms"] - b["busy_ms"]) / (wall * 1000) for a, b in zip(after, before)],
+        "steady": steady,
         "stage_ms_per_step": [(a["busy_ms"] - b["busy_ms"]) / max(steps, 1) for a, b in zip(after, before)],
         "steps": steps,
         "tokens_per_step": tokens / max(steps, 1),
@@ -254,6 +258,35 @@ def stage_stats(Generator, skeleton, weights, prompts, max_new_tokens, split_at,
         "tokens_per_s": tokens / wall,
         "cache_bytes_per_slot": info.cache_bytes_per_slot,
     }
+
+
+def steady_state_busy(trace, stages):
+    """Each stage's busy fraction while the pipeline is full, from a session trace (Chrome JSON:
+    one span per step per stage). A step is in flight from the start of its first stage's span to
+    the end of its last one's; the window runs from the first moment `stages` steps are in flight
+    to the last, one stretch, so that the engine's gaps between a step's return and its group's
+    next step count against the stages (only the fill at the start and the drain at the end of a
+    wave are left out). Returns (busy fractions, window ms, share of the wave's span it covers)."""
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    steps = {}
+    for e in spans:
+        lo, hi = steps.get(e["args"]["request"], (math.inf, -math.inf))
+        steps[e["args"]["request"]] = (min(lo, e["ts"]), max(hi, e["ts"] + e["dur"]))
+    edges = sorted([(lo, 1) for lo, _ in steps.values()] + [(hi, -1) for _, hi in steps.values()])
+    in_flight, first, last = 0, None, None
+    for t, change in edges:  # ends sort before starts at the same instant: no false overlap
+        if in_flight >= stages and change < 0:
+            last = t
+        in_flight += change
+        if in_flight >= stages and first is None:
+            first = t
+    if first is None or last is None or last <= first:
+        return None
+    busy = [0.0] * stages
+    for e in spans:
+        busy[e["tid"]] += max(0.0, min(e["ts"] + e["dur"], last) - max(e["ts"], first))
+    whole = max(hi for _, hi in steps.values()) - min(lo for lo, _ in steps.values())
+    return [b / (last - first) for b in busy], (last - first) / 1000, (last - first) / whole
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -360,16 +393,21 @@ def print_tables(rows, hf_threads):
         print()
         print(
             "| sequences at once | stage busy | stage ms per step | steps | tokens per step | "
-            "sampling ms per step | tokens/s (binding, warm) |"
+            "sampling ms per step | tokens/s (binding, warm) | stage busy, pipeline full (share of the wave) |"
         )
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
             s = r.get("stats")
             if s:
                 print(
                     f"| {r['concurrency']} | {' / '.join(f'{100 * b:.0f}%' for b in s['busy'])} | "
                     f"{' / '.join(f'{t:.1f}' for t in s['stage_ms_per_step'])} | {s['steps']} | "
-                    f"{s['tokens_per_step']:.1f} | {s['sampling_ms_per_step']:.2f} | {s['tokens_per_s']:.1f} |"
+                    f"{s['tokens_per_step']:.1f} | {s['sampling_ms_per_step']:.2f} | {s['tokens_per_s']:.1f} | "
+                    + (
+                        f"{' / '.join(f'{100 * b:.0f}%' for b in s['steady'][0])} ({100 * s['steady'][2]:.0f}%) |"
+                        if s["steady"]
+                        else "never full |"
+                    )
                 )
         per_slot = {r["stats"]["cache_bytes_per_slot"] for r in rows if "stats" in r}
         print()
