@@ -14,7 +14,6 @@ transformers' greedy tokens for its prompts in tiny_decoder.expected.json):
 
 import json
 import os
-import re
 import subprocess
 
 import pytest
@@ -35,19 +34,12 @@ def prompt_args(prompts):
     return [a for p in prompts for a in ("--prompt-ids", ",".join(map(str, p)))]
 
 
-def sanitizer_runtime():
-    """The AddressSanitizer runtime pipe links, if it is a sanitizer build: that runtime refuses to
-    start unless it is the first library loaded, so it must precede the gate in LD_PRELOAD."""
-    ldd = subprocess.run(["ldd", PIPE], capture_output=True, text=True).stdout
-    found = re.search(r"^\s*libasan\.so\S*\s+=>\s+(\S+)", ldd, re.MULTILINE)
-    return [found.group(1)] if found else []
-
-
 def gated_pipe(*args):
     """pipe with the test gate's operator loaded, which the gated decoders call (no gate is held
-    here: their prompts never start with a gate key)."""
-    preload = [*sanitizer_runtime(), os.environ["LIBPIPE_TEST_GATE_LIB"]]
-    env = {**os.environ, "LD_PRELOAD": " ".join(preload)}
+    here: their prompts never start with a gate key). As tests/gate/gate.py's child_env does:
+    in sanitizer builds the preloaded library comes before the sanitizer's runtime."""
+    asan = ":".join(p for p in (os.environ.get("ASAN_OPTIONS", ""), "verify_asan_link_order=0") if p)
+    env = {**os.environ, "LD_PRELOAD": os.environ["LIBPIPE_TEST_GATE_LIB"], "ASAN_OPTIONS": asan}
     return subprocess.run([PIPE, *map(str, args)], capture_output=True, text=True, timeout=300, env=env)
 
 
