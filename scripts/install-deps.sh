@@ -16,6 +16,7 @@ apt_packages=(
   clang libclang-dev                             # bindgen (the Rust binding's -sys crate)
   libclang-rt-dev                                # clang's fuzzer and sanitizer runtimes (scripts/fuzz.sh links them)
   libgloo-dev                                    # gloo's headers for c10d's Gloo transport (its code is in LibTorch)
+  curl                                           # examples/go-sse's test drives the service with curl
 )
 missing=()
 for pkg in "${apt_packages[@]}"; do
