@@ -1,8 +1,9 @@
 module github.com/libpipe/libpipe/examples/go-sse
 
-go 1.24
+go 1.26.0
 
 require (
+	github.com/ardanlabs/jinja v1.8.0
 	github.com/libpipe/libpipe/bindings/go v0.0.0
 	github.com/sugarme/tokenizer v0.3.0
 )

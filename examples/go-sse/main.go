@@ -1,7 +1,8 @@
 // Command go-sse serves text completions from a language model over HTTP, with libpipe's
 // generator underneath: the model is cut into pipeline stages, and the sequences of concurrent
 // requests are batched into shared steps that stream through them. The API has the shape of
-// OpenAI's /v1/completions, streaming with server-sent events (see server.go).
+// OpenAI's /v1/completions and /v1/chat/completions, streaming with server-sent events (see
+// server.go and chat.go).
 //
 //	go-sse -decoder DECODER.pt -model-dir HF_DIR [-split POINT,... | -stages N] [-addr HOST:PORT]
 //	       [-max-queued N] [-name NAME]
@@ -10,8 +11,9 @@
 // DECODER.pt` writes one for Llama, Qwen2, Mistral and GPT-2 checkpoints). HF_DIR is the Hugging
 // Face folder: tokenizer.json (required), model.safetensors or model.safetensors.index.json (the
 // weights, when DECODER.pt holds none), generation_config.json (its eos_token_id ends a
-// completion). Once listening it prints "go-sse: listening on http://HOST:PORT" on stdout;
-// -addr 127.0.0.1:0 picks a free port.
+// completion), chat_template.jinja or tokenizer_config.json (the chat template and its special
+// tokens, for /v1/chat/completions). Once listening it prints "go-sse: listening on
+// http://HOST:PORT" on stdout; -addr 127.0.0.1:0 picks a free port.
 package main
 
 import (
@@ -64,6 +66,13 @@ func run(decoder, modelDir, split string, stages int, addr string, maxQueued int
 	if err != nil {
 		return err
 	}
+	chat, err := loadChatTemplate(modelDir)
+	if err != nil {
+		return err
+	}
+	if chat == nil {
+		log.Printf("%s has no chat template: /v1/chat/completions answers 400", modelDir)
+	}
 	gen, err := newGenerator(decoder, modelDir, split, stages, maxQueued)
 	if err != nil {
 		return err
@@ -73,7 +82,12 @@ func run(decoder, modelDir, split string, stages int, addr string, maxQueued int
 	log.Printf("%s: %d stages, %d slots of %d tokens (%.1f MiB of cache each), vocabulary %d",
 		name, gen.NumStages(), info.Slots, info.MaxLen, float64(info.CacheBytesPerSlot)/(1<<20), info.Vocab)
 
-	s := &server{gen: gen, text: text, model: name, stopIDs: stopIDs}
+	s := &server{gen: gen, text: text, model: name, stopIDs: stopIDs, chat: chat,
+		chatStopIDs: endOfTurnIDs(text, chat, stopIDs)}
+	// Signals are caught before the service says it listens: a SIGTERM right after the first
+	// request must stop it gracefully, not kill it.
+	signals := make(chan os.Signal, 1)
+	signal.Notify(signals, os.Interrupt, syscall.SIGTERM)
 	listener, err := net.Listen("tcp", addr)
 	if err != nil {
 		return err
@@ -83,8 +97,6 @@ func run(decoder, modelDir, split string, stages int, addr string, maxQueued int
 
 	done := make(chan error, 1)
 	go func() { done <- httpServer.Serve(listener) }()
-	signals := make(chan os.Signal, 1)
-	signal.Notify(signals, os.Interrupt, syscall.SIGTERM)
 	select {
 	case err := <-done:
 		return err

@@ -10,6 +10,8 @@
 # SmolLM2-135M-Instruct converted on this machine (scripts/install-deps.sh does it), the test
 # serves SmolLM2: testdata/smollm2.py exports its decoder and transformers' reference into
 # WORKDIR once (kept while its inputs do not change). Otherwise it serves the tiny decoder.
+# The test also drives the service with curl and, through LIBPIPE_PYTHON, with OpenAI's Python
+# client (testdata/openai_client_check.py; the `openai` package of scripts/requirements.txt).
 #
 # Unlike the binding, this module has third-party dependencies (the tokenizer): go fetches them
 # through the Go module proxy the first time (checked against go.sum), then finds them in the

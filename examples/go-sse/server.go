@@ -3,11 +3,12 @@ package main
 // The HTTP API, in the shape of OpenAI's completions API:
 //
 //	POST /v1/completions  {"prompt": "...", "max_tokens": 16, "temperature": 1, "top_p": 1,
-//	                       "seed": 7, "stream": true}
+//	                       "seed": 7, "stop": ["\n"], "stream": true}
 //	    stream: server-sent events, one `data: {"choices":[{"text": "...", "index": 0,
 //	    "finish_reason": null}], ...}` per piece of text, a last one with "finish_reason"
-//	    ("stop" or "length"), then `data: [DONE]`; otherwise one JSON object with the whole text
-//	    and "usage".
+//	    ("stop": the model's end token or a stop string; "length"), then `data: [DONE]`;
+//	    otherwise one JSON object with the whole text and "usage".
+//	POST /v1/chat/completions  the same over a conversation (chat.go)
 //	GET /v1/models        the one model served
 //	GET /health           {"status": "ok", slots, queue, counters}
 //
@@ -42,6 +43,9 @@ type server struct {
 	model   string  // the name /v1/models gives and responses carry
 	stopIDs []int64 // the model's end-of-sequence ids: a completion ends there ("stop")
 
+	chat        *chatTemplate // the model's chat template; nil: the chat endpoint answers 400
+	chatStopIDs []int64       // stopIDs and the template's end of turn: a chat reply ends there
+
 	// Counters for /health: what operators want to see, and what the test observes.
 	requests      atomic.Uint64
 	rejectedBusy  atomic.Uint64
@@ -54,6 +58,7 @@ type server struct {
 func (s *server) routes() *http.ServeMux {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/completions", s.completions)
+	mux.HandleFunc("POST /v1/chat/completions", s.chatCompletions)
 	mux.HandleFunc("GET /v1/models", s.models)
 	mux.HandleFunc("GET /health", s.health)
 	return mux
@@ -83,11 +88,10 @@ func writeError(w http.ResponseWriter, status int, typ, param, format string, ar
 	writeJSON(w, status, map[string]apiError{"error": e})
 }
 
-// completionRequest is the part of OpenAI's request this service reads; other fields are ignored,
-// as OpenAI's clients send some with their defaults (null or their neutral value).
-type completionRequest struct {
+// generationFields are the request fields both endpoints read; other fields are ignored, as
+// OpenAI's clients send some with their defaults (null or their neutral value).
+type generationFields struct {
 	Model       string          `json:"model"`
-	Prompt      json.RawMessage `json:"prompt"`
 	MaxTokens   *int            `json:"max_tokens"`
 	Temperature *float64        `json:"temperature"`
 	TopP        *float64        `json:"top_p"`
@@ -95,6 +99,12 @@ type completionRequest struct {
 	Stream      bool            `json:"stream"`
 	N           *int            `json:"n"`
 	Stop        json.RawMessage `json:"stop"`
+}
+
+// completionRequest is the part of OpenAI's completion request this service reads.
+type completionRequest struct {
+	generationFields
+	Prompt json.RawMessage `json:"prompt"`
 }
 
 // badRequest is a request the service refuses: which field, and why.
@@ -106,61 +116,70 @@ func bad(param, format string, args ...any) *badRequest {
 	return &badRequest{param, fmt.Sprintf(format, args...)}
 }
 
-// parse checks the request and turns it into a prompt and libpipe's options.
-func (s *server) parse(r *http.Request) (completionRequest, []int64, *pipe.GenerationOptions, *badRequest) {
-	var req completionRequest
+// refuse answers a bad request with 400 and OpenAI's error object.
+func (s *server) refuse(w http.ResponseWriter, b *badRequest) {
+	s.badRequests.Add(1)
+	writeError(w, http.StatusBadRequest, "invalid_request_error", b.param, "%s", b.message)
+}
+
+// decodeRequest reads the body, one JSON object, into v.
+func decodeRequest(r *http.Request, v any) *badRequest {
 	dec := json.NewDecoder(http.MaxBytesReader(nil, r.Body, maxBody))
-	if err := dec.Decode(&req); err != nil {
+	if err := dec.Decode(v); err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
-			return req, nil, nil, bad("", "the request body is over %d bytes", maxBody)
+			return bad("", "the request body is over %d bytes", maxBody)
 		}
-		return req, nil, nil, bad("", "the body is not a JSON completion request: %v", err)
+		return bad("", "the body is not a JSON request of this endpoint: %v", err)
 	}
 	if dec.More() {
-		return req, nil, nil, bad("", "the body holds more than one JSON value")
+		return bad("", "the body holds more than one JSON value")
 	}
-	prompt, perr := s.prompt(req.Prompt)
-	if perr != nil {
-		return req, nil, nil, perr
-	}
-	opts := &pipe.GenerationOptions{MaxNewTokens: 16, Temperature: 1, TopP: 1, StopIDs: s.stopIDs}
-	if req.MaxTokens != nil {
-		if *req.MaxTokens < 1 {
-			return req, nil, nil, bad("max_tokens", "max_tokens is %d; give at least 1", *req.MaxTokens)
+	return nil
+}
+
+// options checks the fields both endpoints share and turns them into libpipe's options and the
+// stop strings. maxParam names the field MaxTokens came from; without it, defaultMax tokens.
+func (s *server) options(f *generationFields, maxParam string, defaultMax int) (*pipe.GenerationOptions, []string,
+	*badRequest) {
+	opts := &pipe.GenerationOptions{MaxNewTokens: defaultMax, Temperature: 1, TopP: 1, StopIDs: s.stopIDs}
+	if f.MaxTokens != nil {
+		if *f.MaxTokens < 1 {
+			return nil, nil, bad(maxParam, "%s is %d; give at least 1", maxParam, *f.MaxTokens)
 		}
-		opts.MaxNewTokens = *req.MaxTokens
+		opts.MaxNewTokens = *f.MaxTokens
 	}
-	if req.Temperature != nil {
-		if t := *req.Temperature; t < 0 || t > 2 {
-			return req, nil, nil, bad("temperature", "temperature is %g; give 0 (greedy) to 2", t)
+	if f.Temperature != nil {
+		if t := *f.Temperature; t < 0 || t > 2 {
+			return nil, nil, bad("temperature", "temperature is %g; give 0 (greedy) to 2", t)
 		}
-		opts.Temperature = *req.Temperature
+		opts.Temperature = *f.Temperature
 	}
-	if req.TopP != nil {
-		if p := *req.TopP; !(p > 0 && p <= 1) {
-			return req, nil, nil, bad("top_p", "top_p is %g; give a number in (0, 1]", p)
+	if f.TopP != nil {
+		if p := *f.TopP; !(p > 0 && p <= 1) {
+			return nil, nil, bad("top_p", "top_p is %g; give a number in (0, 1]", p)
 		}
-		opts.TopP = *req.TopP
+		opts.TopP = *f.TopP
 	}
-	if req.Seed != nil {
-		opts.Seed = uint64(*req.Seed)
+	if f.Seed != nil {
+		opts.Seed = uint64(*f.Seed)
 	} else {
 		// OpenAI's sampling without a seed differs from call to call.
 		var b [8]byte
 		rand.Read(b[:])
 		opts.Seed = binary.LittleEndian.Uint64(b[:])
 	}
-	if req.N != nil && *req.N != 1 {
-		return req, nil, nil, bad("n", "n is %d; this service makes one completion per request", *req.N)
+	if f.N != nil && *f.N != 1 {
+		return nil, nil, bad("n", "n is %d; this service makes one completion per request", *f.N)
 	}
-	if len(req.Stop) > 0 && string(req.Stop) != "null" {
-		return req, nil, nil, bad("stop", "stop sequences are not supported yet; the model's own end token ends a completion")
+	stops, berr := parseStop(f.Stop)
+	if berr != nil {
+		return nil, nil, berr
 	}
-	if req.Model != "" && req.Model != s.model {
-		return req, nil, nil, bad("model", "model %q is not served here; this service serves %q", req.Model, s.model)
+	if f.Model != "" && f.Model != s.model {
+		return nil, nil, bad("model", "model %q is not served here; this service serves %q", f.Model, s.model)
 	}
-	return req, prompt, opts, nil
+	return opts, stops, nil
 }
 
 // prompt reads OpenAI's prompt forms: a string, an array of one string, or an array of token ids.
@@ -190,15 +209,20 @@ func (s *server) prompt(raw json.RawMessage) ([]int64, *badRequest) {
 	if text == "" {
 		return nil, bad("prompt", "prompt is empty; give the text to complete")
 	}
+	return s.encode(text, "prompt")
+}
+
+// encode is the token ids of a prompt's text; param names the field it came from.
+func (s *server) encode(text, param string) ([]int64, *badRequest) {
 	ids, err := s.text.Encode(text)
 	if err != nil {
-		return nil, bad("prompt", "the tokenizer cannot encode the prompt: %v", err)
+		return nil, bad(param, "the tokenizer cannot encode the prompt: %v", err)
 	}
 	if len(ids) == 0 {
-		return nil, bad("prompt", "the prompt encodes to no token")
+		return nil, bad(param, "the prompt encodes to no token")
 	}
 	if max := s.gen.Info().MaxLen; len(ids) >= max {
-		return nil, bad("prompt", "the prompt is %d tokens; this model takes at most %d, and needs room for the completion",
+		return nil, bad(param, "the prompt is %d tokens; this model takes at most %d, and needs room for the completion",
 			len(ids), max-1)
 	}
 	return ids, nil
@@ -229,28 +253,25 @@ type usage struct {
 
 func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 	s.requests.Add(1)
-	req, prompt, opts, berr := s.parse(r)
+	var req completionRequest
+	if berr := decodeRequest(r, &req); berr != nil {
+		s.refuse(w, berr)
+		return
+	}
+	prompt, berr := s.prompt(req.Prompt)
 	if berr != nil {
-		s.badRequests.Add(1)
-		writeError(w, http.StatusBadRequest, "invalid_request_error", berr.param, "%s", berr.message)
+		s.refuse(w, berr)
+		return
+	}
+	opts, stops, berr := s.options(&req.generationFields, "max_tokens", 16)
+	if berr != nil {
+		s.refuse(w, berr)
 		return
 	}
 	// The request's context: when the client disconnects, the sequence is cancelled.
 	ctx := r.Context()
-	gen, err := s.gen.Generate(ctx, prompt, opts)
-	switch {
-	case errors.Is(err, pipe.ErrBusy):
-		s.rejectedBusy.Add(1)
-		w.Header().Set("Retry-After", "1")
-		writeError(w, http.StatusServiceUnavailable, "server_busy", "", "%s", message(err))
-		return
-	case errors.Is(err, pipe.ErrInvalidArgument):
-		// What libpipe checks itself: token ids outside the vocabulary, a prompt without room.
-		s.badRequests.Add(1)
-		writeError(w, http.StatusBadRequest, "invalid_request_error", "prompt", "%s", message(err))
-		return
-	case err != nil:
-		writeError(w, http.StatusInternalServerError, "server_error", "", "%v", err)
+	gen := s.start(ctx, w, prompt, opts, "prompt")
+	if gen == nil {
 		return
 	}
 	c := completion{
@@ -259,11 +280,53 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 		Created: time.Now().Unix(),
 		Model:   s.model,
 	}
-	if req.Stream {
-		s.stream(ctx, w, gen, c)
-	} else {
-		s.whole(ctx, w, gen, c, len(prompt))
+	if !req.Stream {
+		var text strings.Builder
+		end := s.follow(ctx, gen, stops, func(piece string) error {
+			text.WriteString(piece)
+			return nil
+		})
+		if ctx.Err() != nil || s.failed(w, end) {
+			return
+		}
+		c.Choices = []choice{{Text: text.String(), Index: 0, FinishReason: &end.finish}}
+		c.Usage = &usage{PromptTokens: len(prompt), CompletionTokens: end.tokens, TotalTokens: len(prompt) + end.tokens}
+		writeJSON(w, http.StatusOK, c)
+		return
 	}
+	events := startEvents(w, gen)
+	end := s.follow(ctx, gen, stops, func(piece string) error {
+		c.Choices = []choice{{Text: piece, Index: 0}}
+		return events.send(c)
+	})
+	if ctx.Err() != nil || events.failed(end) {
+		return // nobody to tell, or told
+	}
+	c.Choices = []choice{{Text: "", Index: 0, FinishReason: &end.finish}}
+	events.send(c)
+	events.done()
+}
+
+// start submits a prompt to the generator; when it cannot, it answers the request (503 when the
+// queue is full, 400 for what libpipe finds wrong with the prompt, named param) and returns nil.
+func (s *server) start(ctx context.Context, w http.ResponseWriter, prompt []int64, opts *pipe.GenerationOptions,
+	param string) *pipe.Generation {
+	gen, err := s.gen.Generate(ctx, prompt, opts)
+	switch {
+	case errors.Is(err, pipe.ErrBusy):
+		s.rejectedBusy.Add(1)
+		w.Header().Set("Retry-After", "1")
+		writeError(w, http.StatusServiceUnavailable, "server_busy", "", "%s", message(err))
+		return nil
+	case errors.Is(err, pipe.ErrInvalidArgument):
+		// What libpipe checks itself: token ids outside the vocabulary, a prompt without room.
+		s.refuse(w, bad(param, "%s", message(err)))
+		return nil
+	case err != nil:
+		writeError(w, http.StatusInternalServerError, "server_error", "", "%v", err)
+		return nil
+	}
+	return gen
 }
 
 // message is libpipe's message for a client: what was wrong and what to do, without the Go
@@ -276,24 +339,44 @@ func message(err error) string {
 	return err.Error()
 }
 
-// follow receives gen's tokens as text, calling emit for each piece, until the sequence ends or
+// ending is how a completion ended: OpenAI's finish reason ("stop": the model's end token or a
+// stop string; "length"), the tokens it took, or the error that ended it.
+type ending struct {
+	finish string
+	tokens int
+	err    error
+}
+
+// follow receives gen's tokens as text, calling emit for each piece, until the sequence ends, a
+// stop string appears (the sequence is cancelled; the text before it is emitted, not the rest), or
 // ctx ends (the client left: the sequence is cancelled before this returns, so that its slot is
-// freed however the consumer behaves). It returns the finish reason and the error.
-func (s *server) follow(ctx context.Context, gen *pipe.Generation, emit func(string) error) (pipe.FinishReason, error) {
+// freed however the consumer behaves).
+func (s *server) follow(ctx context.Context, gen *pipe.Generation, stops []string, emit func(string) error) ending {
 	text := &textStream{codec: s.text}
-	left := false
-	for tokens := gen.Tokens(); tokens != nil; {
+	scan := &stopScanner{stops: stops}
+	left, stopped, tokens := false, false, 0
+	send := func(piece string, hit bool) {
+		if piece != "" && !left {
+			if err := emit(piece); err != nil {
+				left = true // a write failed: the client is gone
+				gen.Cancel()
+			}
+		}
+		if hit && !stopped {
+			stopped = true
+			gen.Cancel() // the rest is not wanted
+		}
+	}
+	for ch := gen.Tokens(); ch != nil; {
 		select {
-		case id, open := <-tokens:
+		case id, open := <-ch:
 			if !open {
-				tokens = nil
+				ch = nil
 				break
 			}
-			if piece := text.Add(id); piece != "" && !left {
-				if err := emit(piece); err != nil {
-					left = true // a write failed: the client is gone
-					gen.Cancel()
-				}
+			if !stopped {
+				tokens++
+				send(scan.Push(text.Add(id)))
 			}
 		case <-ctx.Done():
 			if !left {
@@ -304,16 +387,27 @@ func (s *server) follow(ctx context.Context, gen *pipe.Generation, emit func(str
 			ctx = context.Background() // seen once; now wait for the channel to close
 		}
 	}
-	if piece := text.Flush(); piece != "" && !left {
-		emit(piece)
+	if !stopped {
+		send(scan.Push(text.Flush()))
+	}
+	if !stopped {
+		send(scan.Flush(), false)
 	}
 	info, _ := gen.Info()
-	if int(info.FinishReason) < len(s.finished) {
-		s.finished[info.FinishReason].Add(1)
+	reason := info.FinishReason
+	if stopped {
+		reason = pipe.FinishStop
+	}
+	if int(reason) < len(s.finished) {
+		s.finished[reason].Add(1)
 	} else {
 		s.finishedOther.Add(1)
 	}
-	return info.FinishReason, gen.Err()
+	if stopped {
+		// Tokens generated after the stop string's are dropped: they are not the completion's.
+		return ending{finish: "stop", tokens: tokens}
+	}
+	return ending{finish: openAIFinish(reason), tokens: info.GeneratedTokens, err: gen.Err()}
 }
 
 // openAIFinish is OpenAI's name for how a completion ended.
@@ -324,67 +418,64 @@ func openAIFinish(reason pipe.FinishReason) string {
 	return "length"
 }
 
-func (s *server) stream(ctx context.Context, w http.ResponseWriter, gen *pipe.Generation, c completion) {
+// failed answers a request whose completion ended with an error, and says whether it did.
+func (s *server) failed(w http.ResponseWriter, end ending) bool {
+	if end.err == nil {
+		return false
+	}
+	status := http.StatusInternalServerError
+	if errors.Is(end.err, pipe.ErrDeadlineExceeded) {
+		status = http.StatusGatewayTimeout
+	}
+	writeError(w, status, "server_error", "", "%s", message(end.err))
+	return true
+}
+
+// events is a response of server-sent events, each flushed as it is written.
+type events struct {
+	w  http.ResponseWriter
+	rc *http.ResponseController
+}
+
+// startEvents sends the headers of an event stream (cancelling gen if the client is already gone).
+func startEvents(w http.ResponseWriter, gen *pipe.Generation) *events {
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no") // a proxy in front must not hold events back
 	w.WriteHeader(http.StatusOK)
-	rc := http.NewResponseController(w)
-	event := func(v any) error {
-		data, err := json.Marshal(v)
-		if err != nil {
-			return err
-		}
-		if _, err := fmt.Fprintf(w, "data: %s\n\n", data); err != nil {
-			return err
-		}
-		return rc.Flush()
-	}
-	if err := rc.Flush(); err != nil {
+	e := &events{w: w, rc: http.NewResponseController(w)}
+	if err := e.rc.Flush(); err != nil {
 		gen.Cancel()
 	}
-	reason, err := s.follow(ctx, gen, func(piece string) error {
-		c.Choices = []choice{{Text: piece, Index: 0}}
-		return event(c)
-	})
-	if ctx.Err() != nil {
-		return // nobody to tell
-	}
-	if err != nil {
-		event(map[string]apiError{"error": {Message: message(err), Type: "server_error"}})
-		return
-	}
-	finish := openAIFinish(reason)
-	c.Choices = []choice{{Text: "", Index: 0, FinishReason: &finish}}
-	event(c)
-	io.WriteString(w, "data: [DONE]\n\n")
-	rc.Flush()
+	return e
 }
 
-func (s *server) whole(ctx context.Context, w http.ResponseWriter, gen *pipe.Generation, c completion, prompt int) {
-	var text strings.Builder
-	reason, err := s.follow(ctx, gen, func(piece string) error {
-		text.WriteString(piece)
-		return nil
-	})
-	if ctx.Err() != nil {
-		return
-	}
+// send writes v as one `data:` event.
+func (e *events) send(v any) error {
+	data, err := json.Marshal(v)
 	if err != nil {
-		status := http.StatusInternalServerError
-		if errors.Is(err, pipe.ErrDeadlineExceeded) {
-			status = http.StatusGatewayTimeout
-		}
-		writeError(w, status, "server_error", "", "%s", message(err))
-		return
+		return err
 	}
-	info, _ := gen.Info()
-	finish := openAIFinish(reason)
-	c.Choices = []choice{{Text: text.String(), Index: 0, FinishReason: &finish}}
-	c.Usage = &usage{PromptTokens: prompt, CompletionTokens: info.GeneratedTokens,
-		TotalTokens: prompt + info.GeneratedTokens}
-	writeJSON(w, http.StatusOK, c)
+	if _, err := fmt.Fprintf(e.w, "data: %s\n\n", data); err != nil {
+		return err
+	}
+	return e.rc.Flush()
+}
+
+// failed ends the stream with an error event when the completion ended with an error.
+func (e *events) failed(end ending) bool {
+	if end.err == nil {
+		return false
+	}
+	e.send(map[string]apiError{"error": {Message: message(end.err), Type: "server_error"}})
+	return true
+}
+
+// done ends the stream as OpenAI's does.
+func (e *events) done() {
+	io.WriteString(e.w, "data: [DONE]\n\n")
+	e.rc.Flush()
 }
 
 func (s *server) models(w http.ResponseWriter, r *http.Request) {

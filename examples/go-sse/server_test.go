@@ -8,7 +8,10 @@ package main
 // continuation of a prompt), else the tiny decoder fixture with a tokenizer.json written here (one
 // character per token id), whose greedy continuations transformers computed
 // (tiny_decoder.expected.json). Either way the streamed text must be the reference's tokens
-// decoded by the same tokenizer.
+// decoded by the same tokenizer. The same service answers the chat, stop-string and client checks
+// (chat_test.go, clients_test.go): SmolLM2's chat reference is transformers' greedy reply to a
+// conversation rendered by apply_chat_template; the tiny model's folder gets a chat template
+// (tinyChatModelDir) under which a conversation renders as one of the fixture's prompts.
 //
 // Busy (503) and disconnect tests run on the gated decoder (same weights, a test gate between its
 // layers that holds the prefill step of a prompt whose first token is 119 + key until the test
@@ -29,6 +32,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -89,12 +93,29 @@ func tinyText(ids []int64) string {
 // decoder). No generation_config.json: no end token, so completions end by length.
 func tinyModelDir(t *testing.T) string {
 	t.Helper()
+	dir := filepath.Join(t.TempDir(), "tiny")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	writeTinyTokenizer(t, dir, nil)
+	return dir
+}
+
+// writeTinyTokenizer writes the tiny tokenizer.json into dir, with the ids of specials as special
+// added tokens (their text becomes their id in a prompt, and decoding leaves them out).
+func writeTinyTokenizer(t *testing.T, dir string, specials []int64) {
+	t.Helper()
 	vocab := map[string]int64{}
 	for id := int64(0); id < 128; id++ {
 		vocab[string(tinyRune(id))] = id
 	}
+	added := []any{}
+	for _, id := range specials {
+		added = append(added, map[string]any{"id": id, "content": string(tinyRune(id)), "single_word": false,
+			"lstrip": false, "rstrip": false, "normalized": false, "special": true})
+	}
 	tok := map[string]any{
-		"version": "1.0", "truncation": nil, "padding": nil, "added_tokens": []any{},
+		"version": "1.0", "truncation": nil, "padding": nil, "added_tokens": added,
 		"normalizer": nil, "pre_tokenizer": nil, "post_processor": nil,
 		"decoder": map[string]any{"type": "Fuse"},
 		"model": map[string]any{
@@ -102,18 +123,80 @@ func tinyModelDir(t *testing.T) string {
 			"end_of_word_suffix": nil, "fuse_unk": false, "byte_fallback": false, "vocab": vocab, "merges": []any{},
 		},
 	}
-	dir := filepath.Join(t.TempDir(), "tiny")
-	if err := os.Mkdir(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	data, err := json.Marshal(tok)
+	writeJSONFile(t, filepath.Join(dir, "tokenizer.json"), tok)
+}
+
+func writeJSONFile(t *testing.T, path string, v any) {
+	t.Helper()
+	data, err := json.Marshal(v)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(dir, "tokenizer.json"), data, 0o644); err != nil {
+	if err := os.WriteFile(path, data, 0o644); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// The tiny model's chat: a template that writes bos_token, then each message as a character for
+// its role and its content, then a character that opens the reply; eos_token (a special token)
+// ends a turn. tinyChat's conversation renders as fixture prompt tinyChatPrompt, so transformers'
+// greedy continuation of that prompt, up to its first tinyEndOfTurn, is the reference reply.
+const (
+	tinyBOS        = 114
+	tinyEndOfTurn  = 16
+	tinyChatPrompt = 3
+)
+
+var tinyRoleIDs = map[string]int64{"system": 36, "user": 58, "assistant": 0}
+
+const tinyReplyID = 9
+
+// tinyChatModelDir is tinyModelDir with a chat template in chat_template.jinja and the special
+// tokens in tokenizer_config.json.
+func tinyChatModelDir(t *testing.T) string {
+	t.Helper()
+	dir := tinyModelDir(t)
+	writeTinyTokenizer(t, dir, []int64{tinyEndOfTurn})
+	role := func(name string) string { return string(tinyRune(tinyRoleIDs[name])) }
+	template := "{{ bos_token }}{% for message in messages %}" +
+		"{% if message['role'] == 'system' %}" + role("system") +
+		"{% elif message['role'] == 'user' %}" + role("user") +
+		"{% else %}" + role("assistant") + "{% endif %}" +
+		"{{ message['content'] }}{% endfor %}" +
+		"{% if add_generation_prompt %}" + string(tinyRune(tinyReplyID)) + "{% endif %}"
+	if err := os.WriteFile(filepath.Join(dir, "chat_template.jinja"), []byte(template), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	writeJSONFile(t, filepath.Join(dir, "tokenizer_config.json"), map[string]any{
+		"bos_token": string(tinyRune(tinyBOS)),
+		"eos_token": map[string]any{"content": string(tinyRune(tinyEndOfTurn)), "special": true},
+	})
 	return dir
+}
+
+// tinyChat is the conversation whose rendering is fixture prompt tinyChatPrompt: bos, the system
+// message, the user's, the reply's opening.
+func tinyChat(t *testing.T, e tinyExpected) chatCase {
+	t.Helper()
+	p := e.Prompts[tinyChatPrompt]
+	if len(p) != 20 || p[0] != tinyBOS || p[1] != tinyRoleIDs["system"] || p[7] != tinyRoleIDs["user"] ||
+		p[19] != tinyReplyID {
+		t.Fatalf("tiny_decoder.expected.json's prompt %d is not the tiny chat's rendering: %v", tinyChatPrompt, p)
+	}
+	greedy := e.Greedy[tinyChatPrompt]
+	end := slices.Index(greedy, tinyEndOfTurn)
+	if end < 1 || slices.Contains(p, tinyEndOfTurn) {
+		t.Fatalf("the reference reply %v has no end of turn (%d) after its first token", greedy, tinyEndOfTurn)
+	}
+	return chatCase{
+		messages: []map[string]any{
+			{"role": "system", "content": tinyText(p[2:7])},
+			{"role": "user", "content": tinyText(p[8:19])},
+		},
+		promptIDs:   p,
+		maxTokens:   e.MaxNewTokens,
+		expectedIDs: greedy[:end+1], // transformers' greedy search, stopped at the end of turn
+	}
 }
 
 type tinyExpected struct {
@@ -278,11 +361,15 @@ func (s *service) health(t *testing.T) health {
 // ---- requests -----------------------------------------------------------------------------------
 
 func post(ctx context.Context, s *service, body any) (*http.Response, error) {
+	return postTo(ctx, s, "/v1/completions", body)
+}
+
+func postTo(ctx context.Context, s *service, path string, body any) (*http.Response, error) {
 	data, err := json.Marshal(body)
 	if err != nil {
 		return nil, err
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.base+"/v1/completions", bytes.NewReader(data))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.base+path, bytes.NewReader(data))
 	if err != nil {
 		return nil, err
 	}
@@ -358,6 +445,16 @@ type completionCase struct {
 	maxTokens                       int
 	expectedIDs                     []int64
 	expectedText                    string // from Hugging Face's tokenizers, or "" (the tiny case)
+	chat                            chatCase
+}
+
+// chatCase is a conversation and the reference reply the chat endpoint must give.
+type chatCase struct {
+	messages     []map[string]any
+	promptIDs    []int64 // the rendered conversation: transformers' apply_chat_template, or the fixture's
+	maxTokens    int
+	expectedIDs  []int64 // the greedy reply, its end of turn included when it has one
+	expectedText string  // from Hugging Face's tokenizers, or "" (the tiny case)
 }
 
 // referenceCase is SmolLM2 when testdata/smollm2.py described it, else the tiny decoder.
@@ -373,6 +470,13 @@ func referenceCase(t *testing.T) completionCase {
 			MaxTokens    int     `json:"max_tokens"`
 			ExpectedIDs  []int64 `json:"expected_ids"`
 			ExpectedText string  `json:"expected_text"`
+			Chat         struct {
+				Messages     []map[string]any `json:"messages"`
+				PromptIDs    []int64          `json:"prompt_ids"`
+				MaxTokens    int              `json:"max_tokens"`
+				ExpectedIDs  []int64          `json:"expected_ids"`
+				ExpectedText string           `json:"expected_text"`
+			} `json:"chat"`
 		}
 		data, err := os.ReadFile(path)
 		if err == nil {
@@ -382,13 +486,18 @@ func referenceCase(t *testing.T) completionCase {
 			t.Fatalf("%s: %v", path, err)
 		}
 		t.Logf("serving SmolLM2 from %s", d.ModelDir)
+		if len(d.Chat.Messages) == 0 {
+			t.Fatalf("%s has no chat reference: testdata/smollm2.py did not write it", path)
+		}
+		t.Logf("serving SmolLM2 from %s", d.ModelDir)
 		return completionCase{"smollm2", d.ModelDir, d.Decoder, d.Split, d.Prompt, len(d.PromptIDs), d.MaxTokens,
-			d.ExpectedIDs, d.ExpectedText}
+			d.ExpectedIDs, d.ExpectedText, chatCase{d.Chat.Messages, d.Chat.PromptIDs, d.Chat.MaxTokens,
+				d.Chat.ExpectedIDs, d.Chat.ExpectedText}}
 	}
 	t.Log("no SmolLM2 description (GO_SSE_SMOLLM2): serving the tiny decoder")
 	e := readTinyExpected(t)
-	return completionCase{"tiny", tinyModelDir(t), fixture(t, "tiny_decoder.pt"), "model.layers.1:begin",
-		tinyText(e.Prompts[0]), len(e.Prompts[0]), e.MaxNewTokens, e.Greedy[0], ""}
+	return completionCase{"tiny", tinyChatModelDir(t), fixture(t, "tiny_decoder.pt"), "model.layers.1:begin",
+		tinyText(e.Prompts[0]), len(e.Prompts[0]), e.MaxNewTokens, e.Greedy[0], "", tinyChat(t, e)}
 }
 
 // The streamed completion is the reference's greedy continuation, as text through the model's
@@ -449,6 +558,10 @@ func TestCompletionMatchesTheReference(t *testing.T) {
 			c.promptTokens, len(c.expectedIDs))
 	}
 
+	t.Run("Stop", func(t *testing.T) { checkStop(t, s, c, codec) })
+	t.Run("Chat", func(t *testing.T) { checkChat(t, s, c, codec) })
+	t.Run("OpenAIClient", func(t *testing.T) { checkOpenAIClient(t, s, c, codec) })
+	t.Run("Curl", func(t *testing.T) { checkCurl(t, s, c, codec) })
 	t.Run("BadRequests", func(t *testing.T) { checkBadRequests(t, s, c) })
 }
 
@@ -472,7 +585,9 @@ func checkBadRequests(t *testing.T, s *service, c completionCase) {
 		{"temperature 3", fmt.Sprintf(`{"prompt": %q, "temperature": 3}`, c.prompt), "temperature"},
 		{"top_p 0", fmt.Sprintf(`{"prompt": %q, "top_p": 0}`, c.prompt), "top_p"},
 		{"n 2", fmt.Sprintf(`{"prompt": %q, "n": 2}`, c.prompt), "n"},
-		{"stop strings", fmt.Sprintf(`{"prompt": %q, "stop": ["."]}`, c.prompt), "stop"},
+		{"five stop strings", fmt.Sprintf(`{"prompt": %q, "stop": ["a", "b", "c", "d", "e"]}`, c.prompt), "stop"},
+		{"an empty stop string", fmt.Sprintf(`{"prompt": %q, "stop": ""}`, c.prompt), "stop"},
+		{"a stop number", fmt.Sprintf(`{"prompt": %q, "stop": 5}`, c.prompt), "stop"},
 		{"another model", fmt.Sprintf(`{"prompt": %q, "model": "gpt-nothing"}`, c.prompt), "model"},
 	}
 	if c.model == "tiny" {
@@ -481,29 +596,34 @@ func checkBadRequests(t *testing.T, s *service, c completionCase) {
 			`{"prompt": "a b"}`, "prompt"})
 	}
 	for _, bc := range cases {
-		resp, err := http.Post(s.base+"/v1/completions", "application/json", strings.NewReader(bc.body))
-		if err != nil {
-			t.Fatal(err)
-		}
-		var e struct {
-			Error struct {
-				Message string  `json:"message"`
-				Type    string  `json:"type"`
-				Param   *string `json:"param"`
-			} `json:"error"`
-		}
-		err = json.NewDecoder(resp.Body).Decode(&e)
-		resp.Body.Close()
-		param := ""
-		if e.Error.Param != nil {
-			param = *e.Error.Param
-		}
-		if resp.StatusCode != http.StatusBadRequest || err != nil || e.Error.Message == "" ||
-			e.Error.Type != "invalid_request_error" || param != bc.param {
-			t.Fatalf("%s: %s, %+v (%v); want 400, an invalid_request_error on %q with a message",
-				bc.what, resp.Status, e.Error, err, bc.param)
-		}
-		t.Logf("%s: %s", bc.what, e.Error.Message)
+		expectBadRequest(t, s, "/v1/completions", bc.what, bc.body, bc.param)
+	}
+	user := fmt.Sprintf(`{"role": "user", "content": %q}`, c.prompt) // text the tokenizer covers
+	chat := func(fields string) string { return `{"messages": [` + user + `], ` + fields + `}` }
+	for _, bc := range []struct{ what, body, param string }{
+		{"not JSON", `{"messages": `, ""},
+		{"no messages", `{"max_tokens": 4}`, "messages"},
+		{"messages null", `{"messages": null}`, "messages"},
+		{"no message", `{"messages": []}`, "messages"},
+		{"messages a string", `{"messages": "Hi"}`, "messages"},
+		{"a message without a role", `{"messages": [{"content": "Hi"}]}`, "messages[0].role"},
+		{"a wizard's message", `{"messages": [` + user + `, {"role": "wizard", "content": "Hi"}]}`, "messages[1].role"},
+		{"a message without content", `{"messages": [{"role": "user"}]}`, "messages[0].content"},
+		{"content a number", `{"messages": [{"role": "user", "content": 5}]}`, "messages[0].content"},
+		{"an image part", `{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}}]}]}`,
+			"messages[0].content"},
+		{"a text part without text", `{"messages": [{"role": "user", "content": [{"type": "text"}]}]}`,
+			"messages[0].content"},
+		{"a conversation longer than the model takes", fmt.Sprintf(`{"messages": [{"role": "user", "content": %q}]}`,
+			strings.Repeat(c.prompt, 200)), "messages"},
+		{"max_tokens 0", chat(`"max_tokens": 0`), "max_tokens"},
+		{"max_completion_tokens 0", chat(`"max_tokens": 5, "max_completion_tokens": 0`), "max_completion_tokens"},
+		{"temperature -1", chat(`"temperature": -1`), "temperature"},
+		{"n 3", chat(`"n": 3`), "n"},
+		{"five stop strings", chat(`"stop": ["a", "b", "c", "d", "e"]`), "stop"},
+		{"another model", chat(`"model": "gpt-nothing"`), "model"},
+	} {
+		expectBadRequest(t, s, "/v1/chat/completions", "chat: "+bc.what, bc.body, bc.param)
 	}
 	resp, err := http.Get(s.base + "/v1/completions")
 	if err != nil {
@@ -515,6 +635,46 @@ func checkBadRequests(t *testing.T, s *service, c completionCase) {
 	}
 	if h := s.health(t); h.Status != "ok" || h.SlotsInUse != 0 {
 		t.Fatalf("after the bad requests: %+v", h)
+	}
+}
+
+// expectBadRequest posts body to path and expects 400 with an OpenAI-style error object on param;
+// it returns the error's message.
+func expectBadRequest(t *testing.T, s *service, path, what, body, param string) string {
+	t.Helper()
+	resp, err := http.Post(s.base+path, "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var e struct {
+		Error struct {
+			Message string  `json:"message"`
+			Type    string  `json:"type"`
+			Param   *string `json:"param"`
+		} `json:"error"`
+	}
+	err = json.NewDecoder(resp.Body).Decode(&e)
+	resp.Body.Close()
+	got := ""
+	if e.Error.Param != nil {
+		got = *e.Error.Param
+	}
+	if resp.StatusCode != http.StatusBadRequest || err != nil || e.Error.Message == "" ||
+		e.Error.Type != "invalid_request_error" || got != param {
+		t.Fatalf("%s: %s, %+v (%v); want 400, an invalid_request_error on %q with a message",
+			what, resp.Status, e.Error, err, param)
+	}
+	t.Logf("%s: %s", what, e.Error.Message)
+	return e.Error.Message
+}
+
+// A model folder without a chat template: the chat endpoint answers 400 saying so.
+func TestChatWithoutATemplate(t *testing.T) {
+	s := gatedService(t, 1)
+	msg := expectBadRequest(t, s, "/v1/chat/completions", "chat without a template",
+		`{"messages": [{"role": "user", "content": "Hi"}]}`, "model")
+	if !strings.Contains(msg, "no chat template") {
+		t.Fatalf("the error says %q; want it to say the model has no chat template", msg)
 	}
 }
 

@@ -9,11 +9,14 @@ does it once per machine). When it is there: exports its decoder skeleton with
 prompt (the independent reference), then writes OUT_DIR/smollm2.json:
 
   {"model_dir", "decoder", "split", "prompt", "prompt_ids", "max_tokens", "expected_ids",
-   "expected_text"}
+   "expected_text", "chat": {"messages", "prompt_ids", "max_tokens", "expected_ids", "expected_text"}}
 
 expected_text is the continuation as Hugging Face's `tokenizers` decodes it from the folder's
-tokenizer.json (special tokens skipped), for the service's Go tokenizer to match. Otherwise it
-writes nothing and says why on stderr: the test then serves the tiny decoder instead.
+tokenizer.json (special tokens skipped), for the service's Go tokenizer to match. "chat" is the
+same for a conversation: its prompt is transformers' tokenizer.apply_chat_template(messages,
+add_generation_prompt=True) (the folder's chat template, rendered by Python's jinja2), and its
+reply ends at the model's end token. Otherwise it writes nothing and says why on stderr: the test
+then serves the tiny decoder instead.
 
 Exporting and running transformers take 10-20 s, mostly imports: a description whose "key" (the
 folder, its fixture marker, the exporter's sources and this file) is still right is kept as it is.
@@ -27,6 +30,9 @@ from pathlib import Path
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
+# The reply ends at the end of its turn (<|im_end|>) well before CHAT_MAX_TOKENS.
+CHAT_MESSAGES = [{"role": "user", "content": "What is the capital of France?\nAnswer in one sentence."}]
+CHAT_MAX_TOKENS = 40
 MAX_LEN = 128  # the exported caches: enough for the prompt and the continuation
 SLOTS = 4
 
@@ -71,7 +77,7 @@ def main():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local
     import torch
     from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from libpipe.export_llm import export_llm
 
@@ -84,16 +90,24 @@ def main():
     prompt_ids = tok.encode(PROMPT, add_special_tokens=False).ids
     eos = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
     hf = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32)
-    with torch.no_grad():
-        ids = torch.tensor([prompt_ids])
-        generated = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=MAX_TOKENS,
-            eos_token_id=eos,
-            pad_token_id=eos,
-        )[0, len(prompt_ids) :].tolist()
+
+    def greedy(prompt_ids, max_tokens):
+        with torch.no_grad():
+            ids = torch.tensor([prompt_ids])
+            return hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )[0, len(prompt_ids) :].tolist()
+
+    generated = greedy(prompt_ids, MAX_TOKENS)
+    chat_ids = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        CHAT_MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    chat_generated = greedy(chat_ids, CHAT_MAX_TOKENS)
     description = {
         "key": key,
         "model_dir": str(folder),
@@ -104,10 +118,18 @@ def main():
         "max_tokens": MAX_TOKENS,
         "expected_ids": generated,
         "expected_text": tok.decode(generated, skip_special_tokens=True),
+        "chat": {
+            "messages": CHAT_MESSAGES,
+            "prompt_ids": chat_ids,
+            "max_tokens": CHAT_MAX_TOKENS,
+            "expected_ids": chat_generated,
+            "expected_text": tok.decode(chat_generated, skip_special_tokens=True),
+        },
     }
     (out / "smollm2.json").write_text(json.dumps(description, indent=1))
     text = description["expected_text"]
     print(f"smollm2.py: {folder} exported; transformers continues {PROMPT!r} with {text!r}", file=sys.stderr)
+    print(f"smollm2.py: and replies {description['chat']['expected_text']!r} to {CHAT_MESSAGES!r}", file=sys.stderr)
     return 0
 
 
