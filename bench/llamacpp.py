@@ -287,8 +287,13 @@ def figures(row):
 
 
 def median_figures(runs):
-    """The per-key median of several runs' figures for one C."""
-    return {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+    """The per-key median of several runs' figures for one C (a setting that every run shares,
+    such as n_batch, kept as it is)."""
+    out = {}
+    for k in runs[0]:
+        values = [run[k] for run in runs]
+        out[k] = values[0] if len(set(values)) == 1 else statistics.median(values)
+    return out
 
 
 def main():
