@@ -1,6 +1,17 @@
-"""Token generation: libpipe's `pipe generate` against transformers' `generate`, on SmolLM2-135M-Instruct.
+"""Token generation: libpipe's `pipe generate` against llama.cpp and transformers, on SmolLM2-135M-Instruct.
 
-For each concurrency C (default 1, 8 and 32 sequences at once), the same chat prompts (real user
+Against llama.cpp (--reference llamacpp; bench/llamacpp.py builds it from source once per machine
+and dequantizes the same GGUF that libpipe's float32 weights come from to F32): the workload of
+llama-batched-bench, C sequences (default 1, 8 and 32) of --prompt-tokens (128) prompt tokens
+each, all submitted at once, each generating --new-tokens (64) with no stop. libpipe's prompts are
+real chat text cut to that length, batched-bench's are random ids: the work is the same. Per C:
+prefill tokens/s, decode tokens/s, end-to-end tokens/s (generated tokens over the whole run) and
+the time to first token, with libpipe's as ratios to llama.cpp's. batched-bench times its prefill
+pass and its decode steps apart; libpipe's planner interleaves them, so its prefill and decode
+figures come from two runs (1 new token, then --new-tokens: see libpipe_fixed). llama.cpp runs with
+--llamacpp-threads threads (default: the machine's cores), libpipe with its --stages or --split-at cut.
+
+Against transformers (--reference transformers): for each C the same chat prompts (real user
 messages of varied lengths through the model's chat template) are generated greedily by
 - transformers: LlamaForCausalLM.generate(do_sample=False), the C prompts batched with left
   padding (C = 1: one prompt at a time), torch threads = the machine's cores, the model loaded
@@ -26,10 +37,14 @@ fractions (pipe_session_stage_stats) over the whole wave and, from the stages' t
 pipeline is full (as many steps in flight as stages: the fill and the drain of the wave left
 out), the generator's step and sampling figures and, with --trace DIR, a Chrome trace per C.
 
-    python bench/generate.py [--pipe build/pipe] [--concurrency 1 8 32] [--max-new-tokens 48]
-                             [--repeats 3] [--stages 2] [--stage-stats] [--trace DIR]
+    python bench/generate.py [--pipe build/pipe] [--reference llamacpp transformers] [--concurrency 1 8 32]
+                             [--repeats 3] [--stages 2 | --split-at POINT] [--out FILE]
+                             [--prompt-tokens 128] [--new-tokens 64] [--llamacpp-threads 2]
+                             [--max-new-tokens 48] [--hf-threads 2 1] [--stage-stats] [--trace DIR]
 
 Run with the project's virtualenv python (scripts/env.sh: LIBPIPE_PYTHON) after scripts/build.sh.
+The first run with llama.cpp downloads and builds it (minutes); the machine's CPU model and the
+instruction sets that matter here (avx2, avx512f, avx512_bf16, AMX) are printed first.
 """
 
 import argparse
@@ -183,10 +198,12 @@ def split_args(split_at, stages):
     return [a for point in split_at for a in ("--split-at", point)] if split_at else ["--stages", str(stages)]
 
 
-def pipe_generate(pipe, skeleton, weights, prompts, max_new_tokens, cut, threads_per_stage):
+def pipe_generate(pipe, skeleton, weights, prompts, max_new_tokens, cut, threads_per_stage, stop_ids=(EOS,)):
     """One `pipe generate --json` run: (outputs, tokens_per_s, time_to_first_token_ms, wall s)."""
     cmd = [pipe, "generate", skeleton, "--weights", weights, *cut, "--json"]
-    cmd += ["--max-new-tokens", str(max_new_tokens), "--stop-ids", str(EOS)]
+    cmd += ["--max-new-tokens", str(max_new_tokens)]
+    if stop_ids:
+        cmd += ["--stop-ids", ",".join(map(str, stop_ids))]
     if threads_per_stage:
         cmd += ["--threads-per-stage", str(threads_per_stage)]
     for p in prompts:
@@ -289,6 +306,151 @@ def steady_state_busy(trace, stages):
     return [b / (last - first) for b in busy], (last - first) / 1000, (last - first) / whole
 
 
+# ---- against llama.cpp --------------------------------------------------------------------------
+
+
+def fixed_prompts(tokenizer, count, length):
+    """`count` prompts of exactly `length` tokens, as llama-batched-bench's workload has them: real
+    chat text (the messages from the k-th on, one user turn through the chat template) cut to
+    `length` tokens, so that no two sequences hold the same prompt."""
+    out = []
+    for k in range(count):
+        start = k % len(MESSAGES)
+        text = "\n\n".join(MESSAGES[start:] + MESSAGES[:start])
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        ids = [int(i) for i in (ids["input_ids"] if isinstance(ids, dict) else ids)]
+        if len(ids) < length:
+            sys.exit(f"generate.py: the chat text makes {len(ids)} tokens, fewer than --prompt-tokens {length}")
+        out.append(ids[:length])
+    return out
+
+
+def libpipe_fixed(pipe, skeleton, weights, prompts, new_tokens, cut, threads_per_stage):
+    """libpipe on llama.cpp's workload (no stop id: every sequence makes `new_tokens`): the times
+    that libpipe_figures turns into batched-bench's figures. `pipe generate` reports end-to-end
+    tokens/s (generated tokens over the time some sequence held a slot) and the mean time to first
+    token, not a prefill or a decode rate, and its planner interleaves prompt chunks with decode
+    steps, so there is no prefill phase to time inside one run. Two runs of the same prompts are
+    timed instead: with 1 new token (every prompt prefilled and its first token sampled: T1 = C /
+    its tokens/s) and with `new_tokens` (T = C x new_tokens / its tokens/s). Both are fresh
+    processes: the first steps of each shape are cold in both."""
+    c = len(prompts)
+    firsts, tps1, _, _ = pipe_generate(pipe, skeleton, weights, prompts, 1, cut, threads_per_stage, stop_ids=())
+    outs, tps, ttft, _ = pipe_generate(
+        pipe, skeleton, weights, prompts, new_tokens, cut, threads_per_stage, stop_ids=()
+    )
+    if any(len(o) != 1 for o in firsts) or any(len(o) != new_tokens for o in outs):
+        sys.exit(
+            f"generate.py: `pipe generate` without stop ids made {list(map(len, outs))} tokens, not {new_tokens} each"
+        )
+    return {"first_token_run_s": c / tps1, "total_s": c * new_tokens / tps, "ttft_ms": ttft}
+
+
+def libpipe_figures(c, length, new_tokens, times):
+    """batched-bench's figures from libpipe_fixed's times (the medians over the repeats: a
+    difference of two medians is steadier than the median of differences). Prefill tokens/s =
+    C x prompt length / T1 (batched-bench's S_PP); decode tokens/s = C x (new_tokens - 1) / (T -
+    T1), what generating the tokens after the first added to the run (batched-bench's S_TG, whose
+    T_TG follows its prefill); NaN when T is not above T1 (too few new tokens to tell from the
+    noise); end-to-end tokens/s = C x new_tokens / T."""
+    t1, t = times["first_token_run_s"], times["total_s"]
+    return {
+        "prefill_tokens_per_s": c * length / t1,
+        "decode_tokens_per_s": c * (new_tokens - 1) / (t - t1) if t > t1 else math.nan,
+        "end_to_end_tokens_per_s": c * new_tokens / t,
+        "ttft_ms": times["ttft_ms"],
+        "all_first_tokens_ms": 1000 * t1,
+        "prefill_s": t1,
+        "decode_s": t - t1,
+        "total_s": t,
+    }
+
+
+def run_llamacpp(args, folder, weights, tokenizer, cut, work):
+    """libpipe and llama.cpp (bench/llamacpp.py) on one workload: C prompts of --prompt-tokens each,
+    --new-tokens generated by each, no stop; llama.cpp with --llamacpp-threads threads. Each repeat
+    runs llama-batched-bench once over every C, then libpipe at every C; medians are reported."""
+    import llamacpp
+    from smollm2 import gguf_path
+
+    try:
+        bin_dir = llamacpp.build()
+        model = llamacpp.f32_gguf(bin_dir, gguf_path())
+    except llamacpp.LlamaCppError as e:
+        sys.exit(f"generate.py: llama.cpp: {e}")
+    length, new = args.prompt_tokens, args.new_tokens
+    prompts = fixed_prompts(tokenizer, max(args.concurrency), length)
+    max_len = 64 * math.ceil((length + new) / 64)
+    print(
+        f"llama.cpp workload: C prompts of {length} tokens (chat text cut to length), {new} new tokens each, no stop; "
+        f"llama.cpp {llamacpp.PACKAGE} {llamacpp.VERSION} llama-batched-bench -t {args.llamacpp_threads} "
+        f"-tb {args.llamacpp_threads} on {model.name} (F32, from the same GGUF as libpipe's float32 weights); "
+        f"libpipe `pipe generate {' '.join(cut)}`; medians of {args.repeats} runs",
+        flush=True,
+    )
+    lc_runs = {c: [] for c in args.concurrency}
+    lp_runs = {c: [] for c in args.concurrency}
+    for _ in range(args.repeats):
+        try:
+            rows = llamacpp.batched_bench(bin_dir, model, args.concurrency, length, new, args.llamacpp_threads)
+        except llamacpp.LlamaCppError as e:
+            sys.exit(f"generate.py: llama.cpp: {e}")
+        for c in args.concurrency:
+            lc_runs[c].append(rows[c])
+            skeleton = os.path.join(work, f"smollm2-{c}slots-{max_len}.pt")
+            if not os.path.exists(skeleton):
+                export_skeleton(folder, skeleton, max_len, c)
+            lp_runs[c].append(
+                libpipe_fixed(args.pipe, skeleton, weights, prompts[:c], new, cut, args.threads_per_stage)
+            )
+    rows = []
+    for c in args.concurrency:
+        row = {
+            "concurrency": c,
+            "llamacpp": llamacpp.median_figures(lc_runs[c]),
+            "libpipe": libpipe_figures(c, length, new, llamacpp.median_figures(lp_runs[c])),
+            "runs": {"llamacpp": lc_runs[c], "libpipe": lp_runs[c]},
+        }
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
+    return {
+        "workload": {"prompt_tokens": length, "new_tokens": new, "stop_ids": [], "cut": cut},
+        "llamacpp": {
+            "package": f"{llamacpp.PACKAGE}=={llamacpp.VERSION}",
+            "model": model.name,
+            "threads": args.llamacpp_threads,
+            "cmake_options": list(llamacpp.CMAKE_OPTIONS),
+        },
+        "rows": rows,
+    }
+
+
+def print_llamacpp_table(result):
+    """The Markdown table of libpipe against llama.cpp: each figure, then libpipe's as a ratio to
+    llama.cpp's (for rates above 1 is faster; for the time to first token below 1 is sooner)."""
+    print(
+        "| sequences at once | prefill tokens/s llama.cpp | libpipe | ratio | decode tokens/s llama.cpp | libpipe | "
+        "ratio | end-to-end tokens/s llama.cpp | libpipe | ratio | TTFT ms llama.cpp | libpipe | ratio | "
+        "libpipe every first token ms |"
+    )
+    print("|" + " --- |" * 14)
+    for r in result["rows"]:
+        lc, lp = r["llamacpp"], r["libpipe"]
+        cells = [str(r["concurrency"])]
+        for key, fmt in (
+            ("prefill_tokens_per_s", ".0f"),
+            ("decode_tokens_per_s", ".1f"),
+            ("end_to_end_tokens_per_s", ".1f"),
+            ("ttft_ms", ".0f"),
+        ):
+            ratio = lp[key] / lc[key]
+            cells += [format(lc[key], fmt), format(lp[key], fmt), f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a"]
+        cells.append(f"{lp['all_first_tokens_ms']:.0f}")
+        print("| " + " | ".join(cells) + " |")
+
+
 # ---- the run ------------------------------------------------------------------------------------
 
 
@@ -312,7 +474,7 @@ def machine():
                 flags.update(line.split(":", 1)[1].split())
             elif line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
-    wanted = ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"]
+    wanted = ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"]
     have = " ".join(f if f in flags else f"no {f}" for f in wanted)
     return f"{model}, {os.cpu_count()} cores; {have}"
 
@@ -417,23 +579,36 @@ def print_tables(rows, hf_threads):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pipe", default=os.path.join(ROOT, "build", "pipe"), help="the pipe CLI (default build/pipe)")
+    ap.add_argument(
+        "--reference",
+        nargs="+",
+        choices=["llamacpp", "transformers"],
+        default=["llamacpp", "transformers"],
+        help="what libpipe is measured against: llama.cpp on fixed-length prompts, transformers on chat prompts",
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each measurement; medians are reported")
-    ap.add_argument("--single", type=int, default=4, help="prompts run one at a time for C = 1")
     ap.add_argument("--stages", type=int, default=2, help="pipe's --stages N (equal layers per stage)")
     ap.add_argument("--split-at", action="append", default=[], help="pipe's --split-at instead of --stages")
     ap.add_argument("--threads-per-stage", type=int, default=0, help="0: libpipe's default (cores / stages)")
-    ap.add_argument(
+    lc = ap.add_argument_group("against llama.cpp (bench/llamacpp.py builds it once per machine)")
+    lc.add_argument("--prompt-tokens", type=int, default=128, help="each sequence's prompt length")
+    lc.add_argument("--new-tokens", type=int, default=64, help="tokens each sequence generates (no stop)")
+    lc.add_argument("--llamacpp-threads", type=int, default=os.cpu_count(), help="llama.cpp's -t and -tb")
+    hf = ap.add_argument_group("against transformers (chat prompts)")
+    hf.add_argument("--max-new-tokens", type=int, default=48, help="at most, stopping at eos")
+    hf.add_argument("--single", type=int, default=4, help="prompts run one at a time for C = 1")
+    hf.add_argument(
         "--hf-threads",
         type=int,
         nargs="+",
         default=[os.cpu_count()],
         help="transformers' torch threads (several: each measured; ratios against the first)",
     )
-    ap.add_argument("--stage-stats", action="store_true", help="also measure stage busy fractions (Python binding)")
-    ap.add_argument("--trace", help="with --stage-stats: write trace-C<C>.json into this folder")
+    hf.add_argument("--stage-stats", action="store_true", help="also measure stage busy fractions (Python binding)")
+    hf.add_argument("--trace", help="with --stage-stats: write trace-C<C>.json into this folder")
     ap.add_argument("--work", help="folder for the skeletons and the reference outputs (default: a temporary one)")
+    ap.add_argument("--out", help="also write every figure to this JSON file")
     args = ap.parse_args()
 
     from smollm2 import smollm2_folder
@@ -441,9 +616,41 @@ def main():
 
     folder = smollm2_folder()
     weights = os.path.join(folder, "model.safetensors")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    cut = split_args(args.split_at, args.stages)
+    results = {"machine": machine(), "load_average_before": os.getloadavg(), "argv": sys.argv[1:]}
+    print(f"machine: {results['machine']}; load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+    work = args.work or tempfile.mkdtemp(prefix="bench-generate-")
+    os.makedirs(work, exist_ok=True)
+    try:
+        if "llamacpp" in args.reference:
+            results["llamacpp"] = run_llamacpp(args, folder, weights, tokenizer, cut, work)
+        if "transformers" in args.reference:
+            results["transformers"] = run_transformers(args, folder, weights, tokenizer, cut, work)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+    results["load_average_after"] = os.getloadavg()
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if "llamacpp" in results:
+        print()
+        print_llamacpp_table(results["llamacpp"])
+    if "transformers" in results:
+        print()
+        print_tables(results["transformers"], args.hf_threads)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+def run_transformers(args, folder, weights, tokenizer, cut, work):
+    """libpipe and transformers on the chat prompts: the rows of print_tables."""
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = chat_prompts(tokenizer, max(*args.concurrency, args.single))
     # C = 1 takes --single prompts spread over the list, so that their lengths vary too.
     singles = list(range(0, len(prompts), max(len(prompts) // args.single, 1)))[: args.single]
@@ -451,9 +658,6 @@ def main():
     # Room for the longest prompt and its answer; the cache length costs memory, not compute
     # (attention reads only the context of the call).
     max_len = 64 * math.ceil((max(lengths) + args.max_new_tokens) / 64)
-    cut = split_args(args.split_at, args.stages)
-
-    print(f"machine: {machine()}; load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(
         f"model: SmolLM2-135M-Instruct float32 ({folder}); {len(prompts)} chat prompts of "
         f"{min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}); max_new_tokens "
@@ -469,14 +673,7 @@ def main():
         f"KV cache per slot: {layers} layers x 2 (K, V) x {kv_heads} kv heads x {max_len} tokens x "
         f"{head_dim} x 4 bytes = {per_slot / 2**20:.2f} MiB ({per_slot / max_len / 1024:.1f} KiB per token)"
     )
-
-    work = args.work or tempfile.mkdtemp(prefix="bench-generate-")
-    os.makedirs(work, exist_ok=True)
-    try:
-        return run(args, folder, weights, prompts, singles, max_len, cut, work)
-    finally:
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
+    return run(args, folder, weights, prompts, singles, max_len, cut, work)
 
 
 def run(args, folder, weights, prompts, singles, max_len, cut, work):
@@ -539,10 +736,7 @@ def run(args, folder, weights, prompts, singles, max_len, cut, work):
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print()
-    print_tables(rows, args.hf_threads)
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
