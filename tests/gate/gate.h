@@ -95,6 +95,25 @@ static int gate_wait(int64_t key, const char* stage, const char* what, int count
   return 1;
 }
 
+/* The intra-op thread count a micro-batch of `key` ran `stage` with (what its "arrived" file holds; the first
+ * one found when several arrived), or -1 if none has arrived. */
+static inline int gate_arrived_threads(int64_t key, const char* stage) {
+  char prefix[128], path[512];
+  snprintf(prefix, sizeof prefix, "gate-%lld.%s.arrived.", (long long)key, stage);
+  DIR* d = opendir(getenv("LIBPIPE_TEST_GATE_DIR"));
+  if (!d) return -1;
+  int threads = -1;
+  for (struct dirent* e; threads < 0 && (e = readdir(d));) {
+    if (strncmp(e->d_name, prefix, strlen(prefix)) != 0) continue;
+    snprintf(path, sizeof path, "%s/%s", getenv("LIBPIPE_TEST_GATE_DIR"), e->d_name);
+    FILE* f = fopen(path, "r");
+    if (f && fscanf(f, "%d", &threads) != 1) threads = -1;
+    if (f) fclose(f);
+  }
+  closedir(d);
+  return threads;
+}
+
 /* Opens the gate of `stage` for `key`, or of every stage when `stage` is NULL. */
 static void gate_open(int64_t key, const char* stage) {
   char path[512];

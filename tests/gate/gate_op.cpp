@@ -6,7 +6,8 @@
 //
 // key == 0: the operator returns at once (the model is then an ordinary 2-stage model).
 // key  > 0: in $LIBPIPE_TEST_GATE_DIR it creates
-//             gate-<key>.<stage>.arrived.<pid>.<n>   (observable: "a micro-batch is in <stage>")
+//             gate-<key>.<stage>.arrived.<pid>.<n>   (observable: "a micro-batch is in <stage>";
+//                                                     it holds "<intra-op threads the stage ran with>\n")
 //           then waits until gate-<key>.open or gate-<key>.<stage>.open exists, creates
 //             gate-<key>.<stage>.left.<pid>.<n>      (observable: "it has passed the gate")
 //           and returns. Files work across threads, processes and languages alike; the helpers
@@ -15,6 +16,7 @@
 // A gate never opened fails the micro-batch after LIBPIPE_TEST_GATE_LIMIT_S seconds (default
 // 600): a broken test ends with an error instead of hanging its process.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <fcntl.h>
@@ -36,10 +38,16 @@ bool exists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
-void touch(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd >= 0, "libpipe_test::gate: cannot create ", path);
+void touch(const std::string& path, const std::string& content = "") {
+  // Written under another name (one no test counts) and renamed, so that a test that sees the
+  // file sees its content.
+  const size_t slash = path.rfind('/') + 1;
+  const std::string partial = path.substr(0, slash) + "partial-" + path.substr(slash);
+  const int fd = ::open(partial.c_str(), O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, "libpipe_test::gate: cannot create ", partial);
+  const bool written = ::write(fd, content.data(), content.size()) == static_cast<ssize_t>(content.size());
   ::close(fd);
+  TORCH_CHECK(written && ::rename(partial.c_str(), path.c_str()) == 0, "libpipe_test::gate: cannot write ", path);
 }
 
 at::Tensor gate(const at::Tensor& x, const at::Tensor& key, const std::string& stage) {
@@ -50,7 +58,7 @@ at::Tensor gate(const at::Tensor& x, const at::Tensor& key, const std::string& s
   TORCH_CHECK(dir && *dir, "libpipe_test::gate: key ", k, " asks for a gate but LIBPIPE_TEST_GATE_DIR is not set");
   const std::string prefix = std::string(dir) + "/gate-" + std::to_string(k);
   const std::string suffix = "." + std::to_string(::getpid()) + "." + std::to_string(g_sequence++);
-  touch(prefix + "." + stage + ".arrived" + suffix);
+  touch(prefix + "." + stage + ".arrived" + suffix, std::to_string(at::get_num_threads()) + "\n");
 
   const char* limit_env = std::getenv("LIBPIPE_TEST_GATE_LIMIT_S");
   const auto limit = std::chrono::seconds(limit_env ? std::atoll(limit_env) : 600);

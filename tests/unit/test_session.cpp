@@ -206,6 +206,33 @@ void wait_until_past(Clock::time_point t) {
   while (Clock::now() <= t) std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
+// Two CPU stages share the cores; a micro-batch alone in the pipeline (one sequence generating token by
+// token) leaves the other stage's share idle, so it runs with both shares, and with its own share again
+// as soon as another micro-batch is inside.
+TEST(Session, AMicroBatchAloneInThePipelineUsesTheIdleStagesCores) {
+  auto model = gated_model();
+  Session session(Plan::from_markers(model), fixed_microbatches(1));  // automatic threads per stage
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int share = std::max(1, cores / 2);
+  const int alone = std::max(share, std::min(cores, 2 * share));
+  const int64_t first = gate_new_key(), second = gate_new_key();
+  OpenAtExit open_first{first}, open_second{second};
+  at::Tensor x = at::randn({4, 64}), y = at::randn({4, 64});
+  auto a = session.submit(gated(x, first));
+  ASSERT_TRUE(gate_wait(first, "stage0", "arrived", 1));
+  EXPECT_EQ(gate_arrived_threads(first, "stage0"), alone);
+  auto b = session.submit(gated(y, second));  // admitted while `a` is inside
+  gate_open(first, "stage0");
+  ASSERT_TRUE(gate_wait(first, "stage1", "arrived", 1));
+  ASSERT_TRUE(gate_wait(second, "stage0", "arrived", 1));
+  EXPECT_EQ(gate_arrived_threads(first, "stage1"), share);
+  EXPECT_EQ(gate_arrived_threads(second, "stage0"), share);
+  gate_open(first, nullptr);
+  gate_open(second, nullptr);
+  EXPECT_TRUE(at::allclose(a->result({}).at(0).tensor, gated_eager(*model, x), 1e-5, 1e-5));
+  EXPECT_TRUE(at::allclose(b->result({}).at(0).tensor, gated_eager(*model, y), 1e-5, 1e-5));
+}
+
 TEST(Session, CancelStopsACallAndLeavesOthersAlone) {
   auto model = gated_model();
   Session session(Plan::from_markers(model), fixed_microbatches(4));
