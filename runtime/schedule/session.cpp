@@ -5,7 +5,6 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <thread>
 
 #include "runtime/device/cuda_library.h"
 #include "runtime/device/placement.h"
@@ -85,16 +84,6 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
       std::count_if(devices_.begin(), devices_.end(), [](const c10::Device& d) { return d.is_cpu(); });
   threads_per_stage_ = options_.threads_per_stage > 0 ? options_.threads_per_stage
                                                       : default_threads_per_stage(std::max<size_t>(cpu_stages, 1));
-  // One micro-batch alone in the pipeline (one sequence generating, one call at a time) visits the
-  // stages in turn, so the cores of the others idle while it runs: it may use them. Only the
-  // stages of this process count, and only with automatic threads (an explicit count is obeyed).
-  size_t local_cpu_stages = 0;
-  for (size_t s = 0; s < local; ++s) local_cpu_stages += devices_[s].is_cpu() ? 1 : 0;
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  alone_threads_ =
-      options_.threads_per_stage > 0
-          ? threads_per_stage_
-          : std::max(threads_per_stage_, std::min(cores, threads_per_stage_ * static_cast<int>(local_cpu_stages)));
 
   auto checkpoint = options_.stage.weights.empty() ? nullptr : stage::Checkpoint::open(options_.stage.weights);
   for (size_t s = 0; s < local; ++s) {
@@ -145,7 +134,6 @@ void Session::admit(const std::shared_ptr<Request>& request) {
   if (inflight_ >= options_.max_inflight)
     throw Error(Status::DeadlineExceeded, "the call's deadline passed while it waited for room in the pipeline");
   ++inflight_;
-  inside_ = inflight_;
   --promised_;
 }
 
@@ -159,7 +147,6 @@ void Session::release() {
   {
     std::lock_guard lock(admission_mutex_);
     --inflight_;
-    inside_ = inflight_;
   }
   admission_cv_.notify_one();
 }
@@ -179,15 +166,12 @@ int64_t Session::promise_microbatches() {
 }
 
 void Session::worker_loop(size_t s) {
-  // Per-thread with OpenMP (and MKL): this stage's operators use their share of the cores only,
-  // or all the local stages' cores while its micro-batch is the only one inside the pipeline. One
-  // admitted while it runs oversubscribes the cores until this forward returns; the next forward
-  // of each stage is back to its share.
-  int threads = threads_per_stage_;
+  // Per-thread with OpenMP (and MKL): this stage's operators use their share of the cores only.
   // ATen sets a thread's count on the thread's first parallel operation, to the count any thread
-  // set last (another stage's): that first time is now, so that what this thread sets stays.
+  // set last (another session's, whose stages may have another share): that first time is now, so
+  // that what this thread sets stays.
   (void)at::get_num_threads();
-  at::set_num_threads(threads);
+  at::set_num_threads(threads_per_stage_);
   c10::InferenceMode inference;
   Worker& me = *workers_[s];
   const bool last = s + 1 == total_stages_;
@@ -205,8 +189,6 @@ void Session::worker_loop(size_t s) {
       request->fail(Status::DeadlineExceeded, "the call did not finish before its deadline");
     if (!request->failed()) {
       ran = true;
-      const int want = inside_.load(std::memory_order_relaxed) == 1 ? alone_threads_ : threads_per_stage_;
-      if (want != threads) at::set_num_threads(threads = want);
       try {
         run_stage(s, mb);
       } catch (const std::exception& e) {
@@ -362,7 +344,6 @@ std::shared_ptr<Request> Session::submit_step(std::vector<c10::IValue>&& inputs)
     std::lock_guard lock(admission_mutex_);
     if (stopping_) throw Error(Status::Cancelled, "the session is shutting down");
     ++inflight_;  // counted like any micro-batch, so release() balances it; the caller bounds how many
-    inside_ = inflight_;
   }
   MicroBatch mb{request, 0, std::vector<c10::IValue>(plan_->values().size()), {}, {}};
   for (size_t id = 0; id < plan_->values().size(); ++id) {

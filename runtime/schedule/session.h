@@ -146,16 +146,12 @@ class Session {
   std::vector<device::Place> places_;  // the local stages', each used by its worker thread only
   std::vector<std::unique_ptr<Worker>> workers_;
   int threads_per_stage_ = 1;
-  // Intra-op threads of a stage whose micro-batch is alone in the pipeline: the cores the local
-  // CPU stages share when the threads are automatic (else threads_per_stage_).
-  int alone_threads_ = 1;
   const Clock::time_point epoch_ = Clock::now();
 
   std::mutex admission_mutex_;
   std::condition_variable admission_cv_;
   int64_t inflight_ = 0;
-  std::atomic<int64_t> inside_{0};  // inflight_, read by the workers without the lock
-  int64_t promised_ = 0;            // cut but not yet admitted: calls arriving together see each other
+  int64_t promised_ = 0;  // cut but not yet admitted: calls arriving together see each other
   bool stopping_ = false;
   std::atomic<bool> shutting_down_{false};  // workers drop what they pop
   std::atomic<uint64_t> next_request_id_{1};

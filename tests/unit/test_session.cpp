@@ -206,31 +206,27 @@ void wait_until_past(Clock::time_point t) {
   while (Clock::now() <= t) std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
-// Two CPU stages share the cores; a micro-batch alone in the pipeline (one sequence generating token by
-// token) leaves the other stage's share idle, so it runs with both shares, and with its own share again
-// as soon as another micro-batch is inside.
-TEST(Session, AMicroBatchAloneInThePipelineUsesTheIdleStagesCores) {
+// Each stage thread runs with its session's count of intra-op threads, also when another session
+// of the process, with another count, starts its threads after it (ATen's count of a thread is
+// set on its first parallel operation from the count any thread set last).
+TEST(Session, StagesKeepTheirSessionsThreadCount) {
   auto model = gated_model();
-  Session session(Plan::from_markers(model), fixed_microbatches(1));  // automatic threads per stage
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int share = std::max(1, cores / 2);
-  const int alone = std::max(share, std::min(cores, 2 * share));
-  const int64_t first = gate_new_key(), second = gate_new_key();
-  OpenAtExit open_first{first}, open_second{second};
-  at::Tensor x = at::randn({4, 64}), y = at::randn({4, 64});
-  auto a = session.submit(gated(x, first));
-  ASSERT_TRUE(gate_wait(first, "stage0", "arrived", 1));
-  EXPECT_EQ(gate_arrived_threads(first, "stage0"), alone);
-  auto b = session.submit(gated(y, second));  // admitted while `a` is inside
-  gate_open(first, "stage0");
-  ASSERT_TRUE(gate_wait(first, "stage1", "arrived", 1));
-  ASSERT_TRUE(gate_wait(second, "stage0", "arrived", 1));
-  EXPECT_EQ(gate_arrived_threads(first, "stage1"), share);
-  EXPECT_EQ(gate_arrived_threads(second, "stage0"), share);
-  gate_open(first, nullptr);
-  gate_open(second, nullptr);
-  EXPECT_TRUE(at::allclose(a->result({}).at(0).tensor, gated_eager(*model, x), 1e-5, 1e-5));
-  EXPECT_TRUE(at::allclose(b->result({}).at(0).tensor, gated_eager(*model, y), 1e-5, 1e-5));
+  SessionOptions one = fixed_microbatches(1), two = fixed_microbatches(1);
+  one.threads_per_stage = 1;
+  two.threads_per_stage = 2;
+  Session first(Plan::from_markers(model), one);
+  Session second(Plan::from_markers(model), two);  // its stage threads set 2 after first's set 1
+  const int64_t a = gate_new_key(), b = gate_new_key();
+  OpenAtExit open_a{a}, open_b{b};
+  gate_open(a, nullptr);
+  gate_open(b, nullptr);
+  at::Tensor x = at::randn({4, 64});
+  EXPECT_TRUE(at::allclose(first.run(gated(x, a)).at(0).tensor, gated_eager(*model, x), 1e-5, 1e-5));
+  EXPECT_TRUE(at::allclose(second.run(gated(x, b)).at(0).tensor, gated_eager(*model, x), 1e-5, 1e-5));
+  EXPECT_EQ(gate_arrived_threads(a, "stage0"), 1);
+  EXPECT_EQ(gate_arrived_threads(a, "stage1"), 1);
+  EXPECT_EQ(gate_arrived_threads(b, "stage0"), 2);
+  EXPECT_EQ(gate_arrived_threads(b, "stage1"), 2);
 }
 
 TEST(Session, CancelStopsACallAndLeavesOthersAlone) {
