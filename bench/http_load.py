@@ -467,6 +467,9 @@ def main():
     ap.add_argument("--work", help="folder for the skeletons, the go-sse binary and the servers' logs")
     ap.add_argument("--out", help="write every figure and request as JSON")
     args = ap.parse_args()
+    # A TERM (a timeout's, a job's end) unwinds like an interrupt, so that the servers' process
+    # groups are stopped in the finally blocks instead of left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if min(args.concurrency) < 1 or (args.requests is not None and args.requests < 1) or args.max_tokens < 1:
         ap.error("--concurrency, --requests and --max-tokens must be at least 1")
 
