@@ -16,7 +16,7 @@ passed (no request starts after it; one in flight gets --request-timeout). The r
 chat messages (bench/generate.py's MESSAGES, in turn; one user turn each, no system message: both
 servers render the model's own chat template), max_tokens --max-tokens (64), temperature 0,
 stream true, stream_options.include_usage true (llama-server then ends with the usage; go-sse
-ignores the field). One short request warms each server up first and is not counted.
+ignores the field). N short requests at once warm each server up first and are not counted.
 
 Figures per server and N (wall = from the first request sent to the last one's end):
 - requests/s: complete requests over the wall time;
@@ -284,10 +284,13 @@ def stream_request(port, body, timeout):
     return rec
 
 
-def warm_up(port, timeout):
-    rec = stream_request(port, chat_body(MESSAGES[0], 4), timeout)
-    if rec["outcome"] != "complete":
-        raise LoadError(f"the warm-up request did not complete: {rec['outcome']}: {rec['error']}")
+def warm_up(port, clients, timeout):
+    """N short requests at once (a step over every slot, as the measured wave's), not counted."""
+    records, _ = wave(port, clients, clients, 4, timeout, timeout)
+    bad = [r for r in records if r is None or r["outcome"] != "complete"]
+    if bad:
+        r = bad[0] or {"outcome": "not sent", "error": None}
+        raise LoadError(f"a warm-up request did not complete: {r['outcome']}: {r['error']}")
 
 
 def wave(port, clients, total, max_tokens, time_limit, timeout):
@@ -546,7 +549,7 @@ def main():
                         bin_dir, gguf, n, ctx, args.llamacpp_threads, args.llamacpp_cache_prompt, log
                     )
                     command = server.cmd
-                warm_up(server.port, args.request_timeout)
+                warm_up(server.port, n, args.request_timeout)
                 records, wall = wave(server.port, n, total, args.max_tokens, args.time_limit, args.request_timeout)
             except LoadError as e:
                 print(f"http_load: {name} at N = {n}: {e}", file=sys.stderr, flush=True)
