@@ -1,0 +1,31 @@
+// Linear layers of CPU stages on weights packed once for MKL's GEMM.
+//
+// aten::linear with a few rows (a decode step: one row per sequence) spends most of its time in
+// MKL re-packing the weight on every call, not in the product. MKL can pack a weight once
+// (cblas_sgemm_pack) and multiply by the packed form (cblas_sgemm_compute). Measured on the 210
+// linear layers of SmolLM2-135M, one thread, AVX-512 (bench/RESULTS.md, "Packed linear weights"):
+// 1.4-1.9x faster for 4 to 32 rows, within 10% for 1 to 3 rows; from kPackedMaxRows rows on, the
+// packing of each call pays for itself and aten::linear runs instead.
+//
+// pack_linear_weights rewrites a stage's forward: each aten::linear of a float32 CPU weight that is
+// a constant attribute of the stage (not written by the forward) becomes pipe::packed_linear(input,
+// packed, weight, bias), the packed form held as a buffer beside the weight (about 1.4x the
+// weight's bytes; tied weights are packed once). Stages keep their weights, and their results
+// equal aten::linear's up to float32 rounding. Nothing is rewritten where MKL's packed GEMM is not
+// in the LibTorch this process runs (no MKL: ARM builds), or with LIBPIPE_PACKED_LINEAR=0.
+#pragma once
+
+#include <torch/csrc/jit/api/module.h>
+
+#include <cstdint>
+
+namespace libpipe::stage {
+
+// Rows up to which pipe::packed_linear multiplies by the packed weight.
+constexpr int64_t kPackedMaxRows = 64;
+
+// Call after the stage's weights are loaded and placed; before its first run. Returns the number
+// of linear layers rewritten. Never throws for a layer it cannot pack: that one stays aten::linear.
+size_t pack_linear_weights(torch::jit::Module& stage);
+
+}  // namespace libpipe::stage
