@@ -40,7 +40,7 @@ bool packing_available() {
 }
 
 // input [..., K] times weight [N, K] transposed, plus bias [N]: aten::linear's result, computed from
-// `packed` (weight packed by pack()) for up to kPackedMaxRows rows.
+// `packed` (weight packed by pack()) for kPackedMinRows to kPackedMaxRows rows.
 at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias) {
   const int64_t n = weight.size(0), k = weight.size(1);
@@ -48,13 +48,13 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
                       input.size(-1) == k && (!bias || !bias->defined() || bias->scalar_type() == at::kFloat);
   const int64_t m = usable ? input.numel() / k : 0;
   // Anything else is aten::linear's to compute, or to refuse with its own message.
-  if (!usable || m == 0 || m > kPackedMaxRows) return at::linear(input, weight, bias);
+  if (!usable || m < kPackedMinRows || m > kPackedMaxRows) return at::linear(input, weight, bias);
   const at::Tensor x = input.reshape({m, k}).contiguous();
   at::Tensor out = at::empty({m, n}, input.options());
   float beta = 0.f;
   if (bias && bias->defined()) {
-    // Copied, never a view: with one row, expand(...).contiguous() would be the bias itself, and
-    // the product would add into the weights.
+    // Copied, never a view (expand(...).contiguous() of one row is the bias itself), or the
+    // product would add into the weights.
     out.copy_(bias->expand({m, n}));
     beta = 1.f;
   }
@@ -78,7 +78,7 @@ void register_op() {
   (void)once;
 }
 
-// The packed form of weight [N, K] (float32, CPU), checked against aten::linear on one row: a
+// The packed form of weight [N, K] (float32, CPU), checked against aten::linear on a few rows: a
 // LibTorch whose MKL packs differently is caught here rather than in results. Undefined if the
 // check fails.
 at::Tensor pack(const at::Tensor& weight) {
@@ -89,9 +89,10 @@ at::Tensor pack(const at::Tensor& weight) {
   at::Tensor packed = at::empty({static_cast<int64_t>((bytes + sizeof(float) - 1) / sizeof(float))}, at::kFloat);
   cblas_sgemm_pack(kRowMajor, kBMatrix, kTrans, static_cast<int>(kPackedMaxRows), n, k, 1.f, w.data_ptr<float>(), k,
                    packed.data_ptr<float>());
-  const at::Tensor row = at::sin(at::arange(k, at::kFloat)).unsqueeze(0);  // not the user's random stream
-  const at::Tensor want = at::linear(row, w);
-  const at::Tensor got = packed_linear(row, packed, w, std::nullopt);
+  // Rows the packed product computes (not the user's random stream).
+  const at::Tensor rows = at::sin(at::arange(kPackedMinRows * k, at::kFloat)).view({kPackedMinRows, k});
+  const at::Tensor want = at::linear(rows, w);
+  const at::Tensor got = packed_linear(rows, packed, w, std::nullopt);
   const double scale = want.abs().max().item<double>() + 1.0;
   if ((got - want).abs().max().item<double>() > 1e-4 * scale) return at::Tensor();
   return packed;

@@ -3,9 +3,9 @@
 // aten::linear with a few rows (a decode step: one row per sequence) spends most of its time in
 // MKL re-packing the weight on every call, not in the product. MKL can pack a weight once
 // (cblas_sgemm_pack) and multiply by the packed form (cblas_sgemm_compute). Measured on the 210
-// linear layers of SmolLM2-135M, one thread, AVX-512 (bench/RESULTS.md, "Packed linear weights"):
-// 1.4-1.9x faster for 4 to 32 rows, within 10% for 1 to 3 rows; from kPackedMaxRows rows on, the
-// packing of each call pays for itself and aten::linear runs instead.
+// linear layers of SmolLM2-135M, one thread, AVX-512 (bench/linear_gemm.cpp, bench/RESULTS.md):
+// 1.3-1.7x faster from 4 to 64 rows; slower for 1 to 3 rows, where MKL does not pack, and even from
+// 128 rows, where the packing of each call pays for itself: aten::linear runs there.
 //
 // pack_linear_weights rewrites a stage's forward: each aten::linear of a float32 CPU weight that is
 // a constant attribute of the stage (not written by the forward) becomes pipe::packed_linear(input,
@@ -21,7 +21,8 @@
 
 namespace libpipe::stage {
 
-// Rows up to which pipe::packed_linear multiplies by the packed weight.
+// The rows for which pipe::packed_linear multiplies by the packed weight; aten::linear otherwise.
+constexpr int64_t kPackedMinRows = 4;
 constexpr int64_t kPackedMaxRows = 64;
 
 // Call after the stage's weights are loaded and placed; before its first run. Returns the number

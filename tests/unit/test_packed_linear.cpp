@@ -52,7 +52,7 @@ TEST(PackedLinear, ConstantWeightsArePackedAndResultsEqualLinear) {
   EXPECT_EQ(rewritten, 2u);  // w1 and w2 (once each); the computed weight stays aten::linear
   EXPECT_EQ(count_nodes(graph, "pipe::packed_linear"), 2u);
   EXPECT_EQ(count_nodes(graph, "aten::linear"), 1u);
-  // Rows on both sides of kPackedMaxRows, and inputs of more than two dimensions.
+  // Rows on both sides of kPackedMinRows and kPackedMaxRows, and inputs of more than two dimensions.
   for (auto shape :
        std::vector<std::vector<int64_t>>{{1, k}, {2, k}, {3, k}, {17, k}, {64, k}, {65, k}, {200, k}, {2, 5, k}, {k}}) {
     at::Tensor x = at::randn(shape);
