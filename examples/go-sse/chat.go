@@ -9,7 +9,8 @@ package main
 // end-of-turn token (tokenizer_config.json's eos_token), a stop string, or its length. Streaming
 // sends chat.completion.chunk events: the first with the delta {"role": "assistant"}, then the
 // text as {"content": ...} deltas, a last one with the finish reason, then `data: [DONE]`;
-// otherwise one chat.completion object with the message and "usage".
+// otherwise one chat.completion object with the message and "usage". stream_options.include_usage
+// adds a chunk with no choice and the usage before [DONE] (server.go's streamUsage).
 
 import (
 	"encoding/json"
@@ -51,7 +52,7 @@ type chatCompletion struct {
 	Created int64        `json:"created"`
 	Model   string       `json:"model"`
 	Choices []chatChoice `json:"choices"`
-	Usage   *usage       `json:"usage,omitempty"`
+	Usage   any          `json:"usage,omitempty"` // nil, *usage, or jsonNull (see streamUsage)
 }
 
 // endOfTurnIDs are the ids that end a reply: the model's end tokens, and the template's end of a
@@ -177,6 +178,11 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		s.refuse(w, berr)
 		return
 	}
+	includeUsage, berr := req.streamUsage()
+	if berr != nil {
+		s.refuse(w, berr)
+		return
+	}
 	opts.StopIDs = s.chatStopIDs
 	ctx := r.Context() // when the client disconnects, the sequence is cancelled
 	gen := s.start(ctx, w, prompt, opts, "messages")
@@ -200,12 +206,15 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		}
 		content := reply.String()
 		c.Choices = []chatChoice{{Message: &chatDelta{Role: "assistant", Content: &content}, FinishReason: &end.finish}}
-		c.Usage = &usage{PromptTokens: len(prompt), CompletionTokens: end.tokens, TotalTokens: len(prompt) + end.tokens}
+		c.Usage = tokenUsage(prompt, end)
 		writeJSON(w, http.StatusOK, c)
 		return
 	}
 	c.Object = "chat.completion.chunk"
 	events := startEvents(w, gen)
+	if includeUsage {
+		c.Usage = jsonNull
+	}
 	empty := ""
 	c.Choices = []chatChoice{{Delta: &chatDelta{Role: "assistant", Content: &empty}}}
 	if events.send(c) != nil {
@@ -220,5 +229,9 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 	}
 	c.Choices = []chatChoice{{Delta: &chatDelta{}, FinishReason: &end.finish}}
 	events.send(c)
+	if includeUsage {
+		c.Choices, c.Usage = []chatChoice{}, tokenUsage(prompt, end)
+		events.send(c)
+	}
 	events.done()
 }

@@ -33,6 +33,7 @@ type chatStreamed struct {
 	finish  string
 	done    bool // `data: [DONE]` closed it
 	leading bool // the first event named the assistant's role
+	usage   usageSeen
 }
 
 func readChatStream(t *testing.T, body io.Reader) chatStreamed {
@@ -51,6 +52,9 @@ func readChatStream(t *testing.T, body io.Reader) chatStreamed {
 		}
 		if data == "[DONE]" {
 			out.done = true
+			continue
+		}
+		if out.usage.add(t, data) {
 			continue
 		}
 		var c struct {

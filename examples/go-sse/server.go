@@ -7,7 +7,9 @@ package main
 //	    stream: server-sent events, one `data: {"choices":[{"text": "...", "index": 0,
 //	    "finish_reason": null}], ...}` per piece of text, a last one with "finish_reason"
 //	    ("stop": the model's end token or a stop string; "length"), then `data: [DONE]`;
-//	    otherwise one JSON object with the whole text and "usage".
+//	    otherwise one JSON object with the whole text and "usage". With "stream_options":
+//	    {"include_usage": true}, every chunk has "usage": null and one more, with no choice and the
+//	    usage, comes before [DONE].
 //	POST /v1/chat/completions  the same over a conversation (chat.go)
 //	GET /v1/models        the one model served
 //	GET /health           {"status": "ok", slots, queue, counters}
@@ -91,14 +93,15 @@ func writeError(w http.ResponseWriter, status int, typ, param, format string, ar
 // generationFields are the request fields both endpoints read; other fields are ignored, as
 // OpenAI's clients send some with their defaults (null or their neutral value).
 type generationFields struct {
-	Model       string          `json:"model"`
-	MaxTokens   *int            `json:"max_tokens"`
-	Temperature *float64        `json:"temperature"`
-	TopP        *float64        `json:"top_p"`
-	Seed        *int64          `json:"seed"`
-	Stream      bool            `json:"stream"`
-	N           *int            `json:"n"`
-	Stop        json.RawMessage `json:"stop"`
+	Model         string          `json:"model"`
+	MaxTokens     *int            `json:"max_tokens"`
+	Temperature   *float64        `json:"temperature"`
+	TopP          *float64        `json:"top_p"`
+	Seed          *int64          `json:"seed"`
+	Stream        bool            `json:"stream"`
+	N             *int            `json:"n"`
+	Stop          json.RawMessage `json:"stop"`
+	StreamOptions json.RawMessage `json:"stream_options"`
 }
 
 // completionRequest is the part of OpenAI's completion request this service reads.
@@ -242,13 +245,43 @@ type completion struct {
 	Created int64    `json:"created"`
 	Model   string   `json:"model"`
 	Choices []choice `json:"choices"`
-	Usage   *usage   `json:"usage,omitempty"`
+	Usage   any      `json:"usage,omitempty"` // nil, *usage, or jsonNull (see streamUsage)
 }
 
 type usage struct {
 	PromptTokens     int `json:"prompt_tokens"`
 	CompletionTokens int `json:"completion_tokens"`
 	TotalTokens      int `json:"total_tokens"`
+}
+
+// tokenUsage is the usage of a completion of prompt that ended as end says.
+func tokenUsage(prompt []int64, end ending) *usage {
+	return &usage{PromptTokens: len(prompt), CompletionTokens: end.tokens, TotalTokens: len(prompt) + end.tokens}
+}
+
+// jsonNull is a response's "usage": null, which omitempty keeps (a nil usage is left out).
+var jsonNull = json.RawMessage("null")
+
+// streamUsage reads stream_options, which OpenAI takes only with "stream": true: whether the
+// stream ends with a usage chunk (include_usage), before which every chunk says "usage": null.
+// Other options (include_obfuscation) are ignored, as fields this service does not read are.
+func (f *generationFields) streamUsage() (bool, *badRequest) {
+	if len(f.StreamOptions) == 0 || string(f.StreamOptions) == "null" {
+		return false, nil
+	}
+	if !f.Stream {
+		return false, bad("stream_options", "stream_options is only allowed with \"stream\": true")
+	}
+	var o map[string]json.RawMessage
+	if err := json.Unmarshal(f.StreamOptions, &o); err != nil {
+		return false, bad("stream_options", "stream_options must be an object, e.g. {\"include_usage\": true}")
+	}
+	var include *bool
+	if raw, ok := o["include_usage"]; ok && json.Unmarshal(raw, &include) != nil {
+		return false, bad("stream_options.include_usage", "stream_options.include_usage is %s; give true or false",
+			raw)
+	}
+	return include != nil && *include, nil
 }
 
 func (s *server) completions(w http.ResponseWriter, r *http.Request) {
@@ -264,6 +297,11 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	opts, stops, berr := s.options(&req.generationFields, "max_tokens", 16)
+	if berr != nil {
+		s.refuse(w, berr)
+		return
+	}
+	includeUsage, berr := req.streamUsage()
 	if berr != nil {
 		s.refuse(w, berr)
 		return
@@ -290,11 +328,14 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		c.Choices = []choice{{Text: text.String(), Index: 0, FinishReason: &end.finish}}
-		c.Usage = &usage{PromptTokens: len(prompt), CompletionTokens: end.tokens, TotalTokens: len(prompt) + end.tokens}
+		c.Usage = tokenUsage(prompt, end)
 		writeJSON(w, http.StatusOK, c)
 		return
 	}
 	events := startEvents(w, gen)
+	if includeUsage {
+		c.Usage = jsonNull
+	}
 	end := s.follow(ctx, gen, stops, func(piece string) error {
 		c.Choices = []choice{{Text: piece, Index: 0}}
 		return events.send(c)
@@ -304,6 +345,10 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 	}
 	c.Choices = []choice{{Text: "", Index: 0, FinishReason: &end.finish}}
 	events.send(c)
+	if includeUsage {
+		c.Choices, c.Usage = []choice{}, tokenUsage(prompt, end)
+		events.send(c)
+	}
 	events.done()
 }
 

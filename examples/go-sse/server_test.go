@@ -391,11 +391,12 @@ type chunk struct {
 }
 
 // streamed reads a server-sent event stream to its end: the text of every event, the finish
-// reason of the last, and whether `data: [DONE]` closed it.
+// reason of the last, whether `data: [DONE]` closed it, and what it said about usage.
 type streamed struct {
 	pieces []string
 	finish string
 	done   bool
+	usage  usageSeen
 }
 
 func readStream(t *testing.T, body io.Reader) streamed {
@@ -416,6 +417,9 @@ func readStream(t *testing.T, body io.Reader) streamed {
 		}
 		if data == "[DONE]" {
 			out.done = true
+			continue
+		}
+		if out.usage.add(t, data) {
 			continue
 		}
 		var c chunk
@@ -562,6 +566,7 @@ func TestCompletionMatchesTheReference(t *testing.T) {
 	t.Run("Chat", func(t *testing.T) { checkChat(t, s, c, codec) })
 	t.Run("OpenAIClient", func(t *testing.T) { checkOpenAIClient(t, s, c, codec) })
 	t.Run("Curl", func(t *testing.T) { checkCurl(t, s, c, codec) })
+	t.Run("StreamUsage", func(t *testing.T) { checkStreamUsage(t, s, c, codec) })
 	t.Run("BadRequests", func(t *testing.T) { checkBadRequests(t, s, c) })
 }
 
@@ -589,6 +594,16 @@ func checkBadRequests(t *testing.T, s *service, c completionCase) {
 		{"an empty stop string", fmt.Sprintf(`{"prompt": %q, "stop": ""}`, c.prompt), "stop"},
 		{"a stop number", fmt.Sprintf(`{"prompt": %q, "stop": 5}`, c.prompt), "stop"},
 		{"another model", fmt.Sprintf(`{"prompt": %q, "model": "gpt-nothing"}`, c.prompt), "model"},
+		{"stream_options without stream", fmt.Sprintf(`{"prompt": %q, "stream_options": {"include_usage": true}}`,
+			c.prompt), "stream_options"},
+		{"stream_options with stream false", fmt.Sprintf(`{"prompt": %q, "stream": false, "stream_options": {}}`,
+			c.prompt), "stream_options"},
+		{"stream_options a bool", fmt.Sprintf(`{"prompt": %q, "stream": true, "stream_options": true}`, c.prompt),
+			"stream_options"},
+		{"include_usage a string", fmt.Sprintf(`{"prompt": %q, "stream": true, "stream_options": {"include_usage": `+
+			`"true"}}`, c.prompt), "stream_options.include_usage"},
+		{"include_usage 1", fmt.Sprintf(`{"prompt": %q, "stream": true, "stream_options": {"include_usage": 1}}`,
+			c.prompt), "stream_options.include_usage"},
 	}
 	if c.model == "tiny" {
 		// Its tokenizer has one character per id and no unknown token (SmolLM2's covers every byte).
@@ -622,6 +637,10 @@ func checkBadRequests(t *testing.T, s *service, c completionCase) {
 		{"n 3", chat(`"n": 3`), "n"},
 		{"five stop strings", chat(`"stop": ["a", "b", "c", "d", "e"]`), "stop"},
 		{"another model", chat(`"model": "gpt-nothing"`), "model"},
+		{"stream_options without stream", chat(`"stream_options": {"include_usage": true}`), "stream_options"},
+		{"stream_options a list", chat(`"stream": true, "stream_options": [true]`), "stream_options"},
+		{"include_usage a string", chat(`"stream": true, "stream_options": {"include_usage": "yes"}`),
+			"stream_options.include_usage"},
 	} {
 		expectBadRequest(t, s, "/v1/chat/completions", "chat: "+bc.what, bc.body, bc.param)
 	}
