@@ -17,7 +17,8 @@ import (
 // noProxy keeps a client that honours the proxy variables on the loopback.
 var noProxy = []string{"NO_PROXY=127.0.0.1,localhost", "no_proxy=127.0.0.1,localhost"}
 
-// Completions and chat replies, streamed and not, through openai.OpenAI(base_url=...).
+// Completions and chat replies, streamed and not, through openai.OpenAI(base_url=...); streamed
+// with stream_options include_usage, the reference's token counts.
 func checkOpenAIClient(t *testing.T, s *service, c completionCase, codec *textCodec) {
 	python := os.Getenv("LIBPIPE_PYTHON")
 	if python == "" {
@@ -27,9 +28,11 @@ func checkOpenAIClient(t *testing.T, s *service, c completionCase, codec *textCo
 	cases := map[string]any{
 		"model": c.model,
 		"completion": map[string]any{"prompt": c.prompt, "max_tokens": c.maxTokens, "text": codec.Decode(c.expectedIDs),
-			"finish_reason": referenceFinish(c.expectedIDs, c.maxTokens)},
+			"finish_reason": referenceFinish(c.expectedIDs, c.maxTokens), "prompt_tokens": c.promptTokens,
+			"completion_tokens": len(c.expectedIDs)},
 		"chat": map[string]any{"messages": c.chat.messages, "max_tokens": c.chat.maxTokens, "text": reply,
-			"finish_reason": replyFinish},
+			"finish_reason": replyFinish, "prompt_tokens": len(c.chat.promptIDs),
+			"completion_tokens": len(c.chat.expectedIDs)},
 	}
 	path := filepath.Join(t.TempDir(), "cases.json")
 	writeJSONFile(t, path, cases)

@@ -2,15 +2,20 @@
 
     python openai_client_check.py BASE_URL CASES.json
 
-BASE_URL is the service's http://HOST:PORT/v1. CASES.json (server_test.go writes it) holds the
-model's name and the expected results of a greedy completion and a greedy chat reply:
+BASE_URL is the service's http://HOST:PORT/v1. CASES.json (clients_test.go writes it) holds the
+model's name and the expected results of a greedy completion and a greedy chat reply, with the
+reference's token counts of the prompt and of the completion:
 
-  {"model", "completion": {"prompt", "max_tokens", "text", "finish_reason"},
-   "chat": {"messages", "max_tokens", "text", "finish_reason"}}
+  {"model", "completion": {"prompt", "max_tokens", "text", "finish_reason", "prompt_tokens",
+                           "completion_tokens"},
+   "chat": {"messages", "max_tokens", "text", "finish_reason", "prompt_tokens", "completion_tokens"}}
 
-Each is asked for twice, with stream=False and stream=True, through client.completions.create and
-client.chat.completions.create; the text (joined from the streamed chunks) and the finish reason
-must be the expected ones. Prints one line per call, and exits 1 at the first mismatch.
+Each is asked for three times through client.completions.create and client.chat.completions.create:
+with stream=False (its usage must be the expected counts), with stream=True (no chunk may carry
+usage), and with stream=True and stream_options={"include_usage": True} (every chunk says "usage":
+null but the last, which has no choices and the expected counts). The text (joined from the
+streamed chunks) and the finish reason must be the expected ones. Prints one line per call, and
+exits 1 at the first mismatch.
 """
 
 import json
@@ -21,12 +26,42 @@ import openai
 
 def check(what, text, finish, want):
     if text != want["text"] or finish != want["finish_reason"]:
-        print(
-            f"openai_client_check: {what}: {text!r} ({finish}), want {want['text']!r} ({want['finish_reason']})",
-            file=sys.stderr,
-        )
-        sys.exit(1)
+        fail(f"{what}: {text!r} ({finish}), want {want['text']!r} ({want['finish_reason']})")
     print(f"openai_client_check: {what}: {text!r} ({finish})")
+
+
+def fail(message):
+    print(f"openai_client_check: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def check_usage(what, usage, want):
+    got = (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) if usage else None
+    wanted = (want["prompt_tokens"], want["completion_tokens"], want["prompt_tokens"] + want["completion_tokens"])
+    if got != wanted:
+        fail(f"{what}: usage (prompt, completion, total) {got}, want {wanted}")
+    print(f"openai_client_check: {what}: usage {got}")
+
+
+def stream(what, chunks, want, content, include_usage):
+    """Reads a stream's chunks: the text of their first choices, its finish reason, the roles the
+    chat deltas named. With include_usage the last chunk must hold the expected usage and no choice,
+    every other one "usage": null; without it no chunk may hold usage."""
+    chunks = list(chunks)
+    if include_usage:
+        last = chunks.pop() if chunks else None
+        if last is None or last.choices or last.usage is None:
+            fail(f"{what}: the last chunk is {last}; want one without choices, with the usage")
+        check_usage(what, last.usage, want)
+    text, finish, roles = "", None, []
+    for chunk in chunks:
+        if not chunk.choices or chunk.usage is not None or ("usage" in chunk.model_fields_set) != include_usage:
+            fail(f"{what}: chunk {chunk} (usage given: {'usage' in chunk.model_fields_set})")
+        piece, role = content(chunk.choices[0])
+        text += piece
+        roles += [role] if role else []
+        finish = chunk.choices[0].finish_reason or finish
+    return text, finish, roles
 
 
 def main():
@@ -40,31 +75,32 @@ def main():
     args = dict(model=model, prompt=c["prompt"], max_tokens=c["max_tokens"], temperature=0, seed=1)
     r = client.completions.create(**args)
     check("completions", r.choices[0].text, r.choices[0].finish_reason, c)
-    text, finish = "", None
-    for chunk in client.completions.create(stream=True, **args):
-        text += chunk.choices[0].text
-        finish = chunk.choices[0].finish_reason or finish
-    check("completions, stream=True", text, finish, c)
+    check_usage("completions", r.usage, c)
+    for include_usage in (False, True):
+        what = f"completions, stream=True, include_usage {include_usage}"
+        options = dict(stream_options={"include_usage": True}) if include_usage else {}
+        chunks = client.completions.create(stream=True, **options, **args)
+        text, finish, _ = stream(what, chunks, c, lambda choice: (choice.text, None), include_usage)
+        check(what, text, finish, c)
 
     c = cases["chat"]
     args = dict(model=model, messages=c["messages"], max_tokens=c["max_tokens"], temperature=0, seed=1)
     r = client.chat.completions.create(**args)
     message = r.choices[0].message
     if message.role != "assistant":
-        print(f"openai_client_check: chat: the message's role is {message.role!r}", file=sys.stderr)
-        sys.exit(1)
+        fail(f"chat: the message's role is {message.role!r}")
     check("chat.completions", message.content, r.choices[0].finish_reason, c)
-    text, finish, roles = "", None, []
-    for chunk in client.chat.completions.create(stream=True, **args):
-        delta = chunk.choices[0].delta
-        if delta.role:
-            roles.append(delta.role)
-        text += delta.content or ""
-        finish = chunk.choices[0].finish_reason or finish
-    if roles != ["assistant"]:
-        print(f"openai_client_check: chat, stream=True: roles {roles}, want ['assistant'] once", file=sys.stderr)
-        sys.exit(1)
-    check("chat.completions, stream=True", text, finish, c)
+    check_usage("chat.completions", r.usage, c)
+    for include_usage in (False, True):
+        what = f"chat.completions, stream=True, include_usage {include_usage}"
+        options = dict(stream_options={"include_usage": True}) if include_usage else {}
+        chunks = client.chat.completions.create(stream=True, **options, **args)
+        text, finish, roles = stream(
+            what, chunks, c, lambda choice: (choice.delta.content or "", choice.delta.role), include_usage
+        )
+        if roles != ["assistant"]:
+            fail(f"{what}: roles {roles}, want ['assistant'] once")
+        check(what, text, finish, c)
     return 0
 
 
