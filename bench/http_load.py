@@ -15,17 +15,17 @@ another (a closed loop), until --requests requests (default 2 N) were sent or --
 passed (no request starts after it; one in flight gets --request-timeout). The requests are real
 chat messages (bench/generate.py's MESSAGES, in turn; one user turn each, no system message: both
 servers render the model's own chat template), max_tokens --max-tokens (64), temperature 0,
-stream true, stream_options.include_usage true (llama-server then ends with the usage; go-sse
-ignores the field). N short requests at once warm each server up first and are not counted.
+stream true, stream_options.include_usage true (both servers then end the stream with a chunk
+holding the usage). N short requests at once warm each server up first and are not counted.
 
 Figures per server and N (wall = from the first request sent to the last one's end):
 - requests/s: complete requests over the wall time;
 - tokens/s: generated tokens of complete requests over the wall time. A request's tokens are its
-  usage.completion_tokens when the stream gives one (llama-server), else its content chunks
-  (go-sse sends one per token, except that a character spanning several tokens is sent once it is
-  complete, so chunks can undercount slightly); the table's "tokens" column says which.
-  llama-server's usage counts the end-of-turn token of a reply that stops, which sends no content:
-  for a like-for-like rate, chunks/s is the content chunks over the wall time for both servers;
+  usage.completion_tokens (both servers count the end-of-turn token of a reply that stops, which
+  sends no content); a stream without usage falls back to its content chunks, which can undercount
+  (go-sse sends a character spanning several tokens once it is complete), and the table's "tokens"
+  column says which source was used ("usage" for both servers when all went well);
+- chunks/s: the content chunks of complete requests over the wall time (what a reader sees arrive);
 - TTFT: from sending the request to its first non-empty content delta, p50 and p99 over requests;
 - ITL: the gaps between consecutive content chunks of a request, p50 and p99 over all gaps;
 - outcomes: every request sent ends in exactly one of: complete (a choice with finish_reason),
