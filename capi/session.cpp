@@ -238,6 +238,13 @@ pipe_status pipe_session_trace_start(pipe_session* session) {
   });
 }
 
+pipe_status pipe_session_trace_start_with_operators(pipe_session* session) {
+  return guarded(__func__, [&](const char* fn) {
+    require(session, fn, "session");
+    get(session)->impl->start_trace(/*operators=*/true);
+  });
+}
+
 pipe_status pipe_session_trace_stop(pipe_session* session, const char* path) {
   return guarded(__func__, [&](const char* fn) {
     require(session, fn, "session");

@@ -36,6 +36,7 @@ struct Engine::Step {
   uint64_t id = 0;
   std::vector<PlannedRow> rows;
   std::shared_ptr<schedule::Request> request;
+  Clock::time_point returned{};  // when its last stage finished (for the trace)
 };
 
 // What the scheduler tells generations once it has let go of its lock: callbacks run there.
@@ -265,7 +266,10 @@ void Engine::scheduler_loop() {
     }
     if (!notices.empty()) {
       lock.unlock();
+      const auto delivering = Clock::now();
+      const double count = static_cast<double>(notices.size());
       deliver(notices);
+      session_->trace_event("engine", "deliver", delivering, Clock::now(), {{"notices", count}});
       lock.lock();
       continue;  // callbacks may have submitted or cancelled
     }
@@ -337,6 +341,7 @@ void Engine::admit(Clock::time_point now) {
 
 void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
   while (static_cast<int64_t>(in_flight_.size()) < options_.steps_in_flight) {
+    const auto planning = Clock::now();
     std::vector<ReadyRow> ready;
     for (const auto& [id, seq] : sequences_) {
       if (seq->ended || seq->in_flight || seq->slot < 0) continue;
@@ -362,6 +367,7 @@ void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
     at::Tensor start = at::empty({b}, at::kLong), lengths = at::empty({b}, at::kLong),
                slots = at::empty({b}, at::kLong);
     int64_t* tok = tokens.data_ptr<int64_t>();
+    int64_t step_tokens = 0, prompt_rows = 0;
     for (int64_t i = 0; i < b; ++i) {
       const PlannedRow& r = step->rows[i];
       Sequence& seq = *sequences_.at(r.sequence);
@@ -369,6 +375,8 @@ void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
       const int64_t prompt_len = static_cast<int64_t>(seq.prompt.size());
       if (r.start < prompt_len) std::copy_n(seq.prompt.data() + r.start, r.length, tok + i * t);
       else tok[i * t] = seq.next_token;
+      step_tokens += r.length;
+      prompt_rows += r.start < prompt_len;
       start.data_ptr<int64_t>()[i] = r.start;
       lengths.data_ptr<int64_t>()[i] = r.length;
       slots.data_ptr<int64_t>()[i] = r.slot;
@@ -397,11 +405,19 @@ void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
     }
     raw->request = request;
     const uint64_t id = raw->id;
+    if (session_->tracing())
+      session_->trace_event("engine", "launch step " + std::to_string(id), planning, Clock::now(),
+                            {{"step", static_cast<double>(id)},
+                             {"request", static_cast<double>(request->id())},
+                             {"rows", static_cast<double>(b)},
+                             {"tokens", static_cast<double>(step_tokens)},
+                             {"prompt_rows", static_cast<double>(prompt_rows)}});
     lock.unlock();
     request->on_done([this, id](Status) {
       // Notified under the lock: once it is released this callback touches nothing of the engine, which may be
       // destroyed as soon as its scheduler has seen the last step return.
       std::lock_guard guard(mutex_);
+      if (auto it = in_flight_.find(id); it != in_flight_.end()) it->second->returned = Clock::now();
       returned_.push_back(id);
       cv_.notify_all();
     });
@@ -414,6 +430,10 @@ void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id,
   if (node.empty()) return;
   std::unique_ptr<Step> step = std::move(node.mapped());
   const auto now = Clock::now();
+  if (step->request && session_->tracing())
+    session_->trace_event(
+        "engine", "collect step " + std::to_string(step_id), step->returned, now,
+        {{"step", static_cast<double>(step_id)}, {"request", static_cast<double>(step->request->id())}});
   Status status = Status::Ok;
   std::string message;
   at::Tensor logits;
@@ -490,6 +510,9 @@ void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id,
     sample_error = e.what();
   }
   const auto sampled = Clock::now();
+  if (session_->tracing())
+    session_->trace_event("engine", "sample step " + std::to_string(step_id), sampling_start, sampled,
+                          {{"step", static_cast<double>(step_id)}, {"rows", static_cast<double>(seqs.size())}});
   lock.lock();
   totals_.sampling_ms += ms_between(sampling_start, sampled);
 
@@ -523,7 +546,6 @@ void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id,
     else if (seq.generated >= seq.options.max_new_tokens || seq.cached + 1 > decoder_.max_len)
       end(seq, FinishReason::Length, Status::Ok, "", notices);
   }
-  (void)now;
 }
 
 }  // namespace libpipe::generate

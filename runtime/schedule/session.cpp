@@ -5,12 +5,14 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <optional>
 
 #include "runtime/device/cuda_library.h"
 #include "runtime/device/placement.h"
 #include "runtime/log.h"
 #include "runtime/planner/planner.h"
 #include "runtime/schedule/assignment.h"
+#include "runtime/schedule/op_timer.h"
 #include "runtime/schedule/worker_host.h"
 #include "runtime/stage/packed_linear.h"
 #include "runtime/stage/stage_module.h"
@@ -189,8 +191,10 @@ void Session::worker_loop(size_t s) {
       request->fail(Status::Cancelled, "the session was destroyed while the call was running");
     if (Clock::now() >= request->deadline())
       request->fail(Status::DeadlineExceeded, "the call did not finish before its deadline");
+    std::optional<OpTimer> op_timer;
     if (!request->failed()) {
       ran = true;
+      if (tracing() && trace_operators_.load(std::memory_order_relaxed)) op_timer.emplace();
       try {
         run_stage(s, mb);
       } catch (const std::exception& e) {
@@ -204,11 +208,13 @@ void Session::worker_loop(size_t s) {
       me.microbatches++;
       if (!ok) me.failures++;
       me.busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(waited_from - start).count();
-      if (tracing_.load(std::memory_order_relaxed)) {
+      if (tracing()) {
         std::lock_guard lock(me.trace_mutex);
-        me.trace.push_back({request->id(), mb.index, since_us(epoch_, start), since_us(epoch_, waited_from), ok});
+        me.trace.push_back({request->id(), mb.index, since_us(epoch_, start), since_us(epoch_, waited_from), ok,
+                            op_timer ? op_timer->totals() : TraceArgs{}});
       }
     }
+    op_timer.reset();
     // Release before finishing: a caller woken by its last micro-batch then finds the pipeline
     // as it is, not one slot fuller (which would make its next call's cut depend on timing).
     if (last || request->failed()) {
@@ -383,12 +389,24 @@ StageStats Session::stats(size_t stage) const {
   return st;
 }
 
-void Session::start_trace() {
+void Session::start_trace(bool operators) {
   for (auto& w : workers_) {
     std::lock_guard lock(w->trace_mutex);
     w->trace.clear();
   }
+  {
+    std::lock_guard lock(other_trace_mutex_);
+    other_trace_.clear();
+  }
+  trace_operators_ = operators;
   tracing_ = true;
+}
+
+void Session::trace_event(const std::string& track, std::string name, Clock::time_point start, Clock::time_point end,
+                          TraceArgs args) {
+  if (!tracing()) return;
+  std::lock_guard lock(other_trace_mutex_);
+  other_trace_.push_back({track, std::move(name), since_us(epoch_, start), since_us(epoch_, end), std::move(args)});
 }
 
 std::string Session::stop_trace() {
@@ -405,7 +423,13 @@ std::string Session::stop_trace() {
     events.push_back(
         {{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", 1}, {"tid", s}, {"args", {{"sort_index", s}}}});
     std::lock_guard lock(workers_[s]->trace_mutex);
-    for (const auto& e : workers_[s]->trace)
+    for (const auto& e : workers_[s]->trace) {
+      Json args{{"request", e.request}, {"microbatch", e.microbatch}};
+      if (!e.operators_us.empty()) {
+        Json ops = Json::object();
+        for (const auto& [op, us] : e.operators_us) ops[op] = us;
+        args["operators_us"] = std::move(ops);
+      }
       events.push_back({{"name", "request " + std::to_string(e.request) + " mb " + std::to_string(e.microbatch)},
                         {"cat", e.ok ? "microbatch" : "failed"},
                         {"ph", "X"},
@@ -413,9 +437,33 @@ std::string Session::stop_trace() {
                         {"tid", s},
                         {"ts", e.start_us},
                         {"dur", std::max<int64_t>(e.end_us - e.start_us, 1)},
-                        {"args", {{"request", e.request}, {"microbatch", e.microbatch}}}});
+                        {"args", std::move(args)}});
+    }
     workers_[s]->trace.clear();
   }
+  // The callers' tracks (trace_event) below the stages', one per name in the order they appeared.
+  std::lock_guard lock(other_trace_mutex_);
+  std::vector<std::string> tracks;
+  for (const auto& e : other_trace_) {
+    auto at = std::find(tracks.begin(), tracks.end(), e.track);
+    const size_t tid = workers_.size() + static_cast<size_t>(at - tracks.begin());
+    if (at == tracks.end()) {
+      tracks.push_back(e.track);
+      events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 1}, {"tid", tid}, {"args", {{"name", e.track}}}});
+      events.push_back(
+          {{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", 1}, {"tid", tid}, {"args", {{"sort_index", tid}}}});
+    }
+    Json args = Json::object();
+    for (const auto& [k, v] : e.args) args[k] = v;
+    events.push_back({{"name", e.name},
+                      {"ph", "X"},
+                      {"pid", 1},
+                      {"tid", tid},
+                      {"ts", e.start_us},
+                      {"dur", std::max<int64_t>(e.end_us - e.start_us, 1)},
+                      {"args", std::move(args)}});
+  }
+  other_trace_.clear();
   return Json{{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}}.dump();
 }
 

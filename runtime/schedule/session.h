@@ -106,9 +106,17 @@ class Session {
   std::string broken() const;
 
   // Chrome trace ("Trace Event Format") of the micro-batches run between the two calls, one
-  // track per stage; viewable in Perfetto or chrome://tracing.
-  void start_trace();
+  // track per stage; viewable in Perfetto or chrome://tracing. With `operators`, each slice also
+  // holds the time its stage spent in each operator (runtime/schedule/op_timer.h), which costs
+  // about a microsecond per operator while the trace runs.
+  void start_trace(bool operators = false);
   std::string stop_trace();
+  bool tracing() const { return tracing_.load(std::memory_order_relaxed); }
+  // A slice on a track of the caller's (a generation engine's steps, say) in the trace being
+  // recorded; nothing while none is. Thread-safe.
+  using TraceArgs = std::vector<std::pair<std::string, double>>;
+  void trace_event(const std::string& track, std::string name, Clock::time_point start, Clock::time_point end,
+                   TraceArgs args = {});
 
  private:
   struct TraceEvent {
@@ -116,6 +124,12 @@ class Session {
     size_t microbatch;
     int64_t start_us, end_us;
     bool ok;
+    TraceArgs operators_us;  // with operator timing only
+  };
+  struct OtherTraceEvent {
+    std::string track, name;
+    int64_t start_us, end_us;
+    TraceArgs args;
   };
   struct Worker {
     std::unique_ptr<BoundedQueue<MicroBatch>> queue;
@@ -156,6 +170,9 @@ class Session {
   std::atomic<bool> shutting_down_{false};  // workers drop what they pop
   std::atomic<uint64_t> next_request_id_{1};
   std::atomic<bool> tracing_{false};
+  std::atomic<bool> trace_operators_{false};
+  std::mutex other_trace_mutex_;
+  std::vector<OtherTraceEvent> other_trace_;
 
   std::unique_ptr<Ring> ring_;  // only with worker processes
 

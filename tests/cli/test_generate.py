@@ -51,6 +51,37 @@ def test_prints_one_line_of_ids_per_prompt(expected):
     assert [[int(x) for x in line.split()] for line in result.stdout.splitlines()] == expected["greedy"]
 
 
+def test_trace_holds_every_step_with_its_stages_and_operators(expected, tmp_path):
+    """--trace --trace-operators: one engine "launch" slice per step, whose tokens are what the
+    sequences fed in (each prompt, then each generated token but the last), and one slice per step
+    on each stage, holding the time of the stage's linear layers under their weights' shapes."""
+    trace_path = tmp_path / "trace.json"
+    result = pipe(
+        "generate", TINY, *CUT, *prompt_args(expected["prompts"]), "--max-new-tokens", expected["max_new_tokens"],
+        "--json", "--trace", trace_path, "--trace-operators",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    outputs = json.loads(result.stdout)["outputs"]
+    assert outputs == expected["greedy"]
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    slices = [e for e in events if e["ph"] == "X"]
+    launches = [e for e in slices if tracks[e["tid"]] == "engine" and e["name"].startswith("launch step")]
+    fed = sum(len(p) for p in expected["prompts"]) + sum(len(o) - 1 for o in outputs)
+    assert sum(e["args"]["tokens"] for e in launches) == fed
+    # tiny_decoder: hidden 64, 4 heads and 2 key-value heads of 16, MLP 128, vocabulary 128.
+    layer = {"64x64", "32x64", "128x64", "64x128"}
+    for stage in (0, 1):
+        mine = [e for e in slices if tracks[e["tid"]] == f"stage {stage}"]
+        assert sorted(e["args"]["request"] for e in mine) == sorted(e["args"]["request"] for e in launches)
+        shapes = set()
+        for e in mine:
+            ops = e["args"]["operators_us"]
+            assert sum(ops.values()) <= e["dur"] + 1
+            shapes |= {k.split(" [")[1].rstrip("]") for k in ops if k.split(" [")[0].endswith("linear")}
+        assert shapes == layer  # the head (128x64, stage 1) has the shape of gate and up
+
+
 def test_more_prompts_than_the_generator_holds(expected):
     prompts, greedy = expected["prompts"] * 3, expected["greedy"] * 3
     model = os.path.join(MODELS, "gated_decoder_1slot.pt")
@@ -113,6 +144,8 @@ USAGE_ERRORS = [
     (["--prompt-ids", "1", "--max-new-tokens", "2", "--stages", "2", "--policy", "time"], ["--policy time"]),
     (["--prompt-ids", "1", "--max-new-tokens", "2", "--input", "in.safetensors"], ["unknown option '--input'"]),
     (["--prompt-ids"], ["--prompt-ids needs a value"]),
+    (["--prompt-ids", "1", "--max-new-tokens", "2", "--trace-operators"], ["--trace-operators", "--trace"]),
+    (["--prompt-ids", "1", "--max-new-tokens", "2", "--trace"], ["--trace needs a value"]),
 ]
 
 

@@ -884,6 +884,7 @@ static void remaining_null_arguments(void **state) {
   ASSERT_FAILS(pipe_session_stage_stats(NULL, 0, &st), PIPE_ERR_INVALID_ARGUMENT, "session is NULL");
   ASSERT_FAILS(pipe_session_stage_stats(session, 0, NULL), PIPE_ERR_INVALID_ARGUMENT, "stats is NULL");
   ASSERT_FAILS(pipe_session_trace_start(NULL), PIPE_ERR_INVALID_ARGUMENT, "session is NULL");
+  ASSERT_FAILS(pipe_session_trace_start_with_operators(NULL), PIPE_ERR_INVALID_ARGUMENT, "session is NULL");
   ASSERT_FAILS(pipe_session_trace_stop(NULL, NULL), PIPE_ERR_INVALID_ARGUMENT, "session is NULL");
   ASSERT_OK(pipe_session_trace_stop(session, NULL)); /* stopping without a trace: nothing to write */
   assert_null(request);

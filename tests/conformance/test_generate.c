@@ -991,7 +991,7 @@ static void borrowed_session(void **state) {
   size_t stages = 0;
   ASSERT_OK(pipe_session_num_stages(session, &stages));
   assert_int_equal(stages, 2);
-  ASSERT_OK(pipe_session_trace_start(session));
+  ASSERT_OK(pipe_session_trace_start_with_operators(session));
   pipe_generation *gen = submit(g, ref.prompts[0].ids, ref.prompts[0].len, ref.max_new_tokens);
   ASSERT_OK(pipe_generation_wait(gen, -1));
   pipe_generation_destroy(gen);

@@ -35,6 +35,8 @@ typedef struct {
   id_list stop;
   prompt_state *prompts;
   size_t num_prompts;
+  const char *trace_path; /* --trace */
+  int trace_operators;    /* --trace-operators */
 } generate_args;
 
 static int parse_int64(const char *flag, const char *text, int64_t min, int64_t *out) {
@@ -105,13 +107,18 @@ static int parse_ids(const char *flag, const char *text, id_list *out) {
 static int parse_generate_arg(int argc, char **argv, int *i, generate_args *g, session_args *s) {
   static const char *const flags[] = {
       "--prompt-ids", "--max-new-tokens", "--temperature",   "--top-k", "--top-p",
-      "--seed",       "--stop-ids",       "--prefill-chunk", "--json",  "--threads-per-stage"};
+      "--seed",       "--stop-ids",       "--prefill-chunk", "--json",  "--threads-per-stage",
+      "--trace",      "--trace-operators"};
   const char *a = argv[*i];
   size_t k = 0;
   while (k < sizeof flags / sizeof *flags && strcmp(a, flags[k]) != 0) ++k;
   if (k == sizeof flags / sizeof *flags) return 0;
   if (strcmp(a, "--json") == 0) {
     g->json = 1;
+    return 1;
+  }
+  if (strcmp(a, "--trace-operators") == 0) {
+    g->trace_operators = 1;
     return 1;
   }
   if (*i + 1 >= argc) return usage_error("generate: %s needs a value", a);
@@ -139,6 +146,7 @@ static int parse_generate_arg(int argc, char **argv, int *i, generate_args *g, s
     case 5: return parse_seed(v, &o->seed) ? 2 : 1;
     case 6: free(g->stop.ids); return parse_ids(a, v, &g->stop) ? 2 : 1;
     case 7: return parse_int64(a, v, 1, &g->generator.prefill_chunk) ? 2 : 1;
+    case 10: g->trace_path = v; return 1;
     default:
       if (parse_int(a, v, &s->options.threads_per_stage)) return 2;
       if (s->options.threads_per_stage < 0)
@@ -154,6 +162,22 @@ static void free_args(generate_args *g) {
   }
   free(g->prompts);
   free(g->stop.ids);
+}
+
+/* --trace: the generator's session records its stages and the engine's steps from before the
+ * first prompt is submitted. */
+static int start_trace(const generate_args *g, pipe_generator *generator, pipe_session **session) {
+  pipe_status st = pipe_generator_session(generator, session);
+  if (st == PIPE_OK)
+    st = g->trace_operators ? pipe_session_trace_start_with_operators(*session) : pipe_session_trace_start(*session);
+  if (st != PIPE_OK) return fail("cannot start the trace", st);
+  return 0;
+}
+
+static int stop_trace(const generate_args *g, pipe_session *session) {
+  pipe_status st = pipe_session_trace_stop(session, g->trace_path);
+  if (st != PIPE_OK) return fail("cannot write the trace", st);
+  return 0;
 }
 
 /* Reports a failed call about prompt `i` (0-based; users count from 1). Returns 1. */
@@ -338,6 +362,10 @@ int cmd_generate(int argc, char **argv) {
                 g.sampling_flag);
     goto done;
   }
+  if (g.trace_operators && !g.trace_path) {
+    usage_error("generate: --trace-operators adds to a trace: give --trace TRACE.json too");
+    goto done;
+  }
   if (split.policy && strcmp(split.policy, "time") == 0) {
     usage_error(
         "generate: --policy time measures the model on inputs, which generate does not take; use uniform "
@@ -349,6 +377,11 @@ int cmd_generate(int argc, char **argv) {
   rc = 1;
   pipeline p;
   if (open_generator(&p, model_path, &split, &session, &g.generator) != 0) goto done;
+  pipe_session *traced = NULL;
+  if (g.trace_path && start_trace(&g, p.generator, &traced) != 0) {
+    close_pipeline(&p);
+    goto done;
+  }
   if (check_stop_ids(&g, p.generator) == 0 && submit_all(&g, p.generator) == 0) {
     int failed = 0;
     for (size_t i = 0; i < g.num_prompts && !failed; ++i) {
@@ -359,6 +392,7 @@ int cmd_generate(int argc, char **argv) {
         fflush(stdout);
       }
     }
+    if (!failed && traced) failed = stop_trace(&g, traced) != 0;
     if (!failed) rc = g.json ? print_json(&g, p.generator) : 0;
   }
   /* The generator first: it cancels what still runs (after an error) at once. */

@@ -723,10 +723,14 @@ class Session(_Closeable):
         with self._handle.use() as h:
             return [lib.pipe_session_stage_stats(h, i) for i in range(self.num_stages)]
 
-    def trace_start(self):
-        """Record a timeline of every micro-batch from now on."""
+    def trace_start(self, operators=False):
+        """Record a timeline of every micro-batch from now on. With operators=True each stage's
+        slice also carries its time per operator ("operators_us", pipe_session_trace_start_with_operators)."""
         with self._handle.use() as h:
-            _lib().pipe_session_trace_start(h)
+            if operators:
+                _lib().pipe_session_trace_start_with_operators(h)
+            else:
+                _lib().pipe_session_trace_start(h)
 
     def trace_stop(self, path=None):
         """Stop recording; write the timeline as Chrome trace JSON to `path` (None discards it)."""
