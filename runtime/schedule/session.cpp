@@ -14,6 +14,7 @@
 #include "runtime/schedule/assignment.h"
 #include "runtime/schedule/op_timer.h"
 #include "runtime/schedule/worker_host.h"
+#include "runtime/stage/cache_attention.h"
 #include "runtime/stage/packed_linear.h"
 #include "runtime/stage/stage_module.h"
 
@@ -92,7 +93,10 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
   for (size_t s = 0; s < local; ++s) {
     stages_.push_back(stage::build_stage_module(*plan_, s, devices_[s], options_.stage.dtype));
     stage::load_stage_weights(stages_.back(), *plan_, s, options_.stage, checkpoint.get(), devices_[s]);
-    if (devices_[s].is_cpu()) stage::pack_linear_weights(stages_.back());
+    if (devices_[s].is_cpu()) {
+      stage::pack_linear_weights(stages_.back());
+      stage::fuse_cache_attention(stages_.back());
+    }
     // NCCL orders its transfers with the default stream, so its stages queue there too.
     places_.push_back(nccl ? device::Place::with_default_stream(devices_[s])
                            : device::Place::with_own_stream(devices_[s]));

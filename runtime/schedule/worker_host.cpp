@@ -18,6 +18,7 @@
 #include "runtime/schedule/assignment.h"
 #include "runtime/schedule/bounded_queue.h"
 #include "runtime/schedule/heartbeat.h"
+#include "runtime/stage/cache_attention.h"
 #include "runtime/stage/packed_linear.h"
 
 namespace libpipe::schedule {
@@ -58,7 +59,10 @@ std::vector<torch::jit::Module> load_stages(const WorkerAssignment& a, int rank,
                                              std::to_string(a.stages[i].index) + ": " + e.what_without_backtrace());
     }
     stage::load_stage_weights(m, a.aliases[i], a.stages[i].index, options, checkpoint.get(), devices[i]);
-    if (devices[i].is_cpu()) stage::pack_linear_weights(m);
+    if (devices[i].is_cpu()) {
+      stage::pack_linear_weights(m);
+      stage::fuse_cache_attention(m);
+    }
     m.eval();
     stages.push_back(std::move(m));
   }
