@@ -40,6 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import generate as gen_bench  # noqa: E402  (the workload, the model, the skeleton export)
 
+
 def wave(generator, prompts, new_tokens):
     """All prompts at once, each --new-tokens long; returns the wall time."""
     done = generator.stats()["sequences_finished"] + len(prompts)
@@ -142,7 +143,15 @@ def kind(op, vocab):
     return "other operators"
 
 
-KINDS = ["linear layers", "LM head", "attention (SDPA)", "cache gather", "cache write", "other operators", "interpreter"]
+KINDS = [
+    "linear layers",
+    "LM head",
+    "attention (SDPA)",
+    "cache gather",
+    "cache write",
+    "other operators",
+    "interpreter",
+]
 
 
 def operator_breakdown(trace, stages, vocab):
