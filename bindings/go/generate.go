@@ -223,6 +223,11 @@ func (g *Generator) Check() error { return g.borrowed().Check() }
 // TraceStart records a timeline of every step each stage runs from now on (Session.TraceStart).
 func (g *Generator) TraceStart() error { return g.borrowed().TraceStart() }
 
+// TraceStartWithOperators records as TraceStart does, with each stage's time per operator and the
+// engine's steps (launch, collect, sample, deliver) on a track named "engine"
+// (Session.TraceStartWithOperators).
+func (g *Generator) TraceStartWithOperators() error { return g.borrowed().TraceStartWithOperators() }
+
 // TraceStop stops recording and writes the timeline to path ("" discards it).
 func (g *Generator) TraceStop(path string) error { return g.borrowed().TraceStop(path) }
 

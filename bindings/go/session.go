@@ -534,6 +534,20 @@ func (s *Session) TraceStart() error {
 	return call("pipe_session_trace_start", func() int { return capi.Pipe_session_trace_start(ptr) })
 }
 
+// TraceStartWithOperators records as TraceStart does, and each stage's slice also carries, in its
+// args as "operators_us", the microseconds the stage spent in each operator (a linear layer's
+// keyed with its weight's shape, "aten::linear [out x in]"). On a generator's session the
+// engine's steps also get a track of their own, "engine". Needs libpipe 0.9.
+func (s *Session) TraceStartWithOperators() error {
+	ptr, err := s.acquire("Session.TraceStartWithOperators")
+	if err != nil {
+		return err
+	}
+	defer s.mu.RUnlock()
+	return call("pipe_session_trace_start_with_operators",
+		func() int { return capi.Pipe_session_trace_start_with_operators(ptr) })
+}
+
 // TraceStop stops recording and writes the timeline to path as Chrome trace JSON (open it in
 // Perfetto); path "" discards it.
 func (s *Session) TraceStop(path string) error {
