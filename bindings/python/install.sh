@@ -68,11 +68,13 @@ if [ -f "$stamp" ] && [ "$(sed -n 1p "$stamp")" = "$want" ] && [ "$(sed -n 2p "$
 fi
 
 build=$workdir/python-build
-if [ "$(cat "$build/.fingerprint-prefix" 2>/dev/null)" != "$prefix" ]; then
-  rm -rf "$build"  # another libpipe: build from scratch
+if [ "$(cat "$build/.fingerprint" 2>/dev/null)" != "$want" ]; then
+  # Another libpipe (or another build of it: a symbol may have moved to a newer version node) or other
+  # sources: build from scratch, since setuptools would keep an extension linked against the old library.
+  rm -rf "$build"
 fi
 mkdir -p "$build"
-echo "$prefix" >"$build/.fingerprint-prefix"
+echo "$want" >"$build/.fingerprint"
 rm -rf "$build/libpipe" "$build/swig" "$build/codegen"
 cp -p "$here/pyproject.toml" "$here/setup.py" "$here/MANIFEST.in" "$here/README.md" "$build/"
 cp -rp "$here/libpipe" "$here/swig" "$build/"
