@@ -24,9 +24,10 @@ struct Engine::Sequence {
   Clock::time_point submitted{};
   int64_t slot = -1;         // -1 while queued
   int64_t cached = 0;        // tokens of this sequence in its cache slot
+  int64_t planned = 0;       // tokens handed to steps (cached, and those in steps still in the pipeline)
   int64_t generated = 0;     // tokens sampled for it
   int64_t next_token = -1;   // a decoding sequence's next input
-  bool in_flight = false;    // one of its rows is in a step in the pipeline
+  int in_flight = 0;         // steps in the pipeline holding one of its rows (prompt chunks may pipeline)
   bool ended = false;        // its generation finished; the slot goes back once no step holds it
   uint64_t ready_since = 0;  // the step counter when it last became ready, for oldest-first
   Clock::time_point last_token{};
@@ -321,7 +322,7 @@ void Engine::retire_ended(Clock::time_point now) {
   // An ended sequence leaves once no step holds its row: until then a stage may still write its cache slot.
   for (auto it = sequences_.begin(); it != sequences_.end();) {
     Sequence& seq = *it->second;
-    if (seq.ended && !seq.in_flight) {
+    if (seq.ended && seq.in_flight == 0) {
       if (seq.slot < 0) queue_.erase(std::remove(queue_.begin(), queue_.end(), seq.id), queue_.end());
       release_slot(seq, now);
       it = sequences_.erase(it);
@@ -344,10 +345,14 @@ void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
     const auto planning = Clock::now();
     std::vector<ReadyRow> ready;
     for (const auto& [id, seq] : sequences_) {
-      if (seq->ended || seq->in_flight || seq->slot < 0) continue;
+      if (seq->ended || seq->slot < 0) continue;
+      // A prompt's next chunk may follow the previous one into the pipeline at once: each stage runs steps in the
+      // order they were submitted, so the earlier chunk's keys and values are in the caches before the later one
+      // reads them. A decoding sequence waits for its token.
       const int64_t prompt_len = static_cast<int64_t>(seq->prompt.size());
-      const int64_t remaining = seq->cached < prompt_len ? prompt_len - seq->cached : 0;
-      ready.push_back({id, seq->slot, seq->cached, remaining, seq->ready_since});
+      if (seq->planned < prompt_len)
+        ready.push_back({id, seq->slot, seq->planned, prompt_len - seq->planned, seq->ready_since});
+      else if (seq->in_flight == 0) ready.push_back({id, seq->slot, seq->cached, 0, seq->ready_since});
     }
     if (ready.empty()) return;
     StepBudget budget;
@@ -371,7 +376,9 @@ void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
     for (int64_t i = 0; i < b; ++i) {
       const PlannedRow& r = step->rows[i];
       Sequence& seq = *sequences_.at(r.sequence);
-      seq.in_flight = true;
+      seq.in_flight++;
+      seq.planned = r.start + r.length;
+      if (!r.completes_prompt) seq.ready_since = next_step_;  // its next chunk queues behind rows ready now
       const int64_t prompt_len = static_cast<int64_t>(seq.prompt.size());
       if (r.start < prompt_len) std::copy_n(seq.prompt.data() + r.start, r.length, tok + i * t);
       else tok[i * t] = seq.next_token;
@@ -468,13 +475,13 @@ void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id,
   for (size_t i = 0; i < step->rows.size(); ++i) {
     const PlannedRow& r = step->rows[i];
     Sequence& seq = *sequences_.at(r.sequence);
-    seq.in_flight = false;
+    seq.in_flight--;
     seq.ready_since = next_step_;
     if (status != Status::Ok) {
       end(seq, FinishReason::Error, status, message, notices);
       continue;
     }
-    seq.cached = r.start + r.length;
+    seq.cached = std::max(seq.cached, r.start + r.length);
     if (!seq.ended && seq.generation->cancel_requested())  // cancelled since this turn began: no token
       end(seq, FinishReason::Cancelled, Status::Cancelled, "the generation was cancelled", notices);
     if (!seq.ended && r.completes_prompt) sample_rows.push_back(static_cast<int64_t>(i));

@@ -42,6 +42,9 @@ std::vector<PlannedRow> plan_step(const std::vector<ReadyRow>& ready, const Step
     if (r.remaining <= 0) continue;
     if (width == 0) {
       width = std::min(r.remaining, chunk);
+      // Fewer sequences than steps in flight: a prompt in one step would cross the stages alone, one busy and the
+      // others idle. Cut into chunks that follow each other through the pipeline, its stages work at once.
+      if (budget.active < d) width = std::min(width, std::max(kMinPipelinedChunk, (r.remaining + d - 1) / d));
     } else if ((static_cast<int64_t>(rows.size()) + 1) * width > chunk) {
       break;
     }

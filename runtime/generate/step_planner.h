@@ -7,7 +7,10 @@
 // row decides whether it is a decode step (the oldest decode rows, one token each) or a prefill step (the oldest
 // prompts, each cut to the oldest one's width, at most prefill_chunk tokens, while rows x width fits in
 // prefill_chunk; the next chunk of a cut prompt starts where this one ends: start = cached). First come, first
-// served between prompts and decoding, so neither starves.
+// served between prompts and decoding, so neither starves. With fewer sequences than steps in flight, a prompt is
+// cut into steps_in_flight chunks of at least kMinPipelinedChunk tokens, which the engine lets follow each other
+// through the pipeline (a sequence's prompt chunks need not wait for the previous one's return), so that a lone
+// prompt keeps every stage busy.
 #pragma once
 
 #include <cstdint>
@@ -19,7 +22,7 @@ namespace libpipe::generate {
 struct ReadyRow {
   uint64_t sequence = 0;  // the engine's id, passed through
   int64_t slot = 0;
-  int64_t cached = 0;        // tokens already in the cache: the next row's start
+  int64_t cached = 0;        // tokens already in the cache or on their way: the next row's start
   int64_t remaining = 0;     // prompt tokens not yet prefilled; 0 for a decoding sequence (its next input is 1 token)
   uint64_t ready_since = 0;  // ordering: smaller goes first (the engine's step counter when it became ready)
 };
@@ -31,6 +34,10 @@ struct PlannedRow {
   int64_t length = 0;             // tokens this row carries
   bool completes_prompt = false;  // its logits give a token: a decode row, or a prompt's last chunk
 };
+
+// The shortest chunk a lone prompt is cut into for pipelining: from 64 rows on, a linear layer costs about the
+// same per row as with 128 (bench/linear_gemm, bench/RESULTS.md); fewer rows cost more each.
+constexpr int64_t kMinPipelinedChunk = 64;
 
 struct StepBudget {
   int64_t active = 0;           // sequences holding a slot (ready or in flight)

@@ -285,6 +285,33 @@ TEST(Engine, SequencesJoiningMidFlightFromTheTokenCallbackGetTheirOwnTokens) {
   }
 }
 
+TEST(Engine, APromptAloneIsCutIntoChunksThatFollowEachOtherThroughThePipeline) {
+  // One sequence, prompt chunks of 2 tokens: its first chunk is held in stage 1 while its second one runs in stage 0,
+  // without waiting for the first to come back. The tokens equal those of the whole prompt in one step.
+  GateKey gate;
+  Tokens prompt = gate.prompt();
+  prompt.insert(prompt.end(), {33, 2, 71});  // 7 tokens: chunks of 2, 2, 2, 1
+  Tokens want;
+  {
+    auto plain = make_engine("tiny_decoder.pt", 2);  // the same weights, no gate
+    auto g = plain->submit(prompt, greedy(5));
+    want = finish_and_read(*g);
+  }
+  EngineOptions options;
+  options.prefill_chunk = 2;
+  auto engine = make_engine("gated_decoder.pt", 2, options);
+  OpenOnExit opener{gate};
+  const uint64_t stage0_before = engine->session().stats(0).microbatches;
+  auto g = engine->submit(prompt, greedy(5));
+  ASSERT_TRUE(gate.wait_held());
+  // Two steps in flight (one per stage): the second chunk passes stage 0 while the first is held.
+  EXPECT_TRUE(eventually([&] { return engine->session().stats(0).microbatches >= stage0_before + 2; }))
+      << "the second chunk did not enter the pipeline while the first was held";
+  gate.open();
+  EXPECT_EQ(finish_and_read(*g), want);
+  EXPECT_EQ(g->info().prompt_tokens, static_cast<int64_t>(prompt.size()));
+}
+
 // ---- slots and the queue ----
 
 TEST(Engine, MoreSequencesThanSlotsWaitAndAllFinishCorrectly) {

@@ -196,12 +196,33 @@ TEST(StepPlanner, AWaitingPromptGoesBeforeDecodeRowsThatReturnedAfterIt) {
 
 // ---- random ready sets against the rules' invariants ----
 
+TEST(StepPlanner, APromptAloneIsCutIntoChunksThatFillThePipeline) {
+  // One sequence, two steps in flight: 128 tokens go as 64 + 64, so that both stages work on the prompt at once.
+  auto rows = plan_step({prompt(1, 0, 0, 128, 1)}, budget(1, 2, 4, 256));
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0].length, 64);
+  EXPECT_FALSE(rows[0].completes_prompt);
+  // Its rest (the engine passes cached = what was handed to steps): no chunk shorter than kMinPipelinedChunk.
+  rows = plan_step({prompt(1, 0, 64, 100, 1)}, budget(1, 2, 4, 256));
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0].start, 64);
+  EXPECT_EQ(rows[0].length, 64);
+  rows = plan_step({prompt(1, 0, 128, 36, 1)}, budget(1, 2, 4, 256));
+  EXPECT_EQ(rows[0].length, 36);
+  EXPECT_TRUE(rows[0].completes_prompt);
+  // Four stages: a quarter, within the chunk.
+  EXPECT_EQ(plan_step({prompt(1, 0, 0, 512, 1)}, budget(1, 4, 4, 1000))[0].length, 128);
+  EXPECT_EQ(plan_step({prompt(1, 0, 0, 2048, 1)}, budget(1, 4, 4, 256))[0].length, 256);
+  // As many sequences as steps in flight fill the pipeline themselves: the prompt stays whole.
+  EXPECT_EQ(plan_step({prompt(1, 0, 0, 128, 1)}, budget(2, 2, 4, 256))[0].length, 128);
+}
+
 TEST(StepPlanner, RandomReadySetsFollowEveryRule) {
   std::mt19937 rng(15);
   for (int trial = 0; trial < 3000; ++trial) {
     SCOPED_TRACE(trial);
     const int n = static_cast<int>(rng() % 12);
-    const int64_t d = 1 + rng() % 4, max_rows = 1 + rng() % 10, chunk = 1 + rng() % 40;
+    const int64_t d = 1 + rng() % 4, max_rows = 1 + rng() % 10, chunk = 1 + rng() % 300;
     const int64_t active = n + static_cast<int64_t>(rng() % 6);  // the ready ones and some in flight
     // Distinct sequences, slots and ages, in random order.
     std::vector<uint64_t> ages(n);
@@ -214,7 +235,7 @@ TEST(StepPlanner, RandomReadySetsFollowEveryRule) {
     for (int i = 0; i < n; ++i) {
       const bool decode = rng() % 2;
       ready.push_back({static_cast<uint64_t>(1000 + i), slots[i], static_cast<int64_t>(rng() % 30),
-                       decode ? 0 : static_cast<int64_t>(1 + rng() % 50), ages[i]});
+                       decode ? 0 : static_cast<int64_t>(1 + rng() % 200), ages[i]});
     }
     const auto rows = plan_step(ready, budget(active, d, max_rows, chunk));
 
@@ -257,9 +278,11 @@ TEST(StepPlanner, RandomReadySetsFollowEveryRule) {
       EXPECT_EQ(static_cast<int64_t>(rows.size()), std::min<int64_t>(static_cast<int64_t>(kind.size()), row_cap));
       continue;
     }
-    // Prefill: the oldest prompt's width (at most the chunk); every row cut to it; rows x width within the chunk;
-    // a prompt left out means the rows ran out or one more row would not fit.
-    const int64_t width = std::min<int64_t>(kind[0].remaining, chunk);
+    // Prefill: the oldest prompt's width (at most the chunk; with fewer sequences than steps in flight, a D-th of it
+    // but no less than kMinPipelinedChunk); every row cut to it; rows x width within the chunk; a prompt left out
+    // means the rows ran out or one more row would not fit.
+    int64_t width = std::min<int64_t>(kind[0].remaining, chunk);
+    if (active < d) width = std::min(width, std::max(kMinPipelinedChunk, (kind[0].remaining + d - 1) / d));
     for (const auto& row : rows) {
       const ReadyRow& from = by_sequence[row.sequence];
       EXPECT_EQ(row.length, std::min(from.remaining, width));
