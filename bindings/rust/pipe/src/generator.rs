@@ -355,6 +355,12 @@ impl GeneratorSession<'_> {
         self.session.trace_start()
     }
 
+    /// [`Session::trace_start_with_operators`]: also the engine's steps (launch, collect, sample,
+    /// deliver) on the `"engine"` track.
+    pub fn trace_start_with_operators(&self) -> Result<()> {
+        self.session.trace_start_with_operators()
+    }
+
     /// [`Session::trace_stop`].
     pub fn trace_stop(&self, path: Option<&Path>) -> Result<()> {
         self.session.trace_stop(path)

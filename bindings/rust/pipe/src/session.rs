@@ -554,6 +554,15 @@ impl Session {
         check(unsafe { sys::pipe_session_trace_start(self.ptr.as_ptr()) })
     }
 
+    /// Record as [`Session::trace_start`] does, and also put in each stage slice's args, as
+    /// `"operators_us"`, the microseconds the stage spent in each operator (a linear layer's keyed
+    /// with its weight's shape, `"aten::linear [out x in]"`). A generator's session also records the
+    /// engine's steps on a track named `"engine"`. Needs libpipe 0.9.
+    pub fn trace_start_with_operators(&self) -> Result<()> {
+        // SAFETY: thread-safe.
+        check(unsafe { sys::pipe_session_trace_start_with_operators(self.ptr.as_ptr()) })
+    }
+
     /// Stop recording and write the timeline as Chrome trace JSON to `path` (None discards it).
     pub fn trace_stop(&self, path: Option<&Path>) -> Result<()> {
         let c = path.map(crate::path_cstring).transpose()?;

@@ -72,8 +72,8 @@ pub fn held_prompt(key: &gate::Key, rest: &[i64]) -> Vec<i64> {
     prompt
 }
 
-/// Just enough JSON to read the fixture's expectations (numbers, arrays, objects, strings,
-/// literals), so that the tests need no JSON crate.
+/// Just enough JSON to read the fixture's expectations and libpipe's traces (numbers, arrays,
+/// objects, strings, literals), so that the tests need no JSON crate.
 pub mod json {
     #[derive(Debug, Clone, PartialEq)]
     pub enum Value {
@@ -111,6 +111,32 @@ pub mod json {
 
         pub fn as_ids(&self) -> Vec<i64> {
             self.as_array().iter().map(Value::as_i64).collect()
+        }
+
+        pub fn as_f64(&self) -> f64 {
+            match self {
+                Value::Number(n) => *n,
+                other => panic!("{other:?} is not a number"),
+            }
+        }
+
+        pub fn as_str(&self) -> &str {
+            match self {
+                Value::String(s) => s,
+                other => panic!("{other:?} is not a string"),
+            }
+        }
+
+        pub fn as_object(&self) -> &[(String, Value)] {
+            match self {
+                Value::Object(entries) => entries,
+                other => panic!("{other:?} is not an object"),
+            }
+        }
+
+        /// The value of `key`, if this object has one.
+        pub fn find(&self, key: &str) -> Option<&Value> {
+            self.as_object().iter().find(|(k, _)| k == key).map(|(_, v)| v)
         }
     }
 
