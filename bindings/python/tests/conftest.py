@@ -8,6 +8,7 @@ fixtures' gate.py), so that "still running" is a state the test brings about and
 a guess about how long some work takes on a loaded machine."""
 
 import contextlib
+import json
 import os
 import shutil
 import sys
@@ -188,6 +189,36 @@ def assert_close(got, want):
     got = np.asarray(got)
     assert got.shape == want.shape and got.dtype == want.dtype
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def read_trace(path):
+    """The complete events ("ph": "X") of a Chrome trace (Session.trace_stop), by track name
+    ("stage 0", "engine")."""
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    tracks = {}
+    for e in events:
+        if e["ph"] == "X":
+            tracks.setdefault(names[e["tid"]], []).append(e)
+    return tracks
+
+
+def timed_linear_shapes(stage, slices):
+    """Asserts that each of a stage's slices holds its time per operator ("operators_us"), no more
+    in all than the slice lasted (+1 us: its bounds are whole microseconds); returns the weight
+    shapes ("out x in") its linear layers are keyed by."""
+    assert slices, f"{stage} has no slices"
+    shapes = set()
+    for e in slices:
+        ops = e["args"].get("operators_us")
+        assert ops, f"{stage} slice {e['name']}: no operators_us in {e['args']}"
+        assert all(us >= 0 for us in ops.values()), ops
+        assert sum(ops.values()) <= e["dur"] + 1, f"{stage} slice {e['name']} of {e['dur']} us: {ops}"
+        for key in ops:
+            op, _, shape = key.partition(" [")
+            if op.endswith("linear"):
+                shapes.add(shape.removesuffix("]"))
+    return shapes
 
 
 # ---- generation: the decoder fixtures (tests/models/decoder_models.py) ----------------------------

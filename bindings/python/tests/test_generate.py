@@ -12,7 +12,16 @@ import time
 
 import numpy as np
 import pytest
-from conftest import DECODER_SPLIT, GATED_FIRST_ID, WAIT_LIMIT_S, gated_generator, inside, wait_until
+from conftest import (
+    DECODER_SPLIT,
+    GATED_FIRST_ID,
+    WAIT_LIMIT_S,
+    gated_generator,
+    inside,
+    read_trace,
+    timed_linear_shapes,
+    wait_until,
+)
 
 import libpipe
 from libpipe import Status
@@ -206,6 +215,30 @@ def test_the_borrowed_session(tiny_generator, decoder_expected, tmp_path):
     session.close()  # borrowed: closing it does nothing
     assert not session.closed
     assert tiny_generator.generate(prompt, max_new_tokens=n).wait() == want
+
+
+def test_a_trace_with_operators_holds_the_engines_steps(decoder_path, decoder_expected, tmp_path):
+    """trace_start(operators=True) on a generator's session: the engine's track holds one "launch
+    step" slice per step, whose tokens are every token the sequences fed in (each prompt, then each
+    generated token but the last), and each stage one slice per launched step, with the tiny
+    decoder's linear layers (decoder_models.py: hidden 64, 4 query and 2 key-value heads of 16, MLP
+    128, vocabulary 128). A generator of its own, so that no other test's step is in the trace."""
+    prompts, greedy, n = decoder_expected["prompts"], decoder_expected["greedy"], decoder_expected["max_new_tokens"]
+    with libpipe.Generator(decoder_path, split_at=DECODER_SPLIT) as generator:
+        generator.session.trace_start(operators=True)
+        generations = [generator.generate(p, max_new_tokens=n) for p in prompts]  # at once: their steps batch
+        outputs = [g.wait() for g in generations]
+        generator.session.trace_stop(tmp_path / "trace.json")
+    assert outputs == greedy
+    tracks = read_trace(tmp_path / "trace.json")
+    launches = [e for e in tracks["engine"] if e["name"].startswith("launch step ")]
+    assert launches
+    assert sum(e["args"]["tokens"] for e in launches) == sum(map(len, prompts)) + sum(len(o) - 1 for o in outputs)
+    # q and o, k and v, gate and up, down; stage 1's LM head is 128x64 like gate and up.
+    layer = {"64x64", "32x64", "128x64", "64x128"}
+    for stage in ("stage 0", "stage 1"):
+        assert sorted(e["args"]["request"] for e in tracks[stage]) == sorted(e["args"]["request"] for e in launches)
+        assert timed_linear_shapes(stage, tracks[stage]) == layer
 
 
 def test_dropping_a_generation_mid_way_frees_it(tiny_generator, decoder_expected):

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import assert_close
+from conftest import assert_close, read_trace, timed_linear_shapes
 
 import libpipe
 from libpipe import _native
@@ -211,3 +211,26 @@ def test_trace_is_written(demo_plan, demo_x, tmp_path):
         with demo_plan.session() as session:
             session.trace_start()
             session.trace_stop(tmp_path / "no-such-dir" / "t.json")
+
+
+def test_trace_with_operators_times_each_stage(demo_plan, demo_x, tmp_path):
+    """trace_start(operators=True): every stage slice holds its time per operator, with the linear
+    layers under the demo's weight shapes (examples/model/make_demo_model.py: blocks of up
+    256 -> 1024 and down 1024 -> 256, the head 256 -> 10; cut before blocks.2, so the head is
+    stage 1's); a plain trace after it times no operators."""
+    path = tmp_path / "trace.json"
+    with demo_plan.session(microbatches=4) as session:
+        session.trace_start(operators=True)
+        session.run(demo_x)
+        session.trace_stop(path)
+        tracks = read_trace(path)
+        assert sorted(tracks) == ["stage 0", "stage 1"]  # no engine track: not a generator's session
+        assert [len(tracks[s]) for s in ("stage 0", "stage 1")] == [4, 4]  # one slice per micro-batch
+        assert timed_linear_shapes("stage 0", tracks["stage 0"]) == {"1024x256", "256x1024", "10x256"}
+        assert timed_linear_shapes("stage 1", tracks["stage 1"]) == {"1024x256", "256x1024", "10x256"}
+        session.trace_start()
+        session.run(demo_x)
+        session.trace_stop(path)
+        assert not [e for slices in read_trace(path).values() for e in slices if "operators_us" in e["args"]]
+    with pytest.raises(libpipe.InvalidArgumentError, match="closed"):
+        session.trace_start(operators=True)
