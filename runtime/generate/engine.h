@@ -48,8 +48,9 @@ struct EngineStats {
 class Engine {
  public:
   // Builds the session (num_microbatches is ignored: a step is one micro-batch), reads the decoder's facts and
-  // runs a probe step (one token in slot 0). Throws Error(InvalidArgument) when the model does not follow the
-  // decoder contract or an option is out of range, and the session's errors.
+  // runs a probe step (one token in slot 0), then as many again as TorchScript's profiling executor needs before it
+  // optimizes the stages (one), so that the first request does not pay for that. Throws Error(InvalidArgument) when the
+  // model does not follow the decoder contract or an option is out of range, and the session's errors.
   Engine(std::shared_ptr<const graph::Plan> plan, schedule::SessionOptions session_options, EngineOptions options);
   // Cancels every sequence (their generations end with Cancelled), waits for the steps in flight, stops the
   // session.
