@@ -226,7 +226,7 @@ def test_trace_with_operators_times_each_stage(demo_plan, demo_x, tmp_path):
         tracks = read_trace(path)
         assert sorted(tracks) == ["stage 0", "stage 1"]  # no engine track: not a generator's session
         assert [len(tracks[s]) for s in ("stage 0", "stage 1")] == [4, 4]  # one slice per micro-batch
-        assert timed_linear_shapes("stage 0", tracks["stage 0"]) == {"1024x256", "256x1024", "10x256"}
+        assert timed_linear_shapes("stage 0", tracks["stage 0"]) == {"1024x256", "256x1024"}
         assert timed_linear_shapes("stage 1", tracks["stage 1"]) == {"1024x256", "256x1024", "10x256"}
         session.trace_start()
         session.run(demo_x)
