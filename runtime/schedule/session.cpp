@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 
 #include "runtime/device/cuda_library.h"
@@ -458,7 +459,11 @@ std::string Session::stop_trace() {
           {{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", 1}, {"tid", tid}, {"args", {{"sort_index", tid}}}});
     }
     Json args = Json::object();
-    for (const auto& [k, v] : e.args) args[k] = v;
+    for (const auto& [k, v] : e.args) {
+      // Counts and ids read as integers, as the stages' slices have them.
+      if (std::nearbyint(v) == v && std::fabs(v) < 9e15) args[k] = static_cast<int64_t>(v);
+      else args[k] = v;
+    }
     events.push_back({{"name", e.name},
                       {"ph", "X"},
                       {"pid", 1},
