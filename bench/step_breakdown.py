@@ -16,8 +16,8 @@ per step: the engine's launch, the wait for stage 0, each stage's compute, each 
 stages (split into waiting for the next stage to finish its previous step, and the hand-over
 itself), the collect, sampling; and per stage, from the operator trace, its compute by kind:
 linear layers (attention projections and MLP), the language-model head (the linear layer whose
-output is the vocabulary), attention (scaled_dot_product_attention), cache gather (index_select of
-the rows' slots), cache write (nonzero, index, index_put_: write_cache), everything else (norms,
+output is the vocabulary), attention (pipe::cache_attention, or scaled_dot_product_attention where
+it is not rewritten), cache gather (index_select of the rows' slots, gone where it is), cache write (nonzero, index, index_put_: write_cache), everything else (norms,
 rotary, element-wise, embedding) and the interpreter (the slice beyond its operators' sum). Also
 the stages' busy fractions over the wave and tokens/s of the plain wave.
 
@@ -104,7 +104,8 @@ def end(e):
 
 
 def timeline(trace, stages):
-    """Per decode step, in ms: launch, wait for stage 0, stage compute, hand-overs, collect, sample."""
+    """Per decode step, in ms: launch (planning, inputs, submit, until stage 0 starts; a wait for stage 0 apart),
+    stage compute, waits and hand-overs between stages, collect, sample, and the step's latency."""
     steps = steps_of(trace, stages)
     stage_spans = [sorted((s["stages"][k]["ts"], end(s["stages"][k])) for s in steps.values()) for k in range(stages)]
     rows = []
@@ -112,8 +113,12 @@ def timeline(trace, stages):
         if s["launch"]["args"]["prompt_rows"] > 0:
             continue
         st = s["stages"]
-        row = {"rows": s["launch"]["args"]["rows"], "launch": s["launch"]["dur"]}
-        row["to stage 0"] = st[0]["ts"] - end(s["launch"])
+        # Planning, building the inputs and submitting, until stage 0 starts (it may start before the submit
+        # returns), and the wait for stage 0 to finish an earlier step.
+        row = {"rows": s["launch"]["args"]["rows"]}
+        free0 = max([e for b, e in stage_spans[0] if e <= st[0]["ts"]], default=0)
+        row["wait for stage 0"] = max(0, min(free0, st[0]["ts"]) - s["launch"]["ts"])
+        row["launch"] = st[0]["ts"] - s["launch"]["ts"] - row["wait for stage 0"]
         for k in range(stages):
             row[f"stage {k}"] = st[k]["dur"]
             if k + 1 < stages:
@@ -134,8 +139,8 @@ def kind(op, vocab):
     name = op.split(" [")[0]
     if name in ("aten::linear", "pipe::packed_linear"):
         return "LM head" if f"[{vocab}x" in op else "linear layers"  # out x in: the head's out is the vocabulary
-    if name == "aten::scaled_dot_product_attention":
-        return "attention (SDPA)"
+    if name in ("aten::scaled_dot_product_attention", "pipe::cache_attention"):
+        return "attention"
     if name == "aten::index_select":
         return "cache gather"
     if name in ("aten::index_put_", "aten::nonzero", "aten::index", "aten::unbind"):
@@ -146,7 +151,7 @@ def kind(op, vocab):
 KINDS = [
     "linear layers",
     "LM head",
-    "attention (SDPA)",
+    "attention",
     "cache gather",
     "cache write",
     "other operators",
