@@ -11,6 +11,16 @@ pass and its decode steps apart; libpipe's planner interleaves them, so its pref
 figures come from two runs (1 new token, then --new-tokens: see libpipe_fixed). llama.cpp runs with
 --llamacpp-threads threads (default: the machine's cores), libpipe with its --stages or --split-at cut.
 
+--dtype fp32 bf16 measures both precisions in one run (default fp32 alone), a table row per
+precision and C: at bf16 llama.cpp runs a BF16 GGUF (`llama-quantize --allow-requantize F32-GGUF
+OUT BF16`, cached beside the F32 one; the norm weights stay F32) and libpipe a skeleton exported
+in bf16 (libpipe.export_llm dtype "bf16": weights, inputs and KV cache) with `pipe generate
+--dtype bf16`, which casts the float32 checkpoint at load. libpipe's bf16 greedy outputs are
+compared with its fp32 ones on the same prompts and batch: per C, the sequences equal and the mean
+share of tokens before the first difference (llama-batched-bench prints no tokens). bf16 is
+worth measuring where the CPU has it natively (avx512_bf16 or amx_bf16, in the machine line);
+elsewhere a warning says that the figures measure emulation.
+
 Against transformers (--reference transformers): for each C the same chat prompts (real user
 messages of varied lengths through the model's chat template) are generated greedily by
 - transformers: LlamaForCausalLM.generate(do_sample=False), the C prompts batched with left
@@ -39,7 +49,7 @@ out), the generator's step and sampling figures and, with --trace DIR, a Chrome 
 
     python bench/generate.py [--pipe build/pipe] [--reference llamacpp transformers] [--concurrency 1 8 32]
                              [--repeats 3] [--stages 2 | --split-at POINT] [--out FILE]
-                             [--prompt-tokens 128] [--new-tokens 64] [--llamacpp-threads 2]
+                             [--prompt-tokens 128] [--new-tokens 64] [--llamacpp-threads 2] [--dtype fp32 bf16]
                              [--max-new-tokens 48] [--hf-threads 2 1] [--stage-stats] [--trace DIR]
 
 Run with the project's virtualenv python (scripts/env.sh: LIBPIPE_PYTHON) after scripts/build.sh.
@@ -187,10 +197,11 @@ class Transformers:
 # ---- libpipe ------------------------------------------------------------------------------------
 
 
-def export_skeleton(folder, path, max_len, slots):
+def export_skeleton(folder, path, max_len, slots, dtype=None):
+    """dtype: "fp32" or "bf16" (the skeleton's weights, inputs and cache), default the checkpoint's."""
     from libpipe.export_llm import export_llm
 
-    export_llm(str(folder), path, max_seq_len=max_len, max_batch=slots)
+    export_llm(str(folder), path, max_seq_len=max_len, max_batch=slots, dtype=dtype)
 
 
 def split_args(split_at, stages):
@@ -198,9 +209,15 @@ def split_args(split_at, stages):
     return [a for point in split_at for a in ("--split-at", point)] if split_at else ["--stages", str(stages)]
 
 
-def pipe_generate(pipe, skeleton, weights, prompts, max_new_tokens, cut, threads_per_stage, stop_ids=(EOS,)):
-    """One `pipe generate --json` run: (outputs, tokens_per_s, time_to_first_token_ms, wall s)."""
+def pipe_generate(
+    pipe, skeleton, weights, prompts, max_new_tokens, cut, threads_per_stage, stop_ids=(EOS,), dtype=None
+):
+    """One `pipe generate --json` run: (outputs, tokens_per_s, time_to_first_token_ms, wall s).
+    dtype: pipe's --dtype, which casts the checkpoint's float32 weights at load (a skeleton exported
+    in that dtype expects them so); None passes none."""
     cmd = [pipe, "generate", skeleton, "--weights", weights, *cut, "--json"]
+    if dtype:
+        cmd += ["--dtype", dtype]
     cmd += ["--max-new-tokens", str(max_new_tokens)]
     if stop_ids:
         cmd += ["--stop-ids", ",".join(map(str, stop_ids))]
@@ -327,25 +344,28 @@ def fixed_prompts(tokenizer, count, length):
     return out
 
 
-def libpipe_fixed(pipe, skeleton, weights, prompts, new_tokens, cut, threads_per_stage):
+def libpipe_fixed(pipe, skeleton, weights, prompts, new_tokens, cut, threads_per_stage, dtype=None):
     """libpipe on llama.cpp's workload (no stop id: every sequence makes `new_tokens`): the times
-    that libpipe_figures turns into batched-bench's figures. `pipe generate` reports end-to-end
-    tokens/s (generated tokens over the time some sequence held a slot) and the mean time to first
-    token, not a prefill or a decode rate, and its planner interleaves prompt chunks with decode
-    steps, so there is no prefill phase to time inside one run. Two runs of the same prompts are
-    timed instead: with 1 new token (every prompt prefilled and its first token sampled: T1 = C /
-    its tokens/s) and with `new_tokens` (T = C x new_tokens / its tokens/s). Both are fresh
-    processes: the first steps of each shape are cold in both."""
+    that libpipe_figures turns into batched-bench's figures, and the greedy outputs of the full run.
+    `pipe generate` reports end-to-end tokens/s (generated tokens over the time some sequence held a
+    slot) and the mean time to first token, not a prefill or a decode rate, and its planner
+    interleaves prompt chunks with decode steps, so there is no prefill phase to time inside one run.
+    Two runs of the same prompts are timed instead: with 1 new token (every prompt prefilled and its
+    first token sampled: T1 = C / its tokens/s) and with `new_tokens` (T = C x new_tokens / its
+    tokens/s). Both are fresh processes: the first steps of each shape are cold in both. dtype:
+    pipe_generate's."""
     c = len(prompts)
-    firsts, tps1, _, _ = pipe_generate(pipe, skeleton, weights, prompts, 1, cut, threads_per_stage, stop_ids=())
+    firsts, tps1, _, _ = pipe_generate(
+        pipe, skeleton, weights, prompts, 1, cut, threads_per_stage, stop_ids=(), dtype=dtype
+    )
     outs, tps, ttft, _ = pipe_generate(
-        pipe, skeleton, weights, prompts, new_tokens, cut, threads_per_stage, stop_ids=()
+        pipe, skeleton, weights, prompts, new_tokens, cut, threads_per_stage, stop_ids=(), dtype=dtype
     )
     if any(len(o) != 1 for o in firsts) or any(len(o) != new_tokens for o in outs):
         sys.exit(
             f"generate.py: `pipe generate` without stop ids made {list(map(len, outs))} tokens, not {new_tokens} each"
         )
-    return {"first_token_run_s": c / tps1, "total_s": c * new_tokens / tps, "ttft_ms": ttft}
+    return {"first_token_run_s": c / tps1, "total_s": c * new_tokens / tps, "ttft_ms": ttft}, outs
 
 
 def libpipe_figures(c, length, new_tokens, times):
@@ -368,16 +388,46 @@ def libpipe_figures(c, length, new_tokens, times):
     }
 
 
+# Each --dtype as llama.cpp's GGUF type: the same precision on both sides.
+GGUF_TYPES = {"fp32": "F32", "bf16": "BF16"}
+
+
+def bf16_gguf(bin_dir, f32):
+    """The F32 GGUF converted to BF16 by llama-quantize, cached beside it (its name carries the
+    source's sha256, so another source is converted again). llama-quantize rounds the matrices
+    (the embedding and tied head included) to bf16 and keeps the 1-D norm weights in F32; libpipe's
+    --dtype bf16 casts every floating weight of the float32 checkpoint at load."""
+    import llamacpp
+
+    out = f32.with_name(f32.name.removesuffix(".F32.gguf") + ".BF16.gguf")
+    if out.is_file():
+        return out
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    cmd = [str(bin_dir / "llama-quantize"), "--allow-requantize", str(f32), str(tmp), "BF16"]
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if r.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise llamacpp.LlamaCppError(f"`{' '.join(cmd)}` failed ({r.returncode}):\n{r.stdout[-4000:]}")
+    os.replace(tmp, out)
+    return out
+
+
 def run_llamacpp(args, folder, weights, tokenizer, cut, work):
     """libpipe and llama.cpp (bench/llamacpp.py) on one workload: C prompts of --prompt-tokens each,
-    --new-tokens generated by each, no stop; llama.cpp with --llamacpp-threads threads. Each repeat
-    runs llama-batched-bench once over every C, then libpipe at every C; medians are reported."""
+    --new-tokens generated by each, no stop; llama.cpp with --llamacpp-threads threads. At each
+    --dtype, llama.cpp runs the GGUF of that precision and libpipe a skeleton exported in it (bf16:
+    `pipe generate --dtype bf16` casts the float32 checkpoint at load). Each repeat runs, precision
+    by precision, llama-batched-bench once over every C, then libpipe at every C, so that a drift in
+    the machine's speed hits every column; medians are reported. A bf16 row also says how far
+    libpipe's greedy outputs agree with fp32's on the same prompts and batch (those of the fp32
+    rows' first repeat; with bf16 alone, of one untimed fp32 run)."""
     import llamacpp
     from smollm2 import gguf_path
 
     try:
         bin_dir = llamacpp.build()
-        model = llamacpp.f32_gguf(bin_dir, gguf_path())
+        f32 = llamacpp.f32_gguf(bin_dir, gguf_path())
+        models = {d: f32 if d == "fp32" else bf16_gguf(bin_dir, f32) for d in args.dtype}
     except llamacpp.LlamaCppError as e:
         sys.exit(f"generate.py: llama.cpp: {e}")
     length, new = args.prompt_tokens, args.new_tokens
@@ -386,40 +436,71 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
     print(
         f"llama.cpp workload: C prompts of {length} tokens (chat text cut to length), {new} new tokens each, no stop; "
         f"llama.cpp {llamacpp.PACKAGE} {llamacpp.VERSION} llama-batched-bench -t {args.llamacpp_threads} "
-        f"-tb {args.llamacpp_threads} on {model.name} (F32, from the same GGUF as libpipe's float32 weights); "
-        f"libpipe `pipe generate {' '.join(cut)}`; medians of {args.repeats} runs",
+        f"-tb {args.llamacpp_threads} on "
+        + " and ".join(f"{m.name} ({GGUF_TYPES[d]})" for d, m in models.items())
+        + f" (from the same GGUF as libpipe's float32 weights); libpipe `pipe generate {' '.join(cut)}`"
+        + (" (bf16: a bf16 skeleton and --dtype bf16)" if "bf16" in models else "")
+        + f"; medians of {args.repeats} runs",
         flush=True,
     )
-    lc_runs = {c: [] for c in args.concurrency}
-    lp_runs = {c: [] for c in args.concurrency}
+
+    def skeleton(c, dtype):
+        path = os.path.join(work, f"smollm2-{c}slots-{max_len}-{dtype}.pt")
+        if not os.path.exists(path):
+            export_skeleton(folder, path, max_len, c, dtype)
+        return path
+
+    def run_libpipe(c, dtype):
+        # fp32 takes the checkpoint as it is; another dtype casts it at load.
+        cast = None if dtype == "fp32" else dtype
+        return libpipe_fixed(
+            args.pipe, skeleton(c, dtype), weights, prompts[:c], new, cut, args.threads_per_stage, dtype=cast
+        )
+
+    lc_runs = {(d, c): [] for d in models for c in args.concurrency}
+    lp_runs = {(d, c): [] for d in models for c in args.concurrency}
+    outputs = {}  # (dtype, C): libpipe's greedy outputs in the first repeat
     for _ in range(args.repeats):
-        try:
-            rows = llamacpp.batched_bench(bin_dir, model, args.concurrency, length, new, args.llamacpp_threads)
-        except llamacpp.LlamaCppError as e:
-            sys.exit(f"generate.py: llama.cpp: {e}")
+        for d, model in models.items():
+            try:
+                rows = llamacpp.batched_bench(bin_dir, model, args.concurrency, length, new, args.llamacpp_threads)
+            except llamacpp.LlamaCppError as e:
+                sys.exit(f"generate.py: llama.cpp: {e}")
+            for c in args.concurrency:
+                lc_runs[d, c].append(rows[c])
+                times, outs = run_libpipe(c, d)
+                lp_runs[d, c].append(times)
+                outputs.setdefault((d, c), outs)
+    if "fp32" not in models:
         for c in args.concurrency:
-            lc_runs[c].append(rows[c])
-            skeleton = os.path.join(work, f"smollm2-{c}slots-{max_len}.pt")
-            if not os.path.exists(skeleton):
-                export_skeleton(folder, skeleton, max_len, c)
-            lp_runs[c].append(
-                libpipe_fixed(args.pipe, skeleton, weights, prompts[:c], new, cut, args.threads_per_stage)
-            )
+            outputs["fp32", c] = run_libpipe(c, "fp32")[1]
     rows = []
-    for c in args.concurrency:
-        row = {
-            "concurrency": c,
-            "llamacpp": llamacpp.median_figures(lc_runs[c]),
-            "libpipe": libpipe_figures(c, length, new, llamacpp.median_figures(lp_runs[c])),
-            "runs": {"llamacpp": lc_runs[c], "libpipe": lp_runs[c]},
-        }
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
+    for d in models:
+        for c in args.concurrency:
+            row = {
+                "dtype": d,
+                "concurrency": c,
+                "llamacpp": llamacpp.median_figures(lc_runs[d, c]),
+                "libpipe": libpipe_figures(c, length, new, llamacpp.median_figures(lp_runs[d, c])),
+            }
+            if d != "fp32":
+                equal, share = agreement(outputs[d, c], outputs["fp32", c])
+                row["libpipe_agreement_with_fp32"] = {
+                    "sequences_equal": equal,
+                    "sequences": c,
+                    "mean_share_before_first_difference": share,
+                }
+            print(json.dumps(row), flush=True)
+            row["runs"] = {"llamacpp": lc_runs[d, c], "libpipe": lp_runs[d, c]}
+            row["libpipe_outputs"] = outputs[d, c]
+            rows.append(row)
     return {
         "workload": {"prompt_tokens": length, "new_tokens": new, "stop_ids": [], "cut": cut},
+        "dtypes": list(models),
+        "native_bf16": native_bf16(),
         "llamacpp": {
             "package": f"{llamacpp.PACKAGE}=={llamacpp.VERSION}",
-            "model": model.name,
+            "models": {d: m.name for d, m in models.items()},
             "threads": args.llamacpp_threads,
             "cmake_options": list(llamacpp.CMAKE_OPTIONS),
         },
@@ -428,17 +509,21 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
 
 
 def print_llamacpp_table(result):
-    """The Markdown table of libpipe against llama.cpp: each figure, then libpipe's as a ratio to
-    llama.cpp's (for rates above 1 is faster; for the time to first token below 1 is sooner)."""
+    """The Markdown table of libpipe against llama.cpp, a row per precision and C: each figure, then
+    libpipe's as a ratio to llama.cpp's (for rates above 1 is faster; for the time to first token
+    below 1 is sooner); with bf16, libpipe's greedy outputs against its fp32 ones."""
+    bf16 = any(r["dtype"] != "fp32" for r in result["rows"])
+    if bf16 and not result["native_bf16"]:
+        print(f"warning: {NO_NATIVE_BF16}")
     print(
-        "| sequences at once | prefill tokens/s llama.cpp | libpipe | ratio | decode tokens/s llama.cpp | libpipe | "
-        "ratio | end-to-end tokens/s llama.cpp | libpipe | ratio | TTFT ms llama.cpp | libpipe | ratio | "
-        "libpipe every first token ms |"
+        "| precision | sequences at once | prefill tokens/s llama.cpp | libpipe | ratio | decode tokens/s llama.cpp | "
+        "libpipe | ratio | end-to-end tokens/s llama.cpp | libpipe | ratio | TTFT ms llama.cpp | libpipe | ratio | "
+        "libpipe every first token ms |" + (" libpipe greedy = fp32 |" if bf16 else "")
     )
-    print("|" + " --- |" * 14)
+    print("|" + " --- |" * (15 + bf16))
     for r in result["rows"]:
         lc, lp = r["llamacpp"], r["libpipe"]
-        cells = [str(r["concurrency"])]
+        cells = [r["dtype"], str(r["concurrency"])]
         for key, fmt in (
             ("prefill_tokens_per_s", ".0f"),
             ("decode_tokens_per_s", ".1f"),
@@ -448,6 +533,14 @@ def print_llamacpp_table(result):
             ratio = lp[key] / lc[key]
             cells += [format(lc[key], fmt), format(lp[key], fmt), f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a"]
         cells.append(f"{lp['all_first_tokens_ms']:.0f}")
+        if bf16:
+            a = r.get("libpipe_agreement_with_fp32")
+            cells.append(
+                f"{a['sequences_equal']}/{a['sequences']} ({100 * a['mean_share_before_first_difference']:.0f}% of "
+                "tokens before a difference)"
+                if a
+                else "(reference)"
+            )
         print("| " + " | ".join(cells) + " |")
 
 
@@ -465,7 +558,8 @@ def agreement(outputs, reference):
     return equal, statistics.mean(prefix)
 
 
-def machine():
+def cpu_info():
+    """(the CPU's model name, the instruction-set flags /proc/cpuinfo lists)."""
     flags = set()
     model = "?"
     with open("/proc/cpuinfo") as f:
@@ -474,6 +568,22 @@ def machine():
                 flags.update(line.split(":", 1)[1].split())
             elif line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
+    return model, flags
+
+
+NO_NATIVE_BF16 = (
+    "no native bf16: the figures measure emulation (this CPU has neither avx512_bf16 nor amx_bf16: bf16 "
+    "values are converted to float32 to be computed)"
+)
+
+
+def native_bf16():
+    """Whether the CPU computes in bf16 itself (AVX-512 BF16 dot products or AMX tiles)."""
+    return bool(cpu_info()[1] & {"avx512_bf16", "amx_bf16"})
+
+
+def machine():
+    model, flags = cpu_info()
     wanted = ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"]
     have = " ".join(f if f in flags else f"no {f}" for f in wanted)
     return f"{model}, {os.cpu_count()} cores; {have}"
@@ -595,6 +705,14 @@ def main():
     lc.add_argument("--prompt-tokens", type=int, default=128, help="each sequence's prompt length")
     lc.add_argument("--new-tokens", type=int, default=64, help="tokens each sequence generates (no stop)")
     lc.add_argument("--llamacpp-threads", type=int, default=os.cpu_count(), help="llama.cpp's -t and -tb")
+    lc.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=["fp32", "bf16"],
+        default=["fp32"],
+        help="precisions measured, side by side: fp32 (F32 GGUF, float32 skeleton) and/or bf16 (BF16 GGUF, "
+        "bf16 skeleton with the weights cast at load, and libpipe's greedy outputs against fp32's)",
+    )
     hf = ap.add_argument_group("against transformers (chat prompts)")
     hf.add_argument("--max-new-tokens", type=int, default=48, help="at most, stopping at eos")
     hf.add_argument("--single", type=int, default=4, help="prompts run one at a time for C = 1")
@@ -610,6 +728,9 @@ def main():
     ap.add_argument("--work", help="folder for the skeletons and the reference outputs (default: a temporary one)")
     ap.add_argument("--out", help="also write every figure to this JSON file")
     args = ap.parse_args()
+    args.dtype = list(dict.fromkeys(args.dtype))  # each once, in the order given
+    if args.dtype != ["fp32"] and "llamacpp" not in args.reference:
+        ap.error("--dtype applies to the llama.cpp comparison: add --reference llamacpp")
 
     from smollm2 import smollm2_folder
     from transformers import AutoTokenizer
@@ -620,6 +741,8 @@ def main():
     cut = split_args(args.split_at, args.stages)
     results = {"machine": machine(), "load_average_before": os.getloadavg(), "argv": sys.argv[1:]}
     print(f"machine: {results['machine']}; load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if "llamacpp" in args.reference and "bf16" in args.dtype and not native_bf16():
+        print(f"generate.py: warning: {NO_NATIVE_BF16}", file=sys.stderr, flush=True)
 
     work = args.work or tempfile.mkdtemp(prefix="bench-generate-")
     os.makedirs(work, exist_ok=True)
