@@ -203,22 +203,28 @@ def build(jobs=None):
 # ---- the weights ------------------------------------------------------------------------------
 
 
-def f32_gguf(bin_dir, gguf):
-    """`gguf` dequantized to F32 by llama-quantize, cached beside the build (named by the source
-    file's sha256, so another source is converted again)."""
+def converted_gguf(bin_dir, gguf, file_type):
+    """`gguf` converted by llama-quantize to `file_type` (F32, BF16, ...), cached beside the build
+    (named by the source file's sha256, so another source is converted again). BF16 rounds the
+    matrices (the embedding and a tied head included) and keeps the 1-D norm weights in F32."""
     with open(gguf, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
-    out = cache_dir() / f"{Path(gguf).stem}.{digest[:12]}.F32.gguf"
+    out = cache_dir() / f"{Path(gguf).stem}.{digest[:12]}.{file_type}.gguf"
     if out.is_file():
         return out
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    cmd = [str(bin_dir / "llama-quantize"), "--allow-requantize", str(gguf), str(tmp), "F32"]
+    cmd = [str(bin_dir / "llama-quantize"), "--allow-requantize", str(gguf), str(tmp), file_type]
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if r.returncode != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
         raise LlamaCppError(f"`{' '.join(cmd)}` failed ({r.returncode}):\n{r.stdout[-4000:]}")
     os.replace(tmp, out)
     return out
+
+
+def f32_gguf(bin_dir, gguf):
+    """`gguf` dequantized to F32 (converted_gguf)."""
+    return converted_gguf(bin_dir, gguf, "F32")
 
 
 # ---- the measurement --------------------------------------------------------------------------
