@@ -7,9 +7,12 @@
 #include <limits>
 
 #include "runtime/stage/cache_attention.h"
+#include "graph_nodes.h"
 
 namespace libpipe {
 namespace {
+
+using test::count_nodes;
 
 // ATen's own answer: the caches gathered for the rows' slots, then scaled_dot_product_attention.
 at::Tensor reference(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
@@ -113,12 +116,6 @@ def forward(self, q, slots, end):
     return out.transpose(1, 2).flatten(2)
 )");
   return m;
-}
-
-size_t count_nodes(const torch::jit::Graph& g, const char* kind) {
-  size_t n = 0;
-  for (const auto* node : g.nodes()) n += node->kind() == c10::Symbol::fromQualString(kind);
-  return n;
 }
 
 TEST(CacheAttention, TheDecodersPatternIsRewrittenAndComputesTheSame) {

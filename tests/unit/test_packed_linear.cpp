@@ -6,9 +6,12 @@
 #include <cstdlib>
 
 #include "runtime/stage/packed_linear.h"
+#include "graph_nodes.h"
 
 namespace libpipe {
 namespace {
+
+using test::count_nodes;
 
 // A module whose forward is three linear layers: one with a bias, one without, one whose weight the
 // forward computes (not an attribute: never packed). Modules made from the same seed hold equal weights.
@@ -25,12 +28,6 @@ def forward(self, x):
     return torch.linear(h, self.w1 * 0.5)
 )");
   return m;
-}
-
-size_t count_nodes(const torch::jit::Graph& g, const char* kind) {
-  size_t n = 0;
-  for (const auto* node : g.nodes()) n += node->kind() == c10::Symbol::fromQualString(kind);
-  return n;
 }
 
 bool packing_expected() {
