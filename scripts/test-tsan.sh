@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the unit tests with ThreadSanitizer in build-tsan/ and runs the scheduler's tests
 # (sessions, requests, cancellation, deadlines, completion callbacks, shutdown, the generation engine's
-# scheduler thread and token callbacks) under it. LibTorch
+# scheduler thread and token callbacks, the spare-core helpers that stages borrow) under it. LibTorch
 # is not instrumented: TSan sees libpipe's own threads, locks and shared state, which is what these tests exercise.
 # Extra arguments go to the test binary (e.g. --gtest_filter=Session.Cancel*).
 set -euo pipefail
@@ -20,4 +20,4 @@ export PIPE_TEST_MODELS=$models
 engine='Engine.SequencesJoiningMidFlight*:Engine.MoreSequencesThanSlots*:Engine.ASubmitBeyondMaxQueued*'
 engine+=':Engine.CancellingASequenceHeld*:Engine.ADeadlinePassing*:Engine.AFailingStep*:Engine.Destroying*'
 export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 exitcode=66"
-"$build/tests/unit_tests" --gtest_filter="Session.*:RequestCompletion.*:Microbatch*:LocalTransport.*:DistributedSession.*:Heartbeat.*:$engine" "$@"
+"$build/tests/unit_tests" --gtest_filter="Session.*:SpareCores.*:PackedLinear.*:RequestCompletion.*:Microbatch*:LocalTransport.*:DistributedSession.*:Heartbeat.*:$engine" "$@"

@@ -5,6 +5,7 @@
 #include <torch/csrc/jit/runtime/graph_executor.h>
 
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <unordered_set>
 #include <utility>
@@ -243,7 +244,9 @@ void Engine::scheduler_loop() {
   c10::InferenceMode inference;
   std::unique_lock lock(mutex_);
   std::vector<Notice> notices;
+  std::optional<stage::SpareCores::Busy> busy;  // while this thread samples, no stage borrows its core
   for (;;) {
+    busy.emplace(session_->spare_cores());
     woken_ = false;
     const auto now = Clock::now();
     // Cancels and deadlines first: a sequence cancelled while its step was in a stage must not get that step's
@@ -286,6 +289,7 @@ void Engine::scheduler_loop() {
     if (!returned_.empty() || woken_) continue;  // news came while the lock was let go
     const auto until = next_deadline();
     const auto news = [&] { return woken_ || !returned_.empty(); };
+    busy.reset();
     if (until == Clock::time_point::max()) cv_.wait(lock, news);
     else cv_.wait_until(lock, until, news);
   }

@@ -90,12 +90,18 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
   threads_per_stage_ = options_.threads_per_stage > 0 ? options_.threads_per_stage
                                                       : default_threads_per_stage(std::max<size_t>(cpu_stages, 1));
 
+  // Stages with one thread each may borrow the cores of stages that are idle (stage/spare_cores.h);
+  // with more, OpenMP splits their operators already. Worker processes share the machine: not there.
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (!distributed && options_.threads_per_stage == 0 && threads_per_stage_ == 1 && cpu_stages > 1 &&
+      stage::SpareCores::enabled())
+    spare_cores_ = std::make_unique<stage::SpareCores>(std::min(static_cast<int>(cpu_stages), cores));
   auto checkpoint = options_.stage.weights.empty() ? nullptr : stage::Checkpoint::open(options_.stage.weights);
   for (size_t s = 0; s < local; ++s) {
     stages_.push_back(stage::build_stage_module(*plan_, s, devices_[s], options_.stage.dtype));
     stage::load_stage_weights(stages_.back(), *plan_, s, options_.stage, checkpoint.get(), devices_[s]);
     if (devices_[s].is_cpu()) {
-      stage::pack_linear_weights(stages_.back());
+      stage::pack_linear_weights(stages_.back(), spare_cores_ ? spare_cores_->cores() : 1);
       stage::fuse_cache_attention(stages_.back());
     }
     // NCCL orders its transfers with the default stream, so its stages queue there too.
@@ -144,6 +150,7 @@ void Session::admit(const std::shared_ptr<Request>& request) {
     throw Error(Status::DeadlineExceeded, "the call's deadline passed while it waited for room in the pipeline");
   ++inflight_;
   --promised_;
+  if (spare_cores_) spare_cores_->set_pipeline_load(inflight_);
 }
 
 void Session::unpromise(int64_t count) {
@@ -156,6 +163,7 @@ void Session::release() {
   {
     std::lock_guard lock(admission_mutex_);
     --inflight_;
+    if (spare_cores_) spare_cores_->set_pipeline_load(inflight_);
   }
   admission_cv_.notify_one();
 }
@@ -182,6 +190,8 @@ void Session::worker_loop(size_t s) {
   (void)at::get_num_threads();
   at::set_num_threads(threads_per_stage_);
   c10::InferenceMode inference;
+  stage::SpareCores* spare = devices_[s].is_cpu() ? spare_cores_.get() : nullptr;
+  stage::SpareCores::Lend lend(spare);
   Worker& me = *workers_[s];
   const bool last = s + 1 == total_stages_;
   const bool to_ring = !last && s + 1 == stages_.size();
@@ -201,6 +211,7 @@ void Session::worker_loop(size_t s) {
       ran = true;
       if (tracing() && trace_operators_.load(std::memory_order_relaxed)) op_timer.emplace();
       try {
+        stage::SpareCores::Busy busy(spare);
         run_stage(s, mb);
       } catch (const std::exception& e) {
         ok = false;

@@ -33,6 +33,7 @@
 #include "runtime/schedule/ring.h"
 #include "runtime/schedule/stage_step.h"
 #include "runtime/schedule/worker_group.h"
+#include "runtime/stage/spare_cores.h"
 #include "runtime/stage/weights.h"
 
 namespace libpipe::schedule {
@@ -115,6 +116,11 @@ class Session {
   // A slice on a track of the caller's (a generation engine's steps, say) in the trace being
   // recorded; nothing while none is. Thread-safe.
   using TraceArgs = std::vector<std::pair<std::string, double>>;
+  // The cores the session's CPU stages lend each other (stage/spare_cores.h), or null. A thread that
+  // computes for the pipeline outside the stages (the generation engine sampling) marks itself
+  // busy there, so that no stage borrows its core meanwhile.
+  stage::SpareCores* spare_cores() { return spare_cores_.get(); }
+
   void trace_event(const std::string& track, std::string name, Clock::time_point start, Clock::time_point end,
                    TraceArgs args = {});
 
@@ -156,8 +162,9 @@ class Session {
   size_t total_stages_ = 0;
   std::vector<torch::jit::Module> stages_;  // the stages this process hosts: the first ones
   std::vector<StageIO> stage_io_;
-  std::vector<c10::Device> devices_;   // every stage's
-  std::vector<device::Place> places_;  // the local stages', each used by its worker thread only
+  std::vector<c10::Device> devices_;                // every stage's
+  std::vector<device::Place> places_;               // the local stages', each used by its worker thread only
+  std::unique_ptr<stage::SpareCores> spare_cores_;  // before workers_: it outlives their threads
   std::vector<std::unique_ptr<Worker>> workers_;
   int threads_per_stage_ = 1;
   const Clock::time_point epoch_ = Clock::now();

@@ -11,7 +11,8 @@
 // a constant attribute of the stage (not written by the forward) becomes pipe::packed_linear(input,
 // packed, weight, bias), the packed form held as a buffer beside the weight (about 1.4x the
 // weight's bytes; tied weights are packed once). Stages keep their weights, and their results
-// equal aten::linear's up to float32 rounding. Nothing is rewritten where MKL's packed GEMM is not
+// equal aten::linear's up to float32 rounding. Packed in chunks of output features, a product can be
+// shared by several threads (SpareCores, spare_cores.h). Nothing is rewritten where MKL's packed GEMM is not
 // in the LibTorch this process runs (no MKL: ARM builds), or with LIBPIPE_PACKED_LINEAR=0.
 #pragma once
 
@@ -25,8 +26,10 @@ namespace libpipe::stage {
 constexpr int64_t kPackedMinRows = 4;
 constexpr int64_t kPackedMaxRows = 64;
 
-// Call after the stage's weights are loaded and placed; before its first run. Returns the number
-// of linear layers rewritten. Never throws for a layer it cannot pack: that one stays aten::linear.
-size_t pack_linear_weights(torch::jit::Module& stage);
+// Call after the stage's weights are loaded and placed; before its first run. `chunks`: into how
+// many pieces of output features each weight is cut, so that as many threads can share a product
+// (SpareCores: the cores a session's stage may borrow). Returns the number of linear layers
+// rewritten. Never throws for a layer it cannot pack: that one stays aten::linear.
+size_t pack_linear_weights(torch::jit::Module& stage, int chunks = 1);
 
 }  // namespace libpipe::stage

@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "runtime/stage/packed_linear.h"
+#include "runtime/stage/spare_cores.h"
 #include "graph_nodes.h"
 
 namespace libpipe {
@@ -58,6 +59,37 @@ TEST(PackedLinear, ConstantWeightsArePackedAndResultsEqualLinear) {
     EXPECT_EQ(got.sizes(), want.sizes());
     EXPECT_TRUE(at::allclose(got, want, 1e-4, 1e-4))
         << "input " << x.sizes() << ": max difference " << (got - want).abs().max().item<double>();
+  }
+}
+
+// Weights cut into chunks of output features (for cores a stage borrows) give aten::linear's results
+// for every row count, and the same results whether the chunks ran on one thread or on several.
+TEST(PackedLinear, WeightsCutInChunksGiveLinearsResultsOnAnyThreads) {
+  c10::InferenceMode guard;
+  const int64_t k = 96;
+  for (int chunks : {2, 3}) {
+    const int64_t n = 400;  // 3 chunks of 144, 144 and 112 features; or 2 of 208 and 192
+    torch::jit::Module packed = three_linears(k, n), plain = three_linears(k, n);
+    const size_t rewritten = stage::pack_linear_weights(packed, chunks);
+    if (!packing_expected()) {
+      EXPECT_EQ(rewritten, 0u);
+      GTEST_SKIP() << "this LibTorch has no MKL (or LIBPIPE_PACKED_LINEAR=0): nothing is packed";
+    }
+    ASSERT_EQ(rewritten, 2u);
+    stage::SpareCores pool(chunks);
+    for (int64_t rows : {1, 2, 3, 4, 17, 64, 65}) {
+      at::Tensor x = at::randn({rows, k});
+      at::Tensor want = plain.forward({x}).toTensor();
+      at::Tensor alone = packed.forward({x}).toTensor();
+      at::Tensor shared;
+      {
+        stage::SpareCores::Lend lend(&pool);
+        shared = packed.forward({x}).toTensor();
+      }
+      EXPECT_TRUE(at::allclose(alone, want, 1e-4, 1e-4))
+          << chunks << " chunks, " << rows << " rows: max difference " << (alone - want).abs().max().item<double>();
+      EXPECT_TRUE(at::equal(shared, alone)) << chunks << " chunks, " << rows << " rows";
+    }
   }
 }
 

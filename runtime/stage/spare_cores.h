@@ -1,0 +1,117 @@
+// Cores a CPU stage may borrow while the other stages of its session are idle.
+//
+// A session on a machine with as many cores as CPU stages gives each stage one thread. When fewer
+// steps are in flight than there are stages (one sequence decoding: the stages take turns), the
+// cores of the idle stages sit unused, and a decode step, which streams every weight from memory
+// once, runs at one core's memory bandwidth. SpareCores lends those cores: a stage's operator
+// splits its work into chunks (pipe::packed_linear: the output features of a layer), and helper
+// threads take chunks while fewer stages are busy than the session has cores. Chunks are short
+// (a fraction of a millisecond): a helper leaves a job between two chunks once every core has a busy
+// stage again, so it holds a core a stage wants for at most one chunk.
+//
+// Why not OpenMP (more intra-op threads per stage): libgomp spins only briefly when it manages more
+// threads than there are cores, which it then always does (every stage thread has its own team), so
+// its workers sleep between two layers and each layer pays their wake-up; measured no faster than
+// one thread. Helpers here spin for a while after each job, and only the session's stages use them.
+//
+// Results never depend on whether a chunk ran on a helper: callers split their work the same way
+// either way, and each chunk is computed by one thread.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace libpipe::stage {
+
+class SpareCores {
+ public:
+  // `cores`: how many threads the session's stages may compute on at once (its stage threads
+  // included); cores - 1 helper threads are started.
+  explicit SpareCores(int cores);
+  ~SpareCores();
+  SpareCores(const SpareCores&) = delete;
+  SpareCores& operator=(const SpareCores&) = delete;
+
+  int cores() const { return cores_; }
+
+  // False where LIBPIPE_SPARE_CORES=0 says not to lend (for comparisons).
+  static bool enabled();
+
+  // Runs fn(i) for every i in [0, count) exactly once, on the calling thread and on the spare
+  // cores of the pool lent to this thread (Lend), if any: helpers join only while fewer of the
+  // session's stages are busy (Busy) than it has cores, and only one caller at a time gets them.
+  // Without a lent pool or spare core, runs them all here, in order. Returns when every fn(i)
+  // has returned; rethrows the first exception one threw.
+  static void for_each(int64_t count, const std::function<void(int64_t)>& fn);
+
+  // Lends `pool` (may be null: nothing lent) to the calling thread for the scope.
+  class Lend {
+   public:
+    explicit Lend(SpareCores* pool);
+    ~Lend();
+    Lend(const Lend&) = delete;
+    Lend& operator=(const Lend&) = delete;
+
+   private:
+    SpareCores* previous_;
+  };
+
+  // How many micro-batches the session's pipeline holds: with as many as it has cores, every stage
+  // has work or soon will, and nothing is lent.
+  void set_pipeline_load(int64_t microbatches) { load_.store(microbatches, std::memory_order_relaxed); }
+
+  // Counts the calling stage thread as busy (computing) for the scope; null pool: no-op.
+  class Busy {
+   public:
+    explicit Busy(SpareCores* pool) : pool_(pool) {
+      if (pool_) pool_->busy_.fetch_add(1, std::memory_order_relaxed);
+    }
+    ~Busy() {
+      if (pool_) pool_->busy_.fetch_sub(1, std::memory_order_relaxed);
+    }
+    Busy(const Busy&) = delete;
+    Busy& operator=(const Busy&) = delete;
+
+   private:
+    SpareCores* pool_;
+  };
+
+ private:
+  void run(int64_t count, const std::function<void(int64_t)>& fn);
+  void helper_loop();
+  // Takes and runs indices of the current job until none is left (a helper: or until every core
+  // has a busy stage); `lock` held on entry and exit.
+  void work(std::unique_lock<std::mutex>& lock, bool helper);
+
+  const int cores_;
+  // Threads that need a core of their own now: busy stages, or the micro-batches in the pipeline.
+  int claimed() const {
+    return static_cast<int>(
+        std::max<int64_t>(busy_.load(std::memory_order_relaxed), load_.load(std::memory_order_relaxed)));
+  }
+
+  std::atomic<int> busy_{0};
+  std::atomic<int64_t> load_{0};
+  std::atomic<bool> taken_{false};  // a caller holds the helpers
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  const std::function<void(int64_t)>* job_ = nullptr;  // guarded by mutex_, as are the fields below
+  int64_t count_ = 0, next_ = 0, done_ = 0;
+  int joinable_ = 0;  // helpers that may still join the current job
+  std::exception_ptr error_;
+  int sleeping_ = 0;
+  bool stopping_ = false;
+  std::atomic<uint64_t> generation_{0};  // bumped per job: helpers spin on it before sleeping
+  std::atomic<int64_t> done_seen_{0};    // mirror of done_ the caller spins on
+  std::vector<std::thread> helpers_;
+};
+
+}  // namespace libpipe::stage
