@@ -301,7 +301,8 @@ def steady_state_busy(trace, stages):
     to the last, one stretch, so that the engine's gaps between a step's return and its group's
     next step count against the stages (only the fill at the start and the drain at the end of a
     wave are left out). Returns (busy fractions, window ms, share of the wave's span it covers)."""
-    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    # The stages' spans only: the engine's own track (launch, collect, sample, deliver) is not a stage.
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "microbatch"]
     steps = {}
     for e in spans:
         lo, hi = steps.get(e["args"]["request"], (math.inf, -math.inf))
