@@ -16,8 +16,11 @@ mapfile -t c_files < <(git ls-files '*.c' '*.h' '*.cpp' '*.hpp' '*.h.in')
 if ((fix)); then
   "$bin/clang-format" -i "${c_files[@]}"
 else
-  "$bin/clang-format" --dry-run --Werror "${c_files[@]}" 2>&1 | grep -o '^[^:]*:[0-9]*:[0-9]*: error' | cut -d: -f1 |
-    sort -u | sed 's/^/check-format: clang-format would change /' | grep . && failed=1
+  # clang-format exits non-zero when it would change a file: read its report first, so that pipefail
+  # does not swallow the verdict.
+  report=$("$bin/clang-format" --dry-run --Werror "${c_files[@]}" 2>&1 || true)
+  changed=$(grep -o '^[^:]*:[0-9]*:[0-9]*: error' <<<"$report" | cut -d: -f1 | sort -u || true)
+  [ -z "$changed" ] || { sed 's/^/check-format: clang-format would change /' <<<"$changed"; failed=1; }
 fi
 
 mapfile -t py_files < <(git ls-files '*.py')
