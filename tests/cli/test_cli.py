@@ -105,7 +105,7 @@ def test_missing_model(tmp_path):
 def test_junk_model(tmp_path):
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"this is not a zip archive" * 10)
-    assert_one_line_error(pipe("split", junk), "not a loadable TorchScript archive", "PIPE_ERR_INVALID_FORMAT")
+    assert_one_line_error(pipe("split", junk), "not a loadable model archive", "PIPE_ERR_INVALID_FORMAT")
 
 
 def test_truncated_model(tmp_path):

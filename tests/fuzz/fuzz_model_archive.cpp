@@ -8,7 +8,7 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
-    libpipe::io::check_torchscript_archive(data, size, "fuzz.pt");
+    libpipe::io::check_model_archive(data, size, "fuzz.pt");
   } catch (const libpipe::Error&) {}
   return 0;
 }

@@ -398,7 +398,8 @@ std::shared_ptr<Plan> Plan::from_groups(std::shared_ptr<const Model> model,
 }
 
 std::shared_ptr<const Model> Model::load(const std::string& path) {
-  io::check_torchscript_archive(path);  // before LibTorch's reader, which trusts the zip
+  if (io::check_model_archive(path) != io::ModelFormat::TorchScript)  // before LibTorch's reader, which trusts the zip
+    throw Error(Status::InvalidFormat, "'" + path + "' is a torch.export program, not a TorchScript archive");
   register_split_marker();
 
   auto model = std::make_shared<Model>();
