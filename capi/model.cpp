@@ -1,6 +1,6 @@
 // The C ABI: loading a model and reading its inputs and module tree.
 #include "capi/boundary.h"
-#include "runtime/graph/torchscript/model.h"
+#include "runtime/graph/load.h"
 
 using namespace libpipe::capi;
 using libpipe::Error;
@@ -13,7 +13,7 @@ pipe_status pipe_model_load(const char* path, pipe_model** model) {
     require(path, fn, "path");
     require(model, fn, "model");
     auto m = std::make_unique<libpipe::capi::ModelHandle>();
-    m->impl = libpipe::graph::Model::load(path);
+    m->impl = libpipe::graph::load_program(path);
     *model = handle(m.release());
   });
 }

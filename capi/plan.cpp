@@ -2,7 +2,7 @@
 #include "capi/boundary.h"
 #include "capi/dlpack_bridge.h"
 #include "runtime/graph/split_spec.h"
-#include "runtime/stage/stage_module.h"
+#include "runtime/stage/stage.h"
 
 using namespace libpipe::capi;
 using libpipe::Error;
@@ -132,12 +132,11 @@ pipe_status pipe_plan_save_stage(const pipe_plan* plan, size_t stage, const pipe
     require_index(stage, get(plan)->impl->num_stages(), fn, "stage");
     const auto opts = stage_options(options, fn);
     auto checkpoint = opts.weights.empty() ? nullptr : libpipe::stage::Checkpoint::open(opts.weights);
-    auto module = libpipe::stage::build_stage_module(*get(plan)->impl, stage, c10::Device(c10::kCPU), opts.dtype);
-    libpipe::stage::load_stage_weights(module, *get(plan)->impl, stage, opts, checkpoint.get());
     try {
-      module.save(path);
-    } catch (const c10::Error& e) {
-      throw Error(Status::Io, std::string(fn) + ": cannot write '" + path + "': " + e.what_without_backtrace());
+      libpipe::stage::save_stage(*get(plan)->impl, stage, opts, checkpoint.get(), path);
+    } catch (const Error& e) {
+      if (e.status() != Status::Io) throw;
+      throw Error(Status::Io, std::string(fn) + ": " + e.what());
     }
   });
 }

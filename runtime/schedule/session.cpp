@@ -15,9 +15,7 @@
 #include "runtime/schedule/assignment.h"
 #include "runtime/schedule/op_timer.h"
 #include "runtime/schedule/worker_host.h"
-#include "runtime/stage/cache_attention.h"
-#include "runtime/stage/packed_linear.h"
-#include "runtime/stage/stage_module.h"
+#include "runtime/stage/stage.h"
 
 namespace libpipe::schedule {
 
@@ -98,12 +96,12 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
     spare_cores_ = std::make_unique<stage::SpareCores>(std::min(static_cast<int>(cpu_stages), cores));
   auto checkpoint = options_.stage.weights.empty() ? nullptr : stage::Checkpoint::open(options_.stage.weights);
   for (size_t s = 0; s < local; ++s) {
-    stages_.push_back(stage::build_stage_module(*plan_, s, devices_[s], options_.stage.dtype));
-    stage::load_stage_weights(stages_.back(), *plan_, s, options_.stage, checkpoint.get(), devices_[s]);
-    if (devices_[s].is_cpu()) {
-      stage::pack_linear_weights(stages_.back(), spare_cores_ ? spare_cores_->cores() : 1);
-      stage::fuse_cache_attention(stages_.back());
-    }
+    stage::BuildOptions build;
+    build.options = &options_.stage;
+    build.checkpoint = checkpoint.get();
+    build.device = devices_[s];
+    build.cpu_chunks = spare_cores_ ? spare_cores_->cores() : 1;
+    stages_.push_back(stage::build_stage(*plan_, s, build));
     // NCCL orders its transfers with the default stream, so its stages queue there too.
     places_.push_back(nccl ? device::Place::with_default_stream(devices_[s])
                            : device::Place::with_own_stream(devices_[s]));
@@ -253,7 +251,7 @@ void Session::worker_loop(size_t s) {
 void Session::run_stage(size_t s, MicroBatch& mb) {
   device::Place& place = places_[s];
   const StageIO& io = stage_io_[s];
-  c10::IValue out = run_stage_step(stages_[s], io, mb.env, place, mb.ready_for(io.producers));
+  c10::IValue out = run_stage_step(*stages_[s], io, mb.env, place, mb.ready_for(io.producers));
   if (io.last) {
     // Each micro-batch owns its slot. Results for the CPU come down on the stage's stream; the
     // caller waits for that (Request::result), this thread goes on.

@@ -160,7 +160,7 @@ class Session {
   std::shared_ptr<const graph::Plan> plan_;
   SessionOptions options_;
   size_t total_stages_ = 0;
-  std::vector<torch::jit::Module> stages_;  // the stages this process hosts: the first ones
+  std::vector<std::unique_ptr<stage::Stage>> stages_;  // the stages this process hosts: the first ones
   std::vector<StageIO> stage_io_;
   std::vector<c10::Device> devices_;                // every stage's
   std::vector<device::Place> places_;               // the local stages', each used by its worker thread only

@@ -25,8 +25,8 @@ StageIO stage_io(const graph::Plan& plan, size_t s) {
   return io;
 }
 
-c10::IValue run_stage_step(torch::jit::Module& stage, const StageIO& io, std::vector<c10::IValue>& env,
-                           device::Place& place, const device::Ready& ready) {
+c10::IValue run_stage_step(stage::Stage& stage, const StageIO& io, std::vector<c10::IValue>& env, device::Place& place,
+                           const device::Ready& ready) {
   std::vector<c10::IValue> args;
   args.reserve(io.inputs.size());
   for (size_t id : io.inputs) args.push_back(env.at(id));

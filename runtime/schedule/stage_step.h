@@ -3,14 +3,13 @@
 // the stage, write its outputs back and drop what no later stage reads.
 #pragma once
 
-#include <torch/csrc/jit/api/module.h>
-
 #include <string>
 #include <vector>
 
 #include "runtime/device/place.h"
 #include "runtime/error.h"
 #include "runtime/graph/plan.h"
+#include "runtime/stage/stage.h"
 
 namespace libpipe::schedule {
 
@@ -29,8 +28,8 @@ StageIO stage_io(const graph::Plan& plan, size_t stage);
 // after the GPU work in `ready`, and its code runs on the place's stream. The last stage's result
 // is returned; other stages update `env` and return None. Nothing waits for the GPU here: mark()
 // the place afterwards for the readers of the results.
-c10::IValue run_stage_step(torch::jit::Module& stage, const StageIO& io, std::vector<c10::IValue>& env,
-                           device::Place& place, const device::Ready& ready);
+c10::IValue run_stage_step(stage::Stage& stage, const StageIO& io, std::vector<c10::IValue>& env, device::Place& place,
+                           const device::Ready& ready);
 
 // A stage's error as one line, for the caller: "stage S failed on micro-batch M: <error>".
 // TorchScript errors carry the interpreter's traceback; its last line is the error itself, and

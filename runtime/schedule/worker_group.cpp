@@ -2,19 +2,17 @@
 
 #include <condition_variable>
 #include <mutex>
-#include <sstream>
 #include <thread>
 
 #include "runtime/comm/gloo_transport.h"
 #include "runtime/comm/nccl_transport.h"
 #include "runtime/comm/rendezvous.h"
 #include "runtime/error.h"
-#include "runtime/graph/torchscript/model.h"
 #include "runtime/log.h"
 #include "runtime/schedule/assignment.h"
 #include "runtime/schedule/heartbeat.h"
 #include "runtime/schedule/worker_host.h"
-#include "runtime/stage/stage_module.h"
+#include "runtime/stage/stage.h"
 
 namespace libpipe::schedule {
 
@@ -51,12 +49,6 @@ class SetupDeadline {
   std::thread thread_;
 };
 
-std::string serialize(torch::jit::Module& module) {
-  std::ostringstream out;
-  module.save(out);
-  return out.str();
-}
-
 }  // namespace
 
 WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<size_t, size_t>>& ranges,
@@ -88,8 +80,6 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
   SetupDeadline deadline(*transport_, o.comm_timeout);
   // Opened here only to see which tensors it holds.
   const auto checkpoint = stage_options.weights.empty() ? nullptr : stage::Checkpoint::open(stage_options.weights);
-  const auto aliases = stage_options.weights.empty() ? stage::AliasGroups{}
-                                                     : stage::alias_groups(graph::torchscript_model(plan).module());
   for (int r = 1; r < world_size_; ++r) {
     WorkerAssignment a;
     a.world_size = world_size_;
@@ -101,23 +91,11 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
     for (size_t s = ranges[r].first; s < ranges[r].second; ++s) {
       a.stages.push_back(stage_io(plan, s));
       a.devices.push_back(devices.at(s));
-      // Device constants baked in by tracing are rewritten for the device the stage will use
-      // (the same GPU numbering on every machine is assumed).
-      auto module = stage::build_stage_module(plan, s, devices.at(s), stage_options.dtype);
-      // With a checkpoint, each worker reads its own stages' tensors from it: only their shapes
-      // travel. Those it lacks (non-persistent buffers) travel with their data.
-      if (checkpoint) stage::strip_stage_weights(module, *checkpoint, aliases);
-      a.modules.push_back(serialize(module));
-      stage::AliasGroups mine;
-      for (const auto& p : module.named_parameters()) {
-        auto it = aliases.find(p.name);
-        if (it != aliases.end()) mine.insert(*it);
-      }
-      for (const auto& b : module.named_buffers()) {
-        auto it = aliases.find(b.name);
-        if (it != aliases.end()) mine.insert(*it);
-      }
-      a.aliases.push_back(std::move(mine));
+      // Built for the device the stage will use on the worker's machine (the same GPU numbering on
+      // every machine is assumed), without the tensors the worker reads from the checkpoint itself.
+      auto shipped = stage::ship_stage(plan, s, devices.at(s), stage_options, checkpoint.get());
+      a.modules.push_back(std::move(shipped.bytes));
+      a.aliases.push_back(std::move(shipped.aliases));
     }
     transport_->send(r, encode_assignment(a));
   }

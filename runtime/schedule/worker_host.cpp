@@ -2,11 +2,9 @@
 
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
-#include <torch/csrc/jit/serialization/import.h>
 
 #include <atomic>
 #include <mutex>
-#include <sstream>
 #include <thread>
 
 #include "runtime/comm/gloo_transport.h"
@@ -18,8 +16,7 @@
 #include "runtime/schedule/assignment.h"
 #include "runtime/schedule/bounded_queue.h"
 #include "runtime/schedule/heartbeat.h"
-#include "runtime/stage/cache_attention.h"
-#include "runtime/stage/packed_linear.h"
+#include "runtime/stage/stage.h"
 
 namespace libpipe::schedule {
 
@@ -41,30 +38,23 @@ std::vector<c10::Device> stage_devices(const WorkerAssignment& a, int rank, cons
   return devices;
 }
 
-// Loads this rank's stages; throws Error as load_stage_weights does.
-std::vector<torch::jit::Module> load_stages(const WorkerAssignment& a, int rank,
-                                            const std::vector<c10::Device>& devices) {
-  std::vector<torch::jit::Module> stages;
+// Loads this rank's stages; throws Error as building them does.
+std::vector<std::unique_ptr<stage::Stage>> load_stages(const WorkerAssignment& a, int rank,
+                                                       const std::vector<c10::Device>& devices) {
+  std::vector<std::unique_ptr<stage::Stage>> stages;
   auto checkpoint = a.weights.empty() ? nullptr : stage::Checkpoint::open(a.weights);
   stage::StageOptions options;
   options.weights = a.weights;
   options.dtype = a.dtype;
   for (size_t i = 0; i < a.stages.size(); ++i) {
-    std::istringstream in(a.modules[i]);
-    torch::jit::Module m;
-    try {
-      m = torch::jit::load(in, c10::Device(c10::kCPU));
-    } catch (const c10::Error& e) {
-      throw Error(Status::InvalidFormat, "rank " + std::to_string(rank) + " could not load stage " +
-                                             std::to_string(a.stages[i].index) + ": " + e.what_without_backtrace());
-    }
-    stage::load_stage_weights(m, a.aliases[i], a.stages[i].index, options, checkpoint.get(), devices[i]);
-    if (devices[i].is_cpu()) {
-      stage::pack_linear_weights(m);
-      stage::fuse_cache_attention(m);
-    }
-    m.eval();
-    stages.push_back(std::move(m));
+    stage::BuildOptions build;
+    build.options = &options;
+    build.checkpoint = checkpoint.get();
+    build.device = devices[i];
+    build.cpu_chunks = 1;  // worker processes share the machine: no cores are lent
+    stages.push_back(
+        stage::receive_stage({a.modules[i], a.aliases[i]}, a.stages[i].index, build,
+                             "stage " + std::to_string(a.stages[i].index) + " on rank " + std::to_string(rank)));
   }
   return stages;
 }
@@ -118,7 +108,7 @@ void serve(comm::Transport& transport, const c10::Device& device, std::chrono::m
     fail(why);
   });
 
-  std::vector<torch::jit::Module> stages;
+  std::vector<std::unique_ptr<stage::Stage>> stages;
   std::vector<device::Place> places;
   try {
     const auto devices = stage_devices(a, rank, device, nccl);
@@ -153,7 +143,7 @@ void serve(comm::Transport& transport, const c10::Device& device, std::chrono::m
                                                 " values instead of " + std::to_string(a.num_values));
             // Waiting for all the work before it (not only its producers') costs nothing here:
             // the earlier stages of this rank already waited for the rest.
-            c10::IValue out = run_stage_step(stages[i], io, m.values, places[i], env.ready);
+            c10::IValue out = run_stage_step(*stages[i], io, m.values, places[i], env.ready);
             if (io.last) {
               m.kind = Kind::Result;
               m.values = {std::move(out)};

@@ -9,8 +9,7 @@
 #include <thread>
 
 #include "runtime/error.h"
-#include "runtime/stage/stage_module.h"
-#include "runtime/stage/weights.h"
+#include "runtime/stage/stage.h"
 
 namespace libpipe::stage {
 
@@ -20,12 +19,12 @@ std::vector<double> time_stages(const graph::Plan& plan, const std::vector<c10::
   if (inputs.size() != names.size())
     throw Error(Status::Input, "the example inputs hold " + std::to_string(inputs.size()) +
                                    " tensors but the model takes " + std::to_string(names.size()));
-  std::vector<torch::jit::Module> stages;
-  for (size_t s = 0; s < plan.num_stages(); ++s) {
-    stages.push_back(build_stage_module(plan, s));
-    // Tensors the stages update in place (caches) become their own, so timing never writes the model's.
-    load_stage_weights(stages.back(), plan, s, StageOptions{}, nullptr);
-  }
+  std::vector<std::unique_ptr<Stage>> stages;
+  const StageOptions options;
+  BuildOptions build;
+  build.options = &options;
+  // Tensors the stages update in place (caches) become their own, so timing never writes the model's.
+  for (size_t s = 0; s < plan.num_stages(); ++s) stages.push_back(build_stage(plan, s, build));
 
   std::vector<std::vector<double>> samples(stages.size());
   std::exception_ptr failure;
@@ -44,7 +43,7 @@ std::vector<double> time_stages(const graph::Plan& plan, const std::vector<c10::
           const auto start = std::chrono::steady_clock::now();
           c10::IValue out;
           try {
-            out = stages[s].forward(std::move(args));
+            out = stages[s]->forward(std::move(args));
           } catch (const c10::Error& e) {
             throw Error(Status::Execution, "profiling stage " + std::to_string(s) +
                                                " on the example inputs failed: " + e.what_without_backtrace());

@@ -1,0 +1,136 @@
+#include "runtime/graph/exported/archive.h"
+
+#include <c10/util/Exception.h>
+#include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "runtime/error.h"
+#include "runtime/io/archive_check.h"
+
+namespace libpipe::graph::exported {
+
+namespace {
+
+// The zip reader's view of an archive held in memory.
+class MemoryAdapter : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit MemoryAdapter(std::shared_ptr<std::string> bytes) : bytes_(std::move(bytes)) {}
+  size_t size() const override { return bytes_->size(); }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= bytes_->size()) return 0;
+    n = std::min<size_t>(n, bytes_->size() - pos);
+    std::memcpy(buf, bytes_->data() + pos, n);
+    return n;
+  }
+
+ private:
+  std::shared_ptr<std::string> bytes_;
+};
+
+}  // namespace
+
+Pt2Archive::~Pt2Archive() = default;
+
+std::shared_ptr<Pt2Archive> Pt2Archive::open(const std::string& path) {
+  if (io::check_model_archive(path) != io::ModelFormat::Exported)
+    throw Error(Status::InvalidFormat, "'" + path + "' is a TorchScript archive, not a torch.export program");
+  std::shared_ptr<Pt2Archive> archive(new Pt2Archive());
+  archive->name_ = path;
+  try {
+    archive->reader_ = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
+  } catch (const c10::Error& e) {
+    throw Error(Status::InvalidFormat,
+                "'" + path + "' cannot be read as a torch.export archive: " + e.what_without_backtrace());
+  }
+  archive->index();
+  return archive;
+}
+
+std::shared_ptr<Pt2Archive> Pt2Archive::from_bytes(std::string bytes, const std::string& name) {
+  auto shared = std::make_shared<std::string>(std::move(bytes));
+  if (io::check_model_archive(shared->data(), shared->size(), name) != io::ModelFormat::Exported)
+    throw Error(Status::InvalidFormat, "'" + name + "' is a TorchScript archive, not a torch.export program");
+  std::shared_ptr<Pt2Archive> archive(new Pt2Archive());
+  archive->name_ = name;
+  archive->bytes_ = shared;
+  try {
+    archive->reader_ =
+        std::make_unique<caffe2::serialize::PyTorchStreamReader>(std::make_shared<MemoryAdapter>(shared));
+  } catch (const c10::Error& e) {
+    throw Error(Status::InvalidFormat,
+                "'" + name + "' cannot be read as a torch.export archive: " + e.what_without_backtrace());
+  }
+  archive->index();
+  return archive;
+}
+
+void Pt2Archive::index() {
+  const std::string dir = "models/", ext = ".json";
+  for (const auto& record : reader_->getAllRecords())
+    if (record.size() > dir.size() + ext.size() && record.compare(0, dir.size(), dir) == 0 &&
+        record.compare(record.size() - ext.size(), ext.size(), ext) == 0 &&
+        record.find('/', dir.size()) == std::string::npos)
+      programs_.push_back(record.substr(dir.size(), record.size() - dir.size() - ext.size()));
+  std::sort(programs_.begin(), programs_.end());
+}
+
+bool Pt2Archive::has(const std::string& record) const {
+  std::lock_guard lock(mutex_);
+  return reader_->hasRecord(record);
+}
+
+size_t Pt2Archive::size(const std::string& record) const {
+  std::lock_guard lock(mutex_);
+  if (!reader_->hasRecord(record)) throw Error(Status::InvalidFormat, "'" + name_ + "' has no record " + record);
+  return reader_->getRecordSize(record);
+}
+
+std::string Pt2Archive::read(const std::string& record) const {
+  std::string out(size(record), '\0');
+  read_into(record, out.data(), out.size());
+  return out;
+}
+
+void Pt2Archive::read_into(const std::string& record, void* dst, size_t bytes) const {
+  std::lock_guard lock(mutex_);
+  if (!reader_->hasRecord(record)) throw Error(Status::InvalidFormat, "'" + name_ + "' has no record " + record);
+  if (reader_->getRecordSize(record) != bytes)
+    throw Error(Status::InvalidFormat, "'" + name_ + "': record " + record + " holds " +
+                                           std::to_string(reader_->getRecordSize(record)) + " bytes, not the " +
+                                           std::to_string(bytes) + " its metadata says");
+  try {
+    reader_->getRecord(record, dst, bytes);
+  } catch (const c10::Error& e) {
+    throw Error(Status::InvalidFormat,
+                "'" + name_ + "': record " + record + " cannot be read: " + e.what_without_backtrace());
+  }
+}
+
+struct Pt2Writer::Impl {
+  std::string bytes;
+  caffe2::serialize::PyTorchStreamWriter writer{[this](const void* data, size_t n) {
+    bytes.append(static_cast<const char*>(data), n);
+    return n;
+  }};
+};
+
+Pt2Writer::Pt2Writer() : impl_(std::make_unique<Impl>()) {}
+Pt2Writer::~Pt2Writer() = default;
+
+void Pt2Writer::add(const std::string& record, const void* data, size_t size) {
+  impl_->writer.writeRecord(record, data, size);
+}
+
+std::string Pt2Writer::finish() {
+  // What torch.export.pt2_archive's writer adds beside the programs: readers check them.
+  add("archive_format", std::string("pt2"));
+  add("archive_version", std::string("0"));
+  add("byteorder", std::string("little"));
+  impl_->writer.writeEndOfFile();
+  return std::move(impl_->bytes);
+}
+
+}  // namespace libpipe::graph::exported

@@ -1,0 +1,76 @@
+#include "runtime/libtorch_log.h"
+
+#include <cctype>
+#include <iostream>
+#include <mutex>
+#include <streambuf>
+#include <string>
+
+#include "runtime/log.h"
+
+namespace libpipe::log {
+
+namespace {
+
+// "[W1128 09:12:34.567890 123 file.cpp:45] message": a bracket, the severity letter, the month.
+bool starts_record(const char* s, std::streamsize n) {
+  return n >= 4 && s[0] == '[' && (s[1] == 'I' || s[1] == 'W' || s[1] == 'E' || s[1] == 'F') &&
+         std::isdigit(static_cast<unsigned char>(s[2])) && std::isdigit(static_cast<unsigned char>(s[3]));
+}
+
+class Filter : public std::streambuf {
+ public:
+  explicit Filter(std::streambuf* original) : original_(original) {}
+
+ protected:
+  std::streamsize xsputn(const char* s, std::streamsize n) override {
+    std::string& record = pending();
+    if (record.empty() && !starts_record(s, n)) {
+      std::lock_guard lock(mutex_);
+      return original_->sputn(s, n);
+    }
+    record.append(s, static_cast<size_t>(n));
+    if (!record.empty() && record.back() == '\n') emit(record);
+    return n;
+  }
+  int_type overflow(int_type c) override {
+    if (traits_type::eq_int_type(c, traits_type::eof())) return traits_type::not_eof(c);
+    const char ch = traits_type::to_char_type(c);
+    return xsputn(&ch, 1) == 1 ? c : traits_type::eof();
+  }
+  int sync() override {
+    std::string& record = pending();
+    if (!record.empty()) emit(record);
+    std::lock_guard lock(mutex_);
+    return original_->pubsync();
+  }
+
+ private:
+  // A record may arrive in several writes from one thread; threads never share one.
+  static std::string& pending() {
+    thread_local std::string record;
+    return record;
+  }
+  static void emit(std::string& record) {
+    while (!record.empty() && (record.back() == '\n' || record.back() == '\r')) record.pop_back();
+    const Level level = record.size() > 1 && record[1] == 'W' ? Warning : Debug;
+    write(level, "LibTorch: " + record);
+    record.clear();
+  }
+
+  std::streambuf* original_;
+  std::mutex mutex_;
+};
+
+}  // namespace
+
+void capture_libtorch_log() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // Never destroyed: std::cerr may be written to until the process ends.
+    static Filter* filter = new Filter(std::cerr.rdbuf());
+    std::cerr.rdbuf(filter);
+  });
+}
+
+}  // namespace libpipe::log

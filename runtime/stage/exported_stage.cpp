@@ -1,0 +1,355 @@
+#include "runtime/stage/exported_stage.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
+#include <sys/mman.h>
+#include <torch/nativert/ModelRunnerHandle.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <mutex>
+#include <set>
+
+#include "runtime/error.h"
+#include "runtime/graph/exported/archive.h"
+#include "runtime/libtorch_log.h"
+
+namespace libpipe::stage {
+
+namespace {
+
+using graph::exported::ExportedModel;
+using graph::exported::Json;
+using graph::exported::Pt2Writer;
+using graph::exported::RefKind;
+using graph::exported::Weight;
+
+Json leaf_spec() { return {{"type", nullptr}, {"context", nullptr}, {"children_spec", Json::array()}}; }
+
+Json tuple_spec(Json children) {
+  return {{"type", "builtins.tuple"}, {"context", "null"}, {"children_spec", std::move(children)}};
+}
+
+// A treespec as the schema stores it: "[1, <spec>]" (the pytree protocol version first).
+std::string treespec_text(const Json& spec) { return "[1, " + spec.dump() + "]"; }
+
+Json device_json(const c10::Device& device) {
+  return {{"type", device.is_cpu() ? "cpu" : c10::DeviceTypeName(device.type(), true)},
+          {"index", device.has_index() ? Json(device.index()) : Json(nullptr)}};
+}
+
+// Points every device the program records (tensor metadata, device arguments of operators such as
+// arange or to) at the stage's device: a program exported on one machine runs its stages where the
+// session places them.
+void place_devices(Json& value, const Json& device) {
+  if (value.is_object()) {
+    for (auto& [key, inner] : value.items()) {
+      if ((key == "device" || key == "as_device") && inner.is_object() && inner.contains("type")) {
+        inner = device;
+        continue;
+      }
+      if (key == "as_graph") {  // a subgraph's devices too
+        place_devices(inner, device);
+        continue;
+      }
+      place_devices(inner, device);
+    }
+  } else if (value.is_array()) {
+    for (auto& inner : value) place_devices(inner, device);
+  }
+}
+
+// The dtype most of the program's floating weights have: what it was exported in.
+std::optional<at::ScalarType> weights_dtype(const ExportedModel& model) {
+  std::map<at::ScalarType, uint64_t> bytes;
+  for (const auto& w : model.weights())
+    if (at::isFloatingType(w.meta.dtype)) bytes[w.meta.dtype] += std::max<uint64_t>(w.meta.nbytes, 1);
+  std::optional<at::ScalarType> best;
+  uint64_t most = 0;
+  for (const auto& [dtype, n] : bytes)
+    if (n > most) {
+      most = n;
+      best = dtype;
+    }
+  return best;
+}
+
+void check_dtype(const ExportedModel& model, const StageOptions& options) {
+  if (!options.dtype) return;
+  const auto have = weights_dtype(model);
+  if (!have || *have == *options.dtype) return;
+  throw Error(Status::Unsupported,
+              "'" + model.path() + "' is a torch.export program in " + c10::toString(*have) +
+                  ": an exported program fixes its dtypes when it is exported (every cast and dtype argument is "
+                  "written into it), so libpipe cannot run it in " +
+                  c10::toString(*options.dtype) + ". Export the model in that dtype instead (model.to(torch." +
+                  (*options.dtype == at::kBFloat16 ? std::string("bfloat16")
+                   : *options.dtype == at::kHalf   ? std::string("float16")
+                                                   : std::string(c10::toString(*options.dtype))) +
+                  ") before libpipe.export_program), or leave the dtype unset");
+}
+
+// Writes the weights `ids` of `source` into `writer` and returns the stage's weights and constants
+// configs. Data comes from `checkpoint` when it holds the tensor (cast to the program's dtype when a
+// dtype was asked for, else it must match), otherwise from the source archive's record.
+std::pair<Json, Json> write_weights(Pt2Writer& writer, const ExportedModel& source, const std::vector<size_t>& ids,
+                                    const std::string& stage, const StageOptions& options, Checkpoint* checkpoint,
+                                    bool leave_out, const Json& device) {
+  Json weights = Json::object(), constants = Json::object();
+  const std::string where = " (" + stage + ")";
+  for (size_t id : ids) {
+    const Weight& w = source.weights().at(id);
+    Json config = w.config;
+    const std::string dir = w.in_constants ? "data/constants/" : "data/weights/";
+    const std::string record = dir + config.value("path_name", std::string());
+    std::string key;
+    if (checkpoint && w.spec_kind != "tensor_constant") key = checkpoint->resolve(w.fqn, {});
+    if (!key.empty() && leave_out) {
+      writer.add(record, nullptr, 0);
+    } else if (!key.empty()) {
+      at::Tensor t = checkpoint->load(key);
+      std::vector<int64_t> want;
+      for (const auto& d : w.meta.sizes) want.push_back(d.size);
+      if (t.sizes() != c10::IntArrayRef(want))
+        throw Error(Status::Input, "tensor '" + w.fqn + "'" + where + ": the model expects shape " + c10::str(want) +
+                                       " but checkpoint tensor '" + key + "' has shape " + c10::str(t.sizes()));
+      if (t.scalar_type() != w.meta.dtype) {
+        if (!(options.dtype && at::isFloatingType(t.scalar_type()) && at::isFloatingType(w.meta.dtype)))
+          throw Error(Status::Input, "tensor '" + w.fqn + "'" + where + ": the model expects dtype " +
+                                         c10::toString(w.meta.dtype) + " but checkpoint tensor '" + key + "' has " +
+                                         c10::toString(t.scalar_type()) +
+                                         " (ask for a dtype to convert floating weights)");
+        t = t.to(w.meta.dtype);
+      }
+      t = t.contiguous();
+      writer.add(record, t.data_ptr(), t.nbytes());
+      Json& meta = config["tensor_meta"];
+      Json strides = Json::array();
+      for (int64_t s : t.strides()) strides.push_back({{"as_int", s}});
+      meta["strides"] = strides;
+      meta["storage_offset"] = {{"as_int", 0}};
+    } else {
+      const size_t size = source.archive().has(record) ? source.archive().size(record) : 0;
+      if (size == 0 && w.meta.nbytes > 0)
+        throw Error(checkpoint ? Status::NotFound : Status::InvalidArgument,
+                    "tensor '" + w.fqn + "'" + where + " has no data in '" + source.path() + "'" +
+                        (checkpoint ? " and is not in checkpoint '" + checkpoint->path() +
+                                          "' (also tried with a prefix such as 'model.' added or removed)"
+                                    : ": give its weights with a checkpoint (--weights / pipe_stage_options.weights)"));
+      std::string bytes(size, '\0');
+      if (size) source.archive().read_into(record, bytes.data(), size);
+      writer.add(record, bytes);
+    }
+    if (config.contains("tensor_meta")) config["tensor_meta"]["device"] = device;
+    (w.in_constants ? constants : weights)[w.fqn] = std::move(config);
+  }
+  return {Json{{"config", weights}}, Json{{"config", constants}}};
+}
+
+std::string write_archive(Json program, const ExportedModel& source, const std::vector<size_t>& weight_ids,
+                          const std::string& stage, const c10::Device& device, const StageOptions& options,
+                          Checkpoint* checkpoint, bool leave_out) {
+  const Json where = device_json(device);
+  place_devices(program["graph_module"]["graph"], where);
+  Pt2Writer writer;
+  auto [weights, constants] = write_weights(writer, source, weight_ids, stage, options, checkpoint, leave_out, where);
+  writer.add("models/model.json", program.dump());
+  writer.add("data/weights/model_weights_config.json", weights.dump());
+  writer.add("data/constants/model_constants_config.json", constants.dump());
+  return writer.finish();
+}
+
+// The program of stage `index`: its nodes, its crossing values as inputs and outputs, its weights.
+Json stage_program(const ExportedModel& model, const graph::Plan& plan, size_t index, std::vector<size_t>& weight_ids) {
+  const graph::StagePlan& sp = plan.stage(index);
+  const bool last = index + 1 == plan.num_stages();
+  const Json& graph = model.graph();
+  const Json& nodes = graph["nodes"];
+
+  std::set<size_t> keep;  // json node indices
+  for (size_t id : sp.nodes) {
+    keep.insert(model.json_node(id));
+    const auto& symbols = model.symbol_nodes(id);
+    keep.insert(symbols.begin(), symbols.end());
+  }
+  if (last) {
+    const auto& symbols = model.symbol_nodes(model.nodes().size());
+    keep.insert(symbols.begin(), symbols.end());
+  }
+
+  Json stage_nodes = Json::array();
+  std::set<std::string> tensors, symbols;
+  auto note = [&](const std::string& name, RefKind kind) {
+    if (kind == RefKind::Symbol) symbols.insert(name);
+    else tensors.insert(name);
+  };
+  for (size_t i : keep) {
+    stage_nodes.push_back(nodes[i]);
+    graph::exported::for_each_input_ref(nodes[i], note);
+    graph::exported::for_each_output_ref(nodes[i], note);
+  }
+
+  // Inputs: the weights first (in the program's order), then the crossing values.
+  weight_ids = sp.attributes;
+  std::sort(weight_ids.begin(), weight_ids.end());
+  Json inputs = Json::array(), input_specs = Json::array(), arg_names = Json::array(), leaves = Json::array();
+  for (size_t id : weight_ids) {
+    const Weight& w = model.weights()[id];
+    inputs.push_back({{"as_tensor", {{"name", w.placeholder}}}});
+    input_specs.push_back(w.spec);
+    tensors.insert(w.placeholder);
+  }
+  for (size_t cv : sp.inputs) {
+    const std::string& name = plan.values()[cv].name;
+    inputs.push_back({{"as_tensor", {{"name", name}}}});
+    input_specs.push_back({{"user_input", {{"arg", {{"as_tensor", {{"name", name}}}}}}}});
+    arg_names.push_back(name);
+    leaves.push_back(leaf_spec());
+    tensors.insert(name);
+  }
+
+  Json outputs = Json::array(), output_specs = Json::array();
+  std::string out_spec;
+  const Json& calls = model.program()["graph_module"]["module_call_graph"];
+  if (last) {
+    outputs = graph["outputs"];
+    for (const auto& out : outputs) {
+      graph::exported::for_each_ref(out, note);
+      output_specs.push_back({{"user_output", {{"arg", out}}}});
+    }
+    out_spec = calls[0]["signature"].value("out_spec", std::string());
+  } else {
+    Json out_leaves = Json::array();
+    for (size_t cv : sp.outputs) {
+      const std::string& name = plan.values()[cv].name;
+      const Json arg = {{"as_tensor", {{"name", name}}}};
+      outputs.push_back(arg);
+      output_specs.push_back({{"user_output", {{"arg", arg}}}});
+      out_leaves.push_back(leaf_spec());
+      tensors.insert(name);
+    }
+    out_spec = treespec_text(tuple_spec(std::move(out_leaves)));
+  }
+  // Sizes cannot be handed between programs (nativert takes tensor inputs only): a symbol a stage
+  // reads must be one it computes. The front-end makes every symbol-only node recomputable; a
+  // symbol some other operator defines cannot cross.
+  for (size_t cv : sp.inputs)
+    for (const auto& s : symbols)
+      if (plan.values()[cv].name == s)
+        throw Error(Status::Unsupported, "the symbolic size '" + s + "' would cross into stage " +
+                                             std::to_string(index) +
+                                             ", and stages of an exported program can only hand over tensors; move "
+                                             "the split point so that its producer and its readers share a stage");
+
+  Json program = model.program();
+  Json& gm = program["graph_module"];
+  Json& g = gm["graph"];
+  g["nodes"] = std::move(stage_nodes);
+  g["inputs"] = std::move(inputs);
+  g["outputs"] = std::move(outputs);
+  if (!last) g["is_single_tensor_return"] = false;
+  auto filter = [](const Json& table, const std::set<std::string>& names) {
+    Json out = Json::object();
+    for (const auto& [name, value] : table.items())
+      if (names.count(name)) out[name] = value;
+    return out;
+  };
+  g["tensor_values"] = filter(graph.value("tensor_values", Json::object()), tensors);
+  for (const char* table : {"sym_int_values", "sym_bool_values", "sym_float_values"})
+    if (graph.contains(table)) g[table] = filter(graph[table], symbols);
+  g["custom_obj_values"] = Json::object();
+  gm["signature"]["input_specs"] = std::move(input_specs);
+  gm["signature"]["output_specs"] = std::move(output_specs);
+  Json signature = calls[0]["signature"];
+  signature["in_spec"] =
+      treespec_text(tuple_spec({tuple_spec(std::move(leaves)),
+                                {{"type", "builtins.dict"}, {"context", "[]"}, {"children_spec", Json::array()}}}));
+  signature["out_spec"] = out_spec;
+  signature["forward_arg_names"] = std::move(arg_names);
+  signature["inputs"] = Json::array();
+  signature["outputs"] = Json::array();
+  gm["module_call_graph"] = Json::array({{{"fqn", ""}, {"signature", std::move(signature)}}});
+  program["guards_code"] = Json::array();
+  return program;
+}
+
+// An anonymous in-memory file holding `bytes`, for a reader that takes paths only.
+class MemoryFile {
+ public:
+  explicit MemoryFile(const std::string& bytes) {
+    fd_ = memfd_create("libpipe-stage", MFD_CLOEXEC);
+    if (fd_ < 0) throw Error(Status::Io, std::string("cannot make an in-memory file for a stage: ") + strerror(errno));
+    size_t done = 0;
+    while (done < bytes.size()) {
+      const ssize_t n = ::write(fd_, bytes.data() + done, bytes.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        const int err = errno;
+        ::close(fd_);
+        throw Error(err == ENOSPC || err == ENOMEM ? Status::OutOfMemory : Status::Io,
+                    std::string("cannot write a stage into memory: ") + strerror(err));
+      }
+      done += static_cast<size_t>(n);
+    }
+  }
+  ~MemoryFile() { ::close(fd_); }
+  std::string path() const { return "/proc/self/fd/" + std::to_string(fd_); }
+
+ private:
+  int fd_ = -1;
+};
+
+class ExportedStage : public Stage {
+ public:
+  ExportedStage(const std::string& archive, const std::string& what) {
+    log::capture_libtorch_log();
+    MemoryFile file(archive);
+    // nativert prints every program's signature to stdout while c10's log level is above 2 (a
+    // debugging aid behind the wrong flag), and libpipe raises that level process-wide to quiet
+    // c10d (comm/rendezvous.cpp): it is lowered while a program loads. Loads take turns for that.
+    static std::mutex loading;
+    std::lock_guard lock(loading);
+    const int level = FLAGS_caffe2_log_level;
+    if (level > 2) FLAGS_caffe2_log_level = 2;
+    try {
+      runner_ = std::make_unique<torch::nativert::ModelRunnerHandle>(file.path(), "model");
+    } catch (const c10::Error& e) {
+      FLAGS_caffe2_log_level = level;
+      throw Error(Status::InvalidFormat,
+                  what + ": LibTorch's runtime for exported programs refused it: " + e.what_without_backtrace());
+    }
+    FLAGS_caffe2_log_level = level;
+  }
+  c10::IValue forward(std::vector<c10::IValue> inputs) override { return runner_->run(inputs, {}); }
+
+ private:
+  // Held through a pointer: the handle's own move operations cannot be instantiated outside LibTorch.
+  std::unique_ptr<torch::nativert::ModelRunnerHandle> runner_;
+};
+
+}  // namespace
+
+std::string exported_stage_archive(const ExportedModel& model, const graph::Plan& plan, size_t index,
+                                   const c10::Device& device, const StageOptions& options, Checkpoint* checkpoint,
+                                   bool leave_out) {
+  check_dtype(model, options);
+  std::vector<size_t> weight_ids;
+  Json program = stage_program(model, plan, index, weight_ids);
+  return write_archive(std::move(program), model, weight_ids, "stage " + std::to_string(index), device, options,
+                       checkpoint, leave_out);
+}
+
+std::string complete_stage_archive(const ExportedModel& received, const c10::Device& device,
+                                   const StageOptions& options, Checkpoint* checkpoint) {
+  std::vector<size_t> all(received.weights().size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  return write_archive(received.program(), received, all, received.path(), device, options, checkpoint, false);
+}
+
+std::unique_ptr<Stage> run_exported_stage(const std::string& archive, const std::string& what) {
+  return std::make_unique<ExportedStage>(archive, what);
+}
+
+}  // namespace libpipe::stage

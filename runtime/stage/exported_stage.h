@@ -1,0 +1,36 @@
+// The exported-program stage builder: one stage of a plan made from a torch.export program, as an
+// exported program itself (a .pt2 holding one program named "model", loadable by
+// torch.export.load), run by LibTorch's nativert (torch::nativert::ModelRunnerHandle).
+//
+// A stage program is the original program's JSON cut down to the stage's nodes (and the nodes that
+// compute the symbolic sizes they read, recomputed there), with the crossing values as its inputs
+// and outputs, and only the weights it reads, each written as its own record: from the model's
+// archive, or from a checkpoint. Device fields are rewritten for the stage's device.
+//
+// nativert reads a program from a file only, so a stage to run is written to an anonymous
+// in-memory file (memfd), which nativert reads its weights from once.
+#pragma once
+
+#include "runtime/graph/exported/model.h"
+#include "runtime/stage/stage.h"
+
+namespace libpipe::stage {
+
+// The stage as a .pt2 archive's bytes. With `leave_out` set, tensors `checkpoint` holds are written
+// as empty records (a worker process fills them from the checkpoint itself). Throws Error: Unsupported
+// for a dtype the program was not exported in or a symbolic size crossing between stages, NotFound /
+// Input / InvalidFormat as the weights' checks do (naming the tensor and the stage).
+std::string exported_stage_archive(const graph::exported::ExportedModel& model, const graph::Plan& plan, size_t index,
+                                   const c10::Device& device, const StageOptions& options, Checkpoint* checkpoint,
+                                   bool leave_out = false);
+
+// The archive of a stage program as received (from exported_stage_archive with leave_out), made whole:
+// its left-out tensors read from `checkpoint`, placed for `device`.
+std::string complete_stage_archive(const graph::exported::ExportedModel& received, const c10::Device& device,
+                                   const StageOptions& options, Checkpoint* checkpoint);
+
+// Runs a stage archive with nativert. Throws Error(InvalidFormat) when nativert refuses the
+// program (its message included), naming `what`.
+std::unique_ptr<Stage> run_exported_stage(const std::string& archive, const std::string& what);
+
+}  // namespace libpipe::stage

@@ -1,0 +1,78 @@
+#include "runtime/stage/torchscript_stage.h"
+
+#include <torch/csrc/jit/serialization/import.h>
+
+#include <sstream>
+
+#include "runtime/error.h"
+#include "runtime/graph/torchscript/model.h"
+#include "runtime/stage/cache_attention.h"
+#include "runtime/stage/packed_linear.h"
+#include "runtime/stage/stage_module.h"
+
+namespace libpipe::stage {
+
+namespace {
+
+std::unique_ptr<Stage> finish(torch::jit::Module module, const BuildOptions& build) {
+  if (build.cpu_chunks > 0 && build.device.is_cpu()) {
+    pack_linear_weights(module, build.cpu_chunks);
+    fuse_cache_attention(module);
+  }
+  module.eval();
+  return std::make_unique<TorchScriptStage>(std::move(module));
+}
+
+}  // namespace
+
+std::unique_ptr<Stage> build_torchscript_stage(const graph::Plan& plan, size_t index, const BuildOptions& build) {
+  auto module = build_stage_module(plan, index, build.device, build.options->dtype);
+  load_stage_weights(module, plan, index, *build.options, build.checkpoint, build.device);
+  return finish(std::move(module), build);
+}
+
+void save_torchscript_stage(const graph::Plan& plan, size_t index, const StageOptions& options, Checkpoint* checkpoint,
+                            const std::string& path) {
+  auto module = build_stage_module(plan, index, c10::Device(c10::kCPU), options.dtype);
+  load_stage_weights(module, plan, index, options, checkpoint);
+  try {
+    module.save(path);
+  } catch (const c10::Error& e) {
+    throw Error(Status::Io, "cannot write '" + path + "': " + e.what_without_backtrace());
+  }
+}
+
+ShippedStage ship_torchscript_stage(const graph::Plan& plan, size_t index, const c10::Device& device,
+                                    const StageOptions& options, const Checkpoint* checkpoint) {
+  const auto aliases = checkpoint ? alias_groups(graph::torchscript_model(plan).module()) : AliasGroups{};
+  // Device constants baked in by tracing are rewritten for the device the stage will use (the same
+  // GPU numbering on every machine is assumed).
+  auto module = build_stage_module(plan, index, device, options.dtype);
+  // With a checkpoint, each worker reads its own stages' tensors from it: only their shapes travel.
+  // Those it lacks (non-persistent buffers) travel with their data.
+  if (checkpoint) strip_stage_weights(module, *checkpoint, aliases);
+  ShippedStage out;
+  std::ostringstream bytes;
+  module.save(bytes);
+  out.bytes = bytes.str();
+  for (const auto& p : module.named_parameters())
+    if (auto it = aliases.find(p.name); it != aliases.end()) out.aliases.insert(*it);
+  for (const auto& b : module.named_buffers())
+    if (auto it = aliases.find(b.name); it != aliases.end()) out.aliases.insert(*it);
+  return out;
+}
+
+std::unique_ptr<Stage> receive_torchscript_stage(const ShippedStage& shipped, size_t index, const BuildOptions& build,
+                                                 const std::string& what) {
+  std::istringstream in(shipped.bytes);
+  torch::jit::Module module;
+  try {
+    module = torch::jit::load(in, c10::Device(c10::kCPU));
+  } catch (const c10::Error& e) {
+    throw Error(Status::InvalidFormat, what + " could not be loaded: " + e.what_without_backtrace());
+  }
+  load_stage_weights(module, shipped.aliases, index, *build.options, build.checkpoint, build.device);
+  return finish(std::move(module), build);
+}
+
+}  // namespace libpipe::stage
