@@ -10,6 +10,7 @@
 
 #include "runtime/device/cuda_library.h"
 #include "runtime/device/placement.h"
+#include "runtime/graph/exported/input_check.h"
 #include "runtime/log.h"
 #include "runtime/planner/planner.h"
 #include "runtime/schedule/assignment.h"
@@ -320,6 +321,14 @@ std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs,
     ~Unpromise() { session.unpromise(left); }
   } promised{*this, promise_microbatches()};
   auto microbatches = chunk::split_inputs(cast.empty() ? inputs : cast, names, promised.left, options_.input_specs);
+  // An exported program's stages check nothing they are given: each micro-batch (what the first
+  // stages see; a batch dimension may have a range) is checked against the program here.
+  if (const auto* exported = dynamic_cast<const graph::exported::ExportedModel*>(&plan_->model()))
+    for (size_t m = 0; m < microbatches.size(); ++m)
+      graph::exported::check_inputs(
+          *exported, microbatches[m],
+          microbatches.size() == 1 ? std::string()
+                                   : "micro-batch " + std::to_string(m) + " of " + std::to_string(microbatches.size()));
   auto request =
       std::make_shared<Request>(next_request_id_++, microbatches.size(), options.deadline, options_.outputs_on_device);
   for (size_t m = 0; m < microbatches.size(); ++m) {

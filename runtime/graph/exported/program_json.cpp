@@ -119,6 +119,22 @@ int64_t code_of(at::ScalarType type) {
               std::string("dtype ") + c10::toString(type) + " has no code in torch.export's schema");
 }
 
+std::string python_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kLong: return "int64";
+    case at::kInt: return "int32";
+    case at::kShort: return "int16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    default: return c10::toString(type);
+  }
+}
+
 TensorMeta tensor_meta(const Json& meta, const std::string& what) {
   TensorMeta out;
   const int64_t code = meta.value("dtype", int64_t{0});

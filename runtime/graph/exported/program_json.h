@@ -49,6 +49,9 @@ OperatorName operator_name(const std::string& target);
 std::optional<at::ScalarType> scalar_type_of(int64_t code);
 int64_t code_of(at::ScalarType type);
 
+// PyTorch's Python name for a dtype ("float32", "bfloat16", "int64"), for messages that say what to write.
+std::string python_dtype(at::ScalarType type);
+
 // One dimension of a tensor's recorded shape: a number, or a symbolic size ("s17", or an
 // expression of symbols such as "2*s17", kept as text).
 struct Dim {
