@@ -1,5 +1,6 @@
 // The C ABI: loading a model and reading its inputs and module tree.
 #include "capi/boundary.h"
+#include "runtime/graph/exported/model.h"
 #include "runtime/graph/load.h"
 
 using namespace libpipe::capi;
@@ -15,6 +16,15 @@ pipe_status pipe_model_load(const char* path, pipe_model** model) {
     auto m = std::make_unique<libpipe::capi::ModelHandle>();
     m->impl = libpipe::graph::load_program(path);
     *model = handle(m.release());
+  });
+}
+
+pipe_status pipe_model_format(const pipe_model* model, int32_t* format) {
+  return guarded(__func__, [&](const char* fn) {
+    require(model, fn, "model");
+    require(format, fn, "format");
+    const bool exported = dynamic_cast<const libpipe::graph::exported::ExportedModel*>(get(model)->impl.get());
+    *format = exported ? PIPE_MODEL_EXPORTED : PIPE_MODEL_TORCHSCRIPT;
   });
 }
 

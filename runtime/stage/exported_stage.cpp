@@ -85,9 +85,7 @@ void check_dtype(const ExportedModel& model, const StageOptions& options) {
                   ": an exported program fixes its dtypes when it is exported (every cast and dtype argument is "
                   "written into it), so libpipe cannot run it in " +
                   c10::toString(*options.dtype) + ". Export the model in that dtype instead (model.to(torch." +
-                  (*options.dtype == at::kBFloat16 ? std::string("bfloat16")
-                   : *options.dtype == at::kHalf   ? std::string("float16")
-                                                   : std::string(c10::toString(*options.dtype))) +
+                  graph::exported::python_dtype(*options.dtype) +
                   ") before libpipe.export_program), or leave the dtype unset");
 }
 
@@ -158,6 +156,8 @@ std::string write_archive(Json program, const ExportedModel& source, const std::
   writer.add("models/model.json", program.dump());
   writer.add("data/weights/model_weights_config.json", weights.dump());
   writer.add("data/constants/model_constants_config.json", constants.dump());
+  // torch.export.load reads every program's example inputs; an empty record stands for none.
+  writer.add("data/sample_inputs/model.pt", nullptr, 0);
   return writer.finish();
 }
 

@@ -117,18 +117,25 @@ int cmd_split(int argc, char **argv) {
       fprintf(stderr, "pipe: error: --stage %d but the plan has %zu stages\n", only_stage, stages);
       goto done;
     }
+    /* A stage is saved in the model's own format: TorchScript (.pt) or an exported program (.pt2). */
+    int32_t format = PIPE_MODEL_TORCHSCRIPT;
+    if ((st = pipe_model_format(model, &format)) != PIPE_OK) {
+      fail("cannot read the model's format", st);
+      goto done;
+    }
+    const char *ext = format == PIPE_MODEL_EXPORTED ? "pt2" : "pt";
     size_t saved = 0;
     for (size_t s = 0; s < stages; ++s) {
       if (only_stage >= 0 && (size_t)only_stage != s) continue;
       char path[4096];
-      snprintf(path, sizeof path, "%s/stage%zu.pt", save_dir, s);
+      snprintf(path, sizeof path, "%s/stage%zu.%s", save_dir, s, ext);
       if ((st = pipe_plan_save_stage(plan, s, &split.weights, path)) != PIPE_OK) {
         fail("cannot save stage", st);
         goto done;
       }
       ++saved;
     }
-    fprintf(stderr, "pipe: saved %zu stage%s to %s/stage<i>.pt\n", saved, saved == 1 ? "" : "s", save_dir);
+    fprintf(stderr, "pipe: saved %zu stage%s to %s/stage<i>.%s\n", saved, saved == 1 ? "" : "s", save_dir, ext);
   }
   rc = 0;
 done:
