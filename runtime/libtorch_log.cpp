@@ -53,7 +53,10 @@ class Filter : public std::streambuf {
   }
   static void emit(std::string& record) {
     while (!record.empty() && (record.back() == '\n' || record.back() == '\r')) record.pop_back();
-    const Level level = record.size() > 1 && record[1] == 'W' ? Warning : Debug;
+    // TORCH_WARN's records ("[W... file.cpp:12] Warning: ...") tell the user something about the model;
+    // LibTorch's other records are its own notes (nativert lists the operators it has no static
+    // kernel for on every load) or describe a failure the caller gets as a status anyway.
+    const Level level = record.find("] Warning: ") != std::string::npos ? Warning : Debug;
     write(level, "LibTorch: " + record);
     record.clear();
   }

@@ -4,6 +4,8 @@ For model authors (pure Python over torch; no compiled libpipe needed):
   `pipe_split()` marks a stage boundary in a model's forward; libpipe cuts the exported
   TorchScript model there. `save_skeleton()` and `save_checkpoint()` export a model as code plus
   safetensors weights, so that each pipeline stage loads only its own weights.
+  `export_program()` exports a model with torch.export as a `.pt2` program libpipe can split and
+  run (libpipe.exported).
 
 For running models (the native module `libpipe._native`, a SWIG wrapper of libpipe's C ABI,
 imported on first use):
@@ -60,6 +62,7 @@ try:
     # Importing the marker registers pipe::split in this process's torch before libpipe's native
     # library is loaded (which then finds it and does not register it a second time).
     from .export import save_checkpoint, save_skeleton
+    from .exported import export_program
     from .marker import pipe_split
 except ModuleNotFoundError as _missing:  # no torch: the runtime still works with numpy
     if _missing.name not in ("torch", "safetensors"):
@@ -73,11 +76,13 @@ except ModuleNotFoundError as _missing:  # no torch: the runtime still works wit
         unavailable.__name__ = name
         return unavailable
 
+    export_program = _needs_torch("export_program")
     pipe_split = _needs_torch("pipe_split")
     save_checkpoint = _needs_torch("save_checkpoint")
     save_skeleton = _needs_torch("save_skeleton")
 
 __all__ = [
+    "export_program",
     "pipe_split",
     "save_checkpoint",
     "save_skeleton",
