@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <set>
 
@@ -92,56 +93,127 @@ void check_dtype(const ExportedModel& model, const StageOptions& options) {
 // Writes the weights `ids` of `source` into `writer` and returns the stage's weights and constants
 // configs. Data comes from `checkpoint` when it holds the tensor (cast to the program's dtype when a
 // dtype was asked for, else it must match), otherwise from the source archive's record.
+// The tensor `meta` describes inside the storage record `bytes`: sizes, strides and offset as
+// recorded (torch.export.save writes a whole storage per record, slices of it at their offsets).
+at::Tensor view_of_record(std::string& bytes, const Json& meta, at::ScalarType dtype) {
+  std::vector<int64_t> sizes, strides;
+  for (const auto& d : meta.value("sizes", Json::array())) sizes.push_back(d.value("as_int", int64_t{0}));
+  for (const auto& d : meta.value("strides", Json::array())) strides.push_back(d.value("as_int", int64_t{1}));
+  const int64_t offset = meta.value("storage_offset", Json::object()).value("as_int", int64_t{0});
+  const int64_t elements = static_cast<int64_t>(bytes.size() / c10::elementSize(dtype));
+  int64_t needed = sizes.empty() ? 1 : 0;
+  if (!sizes.empty()) {
+    needed = 1;
+    bool empty = false;
+    for (size_t d = 0; d < sizes.size(); ++d) {
+      empty |= sizes[d] == 0;
+      needed += (sizes[d] - 1) * (d < strides.size() ? strides[d] : 1);
+    }
+    if (empty) needed = 0;
+  }
+  if (offset < 0 || offset + needed > elements)
+    throw Error(Status::InvalidFormat, "a weight record holds " + std::to_string(elements) + " elements but its " +
+                                           "metadata reaches element " + std::to_string(offset + needed));
+  return at::from_blob(bytes.data(), {elements}, at::TensorOptions().dtype(dtype)).as_strided(sizes, strides, offset);
+}
+
+// Writes the weights `ids` of `source` into `writer` and returns the stage's weights and constants
+// configs. Each tensor gets a record of its own bytes, contiguous at offset 0: nativert ignores a
+// record's storage offset, so a weight that is a slice of a larger tensor (as torch.export.save
+// writes them, one record per storage) would load from the storage's first bytes. Data comes from
+// `checkpoint` when it holds the tensor (cast to the program's dtype when a dtype was asked for,
+// else it must match), otherwise from the source archive. A tensor the program writes in place (a KV
+// cache) that the archive holds no data for is allocated as zeros, as a TorchScript skeleton's
+// placeholder cache is.
 std::pair<Json, Json> write_weights(Pt2Writer& writer, const ExportedModel& source, const std::vector<size_t>& ids,
                                     const std::string& stage, const StageOptions& options, Checkpoint* checkpoint,
                                     bool leave_out, const Json& device) {
   Json weights = Json::object(), constants = Json::object();
   const std::string where = " (" + stage + ")";
+  // One tensor under several names (a tied head, an aliased parameter) shares its record and its
+  // metadata: written once, and looked up in a checkpoint under any of its names (Hugging Face
+  // stores a tied head as the embedding only).
+  auto tensor_key = [](const Weight& w) {
+    const Json& meta = w.config.value("tensor_meta", Json::object());
+    return std::string(w.in_constants ? "c/" : "w/") + w.config.value("path_name", std::string()) + "@" +
+           meta.value("storage_offset", Json::object()).dump() + meta.value("sizes", Json::array()).dump() +
+           meta.value("strides", Json::array()).dump();
+  };
+  std::map<std::string, std::vector<std::string>> names_of;
+  for (const Weight& w : source.weights()) names_of[tensor_key(w)].push_back(w.fqn);
+  std::map<std::string, std::string> record_of;  // tensor key -> the record written for it
+  size_t next_weight = 0, next_constant = 0;
   for (size_t id : ids) {
     const Weight& w = source.weights().at(id);
     Json config = w.config;
+    Json& meta = config["tensor_meta"];
+    meta["device"] = device;
+    std::vector<int64_t> sizes;
+    for (const auto& d : w.meta.sizes) sizes.push_back(d.size);
+    Json strides = Json::array();
+    for (int64_t st : c10::contiguous_strides(sizes)) strides.push_back({{"as_int", st}});
+    meta["strides"] = strides;
+    meta["storage_offset"] = {{"as_int", 0}};
+    auto& table = w.in_constants ? constants : weights;
+    const std::string key = tensor_key(w);
+    if (auto done = record_of.find(key); done != record_of.end()) {
+      config["path_name"] = done->second;
+      table[w.fqn] = std::move(config);
+      continue;
+    }
+    const std::string name =
+        w.in_constants ? "tensor_" + std::to_string(next_constant++) : "weight_" + std::to_string(next_weight++);
     const std::string dir = w.in_constants ? "data/constants/" : "data/weights/";
-    const std::string record = dir + config.value("path_name", std::string());
-    std::string key;
-    if (checkpoint && w.spec_kind != "tensor_constant") key = checkpoint->resolve(w.fqn, {});
-    if (!key.empty() && leave_out) {
-      writer.add(record, nullptr, 0);
-    } else if (!key.empty()) {
-      at::Tensor t = checkpoint->load(key);
-      std::vector<int64_t> want;
-      for (const auto& d : w.meta.sizes) want.push_back(d.size);
-      if (t.sizes() != c10::IntArrayRef(want))
-        throw Error(Status::Input, "tensor '" + w.fqn + "'" + where + ": the model expects shape " + c10::str(want) +
-                                       " but checkpoint tensor '" + key + "' has shape " + c10::str(t.sizes()));
+    record_of[key] = name;
+    config["path_name"] = name;
+
+    std::vector<std::string> aliases;
+    for (const auto& other : names_of[key])
+      if (other != w.fqn) aliases.push_back(other);
+    std::string found;
+    if (checkpoint && w.spec_kind != "tensor_constant") found = checkpoint->resolve(w.fqn, aliases);
+    at::Tensor t;
+    std::string source_bytes;
+    if (!found.empty() && leave_out) {
+      writer.add(dir + name, nullptr, 0);  // the worker reads it from the checkpoint
+      table[w.fqn] = std::move(config);
+      continue;
+    } else if (!found.empty()) {
+      t = checkpoint->load(found);
+      if (t.sizes() != c10::IntArrayRef(sizes))
+        throw Error(Status::Input, "tensor '" + w.fqn + "'" + where + ": the model expects shape " + c10::str(sizes) +
+                                       " but checkpoint tensor '" + found + "' has shape " + c10::str(t.sizes()));
       if (t.scalar_type() != w.meta.dtype) {
         if (!(options.dtype && at::isFloatingType(t.scalar_type()) && at::isFloatingType(w.meta.dtype)))
           throw Error(Status::Input, "tensor '" + w.fqn + "'" + where + ": the model expects dtype " +
-                                         c10::toString(w.meta.dtype) + " but checkpoint tensor '" + key + "' has " +
+                                         c10::toString(w.meta.dtype) + " but checkpoint tensor '" + found + "' has " +
                                          c10::toString(t.scalar_type()) +
                                          " (ask for a dtype to convert floating weights)");
         t = t.to(w.meta.dtype);
       }
-      t = t.contiguous();
-      writer.add(record, t.data_ptr(), t.nbytes());
-      Json& meta = config["tensor_meta"];
-      Json strides = Json::array();
-      for (int64_t s : t.strides()) strides.push_back({{"as_int", s}});
-      meta["strides"] = strides;
-      meta["storage_offset"] = {{"as_int", 0}};
     } else {
+      const std::string record =
+          (w.in_constants ? "data/constants/" : "data/weights/") + w.config.value("path_name", std::string());
       const size_t size = source.archive().has(record) ? source.archive().size(record) : 0;
-      if (size == 0 && w.meta.nbytes > 0)
+      const bool written_in_place = !source.attributes().at(id).writers.empty();
+      if (size == 0 && w.meta.nbytes > 0 && written_in_place) {
+        t = at::zeros(sizes, at::TensorOptions().dtype(w.meta.dtype));
+      } else if (size == 0 && w.meta.nbytes > 0) {
         throw Error(checkpoint ? Status::NotFound : Status::InvalidArgument,
                     "tensor '" + w.fqn + "'" + where + " has no data in '" + source.path() + "'" +
                         (checkpoint ? " and is not in checkpoint '" + checkpoint->path() +
-                                          "' (also tried with a prefix such as 'model.' added or removed)"
+                                          "' (also tried tied names and with a prefix such as 'model.' added or "
+                                          "removed)"
                                     : ": give its weights with a checkpoint (--weights / pipe_stage_options.weights)"));
-      std::string bytes(size, '\0');
-      if (size) source.archive().read_into(record, bytes.data(), size);
-      writer.add(record, bytes);
+      } else {
+        source_bytes.resize(size);
+        if (size) source.archive().read_into(record, source_bytes.data(), size);
+        t = view_of_record(source_bytes, w.config.value("tensor_meta", Json::object()), w.meta.dtype);
+      }
     }
-    if (config.contains("tensor_meta")) config["tensor_meta"]["device"] = device;
-    (w.in_constants ? constants : weights)[w.fqn] = std::move(config);
+    t = t.contiguous();
+    writer.add(dir + name, t.data_ptr(), t.nbytes());
+    table[w.fqn] = std::move(config);
   }
   return {Json{{"config", weights}}, Json{{"config", constants}}};
 }

@@ -57,7 +57,10 @@ std::vector<StackEntry> parse_module_stack(const std::string& text) {
       if (at != std::string::npos) e.call = std::atoi(key.c_str() + at + 1);
       const size_t path_at = e.path.rfind('@');
       if (path_at != std::string::npos) e.path.erase(path_at);
-      out.push_back(std::move(e));
+      // Nodes export hoists to the top (sym_size of an input) carry a placeholder entry, no module.
+      const std::string empty = "_empty_nn_module_stack";
+      if (key.compare(0, empty.size(), empty) != 0 && e.path.compare(0, empty.size(), empty) != 0)
+        out.push_back(std::move(e));
     }
     parts.clear();
   };
