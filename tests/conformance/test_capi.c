@@ -277,6 +277,33 @@ static void param_alias_scripted(void **state) {
   check_seed_model("param_alias.scripted.pt", "param_alias", 2);
 }
 
+/* The same seed models exported with torch.export (tests/models/exported_models.py): the same
+ * stages at their pipe.split markers, the same results, through the same calls. */
+static void exported_seed_models(void **state) {
+  (void)state;
+  check_seed_model("exported/example_code.pt2", "exported/example_code", 4);
+  check_seed_model("exported/multi_mlp.pt2", "exported/multi_mlp", 4);
+  check_seed_model("exported/param_alias.pt2", "exported/param_alias", 2);
+}
+
+static void model_format_says_what_was_loaded(void **state) {
+  (void)state;
+  pipe_model *scripted = NULL, *exported = NULL;
+  ASSERT_OK(pipe_model_load(fixture("example_code.traced.pt"), &scripted));
+  ASSERT_OK(pipe_model_load(fixture("exported/example_code.pt2"), &exported));
+  int32_t format = -1;
+  ASSERT_OK(pipe_model_format(scripted, &format));
+  assert_int_equal(format, PIPE_MODEL_TORCHSCRIPT);
+  ASSERT_OK(pipe_model_format(exported, &format));
+  assert_int_equal(format, PIPE_MODEL_EXPORTED);
+  format = -1;
+  ASSERT_FAILS(pipe_model_format(NULL, &format), PIPE_ERR_INVALID_ARGUMENT, "model");
+  ASSERT_FAILS(pipe_model_format(exported, NULL), PIPE_ERR_INVALID_ARGUMENT, "format");
+  assert_int_equal(format, -1); /* outputs are written only on success */
+  pipe_model_destroy(exported);
+  pipe_model_destroy(scripted);
+}
+
 /* ---- version and status ----------------------------------------------------------------- */
 
 static void version_matches_macros(void **state) {
@@ -1809,6 +1836,8 @@ int main(void) {
       cmocka_unit_test(example_code_scripted),
       cmocka_unit_test(multi_mlp_traced),
       cmocka_unit_test(param_alias_scripted),
+      cmocka_unit_test(exported_seed_models),
+      cmocka_unit_test(model_format_says_what_was_loaded),
       cmocka_unit_test(missing_model_file),
       cmocka_unit_test(junk_model_file),
       cmocka_unit_test(null_arguments),
