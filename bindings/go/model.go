@@ -1,18 +1,44 @@
 package pipe
 
 import (
+	"fmt"
 	"runtime"
 	"sync"
 
 	"github.com/libpipe/libpipe/bindings/go/internal/capi"
 )
 
-// Model is a loaded TorchScript archive.
+// Model is a loaded model: a TorchScript archive or a torch.export program ([Model.Format]).
 type Model struct {
 	mu      sync.RWMutex // read: a call on ptr is in progress; write: Close
 	ptr     capi.SwigcptrPipe_model
 	cleanup runtime.Cleanup
 	inputs  []string
+	format  ModelFormat
+}
+
+// ModelFormat says what kind of file a model was loaded from (pipe.h's PIPE_MODEL_*).
+type ModelFormat int32
+
+// The model formats.
+const (
+	// ModelTorchScript: a TorchScript archive (torch.jit.trace / torch.jit.script output); its
+	// plans' stages save as TorchScript (.pt).
+	ModelTorchScript ModelFormat = ModelFormat(capi.PIPE_MODEL_TORCHSCRIPT)
+	// ModelExported: a torch.export program (torch.export.save output, a .pt2); its plans'
+	// stages save as programs (.pt2).
+	ModelExported ModelFormat = ModelFormat(capi.PIPE_MODEL_EXPORTED)
+)
+
+// String is "torchscript", "exported", or the number for a value pipe.h does not define.
+func (f ModelFormat) String() string {
+	switch f {
+	case ModelTorchScript:
+		return "torchscript"
+	case ModelExported:
+		return "exported"
+	}
+	return fmt.Sprintf("ModelFormat(%d)", int32(f))
 }
 
 // ModuleInfo describes one module of a model's module tree.
@@ -24,9 +50,12 @@ type ModuleInfo struct {
 	ParamBytes uint64
 }
 
-// LoadModel loads a TorchScript archive (torch.jit.trace or torch.jit.script output).
-// A TorchScript archive is code: load only models you trust.
-// ErrNotFound if the file is missing; ErrInvalidFormat if it is not a TorchScript archive.
+// LoadModel loads a TorchScript archive (torch.jit.trace or torch.jit.script output, saved with
+// .save()) or a torch.export program (torch.export.save output, a .pt2); the file's content
+// decides which, never its name ([Model.Format] says which it was). A model file is code: load
+// only models you trust. ErrNotFound if the file is missing; ErrInvalidFormat if it is neither
+// (or a TorchScript archive without a forward method); ErrUnsupported for an exported program
+// libpipe cannot run, with a message that says what to export instead.
 func LoadModel(path string) (*Model, error) {
 	var ptr capi.SwigcptrPipe_model
 	if err := call("pipe_model_load", func() int { return capi.Pipe_model_load(path, &ptr) }); err != nil {
@@ -47,6 +76,12 @@ func LoadModel(path string) (*Model, error) {
 		}
 		m.inputs = append(m.inputs, cString(name))
 	}
+	var format int32
+	if err := call("pipe_model_format", func() int { return capi.Pipe_model_format(ptr, &format) }); err != nil {
+		m.Close()
+		return nil, err
+	}
+	m.format = ModelFormat(format)
 	return m, nil
 }
 
@@ -77,6 +112,10 @@ func (m *Model) NumInputs() int { return len(m.inputs) }
 
 // InputNames are the forward arguments' names as written in the model code, in order.
 func (m *Model) InputNames() []string { return append([]string(nil), m.inputs...) }
+
+// Format is what the model file was (pipe_model_format, libpipe >= 0.10): [ModelTorchScript]
+// or [ModelExported]. Read when the model was loaded, so it is still known after Close.
+func (m *Model) Format() ModelFormat { return m.format }
 
 // Modules lists the module tree in pre-order.
 func (m *Model) Modules() ([]ModuleInfo, error) {

@@ -62,6 +62,7 @@ __all__ = [
     "LOG_WARNING",
     "LOG_ERROR",
     "MICROBATCHING_MODES",
+    "MODEL_FORMATS",
     "OUTPUT_PLACEMENTS",
     "TRANSPORTS",
 ]
@@ -85,6 +86,10 @@ TRANSPORTS = tuple(name.lower() for name in _constants.TRANSPORT)
 # Session(outputs=...): where results come back, pipe.h's PIPE_OUTPUTS_ON_* by the word after ON_.
 # "cpu": CPU memory; "device": the last stage's device (a GPU).
 OUTPUT_PLACEMENTS = {name.lower().removeprefix("on_"): name for name in _constants.OUTPUTS}
+# Model.format: what a model file was, pipe.h's PIPE_MODEL_* by lower-case name. "torchscript": a
+# TorchScript archive (its stages save as .pt); "exported": a torch.export program (stages as .pt2).
+_MODEL_FORMATS = {value: name.lower() for name, value in _constants.MODEL.items()}
+MODEL_FORMATS = tuple(_MODEL_FORMATS.values())
 _NAMES_PARAMETERS, _NAMES_BUFFERS = _constants.NAMES["PARAMETERS"], _constants.NAMES["BUFFERS"]
 # The defaults of Plan.session and run_worker: PIPE_SESSION_OPTIONS_INIT's and PIPE_WORKER_OPTIONS_INIT's.
 _SESSION_DEFAULTS = _constants.DEFAULTS["pipe_session_options"]
@@ -385,8 +390,9 @@ ModuleInfo = namedtuple("ModuleInfo", "path type_name depth num_params param_byt
 
 
 class Model(_Closeable):
-    """A loaded TorchScript model. `Model.load(path)`; then `split(...)` makes a Plan. Plans and
-    sessions made from it stay valid after the model is closed."""
+    """A loaded model: a TorchScript archive or a torch.export program (`format` says which).
+    `Model.load(path)`; then `split(...)` makes a Plan. Plans and sessions made from it stay valid
+    after the model is closed."""
 
     def __init__(self, ptr, path):
         lib = _lib()
@@ -394,11 +400,16 @@ class Model(_Closeable):
         self.path = path
         count = lib.pipe_model_num_inputs(ptr)
         self._input_names = tuple(lib.pipe_model_input_name(ptr, i) for i in range(count))
+        raw = lib.pipe_model_format(ptr)
+        self._format = _MODEL_FORMATS.get(raw, raw)
 
     @classmethod
     def load(cls, path):
-        """Load a TorchScript archive (torch.jit.trace / torch.jit.script output; it is code: load
-        only models you trust). NotFoundError, InvalidFormatError."""
+        """Load a TorchScript archive (torch.jit.trace / torch.jit.script output, saved with
+        .save()) or a torch.export program (torch.export.save output, a .pt2); the file's content
+        decides which, never its name. A model file is code: load only models you trust.
+        NotFoundError; InvalidFormatError if it is neither; UnsupportedError for an exported
+        program libpipe cannot run (the message says what to export instead)."""
         path = os.fsdecode(os.fspath(path))
         return cls(_lib().pipe_model_load(path), path)
 
@@ -406,6 +417,14 @@ class Model(_Closeable):
     def input_names(self):
         """Names of forward's arguments, in order (x, input_ids, ...)."""
         return self._input_names
+
+    @property
+    def format(self):
+        """What the file was (pipe_model_format, libpipe >= 0.10), one of MODEL_FORMATS:
+        "torchscript" (a TorchScript archive; its plan's stages save as TorchScript .pt files) or
+        "exported" (a torch.export program; its stages save as .pt2 programs). A value this
+        binding does not know (a newer libpipe) is given as the int."""
+        return self._format
 
     def modules(self):
         """The module tree in pre-order, as ModuleInfo(path, type_name, depth, num_params,
@@ -450,7 +469,8 @@ class Model(_Closeable):
                 lib.pipe_plan_options_destroy(options)
 
     def __repr__(self):
-        return f"<libpipe.Model {self.path!r} inputs={list(self._input_names)}{' closed' if self.closed else ''}>"
+        closed = " closed" if self.closed else ""
+        return f"<libpipe.Model {self.path!r} {self._format} inputs={list(self._input_names)}{closed}>"
 
 
 def _specs(specs, allowed, what, input_names=None):

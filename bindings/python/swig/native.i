@@ -35,8 +35,11 @@
 
 #include <pipe/pipe.h>
 
-#if PIPE_VERSION_MAJOR == 0 && PIPE_VERSION_MINOR < 8
-#error "the Python binding needs libpipe >= 0.8 (pipe.h found through pkg-config libpipe is older)"
+/* Generators are 0.8's, traces with operator timing (pipe_session_trace_start_with_operators) 0.9's
+ * and pipe_model_format (Model.format) 0.10's: SWIG wraps only what the header declares, so
+ * against an older header say so here, rather than leave Python to report a missing attribute. */
+#if PIPE_VERSION_MAJOR == 0 && PIPE_VERSION_MINOR < 10
+#error "the Python binding needs libpipe >= 0.10 (pipe.h found through pkg-config libpipe is older)"
 #endif
 
 /* Raises the libpipe.errors exception for `status`, with the message of the failed call. Must run

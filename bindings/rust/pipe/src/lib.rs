@@ -118,7 +118,7 @@ pub use generation_async::NextToken;
 pub use generator::{GenerationOptions, Generator, GeneratorInfo, GeneratorOptions, GeneratorSession, GeneratorStats};
 pub use list::TensorList;
 pub use log::{reset_log_callback, set_log_callback, LogLevel};
-pub use model::{Model, ModuleInfo};
+pub use model::{Model, ModelFormat, ModuleInfo};
 pub use plan::{Names, Plan, PlanOptions, Policy, StageOptions, WeightDType};
 pub use session::{ChunkSpec, Microbatching, Request, RunOptions, Session, SessionOptions, StageStats, Transport};
 pub use tensor::{AppendSource, DType, Element, ManagedTensor, Tensor, TensorRef};

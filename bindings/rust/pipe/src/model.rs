@@ -7,13 +7,14 @@ use pipe_sys as sys;
 use crate::error::{check, Error, Result, Status};
 use crate::plan::{Plan, PlanOptions};
 
-/// A loaded TorchScript model (torch.jit.trace or torch.jit.script output).
+/// A loaded model: a TorchScript archive (torch.jit.trace or torch.jit.script output) or a
+/// torch.export program (torch.export.save output, a `.pt2`); [`Model::format`] says which.
 pub struct Model {
     ptr: NonNull<sys::pipe_model>,
 }
 
-// SAFETY: pipe.h: pipe_model_load is global, every query on a model (num_inputs, input_name,
-// num_modules, module) and pipe_plan_create are "thread-safe on the same handle", and only
+// SAFETY: pipe.h: pipe_model_load is global, every query on a model (format, num_inputs,
+// input_name, num_modules, module) and pipe_plan_create are "thread-safe on the same handle", and only
 // pipe_model_destroy is exclusive, which runs in Drop with sole ownership. So a Model may move
 // between threads (Send) and be used through &Model from many at once (Sync).
 unsafe impl Send for Model {}
@@ -33,10 +34,49 @@ pub struct ModuleInfo {
     pub param_bytes: u64,
 }
 
+/// What kind of file a model was loaded from ([`Model::format`]; pipe.h's PIPE_MODEL_*).
+/// Displayed as "torchscript" and "exported".
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ModelFormat {
+    /// A TorchScript archive; its plans' stages save as TorchScript (`.pt`).
+    /// `PIPE_MODEL_TORCHSCRIPT`.
+    TorchScript,
+    /// A torch.export program; its plans' stages save as programs (`.pt2`). `PIPE_MODEL_EXPORTED`.
+    Exported,
+}
+
+impl ModelFormat {
+    /// "torchscript" or "exported".
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelFormat::TorchScript => "torchscript",
+            ModelFormat::Exported => "exported",
+        }
+    }
+
+    fn from_raw(raw: i32) -> Result<ModelFormat> {
+        match raw {
+            sys::PIPE_MODEL_TORCHSCRIPT => Ok(ModelFormat::TorchScript),
+            sys::PIPE_MODEL_EXPORTED => Ok(ModelFormat::Exported),
+            other => Err(Error::new(Status::Internal, format!("libpipe reported an unknown model format {other}"))),
+        }
+    }
+}
+
+impl std::fmt::Display for ModelFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl Model {
-    /// Load a TorchScript archive. An archive is code: load only models you trust.
-    /// [`Status::NotFound`] if the file is missing, [`Status::InvalidFormat`] if it is not
-    /// TorchScript or has no forward method.
+    /// Load a TorchScript archive (torch.jit.trace / torch.jit.script, saved with `.save()`) or a
+    /// torch.export program (torch.export.save); the file's content decides which, never its
+    /// name. A model file is code: load only models you trust. [`Status::NotFound`] if the file
+    /// is missing, [`Status::InvalidFormat`] if it is neither (or a TorchScript archive without a
+    /// forward method), [`Status::Unsupported`] for an exported program libpipe cannot run (the
+    /// message says what to export instead).
     pub fn load(path: impl AsRef<Path>) -> Result<Model> {
         let c = crate::path_cstring(path.as_ref())?;
         let mut model = ptr::null_mut();
@@ -49,6 +89,14 @@ impl Model {
 
     pub(crate) fn as_ptr(&self) -> *const sys::pipe_model {
         self.ptr.as_ptr()
+    }
+
+    /// What the model file was (pipe_model_format, libpipe >= 0.10).
+    pub fn format(&self) -> Result<ModelFormat> {
+        let mut raw = 0i32;
+        // SAFETY: thread-safe; `raw` is written only on success.
+        check(unsafe { sys::pipe_model_format(self.as_ptr(), &mut raw) })?;
+        ModelFormat::from_raw(raw)
     }
 
     /// Number of forward arguments (not counting self).
