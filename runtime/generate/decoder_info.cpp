@@ -3,6 +3,7 @@
 #include <c10/core/ScalarType.h>
 
 #include "runtime/error.h"
+#include "runtime/graph/exported/model.h"
 #include "runtime/graph/torchscript/model.h"
 
 namespace libpipe::generate {
@@ -34,31 +35,49 @@ DecoderInfo read_decoder_info(const graph::Plan& plan, std::optional<c10::Scalar
     refuse("its forward takes " + std::to_string(names.size()) + " argument" + (names.size() == 1 ? "" : "s") + " (" +
            list + "), not 4");
   }
-  const auto* model = dynamic_cast<const graph::Model*>(&plan.model());
-  if (!model) refuse("only TorchScript decoders are supported so far");
+  // The model's buffers, with their shapes and dtypes, whichever front-end read it.
+  struct Buffer {
+    std::string name;
+    std::vector<int64_t> sizes;
+    at::ScalarType dtype;
+  };
+  std::vector<Buffer> buffers;
+  if (const auto* model = dynamic_cast<const graph::Model*>(&plan.model())) {
+    for (const auto& item : model->module().named_buffers(/*recurse=*/true))
+      buffers.push_back({item.name, item.value.sizes().vec(), item.value.scalar_type()});
+  } else if (const auto* program = dynamic_cast<const graph::exported::ExportedModel*>(&plan.model())) {
+    for (const auto& w : program->weights()) {
+      if (w.spec_kind != "buffer") continue;
+      std::vector<int64_t> sizes;
+      for (const auto& d : w.meta.sizes) sizes.push_back(d.size);
+      buffers.push_back({w.fqn, std::move(sizes), w.meta.dtype});
+    }
+  } else {
+    refuse("its format has no decoder support");
+  }
 
   DecoderInfo info;
   std::string first;  // the cache that fixed slots and max_len, for messages
   int64_t k_caches = 0, v_caches = 0;
-  for (const auto& item : model->module().named_buffers(/*recurse=*/true)) {
+  for (const auto& item : buffers) {
     const bool k = ends_with(item.name, ".k_cache") || item.name == "k_cache";
     const bool v = ends_with(item.name, ".v_cache") || item.name == "v_cache";
     if (!k && !v) continue;
-    const at::Tensor& t = item.value;
-    if (t.dim() != 4)
-      refuse("buffer '" + item.name + "' has " + std::to_string(t.dim()) +
+    const auto& size = item.sizes;
+    if (size.size() != 4)
+      refuse("buffer '" + item.name + "' has " + std::to_string(size.size()) +
              " dimensions; a cache has 4 [slots, kv_heads, max_len, head_dim]");
     if (first.empty()) {
       first = item.name;
-      info.slots = t.size(0);
-      info.max_len = t.size(2);
-    } else if (t.size(0) != info.slots || t.size(2) != info.max_len) {
-      refuse("buffer '" + item.name + "' has " + std::to_string(t.size(0)) + " slots and max_len " +
-             std::to_string(t.size(2)) + " but '" + first + "' has " + std::to_string(info.slots) + " and " +
+      info.slots = size[0];
+      info.max_len = size[2];
+    } else if (size[0] != info.slots || size[2] != info.max_len) {
+      refuse("buffer '" + item.name + "' has " + std::to_string(size[0]) + " slots and max_len " +
+             std::to_string(size[2]) + " but '" + first + "' has " + std::to_string(info.slots) + " and " +
              std::to_string(info.max_len));
     }
-    const auto dtype = stage_dtype && at::isFloatingType(t.scalar_type()) ? *stage_dtype : t.scalar_type();
-    info.cache_bytes_per_slot += static_cast<uint64_t>(t.size(1) * t.size(2) * t.size(3)) * c10::elementSize(dtype);
+    const auto dtype = stage_dtype && at::isFloatingType(item.dtype) ? *stage_dtype : item.dtype;
+    info.cache_bytes_per_slot += static_cast<uint64_t>(size[1] * size[2] * size[3]) * c10::elementSize(dtype);
     (k ? k_caches : v_caches)++;
   }
   if (first.empty()) refuse("it has no buffer named '*.k_cache' or '*.v_cache'");
