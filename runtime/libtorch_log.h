@@ -7,8 +7,8 @@
 // How: std::cerr gets a filtering stream buffer. A write that starts a c10 record ("[W1128
 // 09:12:34.567 ..."; the record, backtrace included, arrives as one write) is passed to libpipe's log
 // (TORCH_WARN's warnings as warnings; the rest, nativert's notes and the errors whose failure reaches
-// the caller as a status and a message anyway, at debug level); anything else goes to the original buffer unchanged, so the
-// host's own std::cerr output is untouched.
+// the caller as a status and a message anyway, at debug level); anything else goes to the original buffer unchanged, so
+// the host's own std::cerr output is untouched.
 #pragma once
 
 namespace libpipe::log {

@@ -204,8 +204,9 @@ func (p *Plan) Stage(i int) (StageInfo, error) {
 	return info, nil
 }
 
-// SaveStage writes stage i as a standalone TorchScript file holding only the weights it reads
-// (loaded and converted as opts say; nil: the model's own weights).
+// SaveStage writes stage i as a standalone model of the plan's format (Model.Format): a TorchScript
+// file, or for an exported program a .pt2 holding one program named "model", with only the weights
+// it reads (loaded and converted as opts say; nil: the model's own weights).
 func (p *Plan) SaveStage(i int, path string, opts *StageOptions) error {
 	ptr, err := p.acquire("Plan.SaveStage")
 	if err != nil {

@@ -4,7 +4,8 @@
 # library libpipe_test_gate.so, which a test process loads before the gated model, and gate.py),
 # storeport.py (reads the port a driver's store picked, from libpipe's log), and the decoders of
 # the generation tests (tiny_decoder.pt with its expected greedy tokens, gated_decoder.pt; made by
-# the decoder_models fixture, tests/models/decoder_models.py).
+# the decoder_models fixture, tests/models/decoder_models.py), and exported/multi_mlp.pt2 (a
+# torch.export program with its inputs and eager outputs, tests/models/exported_models.py).
 #   cmake -DBUILD=... -DSTAGE=... -DFIXTURES=... -DDEMO=... -DMODELS=... -DGATE_LIB=... -DGATE_PY=... \
 #         -DSTOREPORT_PY=... -P stage.cmake
 execute_process(COMMAND "${CMAKE_COMMAND}" --install "${BUILD}" --prefix "${STAGE}"
@@ -20,3 +21,6 @@ file(COPY "${DEMO}/demo.pt" "${DEMO}/demo.inputs.safetensors" "${DEMO}/demo.expe
           "${MODELS}/tiny_decoder.pt" "${MODELS}/tiny_decoder.expected.json" "${MODELS}/gated_decoder.pt"
           "${GATE_LIB}" "${GATE_PY}" "${STOREPORT_PY}"
      DESTINATION "${FIXTURES}")
+file(COPY "${MODELS}/exported/multi_mlp.pt2" "${MODELS}/exported/multi_mlp.inputs.safetensors"
+          "${MODELS}/exported/multi_mlp.expected.safetensors"
+     DESTINATION "${FIXTURES}/exported")

@@ -44,6 +44,7 @@ from .runtime import (
     LOG_INFO,
     LOG_WARNING,
     MICROBATCHING_MODES,
+    MODEL_FORMATS,
     OUTPUT_PLACEMENTS,
     TRANSPORTS,
     DLPackTensor,

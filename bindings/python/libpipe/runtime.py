@@ -522,7 +522,9 @@ class Plan(_Closeable):
             return [lib.pipe_plan_stage_name(h, stage, _NAMES_PARAMETERS, i) for i in range(n)]
 
     def save_stage(self, stage, path, *, dtype=None, weights=None):
-        """Save stage `stage` as a standalone TorchScript file (torch.jit.load reloads it)."""
+        """Save stage `stage` as a standalone model of the plan's format, holding only its own weights:
+        a TorchScript file (torch.jit.load reloads it) or, for an exported program, a .pt2 with one
+        program named "model" (torch.export.load reloads it)."""
         with self._handle.use() as h:
             _lib().pipe_plan_save_stage(h, stage, _stage_options(dtype, weights), os.fsdecode(os.fspath(path)))
 

@@ -1,5 +1,5 @@
-//! Safe Rust interface to libpipe: run a TorchScript model cut into pipeline stages, with
-//! micro-batches of concurrent calls streaming through the stages.
+//! Safe Rust interface to libpipe: run a TorchScript model or a torch.export program cut into
+//! pipeline stages, with micro-batches of concurrent calls streaming through the stages.
 //!
 //! ```no_run
 //! use pipe::{Model, Plan, PlanOptions, Session, SessionOptions, Tensor};

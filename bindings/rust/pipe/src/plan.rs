@@ -240,7 +240,9 @@ impl Plan {
         Ok(unsafe { CStr::from_ptr(json) }.to_string_lossy().into_owned())
     }
 
-    /// Save stage `stage` as a standalone TorchScript file holding only its own weights.
+    /// Save stage `stage` as a standalone model of the plan's format ([`Model::format`]): a TorchScript
+    /// file, or for an exported program a `.pt2` holding one program named "model", with only its
+    /// own weights.
     pub fn save_stage(&self, stage: usize, path: impl AsRef<Path>, options: Option<&StageOptions>) -> Result<()> {
         let c = crate::path_cstring(path.as_ref())?;
         let raw = options.map(StageOptions::to_raw).transpose()?;
