@@ -41,6 +41,13 @@ Errors are raised by the module (TorchScript `raise`, an ExecutionError through 
 lengths outside 1..T, start < 0, start + lengths > max_len, a slot outside 0..slots-1, two rows
 with one slot, a valid token outside 0..vocab-1.
 
+The same modules export with torch.export (export_decoder; `export_llm OUT.pt2`), B and T dynamic
+from 1: under export, the checks above are aten._assert_async nodes of the program, which raise the
+same messages when it runs (on the CPU), each layer narrows its cache to max(start + lengths) read
+with aten.item (an unbacked size in 1 .. max_len), and the cache writes have no data-dependent
+shape (every token of a row writes, padding as a copy of the row's last valid token). TorchScript
+never compiles those branches: the scripted module is the same as without them.
+
 Costs per call and layer: the cache is read narrowed to the longest context in the call
 (max(start + lengths), read on the host: one device synchronisation per layer on a GPU) and
 gathered for the call's slots, a copy of B x kv_heads x context x head_dim; the writes touch only
@@ -137,11 +144,40 @@ def write_cache(
     # take the writes without an error and return garbage: it must be allocated before use.
     if k_cache.stride(0) == 0 or v_cache.stride(0) == 0:
         raise ValueError("decoder: k_cache/v_cache is a zero-stride placeholder, not an allocated cache")
+    if not torch.jit.is_scripting():
+        if torch.compiler.is_exporting():
+            _write_cache_exported(k_cache, v_cache, k, v, positions, valid, slots)
+            return
     rows, cols = valid.nonzero().unbind(1)
     where = slots[rows]
     at = positions[rows, cols]
     k_cache[where, :, at] = k.transpose(1, 2)[rows, cols]
     v_cache[where, :, at] = v.transpose(1, 2)[rows, cols]
+
+
+def _write_cache_exported(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    slots: torch.Tensor,
+):
+    """write_cache under torch.export: the same writes with no data-dependent shape (the valid
+    tokens' nonzero() is one). Every token of a row writes, a padding token in place of the row's
+    last valid one with that token's keys and values, so that the duplicate writes of one cache
+    entry all carry the same data and none can clobber it, whatever their order."""
+    t = valid.shape[1]
+    last = valid.sum(1, keepdim=True) - 1  # the last valid column of each row [B, 1]
+    cols = torch.minimum(torch.arange(t, device=valid.device).unsqueeze(0), last)  # [B, T]
+    at = positions.gather(1, cols)
+    where = slots.unsqueeze(1).expand_as(cols)
+    pick = cols.unsqueeze(-1).unsqueeze(-1)
+    keys = k.transpose(1, 2)  # [B, T, kv_heads, head_dim]
+    values = v.transpose(1, 2)
+    k_cache[where, :, at] = keys.gather(1, pick.expand_as(keys))
+    v_cache[where, :, at] = values.gather(1, pick.expand_as(values))
 
 
 def attend_cache(
@@ -158,7 +194,10 @@ def attend_cache(
     """Attention of q [B, heads, T, head_dim] over the rows' slots, causal (and within the sliding
     window when it is > 0). Returns [B, T, heads * head_dim]."""
     # Only the longest context in the call is read and gathered, never the whole cache.
-    context = int(end.max())
+    if torch.jit.is_scripting():
+        context = int(end.max())
+    else:
+        context = _context(end, k_cache.shape[2])
     keys = k_cache.narrow(2, 0, context).index_select(0, slots)
     values = v_cache.narrow(2, 0, context).index_select(0, slots)
     kpos = torch.arange(context, device=q.device)
@@ -175,6 +214,17 @@ def attend_cache(
     return out.transpose(1, 2).flatten(2)
 
 
+def _context(end: torch.Tensor, max_len: int) -> int:
+    """max(end) read on the host; under torch.export an unbacked size in 1 .. max_len (check_call
+    has refused calls outside it with its own message before any layer reads it)."""
+    if not torch.compiler.is_exporting():
+        return int(end.max())
+    context = end.max().item()
+    torch._check(context >= 1)
+    torch._check(context <= max_len)
+    return context
+
+
 def check_call(
     tokens: torch.Tensor,
     start: torch.Tensor,
@@ -185,6 +235,9 @@ def check_call(
     vocab: int,
 ):
     """Refuses a call that breaks the contract; returns (valid [B, T], positions [B, T], end [B])."""
+    if not torch.jit.is_scripting():
+        if torch.compiler.is_exporting():
+            return _check_call_exported(tokens, start, lengths, slots, max_len, num_slots, vocab)
     b, t = tokens.shape[0], tokens.shape[1]
     if tokens.dim() != 2 or start.dim() != 1 or lengths.dim() != 1 or slots.dim() != 1:
         raise ValueError("decoder: tokens must be [B, T] and start, lengths and slots 1-d [B]")
@@ -208,6 +261,48 @@ def check_call(
     valid = offsets.unsqueeze(0) < lengths.unsqueeze(1)
     if bool(((tokens < 0) | (tokens >= vocab)).logical_and(valid).any()):
         raise ValueError("decoder: a token id is outside the vocabulary (0 .. vocab_size-1)")
+    return valid, start.unsqueeze(1) + offsets.unsqueeze(0), end
+
+
+def _check_call_exported(
+    tokens: torch.Tensor,
+    start: torch.Tensor,
+    lengths: torch.Tensor,
+    slots: torch.Tensor,
+    max_len: int,
+    num_slots: int,
+    vocab: int,
+):
+    """check_call under torch.export: the same checks, in the same order and with the same
+    messages, as aten._assert_async nodes of the program (a data-dependent `if` cannot be
+    exported), which raise them when the program runs. The ranks and the rows of the arguments are
+    the program's input shapes. Nothing here depends on B or T being above 1, so that both stay
+    dynamic with min 1 (a decode step is T = 1, a micro-batch may be one row)."""
+    t = tokens.shape[1]
+    torch._assert_async(
+        ((lengths >= 1) & (lengths <= t)).all(), "decoder: every row needs 1 <= lengths <= T (the width of tokens)"
+    )
+    end = start + lengths
+    torch._assert_async((start >= 0).all(), "decoder: start must be >= 0")
+    torch._assert_async(
+        (end <= max_len).all(),
+        "decoder: start + lengths exceeds the maximum sequence length the caches were made for "
+        "(export_llm --max-seq-len)",
+    )
+    torch._assert_async(
+        ((slots >= 0) & (slots < num_slots)).all(),
+        "decoder: a slot is outside 0 .. slots-1 (export_llm --max-batch sets the slots)",
+    )
+    # Each row's slot against every row's ([B, B], B <= slots): a sorted slots[1:] != slots[:-1]
+    # would make export guard on B (and specialize it).
+    same = slots.unsqueeze(0) == slots.unsqueeze(1)
+    torch._assert_async((same.sum(1) == 1).all(), "decoder: two rows of one call name the same cache slot")
+    offsets = torch.arange(t, device=tokens.device)
+    valid = offsets.unsqueeze(0) < lengths.unsqueeze(1)
+    torch._assert_async(
+        ~((tokens < 0) | (tokens >= vocab)).logical_and(valid).any(),
+        "decoder: a token id is outside the vocabulary (0 .. vocab_size-1)",
+    )
     return valid, start.unsqueeze(1) + offsets.unsqueeze(0), end
 
 
@@ -608,4 +703,38 @@ def script_decoder(decoder):
     return torch.jit.script(decoder)
 
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "build_decoder", "config_dtype", "script_decoder"]
+def export_decoder(decoder, path=None):
+    """torch.export of a DecoderLM or GPT2LM for libpipe's .pt2 front-end, as
+    libpipe.export_program makes programs (eval, no_grad, not decomposed, so that the caches'
+    index_put_ stay in place and persist across runs), with the batch B and the width T of tokens
+    both dynamic from 1 (a decode step is T = 1; a micro-batch may be one row). With `path`, also
+    saves it there (torch.export.save: every tensor with its data; libpipe.export_llm writes a
+    skeleton instead). Returns the ExportedProgram.
+
+    The example call has B = T = 2 (export specializes a dimension whose example is 1); its
+    values are never run, so any decoder exports, whatever its slots and max_len. The contract's
+    checks are aten._assert_async nodes that raise check_call's messages when the program runs
+    (on the CPU; on a CUDA device _assert_async is a device-side assertion, fatal to the
+    process's CUDA context), and each attention layer reads max(start + lengths) with
+    aten.item into an unbacked size in 1 .. max_len that narrows its cache."""
+    from torch.export import Dim
+
+    from .exported import export_program
+
+    tokens = torch.zeros(2, 2, dtype=torch.int64)
+    start = torch.zeros(2, dtype=torch.int64)
+    lengths = torch.tensor([2, 1], dtype=torch.int64)
+    slots = torch.tensor([0, 1], dtype=torch.int64)
+    return export_program(
+        decoder, (tokens, start, lengths, slots), dynamic_shapes={"tokens": {1: Dim("T", min=1)}}, path=path
+    )
+
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "SUPPORTED_ROPE_TYPES",
+    "build_decoder",
+    "config_dtype",
+    "export_decoder",
+    "script_decoder",
+]

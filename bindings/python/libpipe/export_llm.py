@@ -14,6 +14,13 @@ non-persistent buffers, which no checkpoint holds: the skeleton keeps them with 
 caches as zero-stride placeholders (a few bytes each), which libpipe allocates in the stage that
 owns each layer: 2 x layers x S x kv_heads x L x head_dim x dtype size bytes in all (printed).
 
+OUT ending in .pt2 writes the decoder as a torch.export program instead (libpipe's exported-program
+front-end, run by LibTorch's nativert; libpipe.decoder.export_decoder: B and T dynamic from 1, the
+contract's checks as aten._assert_async nodes), traced with fake tensors (nothing of the model's
+size is allocated) and saved with an empty (0-byte) record for every parameter and cache: libpipe
+loads the parameters from --weights (a tied head is one record under both names) and allocates
+zeros for the caches, which the program writes in place; the rotary frequencies keep their data.
+
 --dtype defaults to the checkpoint's (config.json `dtype` / `torch_dtype`, else fp32): libpipe
 refuses weights whose dtype differs from the skeleton's unless a session dtype converts them.
 
@@ -25,6 +32,8 @@ import argparse
 import json
 import os
 import sys
+import tempfile
+import warnings
 
 import torch
 
@@ -70,12 +79,134 @@ def export_llm(model_dir, out, *, max_seq_len=None, max_batch=DEFAULT_MAX_BATCH,
     decoder = build_decoder(
         config, int(max_seq_len), int(max_batch), dtype, weights_device="meta", placeholder_caches=True
     )
+    if os.fspath(out).endswith(".pt2"):
+        save_exported_skeleton(decoder, os.fspath(out))
+        return decoder
     scripted = torch.jit.script(decoder)
     try:
         save_skeleton(scripted, os.fspath(out), module=decoder)
     except (OSError, RuntimeError) as e:  # TorchScript's writer raises RuntimeError for a bad path
         raise ValueError(f"cannot write {os.fspath(out)}: {e}") from None
     return decoder
+
+
+def _is_skeleton_tensor(t):
+    """A parameter on the meta device or a placeholder cache (a tensor covering more elements
+    than it stores): what a skeleton holds no data for."""
+    return t.is_meta or t.untyped_storage().nbytes() < t.numel() * t.element_size()
+
+
+def _swap_tensors(decoder, make):
+    """Replaces every skeleton tensor of `decoder` (parameters and buffers, tied ones by one
+    object) with make(tensor); returns (the originals to restore, the names replaced)."""
+    made, originals, names = {}, [], set()
+    for prefix, mod in decoder.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            table = getattr(mod, kind)
+            for name, t in list(table.items()):
+                if t is None or not _is_skeleton_tensor(t):
+                    continue
+                if id(t) not in made:
+                    new = make(t)
+                    made[id(t)] = torch.nn.Parameter(new, requires_grad=False) if kind == "_parameters" else new
+                originals.append((table, name, t))
+                table[name] = made[id(t)]
+                names.add(f"{prefix}.{name}" if prefix else name)
+    return originals, names
+
+
+def _placeholder(t):
+    return torch.zeros((), dtype=t.dtype).expand(t.shape)
+
+
+def save_exported_skeleton(decoder, out):
+    """Writes the decoder (meta weights, placeholder caches: as build_decoder makes them for a
+    skeleton) as a torch.export program (libpipe.decoder.export_decoder) to `out`, a .pt2 archive
+    whose records for the parameters and the caches are empty (0 bytes), so that its size does not
+    grow with the model's: libpipe loads the weights from the checkpoint (--weights; a tied head
+    is one record under both names, which the checkpoint's one tensor fills) and allocates zeros
+    for a tensor the program writes in place with no data in the archive (the caches). The
+    rotary frequencies keep their data. Nothing of the model's size is allocated: the program is
+    traced with fake tensors standing for the weights and caches."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .decoder import export_decoder
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        originals, names = _swap_tensors(decoder, lambda t: torch.empty(t.shape, dtype=t.dtype))
+    try:
+        program = export_decoder(decoder)
+    finally:
+        for table, name, t in originals:
+            table[name] = t
+    # torch.export.save writes each tensor's storage: placeholders instead of the fake tensors (a
+    # few bytes each, one per tied group), whose records are then emptied.
+    placeholders = {}
+
+    def placeholder(t):
+        if id(t) not in placeholders:
+            new = _placeholder(t)
+            placeholders[id(t)] = (
+                torch.nn.Parameter(new, requires_grad=False) if isinstance(t, torch.nn.Parameter) else new
+            )
+        return placeholders[id(t)]
+
+    for table in (program.state_dict, program.constants):
+        for name, t in table.items():
+            if name in names:
+                table[name] = placeholder(t)
+    folder, name = os.path.split(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write {out}: {folder} is not a folder")
+    try:
+        # A folder of its own beside `out`: the archive's top folder is its file's stem, so the
+        # file is written under out's own name there, then moved: a reader never sees half of it.
+        with tempfile.TemporaryDirectory(prefix=f".{name}.", dir=folder) as tmp:
+            saved = os.path.join(tmp, "saved", name)
+            os.mkdir(os.path.dirname(saved))
+            with warnings.catch_warnings():
+                # "No complete tensor found in the group!": a placeholder's storage is smaller than it.
+                warnings.filterwarnings("ignore", message="No complete tensor found")
+                torch.export.save(program, saved)
+            skeleton = os.path.join(tmp, name)
+            _empty_records(saved, skeleton, names)
+            os.replace(skeleton, out)
+    except (OSError, RuntimeError) as e:
+        raise ValueError(f"cannot write {out}: {e}") from None
+
+
+def _empty_records(source, out, names):
+    """Copies the .pt2 archive `source` to `out` with the records of the tensors `names` (by
+    fully qualified name, in the weights and constants configs) empty and their metadata
+    contiguous (a placeholder was saved with zero strides)."""
+    from torch.export.pt2_archive._package import PT2ArchiveReader, PT2ArchiveWriter
+
+    configs = ("data/weights/model_weights_config.json", "data/constants/model_constants_config.json")
+    with PT2ArchiveReader(source) as reader:
+        records = {r: reader.read_bytes(r) for r in reader.get_file_names()}
+    emptied = set()
+    for path in configs:
+        config = json.loads(records[path])
+        folder = path.rsplit("/", 1)[0]
+        for fqn, entry in config["config"].items():
+            if fqn not in names:
+                continue
+            meta = entry["tensor_meta"]
+            sizes = [d["as_int"] for d in meta["sizes"]]
+            strides, step = [], 1
+            for size in reversed(sizes):
+                strides.insert(0, {"as_int": step})
+                step *= max(size, 1)
+            meta["strides"] = strides
+            meta["storage_offset"] = {"as_int": 0}
+            emptied.add(f"{folder}/{entry['path_name']}")
+        records[path] = json.dumps(config).encode()
+    with PT2ArchiveWriter(out) as writer:
+        for record, data in records.items():
+            if record.startswith(".data/"):
+                continue  # the writer's own (version, serialization id)
+            writer.write_bytes(record, b"" if record in emptied else data)
 
 
 def main(argv=None):
@@ -85,7 +216,7 @@ def main(argv=None):
         "whose weights load from the model's own checkpoint.",
     )
     parser.add_argument("model_dir", help="Hugging Face model folder (config.json)")
-    parser.add_argument("out", help="the skeleton to write (.pt)")
+    parser.add_argument("out", help="the skeleton to write (.pt: TorchScript; .pt2: a torch.export program)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="cache length per sequence (tokens)")
     parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="cache slots (sequences at once)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the checkpoint's")
