@@ -47,11 +47,17 @@ c10::IValue run_stage_step(stage::Stage& stage, const StageIO& io, std::vector<c
 std::string stage_failure(size_t stage, size_t microbatch, const std::string& what) {
   const std::string prefix =
       "stage " + std::to_string(stage) + " failed on micro-batch " + std::to_string(microbatch) + ": ";
+  // nativert's errors quote the failing node and its arguments, then the kernel's error, then
+  // where c10 raised it (with a C++ backtrace) and the Python stack the node was exported from:
+  // the error is the last line before those.
+  size_t stop = what.size();
+  for (const char* tail : {"\nException raised from ", "\nOriginal Python stacktrace:"})
+    stop = std::min(stop, what.find(tail));
   std::string last;
   size_t begin = 0;
-  while (begin < what.size()) {
+  while (begin < stop) {
     size_t end = what.find('\n', begin);
-    if (end == std::string::npos) end = what.size();
+    if (end == std::string::npos || end > stop) end = stop;
     if (what.find_first_not_of(" \t\r", begin) < end) last = what.substr(begin, end - begin);
     begin = end + 1;
   }

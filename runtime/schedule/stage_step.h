@@ -32,7 +32,8 @@ c10::IValue run_stage_step(stage::Stage& stage, const StageIO& io, std::vector<c
                            const device::Ready& ready);
 
 // A stage's error as one line, for the caller: "stage S failed on micro-batch M: <error>".
-// TorchScript errors carry the interpreter's traceback; its last line is the error itself, and
+// TorchScript errors carry the interpreter's traceback, nativert's the failing node, its arguments, a
+// C++ backtrace and the Python stack the node came from; the error itself is kept, and
 // the whole text is logged at debug level.
 std::string stage_failure(size_t stage, size_t microbatch, const std::string& what);
 
