@@ -88,6 +88,27 @@ Segmentation segment(const Program& model, const std::vector<size_t>& sequence) 
     std::sort(seg.layer_starts.begin(), seg.layer_starts.end());
     seg.layer_starts.erase(std::unique(seg.layer_starts.begin(), seg.layer_starts.end()), seg.layer_starts.end());
   }
+  // A cut between the first and the last use of a tensor the model writes in place (a cache) would put
+  // that state in two stages, which a plan refuses: no policy chooses one, and the time policy's
+  // segments never split it either.
+  const auto& attributes = model.attributes();
+  auto related = [](const std::vector<std::string>& a, const std::vector<std::string>& b) {
+    const size_t n = std::min(a.size(), b.size());
+    return std::equal(a.begin(), a.begin() + static_cast<std::ptrdiff_t>(n), b.begin());
+  };
+  for (const AttributeRead& state : attributes) {
+    if (state.writers.empty()) continue;
+    size_t first = SIZE_MAX, last = 0;
+    for (size_t p = 0; p < sequence.size(); ++p) {
+      const ProgramNode& node = model.nodes()[sequence[p]];
+      bool uses = std::find(state.writers.begin(), state.writers.end(), sequence[p]) != state.writers.end();
+      for (size_t a : node.attributes) uses |= related(attributes[a].path, state.path);
+      if (!uses) continue;
+      first = std::min(first, p);
+      last = std::max(last, p);
+    }
+    for (size_t p = first + 1; first != SIZE_MAX && p <= last; ++p) blocked[p] = true;
+  }
   const auto contexts = open_contexts(model, sequence);
   for (size_t p = 1; p < sequence.size(); ++p)
     if (!blocked[p] && !contexts[p]) seg.allowed_cuts.push_back(p);

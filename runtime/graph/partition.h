@@ -3,7 +3,8 @@
 // GPT-2, layers.* in Llama, layer1..layer4 in ResNet); a model without module calls has one layer
 // per top-level node. The top-level sequence may be cut between layers and between the parts of a
 // layer (its submodule calls and the operations between them), never inside a submodule of a
-// layer or a module outside the layers, never inside a `with` block. Policies choose N-1 cuts:
+// layer or a module outside the layers, never inside a `with` block, never between the uses of a
+// tensor the model writes in place (its state stays in one stage). Policies choose N-1 cuts:
 //   uniform  equal numbers of layers per stage, cut at layer starts
 //   params   the allowed cut minimising the largest stage's parameter bytes
 //   time     the allowed cut minimising the slowest stage, from measured segment times
