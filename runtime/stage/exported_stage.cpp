@@ -127,20 +127,13 @@ at::Tensor view_of_record(std::string& bytes, const Json& meta, at::ScalarType d
 // placeholder cache is.
 std::pair<Json, Json> write_weights(Pt2Writer& writer, const ExportedModel& source, const std::vector<size_t>& ids,
                                     const std::string& stage, const StageOptions& options, Checkpoint* checkpoint,
-                                    bool leave_out, const Json& device) {
+                                    bool leave_out, const Json& device, const AliasGroups& tied) {
   Json weights = Json::object(), constants = Json::object();
   const std::string where = " (" + stage + ")";
   // One tensor under several names (a tied head, an aliased parameter) shares its record and its
   // metadata: written once, and looked up in a checkpoint under any of its names (Hugging Face
-  // stores a tied head as the embedding only).
-  auto tensor_key = [](const Weight& w) {
-    const Json& meta = w.config.value("tensor_meta", Json::object());
-    return std::string(w.in_constants ? "c/" : "w/") + w.config.value("path_name", std::string()) + "@" +
-           meta.value("storage_offset", Json::object()).dump() + meta.value("sizes", Json::array()).dump() +
-           meta.value("strides", Json::array()).dump();
-  };
-  std::map<std::string, std::vector<std::string>> names_of;
-  for (const Weight& w : source.weights()) names_of[tensor_key(w)].push_back(w.fqn);
+  // stores a tied head as the embedding only), those the stage still holds and those `tied` adds (a
+  // stage shipped to a worker may hold the head alone).
   std::map<std::string, std::string> record_of;  // tensor key -> the record written for it
   size_t next_weight = 0, next_constant = 0;
   for (size_t id : ids) {
@@ -155,7 +148,7 @@ std::pair<Json, Json> write_weights(Pt2Writer& writer, const ExportedModel& sour
     meta["strides"] = strides;
     meta["storage_offset"] = {{"as_int", 0}};
     auto& table = w.in_constants ? constants : weights;
-    const std::string key = tensor_key(w);
+    const std::string& key = w.identity;
     if (auto done = record_of.find(key); done != record_of.end()) {
       config["path_name"] = done->second;
       table[w.fqn] = std::move(config);
@@ -167,9 +160,9 @@ std::pair<Json, Json> write_weights(Pt2Writer& writer, const ExportedModel& sour
     record_of[key] = name;
     config["path_name"] = name;
 
-    std::vector<std::string> aliases;
-    for (const auto& other : names_of[key])
-      if (other != w.fqn) aliases.push_back(other);
+    std::vector<std::string> aliases = source.aliases_of(id);
+    if (auto more = tied.find(w.fqn); more != tied.end())
+      aliases.insert(aliases.end(), more->second.begin(), more->second.end());
     std::string found;
     if (checkpoint && w.spec_kind != "tensor_constant") found = checkpoint->resolve(w.fqn, aliases);
     at::Tensor t;
@@ -181,8 +174,9 @@ std::pair<Json, Json> write_weights(Pt2Writer& writer, const ExportedModel& sour
     } else if (!found.empty()) {
       t = checkpoint->load(found);
       if (t.sizes() != c10::IntArrayRef(sizes))
-        throw Error(Status::Input, "tensor '" + w.fqn + "'" + where + ": the model expects shape " + c10::str(sizes) +
-                                       " but checkpoint tensor '" + found + "' has shape " + c10::str(t.sizes()));
+        throw Error(Status::Input, "tensor '" + w.fqn + "'" + where + ": the model expects shape " +
+                                       c10::str(c10::IntArrayRef(sizes)) + " but checkpoint tensor '" + found +
+                                       "' has shape " + c10::str(t.sizes()));
       if (t.scalar_type() != w.meta.dtype) {
         if (!(options.dtype && at::isFloatingType(t.scalar_type()) && at::isFloatingType(w.meta.dtype)))
           throw Error(Status::Input, "tensor '" + w.fqn + "'" + where + ": the model expects dtype " +
@@ -208,7 +202,12 @@ std::pair<Json, Json> write_weights(Pt2Writer& writer, const ExportedModel& sour
       } else {
         source_bytes.resize(size);
         if (size) source.archive().read_into(record, source_bytes.data(), size);
-        t = view_of_record(source_bytes, w.config.value("tensor_meta", Json::object()), w.meta.dtype);
+        try {
+          t = view_of_record(source_bytes, w.config.value("tensor_meta", Json::object()), w.meta.dtype);
+        } catch (const Error& e) {
+          throw Error(e.status(), "tensor '" + w.fqn + "'" + where + " in '" + source.path() + "': " + e.what() +
+                                      " (the file is damaged: export it again)");
+        }
       }
     }
     t = t.contiguous();
@@ -220,11 +219,12 @@ std::pair<Json, Json> write_weights(Pt2Writer& writer, const ExportedModel& sour
 
 std::string write_archive(Json program, const ExportedModel& source, const std::vector<size_t>& weight_ids,
                           const std::string& stage, const c10::Device& device, const StageOptions& options,
-                          Checkpoint* checkpoint, bool leave_out) {
+                          Checkpoint* checkpoint, bool leave_out, const AliasGroups& tied = {}) {
   const Json where = device_json(device);
   place_devices(program["graph_module"]["graph"], where);
   Pt2Writer writer;
-  auto [weights, constants] = write_weights(writer, source, weight_ids, stage, options, checkpoint, leave_out, where);
+  auto [weights, constants] =
+      write_weights(writer, source, weight_ids, stage, options, checkpoint, leave_out, where, tied);
   writer.add("models/model.json", program.dump());
   writer.add("data/weights/model_weights_config.json", weights.dump());
   writer.add("data/constants/model_constants_config.json", constants.dump());
@@ -342,7 +342,27 @@ Json stage_program(const ExportedModel& model, const graph::Plan& plan, size_t i
   signature["forward_arg_names"] = std::move(arg_names);
   signature["inputs"] = Json::array();
   signature["outputs"] = Json::array();
-  gm["module_call_graph"] = Json::array({{{"fqn", ""}, {"signature", std::move(signature)}}});
+  // The modules the stage's nodes were called in, and those owning its weights, keep their entries
+  // (signature-less, as export records all but the root's): its module tree, for pipe inspect and
+  // split points on a saved stage.
+  std::set<std::string> used;
+  auto add_with_parents = [&](std::string path) {
+    while (!path.empty() && used.insert(path).second) {
+      const size_t dot = path.rfind('.');
+      path = dot == std::string::npos ? "" : path.substr(0, dot);
+    }
+  };
+  for (size_t id : sp.nodes)
+    for (int site : model.nodes()[id].sites) add_with_parents(model.call_sites()[site].path);
+  for (size_t id : weight_ids) {
+    const std::string& fqn = model.weights()[id].fqn;
+    const size_t dot = fqn.rfind('.');
+    if (dot != std::string::npos) add_with_parents(fqn.substr(0, dot));
+  }
+  Json stage_calls = Json::array({{{"fqn", ""}, {"signature", std::move(signature)}}});
+  for (const auto& call : calls)
+    if (used.count(call.value("fqn", std::string()))) stage_calls.push_back(call);
+  gm["module_call_graph"] = std::move(stage_calls);
   program["guards_code"] = Json::array();
   return program;
 }
@@ -414,10 +434,19 @@ std::string exported_stage_archive(const ExportedModel& model, const graph::Plan
 }
 
 std::string complete_stage_archive(const ExportedModel& received, const c10::Device& device,
-                                   const StageOptions& options, Checkpoint* checkpoint) {
+                                   const StageOptions& options, Checkpoint* checkpoint, const AliasGroups& tied) {
   std::vector<size_t> all(received.weights().size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-  return write_archive(received.program(), received, all, received.path(), device, options, checkpoint, false);
+  return write_archive(received.program(), received, all, received.path(), device, options, checkpoint, false, tied);
+}
+
+AliasGroups exported_stage_aliases(const ExportedModel& model, const graph::Plan& plan, size_t index) {
+  AliasGroups out;
+  for (size_t id : plan.stage(index).attributes) {
+    auto names = model.aliases_of(id);
+    if (!names.empty()) out[model.weights().at(id).fqn] = std::move(names);
+  }
+  return out;
 }
 
 std::unique_ptr<Stage> run_exported_stage(const std::string& archive, const std::string& what) {

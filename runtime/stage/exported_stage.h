@@ -25,9 +25,12 @@ std::string exported_stage_archive(const graph::exported::ExportedModel& model, 
                                    bool leave_out = false);
 
 // The archive of a stage program as received (from exported_stage_archive with leave_out), made whole:
-// its left-out tensors read from `checkpoint`, placed for `device`.
+// its left-out tensors read from `checkpoint` (also under the other names `tied` gives them: the
+// model's tied names the stage itself lacks), placed for `device`.
 std::string complete_stage_archive(const graph::exported::ExportedModel& received, const c10::Device& device,
-                                   const StageOptions& options, Checkpoint* checkpoint);
+                                   const StageOptions& options, Checkpoint* checkpoint, const AliasGroups& tied);
+// The other names, in the whole model, of the tensors stage `index` holds (for its worker's lookups).
+AliasGroups exported_stage_aliases(const graph::exported::ExportedModel& model, const graph::Plan& plan, size_t index);
 
 // Runs a stage archive with nativert. Throws Error(InvalidFormat) when nativert refuses the
 // program (its message included), naming `what`.

@@ -41,7 +41,8 @@ void save_stage(const graph::Plan& plan, size_t index, const StageOptions& optio
 ShippedStage ship_stage(const graph::Plan& plan, size_t index, const c10::Device& device, const StageOptions& options,
                         Checkpoint* checkpoint) {
   if (const auto* model = exported(plan))
-    return {exported_stage_archive(*model, plan, index, device, options, checkpoint, /*leave_out=*/true), {}};
+    return {exported_stage_archive(*model, plan, index, device, options, checkpoint, /*leave_out=*/true),
+            exported_stage_aliases(*model, plan, index)};
   return ship_torchscript_stage(plan, index, device, options, checkpoint);
 }
 
@@ -51,7 +52,8 @@ std::unique_ptr<Stage> receive_stage(const ShippedStage& shipped, size_t index, 
   if (format == io::ModelFormat::Exported) {
     auto received =
         graph::exported::ExportedModel::from_archive(graph::exported::Pt2Archive::from_bytes(shipped.bytes, what));
-    return run_exported_stage(complete_stage_archive(*received, build.device, *build.options, build.checkpoint), what);
+    return run_exported_stage(
+        complete_stage_archive(*received, build.device, *build.options, build.checkpoint, shipped.aliases), what);
   }
   return receive_torchscript_stage(shipped, index, build, what);
 }

@@ -559,12 +559,6 @@ def test_program_without_a_weight_takes_it_from_a_checkpoint(tmp_path):
     assert_outputs_equal(load_file(out), expected_of("example_code"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a weight record shorter than its tensor is refused with 'a weight record holds 25 elements but its "
-    "metadata reaches element 262144' [PIPE_ERR_INVALID_FORMAT], which names neither the tensor, nor the stage, "
-    "nor the file (a missing record's message names all three)",
-)
 def test_short_weight_record_names_the_tensor(tmp_path):
     record = weight_record(fixture("example_code.pt2"), "lin2.weight")
     short = rewrite_archive(fixture("example_code.pt2"), tmp_path / "short.pt2", edit={record: lambda d: d[:100]})
@@ -857,13 +851,6 @@ def test_only_the_stage_asked_for_is_saved(tmp_path):
     assert set(program.state_dict) == {"mm_param2"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a saved stage .pt2 keeps no module tree: `pipe inspect stage1.pt2` lists only '(model)' (a saved "
-    "TorchScript stage lists model.layers.1 and below), and `pipe split stage1.pt2 --split-at "
-    "model.layers.1.mlp:begin` fails with an empty 'nearest module paths:  (pipe inspect ...)' list, although "
-    "the uniform policy finds the layers from the nodes' module stacks",
-)
 def test_saved_stage_keeps_its_module_paths(tmp_path):
     result = pipe("split", fixture("hf_llama.pt2"), "--split-at", "model.layers.0:end", "--save-stages", tmp_path)
     assert result.returncode == 0, result.stderr
@@ -941,11 +928,6 @@ def test_checkpoint_of_the_wrong_shape_names_tensor_and_stage(tmp_path, llama_ch
     assert not out.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the program's expected shape is printed without brackets and commas: 'the model expects shape 64 64 "
-    "but checkpoint tensor ... has shape [64, 65]'; TorchScript says 'expects shape [64, 64]'",
-)
 def test_wrong_shape_message_equals_torchscripts(tmp_path, llama_checkpoint):
     folder, _, _ = llama_checkpoint
     tensors = load_file(folder / "llama.safetensors")
@@ -1066,13 +1048,6 @@ def test_checkpoint_names_a_tie_by_its_first_name(tmp_path, name):
     assert_outputs_equal(load_file(out), want)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="with --processes the stage on rank 1 does not find a tied head under its other name: 'rank 1: tensor "
-    "'lm_head.weight' (stage 1 on rank 1) has no data in 'stage 1 on rank 1' and is not in checkpoint ... (also "
-    "tried tied names ...)' [PIPE_ERR_NOT_FOUND]; the same run in one process works, and TorchScript's gpt2 "
-    "works with --processes 2",
-)
 def test_tied_head_from_a_checkpoint_in_several_processes(tmp_path, tied_llama):
     folder, want = tied_llama
     result, out = run(
@@ -1164,22 +1139,9 @@ def test_bench_reports_throughput_and_latency():
     "name",
     [
         "hf_llama",
-        pytest.param(
-            "tiny_llama",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="pipe inspect's (model) line counts a tied weight once per name: 156096 for tiny_llama.pt2, "
-                "139712 parameters for its TorchScript twin and the eager model",
-            ),
-        ),
-        pytest.param(
-            "gpt2",
-            marks=pytest.mark.xfail(strict=True, reason="as tiny_llama: 186944 where the model has 170560 parameters"),
-        ),
-        pytest.param(
-            "param_alias",
-            marks=pytest.mark.xfail(strict=True, reason="as tiny_llama: 1049600 where the model has 524800 parameters"),
-        ),
+        "tiny_llama",
+        "gpt2",
+        "param_alias",
     ],
 )
 def test_inspect_counts_each_parameter_once(name):
@@ -1191,12 +1153,6 @@ def test_inspect_counts_each_parameter_once(name):
     assert shown.stdout.splitlines()[1].split()[2] == str(total)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="policy time refuses a model with state written in place even for one stage: 'store.cache' is updated "
-    "in place ... and used by stages 1, 2 and 5' (stages of its profiling cut, which a 1-stage plan does not have); "
-    "the same for the TorchScript twin ('stages 3, 4 and 9')",
-)
 def test_time_policy_with_one_stage_on_a_stateful_model():
     plan = plan_of(
         fixture("state_across_cut.pt2"), "--stages", 1, "--policy", "time", "--input", inputs_of("state_across_cut")

@@ -141,6 +141,14 @@ const std::unordered_set<c10::Symbol>* alias_sets(const c10::AliasInfo* info) {
 
 }  // namespace
 
+std::vector<std::string> ExportedModel::aliases_of(size_t id) const {
+  std::vector<std::string> out;
+  const Weight& w = weights_.at(id);
+  for (const auto& other : weights_)
+    if (other.identity == w.identity && other.fqn != w.fqn) out.push_back(other.fqn);
+  return out;
+}
+
 std::shared_ptr<const ExportedModel> ExportedModel::load(const std::string& path) {
   return from_archive(Pt2Archive::open(path));
 }
@@ -238,6 +246,10 @@ void ExportedModel::describe() {
                     "'" + path_ + "': " + kind + " '" + w.fqn + "' is in neither the weights nor the constants config");
       }
       w.meta = tensor_meta(w.config.value("tensor_meta", Json::object()), kind + " '" + w.fqn + "'");
+      const Json& tm = w.config.value("tensor_meta", Json::object());
+      w.identity = std::string(w.in_constants ? "c/" : "w/") + w.config.value("path_name", std::string()) + "@" +
+                   tm.value("storage_offset", Json::object()).dump() + tm.value("sizes", Json::array()).dump() +
+                   tm.value("strides", Json::array()).dump();
       weight_of[w.placeholder] = weights_.size();
       AttributeRead read;
       read.path = split_dotted(w.fqn);
@@ -307,9 +319,11 @@ void ExportedModel::describe() {
     auto it = type_of.find(info.path);
     info.class_name = it == type_of.end() ? "?" : it->second;
     info.type = short_type(info.class_name);
+    std::set<std::string> counted;  // a tensor under several names counts once
     for (const auto& w : weights_)
       if (w.spec_kind == "parameter" &&
-          (info.path.empty() || w.fqn.compare(0, info.path.size() + 1, info.path + ".") == 0)) {
+          (info.path.empty() || w.fqn.compare(0, info.path.size() + 1, info.path + ".") == 0) &&
+          counted.insert(w.identity).second) {
         uint64_t numel = 1;
         for (const auto& d : w.meta.sizes) numel *= static_cast<uint64_t>(std::max<int64_t>(d.size, 0));
         info.num_params += numel;

@@ -31,6 +31,9 @@ struct Weight {
   Json config;                // its entry in the weights or constants config (path_name, tensor_meta, ...)
   bool in_constants = false;  // the entry is in the constants config (data/constants/) rather than weights
   TensorMeta meta;
+  // Equal for the names of one tensor (a tied head, an aliased parameter): the same record, at the
+  // same place in it, with the same shape.
+  std::string identity;
 };
 
 class ExportedModel : public Program {
@@ -52,6 +55,8 @@ class ExportedModel : public Program {
   const std::vector<Weight>& weights() const { return weights_; }
   // The weight behind attribute `id` (the same order).
   const Weight& weight_of_attribute(size_t id) const { return weights_.at(id); }
+  // The other names of weight `id`'s tensor (tied or aliased names), for checkpoint lookups.
+  std::vector<std::string> aliases_of(size_t id) const;
   // The graph's node (an index into graph()["nodes"]) behind Program node `id`.
   size_t json_node(size_t id) const { return json_node_.at(id); }
   // Nodes that compute only symbols and that Program node `id` (or, for id == nodes().size(), the
