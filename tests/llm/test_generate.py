@@ -9,7 +9,9 @@ transformers' greedy `generate`, through libpipe's generation engine:
   tokens wherever its seed is the same, and different ones with another seed);
 - --stop-ids ends a sequence with that id (finish reason "stop");
 - a token id outside the vocabulary and a prompt that leaves no room in the cache fail with one
-  line on stderr naming the prompt.
+  line on stderr naming the prompt;
+- the same decoders exported as torch.export programs (`export_llm OUT.pt2`, run by nativert) give
+  the same tokens over 2 stages and 2 processes.
 """
 
 import json
@@ -18,7 +20,7 @@ import subprocess
 
 import pytest
 
-from llm_models import CHUNK, MAX_LEN, NEW_TOKENS, PROMPTS, SLOTS, VOCAB, split_points
+from llm_models import CHUNK, MAX_LEN, NEW_TOKENS, PROMPTS, SLOTS, VOCAB, export, split_points
 
 PIPE = os.environ["PIPE_CLI"]  # run-tests.sh: the pipe installed with the libpipe under test
 
@@ -36,8 +38,8 @@ MODES = {
 }
 
 
-def pipe_generate(exported, prompts, *args, timeout=300):
-    command = [PIPE, "generate", exported.skeleton, "--weights", exported.weights]
+def pipe_generate(exported, prompts, *args, timeout=300, skeleton=None):
+    command = [PIPE, "generate", skeleton or exported.skeleton, "--weights", exported.weights]
     for p in prompts:
         command += ["--prompt-ids", ",".join(map(str, p))]
     return subprocess.run([*command, *map(str, args)], capture_output=True, text=True, timeout=timeout)
@@ -130,3 +132,29 @@ def test_bad_prompts_are_refused_naming_them(exported):
     one_error_line(
         pipe_generate(exported, [list(range(MAX_LEN))], "--max-new-tokens", 4), "prompt 1 of 1", "INVALID_ARGUMENT"
     )
+
+
+# The decoder as a torch.export program: export_llm writes a .pt2 skeleton (empty weight and cache
+# records), libpipe fills it from the same checkpoint and runs its stages with nativert.
+@pytest.mark.parametrize("exported", ["llama", "qwen2", "gpt2"], indirect=True)
+@pytest.mark.parametrize("mode", ["2-stages", "2-processes"])
+def test_exported_program_decoder_equals_transformers(exported, mode):
+    program = os.path.join(exported.folder, "decoder.pt2")
+    if not os.path.exists(program):  # once per model: the modes share it
+        made = export(exported.folder, program, "--max-seq-len", MAX_LEN, "--max-batch", SLOTS, "--dtype", "fp32")
+        assert made.returncode == 0, made.stderr
+    args = MODES[mode](exported.config)
+    result = pipe_generate(
+        exported,
+        PROMPTS,
+        *args,
+        "--max-new-tokens",
+        NEW_TOKENS,
+        "--prefill-chunk",
+        CHUNK,
+        "--json",
+        skeleton=program,
+    )
+    out = generated(result)
+    assert out["outputs"] == exported.reference
+    assert out["finish_reasons"] == ["length"] * len(PROMPTS)
