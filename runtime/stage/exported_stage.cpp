@@ -16,6 +16,7 @@
 #include "runtime/error.h"
 #include "runtime/graph/exported/archive.h"
 #include "runtime/libtorch_log.h"
+#include "runtime/stage/packed_linear.h"
 
 namespace libpipe::stage {
 
@@ -217,20 +218,45 @@ std::pair<Json, Json> write_weights(Pt2Writer& writer, const ExportedModel& sour
   return {Json{{"config", weights}}, Json{{"config", constants}}};
 }
 
-std::string write_archive(Json program, const ExportedModel& source, const std::vector<size_t>& weight_ids,
-                          const std::string& stage, const c10::Device& device, const StageOptions& options,
-                          Checkpoint* checkpoint, bool leave_out, const AliasGroups& tied = {}) {
+// On a CPU stage, each aten.linear of a float32 parameter calls pipe::linear_packed_on_demand (same
+// arguments), which multiplies by the weight packed once for MKL's GEMM, as TorchScript stages'
+// linear layers do (packed_linear.h); the stage packs on its first run. Returns the number of
+// layers rewritten.
+size_t pack_linear_layers(Json& program, const ExportedModel& source, const std::vector<size_t>& weight_ids) {
+  if (!register_linear_packed_on_demand()) return 0;
+  std::map<std::string, const Weight*> by_placeholder;
+  for (size_t id : weight_ids)
+    if (source.attributes().at(id).writers.empty())
+      by_placeholder[source.weights()[id].placeholder] = &source.weights()[id];
+  size_t rewritten = 0;
+  for (Json& node : program["graph_module"]["graph"]["nodes"]) {
+    if (node.value("target", std::string()) != "torch.ops.aten.linear.default") continue;
+    for (const auto& input : node["inputs"]) {
+      if (input.value("name", std::string()) != "weight" || !input["arg"].contains("as_tensor")) continue;
+      auto w = by_placeholder.find(input["arg"]["as_tensor"].value("name", std::string()));
+      if (w == by_placeholder.end() || w->second->spec_kind != "parameter" || w->second->meta.dtype != at::kFloat ||
+          w->second->meta.sizes.size() != 2)
+        break;
+      node["target"] = "torch.ops.pipe.linear_packed_on_demand.default";
+      ++rewritten;
+    }
+  }
+  return rewritten;
+}
+
+void write_archive(Pt2Writer& writer, Json program, const ExportedModel& source, const std::vector<size_t>& weight_ids,
+                   const std::string& stage, const c10::Device& device, const StageOptions& options,
+                   Checkpoint* checkpoint, bool leave_out, const AliasGroups& tied, int cpu_chunks) {
   const Json where = device_json(device);
   place_devices(program["graph_module"]["graph"], where);
-  Pt2Writer writer;
   auto [weights, constants] =
       write_weights(writer, source, weight_ids, stage, options, checkpoint, leave_out, where, tied);
+  if (cpu_chunks > 0 && device.is_cpu() && !leave_out) pack_linear_layers(program, source, weight_ids);
   writer.add("models/model.json", program.dump());
   writer.add("data/weights/model_weights_config.json", weights.dump());
   writer.add("data/constants/model_constants_config.json", constants.dump());
   // torch.export.load reads every program's example inputs; an empty record stands for none.
   writer.add("data/sample_inputs/model.pt", nullptr, 0);
-  return writer.finish();
 }
 
 // The program of stage `index`: its nodes, its crossing values as inputs and outputs, its weights.
@@ -368,36 +394,49 @@ Json stage_program(const ExportedModel& model, const graph::Plan& plan, size_t i
 }
 
 // An anonymous in-memory file holding `bytes`, for a reader that takes paths only.
+// An anonymous in-memory file, for a reader that takes paths only. The archive is written straight
+// into it: no second copy of the stage's weights in this process's own memory.
 class MemoryFile {
  public:
-  explicit MemoryFile(const std::string& bytes) {
+  MemoryFile() {
     fd_ = memfd_create("libpipe-stage", MFD_CLOEXEC);
     if (fd_ < 0) throw Error(Status::Io, std::string("cannot make an in-memory file for a stage: ") + strerror(errno));
-    size_t done = 0;
-    while (done < bytes.size()) {
-      const ssize_t n = ::write(fd_, bytes.data() + done, bytes.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        const int err = errno;
-        ::close(fd_);
-        throw Error(err == ENOSPC || err == ENOMEM ? Status::OutOfMemory : Status::Io,
-                    std::string("cannot write a stage into memory: ") + strerror(err));
-      }
-      done += static_cast<size_t>(n);
-    }
   }
   ~MemoryFile() { ::close(fd_); }
+  MemoryFile(const MemoryFile&) = delete;
+  MemoryFile& operator=(const MemoryFile&) = delete;
+  bool append(const void* data, size_t size) {
+    size_t done = 0;
+    while (done < size && error_ == 0) {
+      const ssize_t n = ::write(fd_, static_cast<const char*>(data) + done, size - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) error_ = n < 0 ? errno : EIO;
+      else done += static_cast<size_t>(n);
+    }
+    return error_ == 0;
+  }
+  // Throws the write's own error, which the zip writer only saw as a short write.
+  void check() const {
+    if (error_ == 0) return;
+    throw Error(error_ == ENOSPC || error_ == ENOMEM ? Status::OutOfMemory : Status::Io,
+                std::string("cannot write a stage into memory: ") + strerror(error_));
+  }
   std::string path() const { return "/proc/self/fd/" + std::to_string(fd_); }
 
  private:
   int fd_ = -1;
+  int error_ = 0;
 };
+
+// Writes an archive with `write` into a memory file that `run` then reads.
+template <typename Write>
+std::unique_ptr<Stage> in_memory(const std::string& what, int cpu_chunks, Write&& write);
 
 class ExportedStage : public Stage {
  public:
-  ExportedStage(const std::string& archive, const std::string& what) {
+  ExportedStage(const MemoryFile& file, const std::string& what, int cpu_chunks) {
+    if (cpu_chunks > 0) packed_ = std::make_unique<PackedWeights>(cpu_chunks);
     log::capture_libtorch_log();
-    MemoryFile file(archive);
     // nativert prints every program's signature to stdout while c10's log level is above 2 (a
     // debugging aid behind the wrong flag), and libpipe raises that level process-wide to quiet
     // c10d (comm/rendezvous.cpp): it is lowered while a program loads. Loads take turns for that.
@@ -414,12 +453,31 @@ class ExportedStage : public Stage {
     }
     FLAGS_caffe2_log_level = level;
   }
-  c10::IValue forward(std::vector<c10::IValue> inputs) override { return runner_->run(inputs, {}); }
+  c10::IValue forward(std::vector<c10::IValue> inputs) override {
+    if (!packed_) return runner_->run(inputs, {});
+    PackedWeights::Use use(*packed_);
+    return runner_->run(inputs, {});
+  }
 
  private:
   // Held through a pointer: the handle's own move operations cannot be instantiated outside LibTorch.
   std::unique_ptr<torch::nativert::ModelRunnerHandle> runner_;
+  std::unique_ptr<PackedWeights> packed_;  // its linear layers' weights, packed on first use
 };
+
+template <typename Write>
+std::unique_ptr<Stage> in_memory(const std::string& what, int cpu_chunks, Write&& write) {
+  MemoryFile file;
+  try {
+    Pt2Writer writer([&file](const void* data, size_t size) { return file.append(data, size); });
+    write(writer);
+    writer.finish();
+  } catch (const Error&) {
+    file.check();  // the reason the writer stopped, if the memory file failed it
+    throw;
+  }
+  return std::make_unique<ExportedStage>(file, what, cpu_chunks);
+}
 
 }  // namespace
 
@@ -429,15 +487,32 @@ std::string exported_stage_archive(const ExportedModel& model, const graph::Plan
   check_dtype(model, options);
   std::vector<size_t> weight_ids;
   Json program = stage_program(model, plan, index, weight_ids);
-  return write_archive(std::move(program), model, weight_ids, "stage " + std::to_string(index), device, options,
-                       checkpoint, leave_out);
+  Pt2Writer writer;
+  write_archive(writer, std::move(program), model, weight_ids, "stage " + std::to_string(index), device, options,
+                checkpoint, leave_out, {}, 0);
+  return writer.finish();
 }
 
-std::string complete_stage_archive(const ExportedModel& received, const c10::Device& device,
-                                   const StageOptions& options, Checkpoint* checkpoint, const AliasGroups& tied) {
+std::unique_ptr<Stage> build_exported_stage(const ExportedModel& model, const graph::Plan& plan, size_t index,
+                                            const BuildOptions& build) {
+  check_dtype(model, *build.options);
+  std::vector<size_t> weight_ids;
+  Json program = stage_program(model, plan, index, weight_ids);
+  const std::string what = "stage " + std::to_string(index);
+  return in_memory(what, build.cpu_chunks, [&](Pt2Writer& writer) {
+    write_archive(writer, std::move(program), model, weight_ids, what, build.device, *build.options, build.checkpoint,
+                  false, {}, build.cpu_chunks);
+  });
+}
+
+std::unique_ptr<Stage> receive_exported_stage(const ExportedModel& received, const BuildOptions& build,
+                                              const AliasGroups& tied, const std::string& what) {
   std::vector<size_t> all(received.weights().size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-  return write_archive(received.program(), received, all, received.path(), device, options, checkpoint, false, tied);
+  return in_memory(what, build.cpu_chunks, [&](Pt2Writer& writer) {
+    write_archive(writer, received.program(), received, all, received.path(), build.device, *build.options,
+                  build.checkpoint, false, tied, build.cpu_chunks);
+  });
 }
 
 AliasGroups exported_stage_aliases(const ExportedModel& model, const graph::Plan& plan, size_t index) {
@@ -447,10 +522,6 @@ AliasGroups exported_stage_aliases(const ExportedModel& model, const graph::Plan
     if (!names.empty()) out[model.weights().at(id).fqn] = std::move(names);
   }
   return out;
-}
-
-std::unique_ptr<Stage> run_exported_stage(const std::string& archive, const std::string& what) {
-  return std::make_unique<ExportedStage>(archive, what);
 }
 
 }  // namespace libpipe::stage

@@ -19,21 +19,29 @@ namespace libpipe::stage {
 // The stage as a .pt2 archive's bytes. With `leave_out` set, tensors `checkpoint` holds are written
 // as empty records (a worker process fills them from the checkpoint itself). Throws Error: Unsupported
 // for a dtype the program was not exported in or a symbolic size crossing between stages, NotFound /
-// Input / InvalidFormat as the weights' checks do (naming the tensor and the stage).
+// Input / InvalidFormat as the weights' checks do (naming the tensor and the stage). Only PyTorch's own
+// operators: it is a program for torch.export.load as much as for libpipe.
 std::string exported_stage_archive(const graph::exported::ExportedModel& model, const graph::Plan& plan, size_t index,
                                    const c10::Device& device, const StageOptions& options, Checkpoint* checkpoint,
                                    bool leave_out = false);
 
-// The archive of a stage program as received (from exported_stage_archive with leave_out), made whole:
-// its left-out tensors read from `checkpoint` (also under the other names `tied` gives them: the
-// model's tied names the stage itself lacks), placed for `device`.
-std::string complete_stage_archive(const graph::exported::ExportedModel& received, const c10::Device& device,
-                                   const StageOptions& options, Checkpoint* checkpoint, const AliasGroups& tied);
+// Builds stage `index` to run: its archive goes straight into an anonymous in-memory file (memfd)
+// that nativert reads (it reads files only). On the CPU (`build.cpu_chunks` > 0) its linear layers
+// call libpipe's pipe::linear_packed_on_demand instead of aten::linear, which multiplies by the weight
+// packed once for MKL's GEMM in that many chunks, as TorchScript stages' linear layers do
+// (packed_linear.h). Throws as exported_stage_archive does, and Error(InvalidFormat) when
+// nativert refuses the program (its message included).
+std::unique_ptr<Stage> build_exported_stage(const graph::exported::ExportedModel& model, const graph::Plan& plan,
+                                            size_t index, const BuildOptions& build);
+// The same for a stage program as a worker received it (exported_stage_archive with leave_out), made
+// whole: its left-out tensors read from the checkpoint (also under the other names `tied` gives
+// them: the model's tied names the stage itself lacks). `what` names it in messages.
+std::unique_ptr<Stage> receive_exported_stage(const graph::exported::ExportedModel& received, const BuildOptions& build,
+                                              const AliasGroups& tied, const std::string& what);
 // The other names, in the whole model, of the tensors stage `index` holds (for its worker's lookups).
 AliasGroups exported_stage_aliases(const graph::exported::ExportedModel& model, const graph::Plan& plan, size_t index);
 
 // Runs a stage archive with nativert. Throws Error(InvalidFormat) when nativert refuses the
 // program (its message included), naming `what`.
-std::unique_ptr<Stage> run_exported_stage(const std::string& archive, const std::string& what);
 
 }  // namespace libpipe::stage

@@ -162,7 +162,42 @@ void collect_linears(torch::jit::Block* block, std::vector<torch::jit::Node*>& o
   }
 }
 
+thread_local PackedWeights* current_weights = nullptr;
+
+at::Tensor linear_packed_on_demand(const at::Tensor& input, const at::Tensor& weight,
+                                   const std::optional<at::Tensor>& bias) {
+  if (!current_weights) return at::linear(input, weight, bias);
+  const at::Tensor& packed = current_weights->packed(weight);
+  if (!packed.defined()) return at::linear(input, weight, bias);
+  return packed_linear(input, packed, weight, bias);
+}
+
 }  // namespace
+
+PackedWeights::Use::Use(PackedWeights& weights) : previous_(current_weights) { current_weights = &weights; }
+PackedWeights::Use::~Use() { current_weights = previous_; }
+
+const at::Tensor& PackedWeights::packed(const at::Tensor& weight) {
+  auto [it, fresh] = packed_.try_emplace(weight.data_ptr());
+  if (fresh && weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
+      weight.numel() > 0 && weight.is_contiguous())
+    it->second = pack(weight, chunks_);
+  return it->second;
+}
+
+bool register_linear_packed_on_demand() {
+  static const bool available = [] {
+    if (!packing_available()) return false;
+    if (!c10::Dispatcher::singleton().findSchema({"pipe::linear_packed_on_demand", ""}).has_value()) {
+      static torch::Library lib(torch::Library::FRAGMENT, "pipe", std::nullopt, __FILE__, __LINE__);
+      lib.def(torch::schema("pipe::linear_packed_on_demand(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
+                            c10::AliasAnalysisKind::FROM_SCHEMA),
+              &linear_packed_on_demand);
+    }
+    return true;
+  }();
+  return available;
+}
 
 size_t pack_linear_weights(torch::jit::Module& stage, int chunks) {
   if (!packing_available()) return 0;

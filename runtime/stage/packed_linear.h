@@ -19,6 +19,7 @@
 #include <torch/csrc/jit/api/module.h>
 
 #include <cstdint>
+#include <map>
 
 namespace libpipe::stage {
 
@@ -31,5 +32,38 @@ constexpr int64_t kPackedMaxRows = 64;
 // (SpareCores: the cores a session's stage may borrow). Returns the number of linear layers
 // rewritten. Never throws for a layer it cannot pack: that one stays aten::linear.
 size_t pack_linear_weights(torch::jit::Module& stage, int chunks = 1);
+
+// For stages whose weights another runtime holds (exported programs, run by nativert), where no
+// packed buffer can be added after load: such a program calls pipe::linear_packed_on_demand(input,
+// weight, bias) where it called aten::linear, and the op packs each weight the first time it meets
+// it, into the PackedWeights of the stage running on the calling thread (held for the stage's
+// lifetime; set with PackedWeights::Use around each run). Without one, or for a weight that cannot
+// be packed, the op is aten::linear. The packed forms cost what TorchScript stages' do: MKL asks for
+// room for its largest layout, and the pages it never writes are never touched.
+class PackedWeights {
+ public:
+  explicit PackedWeights(int chunks) : chunks_(chunks) {}
+  // Makes `weights` the calling thread's until destroyed.
+  class Use {
+   public:
+    explicit Use(PackedWeights& weights);
+    ~Use();
+    Use(const Use&) = delete;
+    Use& operator=(const Use&) = delete;
+
+   private:
+    PackedWeights* previous_;
+  };
+  // The packed form of `weight` (undefined: it cannot be packed), made on first use.
+  const at::Tensor& packed(const at::Tensor& weight);
+
+ private:
+  int chunks_;
+  std::map<const void*, at::Tensor> packed_;  // by the weight's data: the runtime keeps it in place
+};
+
+// Registers pipe::linear_packed_on_demand (once per process); false where packing is unavailable (no
+// MKL, LIBPIPE_PACKED_LINEAR=0), and then no program should call it.
+bool register_linear_packed_on_demand();
 
 }  // namespace libpipe::stage

@@ -14,14 +14,10 @@ const graph::exported::ExportedModel* exported(const graph::Plan& plan) {
   return dynamic_cast<const graph::exported::ExportedModel*>(&plan.model());
 }
 
-std::string stage_name(size_t index) { return "stage " + std::to_string(index); }
-
 }  // namespace
 
 std::unique_ptr<Stage> build_stage(const graph::Plan& plan, size_t index, const BuildOptions& build) {
-  if (const auto* model = exported(plan))
-    return run_exported_stage(
-        exported_stage_archive(*model, plan, index, build.device, *build.options, build.checkpoint), stage_name(index));
+  if (const auto* model = exported(plan)) return build_exported_stage(*model, plan, index, build);
   return build_torchscript_stage(plan, index, build);
 }
 
@@ -52,8 +48,7 @@ std::unique_ptr<Stage> receive_stage(const ShippedStage& shipped, size_t index, 
   if (format == io::ModelFormat::Exported) {
     auto received =
         graph::exported::ExportedModel::from_archive(graph::exported::Pt2Archive::from_bytes(shipped.bytes, what));
-    return run_exported_stage(
-        complete_stage_archive(*received, build.device, *build.options, build.checkpoint, shipped.aliases), what);
+    return receive_exported_stage(*received, build, shipped.aliases, what);
   }
   return receive_torchscript_stage(shipped, index, build, what);
 }

@@ -17,6 +17,7 @@
 #include "runtime/libtorch_log.h"
 #include "runtime/log.h"
 #include "runtime/planner/planner.h"
+#include "runtime/stage/stage.h"
 
 namespace libpipe {
 namespace {
@@ -252,6 +253,51 @@ TEST(ExportedModel, WhatNativertCannotRunIsRefusedAtLoad) {
     EXPECT_NE(message.find(c.says), std::string::npos) << message;
     EXPECT_NE(message.find(c.name), std::string::npos) << message;  // the file's name
   }
+}
+
+// Operators the calling thread runs, by name, while it lives.
+class OperatorCount {
+ public:
+  OperatorCount() {
+    handle_ = at::addThreadLocalCallback(
+        at::RecordFunctionCallback([](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+          ++counts()[fn.name()];
+          return nullptr;
+        }).scopes({at::RecordScope::FUNCTION}));
+  }
+  ~OperatorCount() { at::removeCallback(handle_); }
+  static std::map<std::string, int>& counts() {
+    thread_local std::map<std::string, int> c;
+    return c;
+  }
+
+ private:
+  at::CallbackHandle handle_;
+};
+
+TEST(ExportedStage, CpuStagesMultiplyByPackedWeightsAsTorchScriptStagesDo) {
+  const char* env = std::getenv("LIBPIPE_PACKED_LINEAR");
+  if (!at::globalContext().hasMKL() || (env && std::string(env) == "0"))
+    GTEST_SKIP() << "this LibTorch has no MKL (or LIBPIPE_PACKED_LINEAR=0): nothing is packed";
+  auto model = exported("hf_llama");
+  auto plan = plan_at(model, {});
+  const stage::StageOptions options;
+  stage::BuildOptions plain, packed;
+  plain.options = packed.options = &options;
+  packed.cpu_chunks = 2;
+  auto reference = stage::build_stage(*plan, 0, plain);
+  auto stage = stage::build_stage(*plan, 0, packed);
+  // Rows within MKL's packed range (4..64): 2 x 12 tokens.
+  const auto ids = at::randint(0, 256, {2, 12}, at::kLong);
+  c10::InferenceMode inference;
+  OperatorCount count;
+  const at::Tensor want = reference->forward({ids}).toTensor();
+  EXPECT_EQ(OperatorCount::counts()["pipe::linear_packed_on_demand"], 0);
+  const at::Tensor got = stage->forward({ids}).toTensor();
+  EXPECT_EQ(OperatorCount::counts()["pipe::linear_packed_on_demand"], 15);  // 2 layers x 7, the head
+  EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-5)) << (got - want).abs().max();
+  // Packed once: a second call gives the same bits.
+  EXPECT_TRUE(at::equal(stage->forward({ids}).toTensor(), got));
 }
 
 struct Captured {

@@ -110,18 +110,26 @@ void Pt2Archive::read_into(const std::string& record, void* dst, size_t bytes) c
 }
 
 struct Pt2Writer::Impl {
+  explicit Impl(Sink s) : sink(std::move(s)) {}
+  Sink sink;
   std::string bytes;
-  caffe2::serialize::PyTorchStreamWriter writer{[this](const void* data, size_t n) {
+  // A sink's failure is reported as a short write (the zip writer then throws its own error).
+  caffe2::serialize::PyTorchStreamWriter writer{[this](const void* data, size_t n) -> size_t {
+    if (sink) return sink(data, n) ? n : 0;
     bytes.append(static_cast<const char*>(data), n);
     return n;
   }};
 };
 
-Pt2Writer::Pt2Writer() : impl_(std::make_unique<Impl>()) {}
+Pt2Writer::Pt2Writer(Sink sink) : impl_(std::make_unique<Impl>(std::move(sink))) {}
 Pt2Writer::~Pt2Writer() = default;
 
 void Pt2Writer::add(const std::string& record, const void* data, size_t size) {
-  impl_->writer.writeRecord(record, data, size);
+  try {
+    impl_->writer.writeRecord(record, data, size);
+  } catch (const c10::Error& e) {
+    throw Error(Status::Io, "cannot write record " + record + " of a stage program: " + e.what_without_backtrace());
+  }
 }
 
 std::string Pt2Writer::finish() {
@@ -129,7 +137,11 @@ std::string Pt2Writer::finish() {
   add("archive_format", std::string("pt2"));
   add("archive_version", std::string("0"));
   add("byteorder", std::string("little"));
-  impl_->writer.writeEndOfFile();
+  try {
+    impl_->writer.writeEndOfFile();
+  } catch (const c10::Error& e) {
+    throw Error(Status::Io, std::string("cannot finish a stage program: ") + e.what_without_backtrace());
+  }
   return std::move(impl_->bytes);
 }
 

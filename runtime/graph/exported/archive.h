@@ -4,6 +4,7 @@
 // uncompressed, 64-byte aligned, under one top-level folder.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -45,15 +46,17 @@ class Pt2Archive {
   std::vector<std::string> programs_;
 };
 
-// Builds an archive in memory, record by record, as torch.export.save lays it out.
+// Builds an archive record by record, as torch.export.save lays it out: in memory, or straight into
+// `sink`, which takes the bytes in order and returns false when it cannot (the writer then throws).
 class Pt2Writer {
  public:
-  Pt2Writer();
+  using Sink = std::function<bool(const void* data, size_t size)>;
+  explicit Pt2Writer(Sink sink = nullptr);
   ~Pt2Writer();
   void add(const std::string& record, const void* data, size_t size);
   void add(const std::string& record, const std::string& text) { add(record, text.data(), text.size()); }
   // Adds the format records (archive_format, archive_version, byteorder) and the zip's directory;
-  // returns the archive's bytes. Nothing may be added afterwards.
+  // returns the archive's bytes (nothing when they went to a sink). Nothing may be added afterwards.
   std::string finish();
 
  private:
