@@ -962,26 +962,7 @@ class TiedLlamaBuilder:
     split_models.hf_llama's config, returning its logits."""
 
     def __call__(self):
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        class TiedLlamaLogits(LlamaForCausalLM):
-            def forward(self, input_ids):
-                return super().forward(input_ids=input_ids, use_cache=False).logits
-
-        cfg = LlamaConfig(
-            num_hidden_layers=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-            max_position_embeddings=64,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-            tie_word_embeddings=True,
-        )
-        return TiedLlamaLogits(cfg)
+        return exported_models.hf_llama(tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")

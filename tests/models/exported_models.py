@@ -50,7 +50,7 @@ import seed_models
 import split_models
 import torch
 from safetensors.torch import save_file
-from split_models import flatten, hf_gpt2, hf_llama, resnet18  # hf_llama: tests import it from here too
+from split_models import flatten, hf_gpt2, hf_llama, resnet18, tiny_causal_lm  # hf_llama: tests import it from here too
 from torch.export import Dim
 
 from libpipe import export_program
@@ -63,23 +63,7 @@ SEQ, OTHER_SEQ = 12, 7  # hf_llama_dyn's sequence lengths (main, .b3)
 def hf_qwen2():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    class Qwen2Logits(Qwen2ForCausalLM):
-        def forward(self, input_ids):
-            return super().forward(input_ids=input_ids, use_cache=False).logits
-
-    cfg = Qwen2Config(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=64,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    return Qwen2Logits(cfg)
+    return tiny_causal_lm(Qwen2Config, Qwen2ForCausalLM)
 
 
 def pair(batch, width=seed_models.D):

@@ -311,26 +311,37 @@ def hf_gpt2():
     return GPT2Logits(cfg)
 
 
-def hf_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_causal_lm(config_class, model_class, **overrides):
+    """A tiny random-weight Hugging Face causal LM (2 layers, hidden 64, 4 heads / 2 KV heads, vocab
+    256) whose forward takes input_ids and returns the logits only (no cache)."""
 
-    class LlamaLogits(LlamaForCausalLM):
+    class Logits(model_class):
         def forward(self, input_ids):
             return super().forward(input_ids=input_ids, use_cache=False).logits
 
-    cfg = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=64,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
+    Logits.__name__ = Logits.__qualname__ = model_class.__name__.replace("ForCausalLM", "Logits")
+    cfg = config_class(
+        **{
+            "num_hidden_layers": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 256,
+            "max_position_embeddings": 64,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+            "pad_token_id": 0,
+            **overrides,
+        }
     )
-    return LlamaLogits(cfg)
+    return Logits(cfg)
+
+
+def hf_llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return tiny_causal_lm(LlamaConfig, LlamaForCausalLM, **overrides)
 
 
 def resnet18():
