@@ -9,7 +9,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 "$LIBPIPE_ROOT/scripts/install-deps.sh"
 build=${LIBPIPE_TSAN_BUILD:-$LIBPIPE_ROOT/build-tsan}
 cmake -S "$LIBPIPE_ROOT" -B "$build" -G Ninja -DLIBPIPE_PYTHON="$LIBPIPE_PYTHON" -DLIBPIPE_SANITIZE=thread >/dev/null
-cmake --build "$build" --target unit_tests pipe_test_gate
+cmake --build "$build" --target unit_tests_threads pipe_test_gate
 models=$build/tests/models
 export LIBPIPE_TEST_GATE_LIB=$build/tests/gate/libpipe_test_gate.so  # the gated model's operator (tests/gate)
 PYTHONPATH=$LIBPIPE_ROOT/bindings/python "$LIBPIPE_PYTHON" "$LIBPIPE_ROOT/tests/models/seed_models.py" "$models" >/dev/null
@@ -20,4 +20,4 @@ export PIPE_TEST_MODELS=$models
 engine='Engine.SequencesJoiningMidFlight*:Engine.MoreSequencesThanSlots*:Engine.ASubmitBeyondMaxQueued*'
 engine+=':Engine.CancellingASequenceHeld*:Engine.ADeadlinePassing*:Engine.AFailingStep*:Engine.Destroying*'
 export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 exitcode=66"
-"$build/tests/unit_tests" --gtest_filter="Session.*:SpareCores.*:PackedLinear.*:RequestCompletion.*:Microbatch*:LocalTransport.*:DistributedSession.*:Heartbeat.*:$engine" "$@"
+"$build/tests/unit_tests_threads" --gtest_filter="Session.*:SpareCores.*:PackedLinear.*:RequestCompletion.*:Microbatch*:LocalTransport.*:DistributedSession.*:Heartbeat.*:$engine" "$@"
