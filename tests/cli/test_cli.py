@@ -95,6 +95,44 @@ def test_run_names_tuple_outputs(tmp_path):
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("model", ["example_code.traced.pt", "example_code.scripted.pt"])
+def test_replicated_input_goes_whole_to_every_microbatch(tmp_path, model):
+    # y is one row added to every row of x: cut along dimension 0 it would disagree with x's batch.
+    x, y = torch.randn(6, 512), torch.randn(1, 512)
+    save_file({"x": x, "y": y}, tmp_path / "in.safetensors")
+    out = tmp_path / "out.safetensors"
+    args = ("run", fixture(model), "--input", tmp_path / "in.safetensors", "--output", out, "--microbatches", 3)
+    assert_one_line_error(pipe(*args), "input 'y' has 1 rows", "must share their batch size")
+    result = pipe(*args, "--replicate", "y")
+    assert result.returncode == 0, result.stderr
+    with torch.no_grad():
+        want = torch.jit.load(fixture(model))(x, y)
+    torch.testing.assert_close(load_file(out)["output"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_replicate_of_a_name_that_is_not_an_input(tmp_path):
+    assert_one_line_error(
+        pipe(
+            "run",
+            fixture("example_code.traced.pt"),
+            "--input",
+            fixture("example_code.inputs.safetensors"),
+            "--output",
+            tmp_path / "o.safetensors",
+            "--replicate",
+            "y,z",
+        ),
+        "--replicate 'z' is not an input of the model (inputs: x, y)",
+    )
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_replicate_does_not_apply_to_generate():
+    result = pipe("generate", fixture("example_code.traced.pt"), "--replicate", "x", "--prompt-ids", "1")
+    assert result.returncode == 2
+    assert_one_line_error(result, "--replicate applies to run and bench")
+
+
 # ---- errors: one line, non-zero exit, never a crash ----
 
 

@@ -798,11 +798,13 @@ def save_stages(folder, name, *split):
     return json.loads(result.stdout)
 
 
-def run_stage_with_pipe(tmp_path, folder, stage, values, microbatches=2):
-    """`pipe run` of one saved stage on the values its plan entry takes; returns `values` with
-    the values it sends on (pipe writes them as output / output.<i>), or its flattened output."""
+def run_stage_with_pipe(tmp_path, folder, stage, values, microbatches=2, replicate=None):
+    """`pipe run` of one saved stage on the values its plan entry takes (those named in `replicate`
+    given whole to every micro-batch); returns `values` with the values it sends on (pipe writes
+    them as output / output.<i>), or its flattened output."""
     inputs = write_inputs(tmp_path, **{i["name"]: values[i["name"]] for i in stage["inputs"]})
-    result, out = run(tmp_path, folder / f"stage{stage['index']}.pt2", inputs=inputs, microbatches=microbatches)
+    extra = ("--replicate", replicate) if replicate else ()
+    result, out = run(tmp_path, folder / f"stage{stage['index']}.pt2", *extra, inputs=inputs, microbatches=microbatches)
     assert result.returncode == 0, result.stderr
     got = load_file(out)
     if stage["outputs"][0]["to"] == "caller":
@@ -839,21 +841,22 @@ def test_pipe_runs_the_first_stage_of_a_hf_llama(tmp_path):
         torch.testing.assert_close(got[o["name"]], w, rtol=0, atol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="`pipe run` of hf_llama's saved stage 1 is refused even with --microbatches 1: \"input 'to_4' has 1 rows "
-    "along dimension 0 but input 'add_8' has 3; inputs split into micro-batches must share their batch size\" "
-    "(to_4 / to_5 are the rotary cos / sin, [1, 12, 16], which the stage takes whole); the CLI has no way to "
-    "replicate an input, and one micro-batch needs no common batch size",
-)
-def test_pipe_runs_a_middle_stage_that_takes_unbatched_values(tmp_path):
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_pipe_runs_a_middle_stage_that_takes_unbatched_values(tmp_path, microbatches):
+    # hf_llama's stage 1 takes the rotary cos / sin ([1, T, D], one for the whole batch) beside the
+    # hidden states: --replicate gives them whole to every micro-batch.
     plan = save_stages(tmp_path / "stages", "hf_llama", *SPLIT)
     ids = load_file(inputs_of("hf_llama", ".b3"))["input_ids"]
     program = torch.export.load(str(tmp_path / "stages" / "stage0.pt2"))
     with torch.no_grad():
         values = {o["name"]: v for o, v in zip(plan["stages"][0]["outputs"], program.module()(ids))}
     values["input_ids"] = ids
-    got = run_stage_with_pipe(tmp_path, tmp_path / "stages", plan["stages"][1], values, microbatches=1)
+    stage = plan["stages"][1]
+    whole = [i["name"] for i in stage["inputs"] if values[i["name"]].shape[0] != ids.shape[0]]
+    assert whole, "the stage takes no unbatched value: the test no longer tests --replicate"
+    got = run_stage_with_pipe(
+        tmp_path, tmp_path / "stages", stage, values, microbatches=microbatches, replicate=",".join(whole)
+    )
     assert_outputs_equal(got, expected_of("hf_llama", ".b3"))
 
 

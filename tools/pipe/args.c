@@ -94,8 +94,9 @@ void init_session_args(session_args *s) {
 }
 
 int parse_session_arg(int argc, char **argv, int *i, const char *command, session_args *s) {
-  static const char *const flags[] = {"--microbatches", "--microbatching", "--processes", "--world-size",
-                                      "--store",        "--transport",     "--devices",   "--comm-timeout-ms"};
+  static const char *const flags[] = {"--microbatches", "--microbatching",   "--processes",
+                                      "--world-size",   "--store",           "--transport",
+                                      "--devices",      "--comm-timeout-ms", "--replicate"};
   const char *a = argv[*i];
   size_t k = 0;
   while (k < sizeof flags / sizeof *flags && strcmp(a, flags[k]) != 0) ++k;
@@ -119,6 +120,14 @@ int parse_session_arg(int argc, char **argv, int *i, const char *command, sessio
       else return usage_error("%s: --transport is gloo, nccl or local, got '%s'", command, v);
       return 1;
     case 6: o->devices = v; return 1; /* libpipe checks the list against the plan */
+    case 8:
+      if (strcmp(command, "run") != 0 && strcmp(command, "bench") != 0)
+        return usage_error("%s: --replicate applies to run and bench, whose inputs are cut into micro-batches",
+                           command);
+      if (s->num_replicated == MAX_REPLICATED)
+        return usage_error("%s: at most %d --replicate", command, MAX_REPLICATED);
+      s->replicated[s->num_replicated++] = v; /* names are checked against the model once it is loaded */
+      return 1;
     default:
       if (parse_int(a, v, &o->comm_timeout_ms)) return 2;
       if (o->comm_timeout_ms < 1)

@@ -52,9 +52,15 @@ int check_split_args(const char *cmd, const split_args *split);
 
 /* The session options run, bench and generate share: micro-batching (not generate), and the processes the stages are
  * spread over. */
+#define MAX_REPLICATED 64
+
 typedef struct {
   pipe_session_options options;
   int32_t processes; /* --processes: 0 when not given */
+  /* --replicate NAME[,NAME...] (run and bench): forward arguments every micro-batch gets whole, as given on the
+   * command line; open_pipeline turns them into the options' input_specs. */
+  const char *replicated[MAX_REPLICATED];
+  int num_replicated;
 } session_args;
 
 void init_session_args(session_args *s);
@@ -102,6 +108,7 @@ typedef struct {
   const DLManagedTensor **args;
   size_t num_args;
   local_workers workers;
+  pipe_chunk_spec *input_specs; /* one per forward argument when --replicate was given, else NULL */
 } pipeline;
 
 /* Returns 0, or 1 after reporting the error (and closing what was opened). */

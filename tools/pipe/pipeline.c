@@ -82,6 +82,45 @@ int read_inputs(const pipe_model *model, const char *path, pipe_tensor_list **li
   return 0;
 }
 
+/* Turns --replicate's names (each a comma-separated list) into one chunk spec per forward argument, REPLICATE for
+ * those named and DEFAULT for the rest, and points the session options at them. 0, or 1 after reporting a name that
+ * is not a forward argument. */
+static int replicate_inputs(pipeline *p, session_args *s) {
+  size_t num_inputs = 0;
+  pipe_status st = pipe_model_num_inputs(p->model, &num_inputs);
+  if (st != PIPE_OK) return fail("cannot list the model's inputs", st);
+  p->input_specs = calloc(num_inputs ? num_inputs : 1, sizeof *p->input_specs);
+  if (!p->input_specs) {
+    fprintf(stderr, "pipe: error: out of memory\n");
+    return 1;
+  }
+  for (size_t i = 0; i < num_inputs; ++i) p->input_specs[i].kind = PIPE_CHUNK_DEFAULT;
+  for (int r = 0; r < s->num_replicated; ++r) {
+    for (const char *name = s->replicated[r]; *name;) {
+      size_t length = strcspn(name, ",");
+      size_t i = 0;
+      for (; i < num_inputs; ++i) {
+        const char *input_name = NULL;
+        if ((st = pipe_model_input_name(p->model, i, &input_name)) != PIPE_OK)
+          return fail("cannot list the model's inputs", st);
+        if (strlen(input_name) == length && strncmp(input_name, name, length) == 0) break;
+      }
+      if (i == num_inputs) {
+        char names[1024];
+        input_list(p->model, names, sizeof names);
+        fprintf(stderr, "pipe: error: --replicate '%.*s' is not an input of the model (inputs: %s)\n", (int)length,
+                name, names);
+        return 1;
+      }
+      p->input_specs[i].kind = PIPE_CHUNK_REPLICATE;
+      name += length + (name[length] == ',');
+    }
+  }
+  s->options.input_specs = p->input_specs;
+  s->options.num_input_specs = num_inputs;
+  return 0;
+}
+
 /* While the session is created: libpipe logs "store listening on HOST:PORT" (pipe.h, the store
  * option) as soon as its store listens, before it waits for the workers. Local workers are
  * started then, with the port the store got; for workers started elsewhere the address is
@@ -110,6 +149,7 @@ static void watch_store(void *user_data, int32_t level, const char *message) {
 
 void close_pipeline(pipeline *p) {
   free(p->args);
+  free(p->input_specs);
   pipe_tensor_list_destroy(p->in);
   /* A session that works tells its workers to finish; a broken one cannot. */
   int broken = p->session && pipe_session_check(p->session) != PIPE_OK;
@@ -129,6 +169,7 @@ static int open_plan(pipeline *p, const char *model_path, const char *in_path, c
   pipe_status st = pipe_model_load(model_path, &p->model);
   if (st != PIPE_OK) return fail("cannot load model", st);
   if (in_path && read_inputs(p->model, in_path, &p->in, &p->args, &p->num_args) != 0) return 1;
+  if (s->num_replicated && replicate_inputs(p, s) != 0) return 1;
   /* Policy time measures the model on the inputs being run. */
   int timed = in_path && split->policy && strcmp(split->policy, "time") == 0;
   if (make_plan(p->model, split, timed ? p->args : NULL, p->num_args, &p->plan) != 0) return 1;
