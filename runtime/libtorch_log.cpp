@@ -1,5 +1,7 @@
 #include "runtime/libtorch_log.h"
 
+#include <c10/util/Logging.h>
+
 #include <cctype>
 #include <iostream>
 #include <mutex>
@@ -25,7 +27,9 @@ class Filter : public std::streambuf {
  protected:
   std::streamsize xsputn(const char* s, std::streamsize n) override {
     std::string& record = pending();
-    if (record.empty() && !starts_record(s, n)) {
+    // What a log callback writes to std::cerr while a record is delivered passes through as it is, even if it
+    // quotes the record: caught again, it would be delivered again, without end.
+    if (emitting() || (record.empty() && !starts_record(s, n))) {
       std::lock_guard lock(mutex_);
       return original_->sputn(s, n);
     }
@@ -51,21 +55,54 @@ class Filter : public std::streambuf {
     thread_local std::string record;
     return record;
   }
+  static bool& emitting() {
+    thread_local bool active = false;
+    return active;
+  }
   static void emit(std::string& record) {
-    while (!record.empty() && (record.back() == '\n' || record.back() == '\r')) record.pop_back();
+    std::string text = std::move(record);
+    record.clear();
+    while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.pop_back();
     // TORCH_WARN's records ("[W... file.cpp:12] Warning: ...") tell the user something about the model;
     // LibTorch's other records are its own notes (nativert lists the operators it has no static
     // kernel for on every load) or describe a failure the caller gets as a status anyway.
-    const Level level = record.find("] Warning: ") != std::string::npos ? Warning : Debug;
-    write(level, "LibTorch: " + record);
-    record.clear();
+    const Level level = text.find("] Warning: ") != std::string::npos ? Warning : Debug;
+    emitting() = true;
+    try {
+      write(level, "LibTorch: " + text);
+    } catch (...) {
+      emitting() = false;
+      throw;
+    }
+    emitting() = false;
   }
 
   std::streambuf* original_;
   std::mutex mutex_;
 };
 
+std::mutex& level_mutex() {
+  static std::mutex m;
+  return m;
+}
+
 }  // namespace
+
+void raise_libtorch_log_level(int level) {
+  std::lock_guard lock(level_mutex());
+  if (FLAGS_caffe2_log_level < level) FLAGS_caffe2_log_level = level;
+}
+
+LibTorchLogLevelAtMost::LibTorchLogLevelAtMost(int level) {
+  level_mutex().lock();
+  previous_ = FLAGS_caffe2_log_level;
+  if (previous_ > level) FLAGS_caffe2_log_level = level;
+}
+
+LibTorchLogLevelAtMost::~LibTorchLogLevelAtMost() {
+  FLAGS_caffe2_log_level = previous_;
+  level_mutex().unlock();
+}
 
 void capture_libtorch_log() {
   static std::once_flag once;

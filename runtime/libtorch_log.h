@@ -16,4 +16,25 @@ namespace libpipe::log {
 // Installs the filter once per process (later calls do nothing). Thread-safe.
 void capture_libtorch_log();
 
+// c10's log level (FLAGS_caffe2_log_level) is one process-wide number that libpipe changes in two places: c10d's
+// rendezvous raises it (c10d logs its retries and failures itself, with backtraces) and nativert needs it lowered
+// while it loads a program (above 2 it prints the program's signature on stdout). Both go through one lock here, so
+// neither undoes the other.
+
+// Raises the level to at least `level` (only fatal messages pass from 3 on).
+void raise_libtorch_log_level(int level);
+
+// Holds the level at most `level` while it lives and puts the previous one back, whatever ends the scope. Such scopes
+// take turns (and a raise waits for them).
+class LibTorchLogLevelAtMost {
+ public:
+  explicit LibTorchLogLevelAtMost(int level);
+  ~LibTorchLogLevelAtMost();
+  LibTorchLogLevelAtMost(const LibTorchLogLevelAtMost&) = delete;
+  LibTorchLogLevelAtMost& operator=(const LibTorchLogLevelAtMost&) = delete;
+
+ private:
+  int previous_;
+};
+
 }  // namespace libpipe::log

@@ -1,6 +1,5 @@
 #include "runtime/comm/rendezvous.h"
 
-#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <arpa/inet.h>
@@ -16,6 +15,7 @@
 #include <thread>
 
 #include "runtime/error.h"
+#include "runtime/libtorch_log.h"
 #include "runtime/log.h"
 
 namespace libpipe::comm {
@@ -89,9 +89,7 @@ int try_connect(const addrinfo* ai, milliseconds budget, std::string* local_host
 // c10d logs its retries and failures to stderr itself, with C++ backtraces, before throwing the
 // error libpipe reports anyway: only fatal messages may pass (process-wide; LibTorch offers no
 // per-component switch).
-void quiet_c10d_logging() {
-  if (FLAGS_caffe2_log_level < 3) FLAGS_caffe2_log_level = 3;
-}
+void quiet_c10d_logging() { log::raise_libtorch_log_level(3); }
 
 }  // namespace
 

@@ -1,5 +1,5 @@
 // Program: a loaded model as the split logic sees it, whatever format it came in. Each front-end
-// (TorchScript today: runtime/graph/torchscript; torch.export programs next) reads its file and
+// (TorchScript: runtime/graph/torchscript; torch.export programs: runtime/graph/exported) reads its file and
 // fills these tables once; the plan, the split points by module path and the balancing policies
 // work on them alone, so every front-end gets the same rules and the same messages.
 //

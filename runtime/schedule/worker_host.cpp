@@ -1,10 +1,12 @@
 #include "runtime/schedule/worker_host.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 #include <c10/core/InferenceMode.h>
 
 #include <atomic>
 #include <mutex>
+#include <new>
 #include <thread>
 
 #include "runtime/comm/gloo_transport.h"
@@ -38,8 +40,9 @@ std::vector<c10::Device> stage_devices(const WorkerAssignment& a, int rank, cons
   return devices;
 }
 
-// Loads this rank's stages; throws Error as building them does.
-std::vector<std::unique_ptr<stage::Stage>> load_stages(const WorkerAssignment& a, int rank,
+// Loads this rank's stages; throws Error as building them does. Each stage's bytes move out of `a` into
+// its build (they may hold the stage's weights: no copy kept).
+std::vector<std::unique_ptr<stage::Stage>> load_stages(WorkerAssignment& a, int rank,
                                                        const std::vector<c10::Device>& devices) {
   std::vector<std::unique_ptr<stage::Stage>> stages;
   auto checkpoint = a.weights.empty() ? nullptr : stage::Checkpoint::open(a.weights);
@@ -53,7 +56,7 @@ std::vector<std::unique_ptr<stage::Stage>> load_stages(const WorkerAssignment& a
     build.device = devices[i];
     build.cpu_chunks = 1;  // worker processes share the machine: no cores are lent
     stages.push_back(
-        stage::receive_stage({a.modules[i], a.aliases[i]}, a.stages[i].index, build,
+        stage::receive_stage({std::move(a.modules[i]), a.aliases[i]}, a.stages[i].index, build,
                              "stage " + std::to_string(a.stages[i].index) + " on rank " + std::to_string(rank)));
   }
   return stages;
@@ -78,7 +81,7 @@ void serve(comm::Transport& transport, const c10::Device& device, std::chrono::m
            int threads_per_stage, c10::intrusive_ptr<c10d::Store> store) {
   const int rank = transport.rank(), world = transport.world_size();
   const int prev = rank - 1, next = (rank + 1) % world;
-  const WorkerAssignment a = decode_assignment(transport.recv(0, comm_timeout));
+  WorkerAssignment a = decode_assignment(transport.recv(0, comm_timeout));
   const bool nccl = !device.is_cpu();
 
   // receiver -> queues[0] -> stage 0 -> queues[1] -> ... -> queues[k] -> sender. The driver's
@@ -115,10 +118,15 @@ void serve(comm::Transport& transport, const c10::Device& device, std::chrono::m
     stages = load_stages(a, rank, devices);
     for (const auto& d : devices)
       places.push_back(nccl ? device::Place::with_default_stream(d) : device::Place::with_own_stream(d));
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {  // the driver is told why, whatever failed, instead of seeing a lost rank
     Message ready = comm::control(Kind::Ready);
-    ready.status = static_cast<int32_t>(e.status());
-    ready.text = "rank " + std::to_string(rank) + ": " + e.what();
+    const auto* own = dynamic_cast<const Error*>(&e);
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    const bool out_of_memory =
+        dynamic_cast<const std::bad_alloc*>(&e) || dynamic_cast<const c10::OutOfMemoryError*>(&e);
+    ready.status = static_cast<int32_t>(own ? own->status() : out_of_memory ? Status::OutOfMemory : Status::Internal);
+    ready.text = "rank " + std::to_string(rank) + ": " +
+                 (c10_error ? c10_error->what_without_backtrace() : std::string(e.what()));
     transport.send(0, ready);
     throw;
   }

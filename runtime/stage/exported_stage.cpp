@@ -1,7 +1,6 @@
 #include "runtime/stage/exported_stage.h"
 
 #include <c10/util/Exception.h>
-#include <c10/util/Logging.h>
 #include <sys/mman.h>
 #include <torch/nativert/ModelRunnerHandle.h>
 #include <unistd.h>
@@ -10,7 +9,6 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <set>
 
 #include "runtime/error.h"
@@ -52,11 +50,7 @@ void place_devices(Json& value, const Json& device) {
         inner = device;
         continue;
       }
-      if (key == "as_graph") {  // a subgraph's devices too
-        place_devices(inner, device);
-        continue;
-      }
-      place_devices(inner, device);
+      place_devices(inner, device);  // nested values, subgraphs (as_graph) included
     }
   } else if (value.is_array()) {
     for (auto& inner : value) place_devices(inner, device);
@@ -91,30 +85,34 @@ void check_dtype(const ExportedModel& model, const StageOptions& options) {
                   ") before libpipe.export_program), or leave the dtype unset");
 }
 
-// Writes the weights `ids` of `source` into `writer` and returns the stage's weights and constants
-// configs. Data comes from `checkpoint` when it holds the tensor (cast to the program's dtype when a
-// dtype was asked for, else it must match), otherwise from the source archive's record.
 // The tensor `meta` describes inside the storage record `bytes`: sizes, strides and offset as
 // recorded (torch.export.save writes a whole storage per record, slices of it at their offsets).
+// The metadata comes from the file: it is checked to stay inside the record, without overflow.
 at::Tensor view_of_record(std::string& bytes, const Json& meta, at::ScalarType dtype) {
   std::vector<int64_t> sizes, strides;
   for (const auto& d : meta.value("sizes", Json::array())) sizes.push_back(d.value("as_int", int64_t{0}));
   for (const auto& d : meta.value("strides", Json::array())) strides.push_back(d.value("as_int", int64_t{1}));
+  strides.resize(sizes.size(), 1);
   const int64_t offset = meta.value("storage_offset", Json::object()).value("as_int", int64_t{0});
   const int64_t elements = static_cast<int64_t>(bytes.size() / c10::elementSize(dtype));
-  int64_t needed = sizes.empty() ? 1 : 0;
-  if (!sizes.empty()) {
-    needed = 1;
-    bool empty = false;
-    for (size_t d = 0; d < sizes.size(); ++d) {
-      empty |= sizes[d] == 0;
-      needed += (sizes[d] - 1) * (d < strides.size() ? strides[d] : 1);
-    }
-    if (empty) needed = 0;
+  auto refuse = [&](const std::string& why) {
+    throw Error(Status::InvalidFormat, "a weight record holds " + std::to_string(elements) + " elements but " + why);
+  };
+  int64_t last = 0;  // the furthest element the view reads, from the offset
+  bool empty = false;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] < 0 || strides[d] < 0) refuse("its metadata has a negative size or stride");
+    empty |= sizes[d] == 0;
+    int64_t reach = 0;
+    if (sizes[d] > 0 &&
+        (__builtin_mul_overflow(sizes[d] - 1, strides[d], &reach) || __builtin_add_overflow(last, reach, &last)))
+      refuse("its metadata's sizes and strides overflow");
   }
-  if (offset < 0 || offset + needed > elements)
-    throw Error(Status::InvalidFormat, "a weight record holds " + std::to_string(elements) + " elements but its " +
-                                           "metadata reaches element " + std::to_string(offset + needed));
+  int64_t end = 0;  // one past the last element read
+  if (!empty && (__builtin_add_overflow(offset, last, &end) || __builtin_add_overflow(end, int64_t{1}, &end)))
+    refuse("its metadata's offset overflows");
+  if (offset < 0 || (!empty && end > elements))
+    refuse("its metadata reaches element " + std::to_string(empty ? offset : end));
   return at::from_blob(bytes.data(), {elements}, at::TensorOptions().dtype(dtype)).as_strided(sizes, strides, offset);
 }
 
@@ -187,11 +185,13 @@ std::pair<Json, Json> write_weights(Pt2Writer& writer, const ExportedModel& sour
         t = t.to(w.meta.dtype);
       }
     } else {
-      const std::string record =
-          (w.in_constants ? "data/constants/" : "data/weights/") + w.config.value("path_name", std::string());
-      const size_t size = source.archive().has(record) ? source.archive().size(record) : 0;
+      const size_t size = source.archive().has(w.record) ? source.archive().size(w.record) : 0;
       const bool written_in_place = !source.attributes().at(id).writers.empty();
-      if (size == 0 && w.meta.nbytes > 0 && written_in_place) {
+      if (size == 0 && w.meta.nbytes > 0 && written_in_place && leave_out) {
+        writer.add(dir + name, nullptr, 0);  // the worker allocates it: a KV cache is not sent as zeros
+        table[w.fqn] = std::move(config);
+        continue;
+      } else if (size == 0 && w.meta.nbytes > 0 && written_in_place) {
         t = at::zeros(sizes, at::TensorOptions().dtype(w.meta.dtype));
       } else if (size == 0 && w.meta.nbytes > 0) {
         throw Error(checkpoint ? Status::NotFound : Status::InvalidArgument,
@@ -202,7 +202,7 @@ std::pair<Json, Json> write_weights(Pt2Writer& writer, const ExportedModel& sour
                                     : ": give its weights with a checkpoint (--weights / pipe_stage_options.weights)"));
       } else {
         source_bytes.resize(size);
-        if (size) source.archive().read_into(record, source_bytes.data(), size);
+        if (size) source.archive().read_into(w.record, source_bytes.data(), size);
         try {
           t = view_of_record(source_bytes, w.config.value("tensor_meta", Json::object()), w.meta.dtype);
         } catch (const Error& e) {
@@ -230,7 +230,7 @@ size_t pack_linear_layers(Json& program, const ExportedModel& source, const std:
       by_placeholder[source.weights()[id].placeholder] = &source.weights()[id];
   size_t rewritten = 0;
   for (Json& node : program["graph_module"]["graph"]["nodes"]) {
-    if (node.value("target", std::string()) != "torch.ops.aten.linear.default") continue;
+    if (node.value("target", std::string()) != "torch.ops.aten.linear.default" || !node.contains("inputs")) continue;
     for (const auto& input : node["inputs"]) {
       if (input.value("name", std::string()) != "weight" || !input["arg"].contains("as_tensor")) continue;
       auto w = by_placeholder.find(input["arg"]["as_tensor"].value("name", std::string()));
@@ -251,7 +251,7 @@ void write_archive(Pt2Writer& writer, Json program, const ExportedModel& source,
   place_devices(program["graph_module"]["graph"], where);
   auto [weights, constants] =
       write_weights(writer, source, weight_ids, stage, options, checkpoint, leave_out, where, tied);
-  if (cpu_chunks > 0 && device.is_cpu() && !leave_out) pack_linear_layers(program, source, weight_ids);
+  if (cpu_chunks > 0 && device.is_cpu()) pack_linear_layers(program, source, weight_ids);
   writer.add("models/model.json", program.dump());
   writer.add("data/weights/model_weights_config.json", weights.dump());
   writer.add("data/constants/model_constants_config.json", constants.dump());
@@ -393,7 +393,6 @@ Json stage_program(const ExportedModel& model, const graph::Plan& plan, size_t i
   return program;
 }
 
-// An anonymous in-memory file holding `bytes`, for a reader that takes paths only.
 // An anonymous in-memory file, for a reader that takes paths only. The archive is written straight
 // into it: no second copy of the stage's weights in this process's own memory.
 class MemoryFile {
@@ -428,30 +427,27 @@ class MemoryFile {
   int error_ = 0;
 };
 
-// Writes an archive with `write` into a memory file that `run` then reads.
-template <typename Write>
-std::unique_ptr<Stage> in_memory(const std::string& what, int cpu_chunks, Write&& write);
-
 class ExportedStage : public Stage {
  public:
-  ExportedStage(const MemoryFile& file, const std::string& what, int cpu_chunks) {
-    if (cpu_chunks > 0) packed_ = std::make_unique<PackedWeights>(cpu_chunks);
+  ExportedStage(const MemoryFile& file, const std::string& what, const c10::Device& device, int cpu_chunks) {
+    if (cpu_chunks > 0 && device.is_cpu()) packed_ = std::make_unique<PackedWeights>(cpu_chunks);
     log::capture_libtorch_log();
     // nativert prints every program's signature to stdout while c10's log level is above 2 (a
     // debugging aid behind the wrong flag), and libpipe raises that level process-wide to quiet
-    // c10d (comm/rendezvous.cpp): it is lowered while a program loads. Loads take turns for that.
-    static std::mutex loading;
-    std::lock_guard lock(loading);
-    const int level = FLAGS_caffe2_log_level;
-    if (level > 2) FLAGS_caffe2_log_level = 2;
+    // c10d (comm/rendezvous.cpp): it is lowered while a program loads.
+    log::LibTorchLogLevelAtMost quiet_loader(2);
     try {
       runner_ = std::make_unique<torch::nativert::ModelRunnerHandle>(file.path(), "model");
+    } catch (const c10::OutOfMemoryError& e) {
+      throw Error(Status::OutOfMemory, what + ": out of memory while loading it: " + e.what_without_backtrace());
     } catch (const c10::Error& e) {
-      FLAGS_caffe2_log_level = level;
       throw Error(Status::InvalidFormat,
                   what + ": LibTorch's runtime for exported programs refused it: " + e.what_without_backtrace());
+    } catch (const std::bad_alloc&) {
+      throw Error(Status::OutOfMemory, what + ": out of memory while loading it");
+    } catch (const std::exception& e) {
+      throw Error(Status::InvalidFormat, what + ": LibTorch's runtime for exported programs refused it: " + e.what());
     }
-    FLAGS_caffe2_log_level = level;
   }
   c10::IValue forward(std::vector<c10::IValue> inputs) override {
     if (!packed_) return runner_->run(inputs, {});
@@ -465,8 +461,9 @@ class ExportedStage : public Stage {
   std::unique_ptr<PackedWeights> packed_;  // its linear layers' weights, packed on first use
 };
 
+// Writes an archive with `write` into a memory file and loads the stage from it.
 template <typename Write>
-std::unique_ptr<Stage> in_memory(const std::string& what, int cpu_chunks, Write&& write) {
+std::unique_ptr<Stage> in_memory(const std::string& what, const c10::Device& device, int cpu_chunks, Write&& write) {
   MemoryFile file;
   try {
     Pt2Writer writer([&file](const void* data, size_t size) { return file.append(data, size); });
@@ -476,7 +473,7 @@ std::unique_ptr<Stage> in_memory(const std::string& what, int cpu_chunks, Write&
     file.check();  // the reason the writer stopped, if the memory file failed it
     throw;
   }
-  return std::make_unique<ExportedStage>(file, what, cpu_chunks);
+  return std::make_unique<ExportedStage>(file, what, device, cpu_chunks);
 }
 
 }  // namespace
@@ -499,7 +496,7 @@ std::unique_ptr<Stage> build_exported_stage(const ExportedModel& model, const gr
   std::vector<size_t> weight_ids;
   Json program = stage_program(model, plan, index, weight_ids);
   const std::string what = "stage " + std::to_string(index);
-  return in_memory(what, build.cpu_chunks, [&](Pt2Writer& writer) {
+  return in_memory(what, build.device, build.cpu_chunks, [&](Pt2Writer& writer) {
     write_archive(writer, std::move(program), model, weight_ids, what, build.device, *build.options, build.checkpoint,
                   false, {}, build.cpu_chunks);
   });
@@ -509,7 +506,7 @@ std::unique_ptr<Stage> receive_exported_stage(const ExportedModel& received, con
                                               const AliasGroups& tied, const std::string& what) {
   std::vector<size_t> all(received.weights().size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-  return in_memory(what, build.cpu_chunks, [&](Pt2Writer& writer) {
+  return in_memory(what, build.device, build.cpu_chunks, [&](Pt2Writer& writer) {
     write_archive(writer, received.program(), received, all, received.path(), build.device, *build.options,
                   build.checkpoint, false, tied, build.cpu_chunks);
   });

@@ -16,8 +16,9 @@
 
 namespace libpipe::stage {
 
-// The stage as a .pt2 archive's bytes. With `leave_out` set, tensors `checkpoint` holds are written
-// as empty records (a worker process fills them from the checkpoint itself). Throws Error: Unsupported
+// The stage as a .pt2 archive's bytes. With `leave_out` set, tensors `checkpoint` holds, and tensors
+// the program writes in place that have no data (KV caches), are written as empty records (a worker
+// process fills them from the checkpoint itself, or allocates them as zeros). Throws Error: Unsupported
 // for a dtype the program was not exported in or a symbolic size crossing between stages, NotFound /
 // Input / InvalidFormat as the weights' checks do (naming the tensor and the stage). Only PyTorch's own
 // operators: it is a program for torch.export.load as much as for libpipe.
@@ -40,8 +41,5 @@ std::unique_ptr<Stage> receive_exported_stage(const graph::exported::ExportedMod
                                               const AliasGroups& tied, const std::string& what);
 // The other names, in the whole model, of the tensors stage `index` holds (for its worker's lookups).
 AliasGroups exported_stage_aliases(const graph::exported::ExportedModel& model, const graph::Plan& plan, size_t index);
-
-// Runs a stage archive with nativert. Throws Error(InvalidFormat) when nativert refuses the
-// program (its message included), naming `what`.
 
 }  // namespace libpipe::stage

@@ -42,12 +42,12 @@ ShippedStage ship_stage(const graph::Plan& plan, size_t index, const c10::Device
   return ship_torchscript_stage(plan, index, device, options, checkpoint);
 }
 
-std::unique_ptr<Stage> receive_stage(const ShippedStage& shipped, size_t index, const BuildOptions& build,
+std::unique_ptr<Stage> receive_stage(ShippedStage shipped, size_t index, const BuildOptions& build,
                                      const std::string& what) {
   const auto format = io::check_model_archive(shipped.bytes.data(), shipped.bytes.size(), what);
   if (format == io::ModelFormat::Exported) {
-    auto received =
-        graph::exported::ExportedModel::from_archive(graph::exported::Pt2Archive::from_bytes(shipped.bytes, what));
+    auto received = graph::exported::ExportedModel::from_archive(
+        graph::exported::Pt2Archive::from_bytes(std::move(shipped.bytes), what));
     return receive_exported_stage(*received, build, shipped.aliases, what);
   }
   return receive_torchscript_stage(shipped, index, build, what);

@@ -28,8 +28,9 @@ class Stage {
 
 // How a stage is built for running: its weights (from the model, or the checkpoint in
 // `options.weights`, open as `checkpoint`), its dtype and its device. `cpu_chunks` > 0 applies the
-// CPU rewrites of TorchScript stages (packed linear layers in that many chunks, attention from the
-// KV cache; see packed_linear.h, cache_attention.h); 0 leaves the stage's code as the model wrote it.
+// CPU rewrites (packed linear layers in that many chunks, both formats; for TorchScript stages also
+// attention from the KV cache; see packed_linear.h, cache_attention.h); 0 leaves the stage's code
+// as the model wrote it.
 struct BuildOptions {
   const StageOptions* options = nullptr;  // required
   Checkpoint* checkpoint = nullptr;
@@ -57,7 +58,7 @@ ShippedStage ship_stage(const graph::Plan& plan, size_t index, const c10::Device
                         Checkpoint* checkpoint);
 // The worker's side: builds the stage from what ship_stage sent (the format is read from the bytes).
 // Throws Error(InvalidFormat) naming `what` for bytes that are no stage.
-std::unique_ptr<Stage> receive_stage(const ShippedStage& shipped, size_t index, const BuildOptions& build,
+std::unique_ptr<Stage> receive_stage(ShippedStage shipped, size_t index, const BuildOptions& build,
                                      const std::string& what);
 
 }  // namespace libpipe::stage

@@ -12,7 +12,6 @@ class TorchScriptStage : public Stage {
  public:
   explicit TorchScriptStage(torch::jit::Module module) : module_(std::move(module)) {}
   c10::IValue forward(std::vector<c10::IValue> inputs) override { return module_.forward(std::move(inputs)); }
-  torch::jit::Module& module() { return module_; }
 
  private:
   torch::jit::Module module_;

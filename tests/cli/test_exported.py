@@ -557,6 +557,80 @@ def test_program_of_another_schema(tmp_path):
     assert_one_line_error(pipe("split", old), "schema 7", "schema 8", "PIPE_ERR_INVALID_FORMAT")
 
 
+def edit_program(change):
+    """An edit for rewrite_archive: `change(program)` applied to models/model.json's JSON."""
+
+    def edit(data):
+        program = json.loads(data)
+        change(program)
+        return json.dumps(program).encode()
+
+    return {"models/model.json": edit}
+
+
+def _drop_nodes(p):
+    del p["graph_module"]["graph"]["nodes"]
+
+
+def _empty_input_spec(p):
+    p["graph_module"]["signature"]["input_specs"][0] = {}
+
+
+def _input_without_arg(p):
+    del p["graph_module"]["graph"]["nodes"][0]["inputs"][0]["arg"]
+
+
+def _dtype_as_text(p):
+    p["graph_module"]["graph"]["tensor_values"]["x"]["dtype"] = "float32"  # an input's: the schema has a number
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (_drop_nodes, "has no graph nodes list"),
+        (_empty_input_spec, "signature entry that is not one kind with its fields"),
+        (_input_without_arg, "node input without an argument"),
+        (_dtype_as_text, "is not a torch.export program as written by torch.export.save"),
+    ],
+    ids=["no_nodes", "empty_input_spec", "input_without_arg", "dtype_as_text"],
+)
+def test_program_json_of_another_shape_is_refused(tmp_path, change, needle):
+    # Hand-made or damaged programs: refused with the file named, never read out of bounds.
+    bad = rewrite_archive(fixture("example_code.pt2"), tmp_path / "bad.pt2", edit=edit_program(change))
+    assert_one_line_error(pipe("split", bad), "models/model.json", needle, "PIPE_ERR_INVALID_FORMAT")
+
+
+def _weights_config_edit(fqn, change):
+    def edit(data):
+        config = json.loads(data)
+        change(config["config"][fqn]["tensor_meta"])
+        return json.dumps(config).encode()
+
+    return {"data/weights/model_weights_config.json": edit}
+
+
+def _huge_stride(meta):
+    meta["strides"][0] = {"as_int": 2**62}
+
+
+def _negative_size(meta):
+    meta["sizes"][0] = {"as_int": -3}
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [(_huge_stride, "overflow"), (_negative_size, "negative size or stride")],
+    ids=["huge_stride", "negative_size"],
+)
+def test_weight_metadata_outside_its_record_is_refused(tmp_path, change, needle):
+    bad = rewrite_archive(
+        fixture("example_code.pt2"), tmp_path / "bad.pt2", edit=_weights_config_edit("lin2.weight", change)
+    )
+    result, out = run(tmp_path, bad, inputs=inputs_of("example_code"))
+    assert_one_line_error(result, "tensor 'lin2.weight' (stage 3)", needle, "PIPE_ERR_INVALID_FORMAT")
+    assert not out.exists()
+
+
 def test_program_without_a_weight_takes_it_from_a_checkpoint(tmp_path):
     record = weight_record(fixture("example_code.pt2"), "lin2.weight")
     with zipfile.ZipFile(fixture("example_code.pt2")) as z:

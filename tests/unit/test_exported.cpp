@@ -9,6 +9,8 @@
 #include <set>
 #include <vector>
 
+#include <caffe2/serialize/inline_container.h>
+
 #include "fixtures.h"
 #include "runtime/graph/exported/archive.h"
 #include "runtime/graph/exported/input_check.h"
@@ -300,6 +302,71 @@ TEST(ExportedStage, CpuStagesMultiplyByPackedWeightsAsTorchScriptStagesDo) {
   EXPECT_TRUE(at::equal(stage->forward({ids}).toTensor(), got));
 }
 
+// A copy of fixture `name` whose record for `fqn` is empty, as export_llm writes a skeleton's caches.
+std::string without_data(const std::string& name, const std::string& fqn) {
+  auto model = exported(name);
+  std::string record;
+  for (const auto& w : model->weights())
+    if (w.fqn == fqn) record = w.record;
+  EXPECT_FALSE(record.empty()) << fqn;
+  const std::string path = ::testing::TempDir() + name + "_without_" + fqn + ".pt2";
+  caffe2::serialize::PyTorchStreamReader reader(test::fixture("exported/" + name + ".pt2"));
+  caffe2::serialize::PyTorchStreamWriter writer(path);
+  for (const auto& r : reader.getAllRecords()) {
+    if (r == record) {
+      writer.writeRecord(r, nullptr, 0);
+      continue;
+    }
+    auto [data, size] = reader.getRecord(r);
+    writer.writeRecord(r, data.get(), size);
+  }
+  writer.writeEndOfFile();
+  return path;
+}
+
+TEST(ExportedStage, AStageShippedToAWorkerLeavesItsEmptyCachesToTheWorker) {
+  // A skeleton's cache (written in place, no data) would be gigabytes of zeros on the wire for a real
+  // decoder: the shipped stage keeps its record empty, and the worker's stage allocates it.
+  auto model = ExportedModel::load(without_data("state_across_cut", "store.cache"));
+  auto plan = plan_at(model, {"store.proj:end"});
+  ASSERT_EQ(plan->num_stages(), 2u);
+  const stage::StageOptions options;
+  auto shipped = stage::ship_stage(*plan, 1, c10::Device(c10::kCPU), options, nullptr);
+  auto received = ExportedModel::from_archive(graph::exported::Pt2Archive::from_bytes(shipped.bytes, "shipped"));
+  bool found = false;
+  for (const auto& w : received->weights()) {
+    if (w.fqn != "store.cache") continue;
+    found = true;
+    EXPECT_EQ(received->archive().size(w.record), 0u);
+  }
+  EXPECT_TRUE(found);
+
+  stage::BuildOptions build;
+  build.options = &options;
+  auto first = stage::build_stage(*plan, 0, build);
+  auto here = stage::build_stage(*plan, 1, build);
+  auto there = stage::receive_stage(std::move(shipped), 1, build, "stage 1 on rank 1");
+  c10::InferenceMode inference;
+  const at::Tensor x = at::randn({4, 8});
+  // Stage 1's arguments: the forward's own (x) or what stage 0 sends on.
+  const auto sent = first->forward({x}).toTupleRef().elements();
+  std::vector<c10::IValue> arguments;
+  for (size_t cv : plan->stage(1).inputs) {
+    const auto& value = plan->values()[cv];
+    if (value.producer < 0) {
+      arguments.emplace_back(x);
+      continue;
+    }
+    const auto& outputs = plan->stage(0).outputs;
+    const size_t k = std::find(outputs.begin(), outputs.end(), cv) - outputs.begin();
+    ASSERT_LT(k, sent.size()) << value.name;
+    arguments.push_back(sent[k]);
+  }
+  for (int call = 0; call < 2; ++call)  // the second call reads what the first wrote in the cache
+    EXPECT_TRUE(at::equal(there->forward(arguments).toTensor(), here->forward(arguments).toTensor()))
+        << "call " << call;
+}
+
 struct Captured {
   std::mutex mutex;
   std::vector<std::pair<int32_t, std::string>> lines;
@@ -329,6 +396,26 @@ TEST(LibTorchLog, C10RecordsGoToLibpipesLogAndOtherTextPassesThrough) {
   EXPECT_NE(captured.lines[0].second.find("aten.to.dtype: 1,"), std::string::npos);
   EXPECT_EQ(captured.lines[1].first, log::Warning);  // TORCH_WARN
   EXPECT_EQ(captured.lines[2].first, log::Debug);    // a failure the caller gets as a status
+}
+
+// A C++ host's log callback that prints what it gets on std::cerr, the record's own text first.
+void echo_to_cerr(void* user_data, int32_t level, const char* message) {
+  capture(user_data, level, message);
+  const std::string text = message;
+  std::cerr << text.substr(text.find('[')) << " (echoed)\n";
+}
+
+TEST(LibTorchLog, ACallbackThatWritesToCerrGetsEachRecordOnce) {
+  log::capture_libtorch_log();
+  Captured captured;
+  log::set_sink(&echo_to_cerr, &captured, log::Debug);
+  testing::internal::CaptureStderr();
+  std::cerr << "[W1128 09:12:35.000 op.cpp:9] Warning: once\n" << std::flush;
+  const std::string passed = testing::internal::GetCapturedStderr();
+  log::set_sink(nullptr, nullptr, log::Warning);
+  ASSERT_EQ(captured.lines.size(), 1u);
+  EXPECT_NE(captured.lines[0].second.find("Warning: once"), std::string::npos);
+  EXPECT_EQ(passed, "[W1128 09:12:35.000 op.cpp:9] Warning: once (echoed)\n");
 }
 
 }  // namespace

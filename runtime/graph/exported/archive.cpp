@@ -111,6 +111,15 @@ void Pt2Archive::read_into(const std::string& record, void* dst, size_t bytes) c
 
 struct Pt2Writer::Impl {
   explicit Impl(Sink s) : sink(std::move(s)) {}
+  // The zip writer's own destructor finishes an unfinished archive and throws if that fails (as it will after a
+  // failed write), which would end the process: an archive abandoned by an error is finished here, quietly.
+  ~Impl() {
+    if (writer.finalized()) return;
+    try {
+      writer.writeEndOfFile();
+    } catch (...) {  // the error that abandoned the archive is already on its way
+    }
+  }
   Sink sink;
   std::string bytes;
   // A sink's failure is reported as a short write (the zip writer then throws its own error).

@@ -149,6 +149,44 @@ std::vector<std::string> ExportedModel::aliases_of(size_t id) const {
   return out;
 }
 
+namespace {
+
+// The parts of a program that the front-end and the stage builder index without looking (nlohmann's
+// const operator[] and an empty object's begin().key() are unchecked): a damaged or hand-written
+// program is refused here with a message, never read out of bounds. `what` names the file for it.
+void check_structure(const Json& program, const std::string& what) {
+  auto refuse = [&](const std::string& why) { throw Error(Status::InvalidFormat, what + " " + why); };
+  auto is_object_with = [](const Json& j, const char* key) { return j.is_object() && j.contains(key); };
+  if (!is_object_with(program, "graph_module")) refuse("has no graph_module");
+  const Json& gm = program["graph_module"];
+  if (!is_object_with(gm, "graph") || !gm["graph"].is_object()) refuse("has no graph");
+  if (!is_object_with(gm, "signature") || !gm["signature"].is_object()) refuse("has no signature");
+  const Json& graph = gm["graph"];
+  for (const char* key : {"nodes", "inputs", "outputs"})
+    if (!is_object_with(graph, key) || !graph[key].is_array()) refuse(std::string("has no graph ") + key + " list");
+  for (const auto& node : graph["nodes"]) {
+    if (!node.is_object()) refuse("has a graph node that is not an object: " + node.dump());
+    for (const char* key : {"inputs", "outputs"})
+      if (node.contains(key) && !node[key].is_array())
+        refuse("has a node whose " + std::string(key) + " are not a list: " + node.dump());
+    for (const auto& input : node.value("inputs", Json::array()))
+      if (!is_object_with(input, "arg") || !input["arg"].is_object())
+        refuse("has a node input without an argument: " + node.dump());
+  }
+  const Json& signature = gm["signature"];
+  for (const char* key : {"input_specs", "output_specs"}) {
+    if (!signature.contains(key)) continue;
+    if (!signature[key].is_array()) refuse(std::string("has ") + key + " that are not a list");
+    for (const auto& spec : signature[key])
+      if (!spec.is_object() || spec.size() != 1 || !spec.begin().value().is_object())
+        refuse("has a signature entry that is not one kind with its fields: " + spec.dump());
+  }
+  if (gm.contains("module_call_graph") && !gm["module_call_graph"].is_array())
+    refuse("has a module_call_graph that is not a list");
+}
+
+}  // namespace
+
 std::shared_ptr<const ExportedModel> ExportedModel::load(const std::string& path) {
   return from_archive(Pt2Archive::open(path));
 }
@@ -163,6 +201,10 @@ std::shared_ptr<const ExportedModel> ExportedModel::from_archive(std::shared_ptr
     model->program_name_ = "model";
   } else if (programs.size() == 1) {
     model->program_name_ = programs[0];
+  } else if (programs.empty()) {
+    throw Error(Status::InvalidFormat, "'" + path +
+                                           "' holds no program (a models/<name>.json record at the top of "
+                                           "models/); save one with torch.export.save(program, path)");
   } else {
     std::string list;
     for (const auto& p : programs) list += (list.empty() ? "" : ", ") + p;
@@ -182,10 +224,15 @@ std::shared_ptr<const ExportedModel> ExportedModel::from_archive(std::shared_ptr
     throw Error(Status::InvalidFormat, "'" + path + "' was written with torch.export schema " + std::to_string(major) +
                                            "; this libpipe reads schema 8 (PyTorch 2.11): export it with the "
                                            "PyTorch libpipe was built against");
-  if (!program.contains("graph_module") || !program["graph_module"].contains("graph") ||
-      !program["graph_module"].contains("signature"))
-    throw Error(Status::InvalidFormat, "'" + path + "': models/" + name + ".json has no graph_module");
-  model->describe();
+  check_structure(program, "'" + path + "': models/" + name + ".json");
+  try {
+    model->describe();
+  } catch (const Json::exception& e) {  // a field of another JSON type than the schema's
+    throw Error(Status::InvalidFormat, "'" + path + "': models/" + name +
+                                           ".json is not a torch.export program as written by "
+                                           "torch.export.save: " +
+                                           e.what());
+  }
   return model;
 }
 
@@ -235,7 +282,6 @@ void ExportedModel::describe() {
                          : kind == "buffer"  ? "buffer_name"
                                              : "tensor_constant_name",
                          std::string());
-      w.persistent = kind != "buffer" || body.value("persistent", true);
       if (weights_config.contains(w.fqn)) {
         w.config = weights_config[w.fqn];
       } else if (constants_config.contains(w.fqn)) {
@@ -247,19 +293,17 @@ void ExportedModel::describe() {
       }
       w.meta = tensor_meta(w.config.value("tensor_meta", Json::object()), kind + " '" + w.fqn + "'");
       const Json& tm = w.config.value("tensor_meta", Json::object());
-      w.identity = std::string(w.in_constants ? "c/" : "w/") + w.config.value("path_name", std::string()) + "@" +
-                   tm.value("storage_offset", Json::object()).dump() + tm.value("sizes", Json::array()).dump() +
-                   tm.value("strides", Json::array()).dump();
+      w.record = (w.in_constants ? "data/constants/" : "data/weights/") + w.config.value("path_name", std::string());
+      w.identity = w.record + "@" + tm.value("storage_offset", Json::object()).dump() +
+                   tm.value("sizes", Json::array()).dump() + tm.value("strides", Json::array()).dump();
       weight_of[w.placeholder] = weights_.size();
       AttributeRead read;
       read.path = split_dotted(w.fqn);
       read.tensor_bytes = w.meta.nbytes;
       if (kind != "tensor_constant") read.tensors.push_back({w.fqn, w.meta.nbytes, kind == "parameter"});
       attributes_.push_back(std::move(read));
-      const std::string dir = w.in_constants ? "data/constants/" : "data/weights/";
-      const std::string record = dir + w.config.value("path_name", std::string());
       if (parameter_without_data_.empty() && kind == "parameter" && w.meta.nbytes > 0 &&
-          (!archive_->has(record) || archive_->size(record) == 0))
+          (!archive_->has(w.record) || archive_->size(w.record) == 0))
         parameter_without_data_ = w.fqn;
       weights_.push_back(std::move(w));
     } else {

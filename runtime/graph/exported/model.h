@@ -26,10 +26,10 @@ struct Weight {
   std::string placeholder;    // the graph's name for it ("p_layers_0_weight")
   std::string fqn;            // its name in the model ("layers.0.weight")
   std::string spec_kind;      // "parameter", "buffer" or "tensor_constant"
-  bool persistent = true;     // buffers: false when the state_dict leaves it out
   Json spec;                  // its input_specs entry, as written
   Json config;                // its entry in the weights or constants config (path_name, tensor_meta, ...)
   bool in_constants = false;  // the entry is in the constants config (data/constants/) rather than weights
+  std::string record;         // its data's record in the archive ("data/weights/weight_3")
   TensorMeta meta;
   // Equal for the names of one tensor (a tied head, an aliased parameter): the same record, at the
   // same place in it, with the same shape.
@@ -48,13 +48,10 @@ class ExportedModel : public Program {
   static std::shared_ptr<const ExportedModel> from_archive(std::shared_ptr<Pt2Archive> archive);
 
   const Pt2Archive& archive() const { return *archive_; }
-  const std::string& program_name() const { return program_name_; }
   // The program, as parsed (graph_module, range_constraints, schema_version, ...).
   const Json& program() const { return program_; }
   const Json& graph() const { return program_["graph_module"]["graph"]; }
   const std::vector<Weight>& weights() const { return weights_; }
-  // The weight behind attribute `id` (the same order).
-  const Weight& weight_of_attribute(size_t id) const { return weights_.at(id); }
   // The other names of weight `id`'s tensor (tied or aliased names), for checkpoint lookups.
   std::vector<std::string> aliases_of(size_t id) const;
   // The graph's node (an index into graph()["nodes"]) behind Program node `id`.

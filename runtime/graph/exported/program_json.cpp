@@ -56,12 +56,6 @@ void for_each_output_ref(const Json& node, const std::function<void(const std::s
   for (const auto& output : node.value("outputs", Json::array())) for_each_ref(output, f);
 }
 
-bool has_subgraph(const Json& node) {
-  for (const auto& input : node.value("inputs", Json::array()))
-    if (input.contains("arg") && input["arg"].is_object() && input["arg"].contains("as_graph")) return true;
-  return false;
-}
-
 OperatorName operator_name(const std::string& target) {
   const std::string prefix = "torch.ops.";
   if (target.compare(0, prefix.size(), prefix) != 0) return {};
@@ -110,13 +104,6 @@ std::optional<at::ScalarType> scalar_type_of(int64_t code) {
   for (const auto& d : kDtypes)
     if (d.code == code) return d.type;
   return std::nullopt;
-}
-
-int64_t code_of(at::ScalarType type) {
-  for (const auto& d : kDtypes)
-    if (d.type == type) return d.code;
-  throw Error(Status::Unsupported,
-              std::string("dtype ") + c10::toString(type) + " has no code in torch.export's schema");
 }
 
 std::string python_dtype(at::ScalarType type) {

@@ -33,9 +33,6 @@ void for_each_ref(const Json& argument, const std::function<void(const std::stri
 void for_each_input_ref(const Json& node, const std::function<void(const std::string&, RefKind)>& f);
 void for_each_output_ref(const Json& node, const std::function<void(const std::string&, RefKind)>& f);
 
-// Whether `node` holds a subgraph (an argument of kind as_graph) anywhere in its inputs.
-bool has_subgraph(const Json& node);
-
 // "torch.ops.aten.linear.default" -> {"aten::linear", ""}; "torch.ops.aten.add.Tensor" ->
 // {"aten::add", "Tensor"}. Empty name for targets that are not torch.ops operators (Python
 // builtins such as "_operator.mul", higher-order operators).
@@ -47,7 +44,6 @@ OperatorName operator_name(const std::string& target);
 
 // The export schema's dtype codes (ScalarType in schema.py) and LibTorch's.
 std::optional<at::ScalarType> scalar_type_of(int64_t code);
-int64_t code_of(at::ScalarType type);
 
 // PyTorch's Python name for a dtype ("float32", "bfloat16", "int64"), for messages that say what to write.
 std::string python_dtype(at::ScalarType type);
