@@ -46,7 +46,7 @@ import exported_models  # noqa: E402  (the fixtures' own model builders)
 import seed_models  # noqa: E402
 from split_models import flatten  # noqa: E402
 
-from libpipe import export_program, save_checkpoint  # noqa: E402  (also registers pipe::split for torch.export.load)
+from libpipe import export_program, pipe_split, save_checkpoint  # noqa: E402  (also registers pipe::split for torch.export.load)
 
 TOL = 1e-5
 SPLIT = ["--split-at", "model.layers.0:end"]  # hf_llama's two stages
@@ -282,6 +282,39 @@ PROCESS_RUNS = [
 )
 def test_stages_in_several_processes_run_like_eager(tmp_path, name, split, stages, variant, processes):
     assert_runs_like_eager(tmp_path, name, *split, "--processes", processes, stages=stages, variant=variant)
+
+
+class WritesAnActivationInPlace(torch.nn.Module):
+    """Stage 1 applies relu_ to stage 0's output, which stage 2 reads again: in the exported graph (and
+    the trace) the later read is of the in-place op's result, so stage 2 gets it from stage 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.l3 = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        a = self.l1(x)
+        pipe_split()
+        b = self.l2(a)
+        a.relu_()
+        pipe_split()
+        return self.l3(b) + a
+
+
+@pytest.mark.parametrize("processes", [1, 3])
+def test_an_activation_written_in_place_reaches_later_stages_written(tmp_path, processes):
+    torch.manual_seed(0)
+    model, x = WritesAnActivationInPlace().eval(), torch.randn(4, 8)
+    with torch.no_grad():
+        want = model(x)
+    export_program(model, (x,), path=tmp_path / "m.pt2")
+    torch.jit.save(torch.jit.trace(model, (x,)), tmp_path / "m.pt")
+    inputs = write_inputs(tmp_path, x=x)
+    for path in (tmp_path / "m.pt2", tmp_path / "m.pt"):
+        result, out = run(tmp_path, path, "--processes", processes, inputs=inputs)
+        assert result.returncode == 0, result.stderr
+        assert stages_word(3) in result.stdout
+        torch.testing.assert_close(load_file(out)["output"], want, rtol=TOL, atol=TOL)
 
 
 def test_state_written_in_place_carries_over_micro_batches(tmp_path):
