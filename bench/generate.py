@@ -251,18 +251,21 @@ def stage_stats(Generator, skeleton, weights, prompts, max_new_tokens, split_at,
     """The prompts through the binding in this process, all submitted at once, after a warm-up
     wave of the same prompts: each stage's busy fraction over the measured wave (busy time from
     pipe_session_stage_stats over the wave's wall time) and the generator's per-step figures."""
+    import libpipe
+
     cut = {"split_at": split_at} if split_at else {"stages": stages}
     with Generator(skeleton, weights=weights, threads_per_stage=threads_per_stage, **cut) as gen:
 
         def wave():
-            done = gen.stats()["sequences_finished"] + len(prompts)
             gens = [gen.generate(p, max_new_tokens=max_new_tokens, stop_ids=[EOS]) for p in prompts]
-            # Finished sequences counted by the generator: no token needs reading here.
+            # Blocking waits (poll on each generation's descriptor): a loop that asked the generator every few
+            # milliseconds took CPU time from the stages it measures, on a machine with a core per stage.
             limit = time.monotonic() + 600
-            while gen.stats()["sequences_finished"] < done:
-                if time.monotonic() > limit:
+            for g in gens:
+                try:
+                    g.wait(timeout=max(limit - time.monotonic(), 0))
+                except libpipe.WaitTimeoutError:
                     sys.exit("generate.py: the binding's generations did not finish within 600 s")
-                time.sleep(0.002)
             for g in gens:
                 g.close()
 
