@@ -70,15 +70,34 @@ class GatedLayer(torch.nn.Module):
         self.input_layernorm = layer.input_layernorm
         self.post_attention_layernorm = layer.post_attention_layernorm
 
-    def forward(self, h, cos, sin, positions, valid, end, slots, key):
+    def forward(
+        self, h, cos, sin, positions, valid, end, slots, at, where, single, single_at, multi, multi_flat, multi_src, key
+    ):
         h = torch.ops.libpipe_test.gate(h, key, "stage1")
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, positions, valid, end, slots)
+        a = self.self_attn(
+            self.input_layernorm(h),
+            cos,
+            sin,
+            positions,
+            valid,
+            end,
+            slots,
+            at,
+            where,
+            single,
+            single_at,
+            multi,
+            multi_flat,
+            multi_src,
+        )
+        h = h + a
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class GatedDecoderLM(torch.nn.Module):
     """DecoderLM (2 layers) whose second layer is gated; the key and the failure come from prefill rows' first
-    tokens, so a test picks them with its prompt."""
+    tokens, so a test picks them with its prompt. Without DecoderLM's skips_padding, so that the engine gives
+    prompts and decode rows steps of their own and a failing prompt's step holds no other sequence."""
 
     def __init__(self, base):
         super().__init__()
@@ -98,11 +117,18 @@ class GatedDecoderLM(torch.nn.Module):
         if bool((prefill & (first == 119)).any()):
             raise RuntimeError("gated_decoder: a prompt starting with token 119 fails its step (test fixture)")
         key = torch.where(prefill & (first >= 120), first - 119, torch.zeros_like(first)).max()
-        h = self.model.embed_tokens(torch.where(valid, tokens, torch.zeros_like(tokens)))
-        cos, sin = self.model.rotary_emb(positions, h.dtype)
-        h = self.model.layers[0](h, cos, sin, positions, valid, end, slots)
-        h = self.model.layers[1](h, cos, sin, positions, valid, end, slots, key)
-        last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]
+        flat, at, where, single, single_at, multi, multi_flat, multi_src = decoder.pack_call(
+            valid, positions, lengths, slots
+        )
+        h = self.model.embed_tokens(tokens.flatten().index_select(0, flat))
+        cos, sin = self.model.rotary_emb(at, h.dtype)
+        h = self.model.layers[0](
+            h, cos, sin, positions, valid, end, slots, at, where, single, single_at, multi, multi_flat, multi_src
+        )
+        h = self.model.layers[1](
+            h, cos, sin, positions, valid, end, slots, at, where, single, single_at, multi, multi_flat, multi_src, key
+        )
+        last = h.index_select(0, lengths.cumsum(0) - 1)
         return self.lm_head(self.model.norm(last)).to(torch.float32)
 
 

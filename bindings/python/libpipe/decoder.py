@@ -48,10 +48,17 @@ with aten.item (an unbacked size in 1 .. max_len), and the cache writes have no 
 shape (every token of a row writes, padding as a copy of the row's last valid token). TorchScript
 never compiles those branches: the scripted module is the same as without them.
 
-Costs per call and layer: the cache is read narrowed to the longest context in the call
-(max(start + lengths), read on the host: one device synchronisation per layer on a GPU) and
-gathered for the call's slots, a copy of B x kv_heads x context x head_dim; the writes touch only
-the new tokens.
+Costs per call and layer: padding is never computed (the root's `skips_padding = True`, the
+contract's optional flag, tells libpipe so): the call's valid tokens are packed into [N, hidden]
+(pack_call) for the embedding, every linear layer, norm and rotary embedding, and each token's
+keys and values are written at its slot and position; for attention, rows of one token (decode
+rows) attend as single queries and the other rows in their padded layout [rows, T] (attend_packed),
+so a decode row beside a prompt chunk costs one query. libpipe's generator then puts decode rows
+and prompt chunks in one call. The cache is read narrowed to the longest context of the rows
+(max(start + lengths), read on the host: one device synchronisation per attention call on a GPU)
+and gathered for their slots, a copy of rows x kv_heads x context x head_dim, unless libpipe's
+cache attention (CPU) reads it in place. Under torch.export the rows stay padded to T throughout
+(no data-dependent shape), and the exported program has no such flag.
 
 Module tree and parameter names are Hugging Face's (model.embed_tokens, model.layers.N.self_attn.
 q_proj, ..., model.norm, lm_head; GPT-2: transformer.wte, transformer.h.N.attn.c_attn, ...,
@@ -214,6 +221,93 @@ def attend_cache(
     return out.transpose(1, 2).flatten(2)
 
 
+def pack_call(valid: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
+    """Where the valid tokens of a call go once packed ([N] rows, row b's tokens at
+    first[b] .. first[b] + lengths[b] - 1, in row order). Returns (flat, at, where, single,
+    single_at, multi, multi_flat, multi_src):
+    flat [N] each packed token's index in the padded B x T; at [N] its position and where [N]
+    its slot (the cache entry it writes); single [Bs] the rows of one token and single_at [Bs]
+    that token's packed index; multi [Bm] the other rows, whose queries attend in their padded
+    layout [Bm, T]: multi_flat the valid tokens' indices in Bm x T, multi_src their packed ones."""
+    t = valid.shape[1]
+    first = lengths.cumsum(0) - lengths
+    flat = valid.flatten().nonzero().squeeze(1)
+    at = positions.flatten().index_select(0, flat)
+    where = slots.index_select(0, torch.div(flat, t, rounding_mode="floor"))
+    single = (lengths == 1).nonzero().squeeze(1)
+    multi = (lengths > 1).nonzero().squeeze(1)
+    multi_flat = valid.index_select(0, multi).flatten().nonzero().squeeze(1)
+    offsets = torch.arange(t, device=valid.device)
+    multi_src = (first.index_select(0, multi).unsqueeze(1) + offsets.unsqueeze(0)).flatten().index_select(0, multi_flat)
+    return flat, at, where, single, first.index_select(0, single), multi, multi_flat, multi_src
+
+
+def attend_packed(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    end: torch.Tensor,
+    slots: torch.Tensor,
+    single: torch.Tensor,
+    single_at: torch.Tensor,
+    multi: torch.Tensor,
+    multi_flat: torch.Tensor,
+    multi_src: torch.Tensor,
+    sliding_window: int,
+    scale: float,
+) -> torch.Tensor:
+    """attend_cache for packed queries q [N, heads, head_dim] (pack_call): rows of one token
+    attend as [Bs, heads, 1, head_dim], the others in their padded layout, so that a decode row
+    beside a prompt chunk costs one query, not T. Returns [N, heads * head_dim]."""
+    n, heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
+    t = valid.shape[1]
+    if multi.shape[0] == 0 and single.shape[0] == n:  # every row one token (a decode step): q is in row order
+        out = attend_cache(
+            k_cache, v_cache, q.unsqueeze(2), positions[:, :1], valid[:, :1], end, slots, sliding_window, scale
+        )
+        return out.view(n, heads * head_dim)
+    out = q.new_empty(n, heads * head_dim)
+    if single.shape[0] > 0:
+        one = attend_cache(
+            k_cache,
+            v_cache,
+            q.index_select(0, single_at).unsqueeze(2),
+            positions.index_select(0, single)[:, :1],
+            valid.index_select(0, single)[:, :1],
+            end.index_select(0, single),
+            slots.index_select(0, single),
+            sliding_window,
+            scale,
+        )
+        out.index_copy_(0, single_at, one.flatten(0, 1))
+    if multi.shape[0] > 0:
+        b = multi.shape[0]
+        padded = q.new_zeros(b * t, heads, head_dim).index_copy_(0, multi_flat, q.index_select(0, multi_src))
+        chunks = attend_cache(
+            k_cache,
+            v_cache,
+            padded.view(b, t, heads, head_dim).transpose(1, 2),
+            positions.index_select(0, multi),
+            valid.index_select(0, multi),
+            end.index_select(0, multi),
+            slots.index_select(0, multi),
+            sliding_window,
+            scale,
+        )
+        out.index_copy_(0, multi_src, chunks.flatten(0, 1).index_select(0, multi_flat))
+    return out
+
+
+def write_packed(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at, where):
+    """Writes packed keys and values [N, kv_heads, head_dim] at their slots and positions, in place."""
+    if k_cache.stride(0) == 0 or v_cache.stride(0) == 0:
+        raise ValueError("decoder: k_cache/v_cache is a zero-stride placeholder, not an allocated cache")
+    k_cache[where, :, at] = k
+    v_cache[where, :, at] = v
+
+
 def _context(end: torch.Tensor, max_len: int) -> int:
     """max(end) read on the host; under torch.export an unbacked size in 1 .. max_len (check_call
     has refused calls outside it with its own message before any layer reads it)."""
@@ -346,7 +440,49 @@ class Attention(nn.Module):
         valid: torch.Tensor,
         end: torch.Tensor,
         slots: torch.Tensor,
+        at: torch.Tensor,
+        where: torch.Tensor,
+        single: torch.Tensor,
+        single_at: torch.Tensor,
+        multi: torch.Tensor,
+        multi_flat: torch.Tensor,
+        multi_src: torch.Tensor,
     ) -> torch.Tensor:
+        """x is [N, hidden], the call's valid tokens packed (pack_call gives at .. multi_src), or
+        under torch.export [B, T, hidden] with padding (at .. multi_src unused)."""
+        if not torch.jit.is_scripting():
+            if torch.compiler.is_exporting():
+                return self.padded(x, cos, sin, positions, valid, end, slots)
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        c = cos.unsqueeze(1)
+        s = sin.unsqueeze(1)
+        q = q * c + rotate_half(q) * s
+        k = k * c + rotate_half(k) * s
+        write_packed(self.k_cache, self.v_cache, k, v, at, where)
+        out = attend_packed(
+            self.k_cache,
+            self.v_cache,
+            q,
+            positions,
+            valid,
+            end,
+            slots,
+            single,
+            single_at,
+            multi,
+            multi_flat,
+            multi_src,
+            self.sliding_window,
+            self.scale,
+        )
+        return self.o_proj(out)
+
+    @torch.jit.unused
+    def padded(self, x, cos, sin, positions, valid, end, slots):
+        """The forward under torch.export: padded rows, writes without a data-dependent shape."""
         b, t = x.shape[0], x.shape[1]
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -377,8 +513,31 @@ class DecoderLayer(nn.Module):
         valid: torch.Tensor,
         end: torch.Tensor,
         slots: torch.Tensor,
+        at: torch.Tensor,
+        where: torch.Tensor,
+        single: torch.Tensor,
+        single_at: torch.Tensor,
+        multi: torch.Tensor,
+        multi_flat: torch.Tensor,
+        multi_src: torch.Tensor,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, positions, valid, end, slots)
+        a = self.self_attn(
+            self.input_layernorm(h),
+            cos,
+            sin,
+            positions,
+            valid,
+            end,
+            slots,
+            at,
+            where,
+            single,
+            single_at,
+            multi,
+            multi_flat,
+            multi_src,
+        )
+        h = h + a
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -409,13 +568,32 @@ class DecoderLM(nn.Module):
         self.vocab = vocab
         self.num_slots = slots
         self.max_len = max_len
+        self.skips_padding = True  # the contract's optional flag: a call costs its valid tokens, not B x T
 
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
         valid, positions, end = check_call(tokens, start, lengths, slots, self.max_len, self.num_slots, self.vocab)
+        if not torch.jit.is_scripting():
+            if torch.compiler.is_exporting():
+                return self.padded(tokens, lengths, slots, valid, positions, end)
+        # Only the valid tokens are computed (skips_padding): [N, hidden] through every layer.
+        flat, at, where, single, single_at, multi, multi_flat, multi_src = pack_call(valid, positions, lengths, slots)
+        h = self.model.embed_tokens(tokens.flatten().index_select(0, flat))
+        cos, sin = self.model.rotary_emb(at, h.dtype)
+        for layer in self.model.layers:
+            h = layer(
+                h, cos, sin, positions, valid, end, slots, at, where, single, single_at, multi, multi_flat, multi_src
+            )
+        last = h.index_select(0, lengths.cumsum(0) - 1)  # each row's last token
+        return self.lm_head(self.model.norm(last)).to(torch.float32)
+
+    @torch.jit.unused
+    def padded(self, tokens, lengths, slots, valid, positions, end):
+        """The forward under torch.export: rows padded to T throughout (no data-dependent shape)."""
         h = self.model.embed_tokens(torch.where(valid, tokens, torch.zeros_like(tokens)))
         cos, sin = self.model.rotary_emb(positions, h.dtype)
+        unused = torch.empty(0, dtype=torch.int64, device=tokens.device)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, positions, valid, end, slots)
+            h = layer(h, cos, sin, positions, valid, end, slots, *([unused] * 7))
         # Row count from h, not from `b`: an int would cross to the last stage, where only tensors must.
         last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]
         return self.lm_head(self.model.norm(last)).to(torch.float32)
@@ -432,7 +610,7 @@ class Conv1D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
-        return out.view(x.shape[0], x.shape[1], self.out_features)
+        return out.view(list(x.shape[:-1]) + [self.out_features])
 
 
 class GPT2Attention(nn.Module):
@@ -453,8 +631,51 @@ class GPT2Attention(nn.Module):
         self.register_buffer("v_cache", new_cache(shape, weights["dtype"], placeholder_caches), persistent=False)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, end: torch.Tensor, slots: torch.Tensor
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        end: torch.Tensor,
+        slots: torch.Tensor,
+        at: torch.Tensor,
+        where: torch.Tensor,
+        single: torch.Tensor,
+        single_at: torch.Tensor,
+        multi: torch.Tensor,
+        multi_flat: torch.Tensor,
+        multi_src: torch.Tensor,
     ) -> torch.Tensor:
+        """As Attention.forward: x packed [N, hidden], or padded [B, T, hidden] under torch.export."""
+        if not torch.jit.is_scripting():
+            if torch.compiler.is_exporting():
+                return self.padded(x, positions, valid, end, slots)
+        n = x.shape[0]
+        q, k, v = self.c_attn(x).split(self.hidden, dim=1)
+        q = q.view(n, self.heads, self.head_dim)
+        k = k.view(n, self.heads, self.head_dim)
+        v = v.view(n, self.heads, self.head_dim)
+        write_packed(self.k_cache, self.v_cache, k, v, at, where)
+        out = attend_packed(
+            self.k_cache,
+            self.v_cache,
+            q,
+            positions,
+            valid,
+            end,
+            slots,
+            single,
+            single_at,
+            multi,
+            multi_flat,
+            multi_src,
+            0,
+            self.scale,
+        )
+        return self.c_proj(out)
+
+    @torch.jit.unused
+    def padded(self, x, positions, valid, end, slots):
+        """The forward under torch.export (padded rows)."""
         b, t = x.shape[0], x.shape[1]
         q, k, v = self.c_attn(x).split(self.hidden, dim=2)
         q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
@@ -486,9 +707,24 @@ class GPT2Block(nn.Module):
         self.mlp = mlp
 
     def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, end: torch.Tensor, slots: torch.Tensor
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        end: torch.Tensor,
+        slots: torch.Tensor,
+        at: torch.Tensor,
+        where: torch.Tensor,
+        single: torch.Tensor,
+        single_at: torch.Tensor,
+        multi: torch.Tensor,
+        multi_flat: torch.Tensor,
+        multi_src: torch.Tensor,
     ) -> torch.Tensor:
-        h = h + self.attn(self.ln_1(h), positions, valid, end, slots)
+        a = self.attn(
+            self.ln_1(h), positions, valid, end, slots, at, where, single, single_at, multi, multi_flat, multi_src
+        )
+        h = h + a
         return h + self.mlp(self.ln_2(h))
 
 
@@ -514,16 +750,31 @@ class GPT2LM(nn.Module):
         self.vocab = vocab
         self.num_slots = slots
         self.max_len = max_len
+        self.skips_padding = True  # the contract's optional flag: a call costs its valid tokens, not B x T
 
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
         valid, positions, end = check_call(tokens, start, lengths, slots, self.max_len, self.num_slots, self.vocab)
+        if not torch.jit.is_scripting():
+            if torch.compiler.is_exporting():
+                return self.padded(tokens, lengths, slots, valid, positions, end)
+        flat, at, where, single, single_at, multi, multi_flat, multi_src = pack_call(valid, positions, lengths, slots)
+        h = self.transformer.wte(tokens.flatten().index_select(0, flat)) + self.transformer.wpe(at)
+        for block in self.transformer.h:
+            h = block(h, positions, valid, end, slots, at, where, single, single_at, multi, multi_flat, multi_src)
+        last = h.index_select(0, lengths.cumsum(0) - 1)
+        return self.lm_head(self.transformer.ln_f(last)).to(torch.float32)
+
+    @torch.jit.unused
+    def padded(self, tokens, lengths, slots, valid, positions, end):
+        """The forward under torch.export: rows padded to T throughout."""
         zero = torch.zeros_like(tokens)
         # Padding positions may lie past the position table: they look up position 0 instead.
         h = self.transformer.wte(torch.where(valid, tokens, zero)) + self.transformer.wpe(
             torch.where(valid, positions, zero)
         )
+        unused = torch.empty(0, dtype=torch.int64, device=tokens.device)
         for block in self.transformer.h:
-            h = block(h, positions, valid, end, slots)
+            h = block(h, positions, valid, end, slots, *([unused] * 7))
         last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]
         return self.lm_head(self.transformer.ln_f(last)).to(torch.float32)
 
