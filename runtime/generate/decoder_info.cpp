@@ -42,9 +42,13 @@ DecoderInfo read_decoder_info(const graph::Plan& plan, std::optional<c10::Scalar
     at::ScalarType dtype;
   };
   std::vector<Buffer> buffers;
+  bool skips_padding = false;
   if (const auto* model = dynamic_cast<const graph::Model*>(&plan.model())) {
     for (const auto& item : model->module().named_buffers(/*recurse=*/true))
       buffers.push_back({item.name, item.value.sizes().vec(), item.value.scalar_type()});
+    const auto& module = model->module();
+    skips_padding = module.hasattr("skips_padding") && module.attr("skips_padding").isBool() &&
+                    module.attr("skips_padding").toBool();
   } else if (const auto* program = dynamic_cast<const graph::exported::ExportedModel*>(&plan.model())) {
     for (const auto& w : program->weights()) {
       if (w.spec_kind != "buffer") continue;
@@ -87,6 +91,7 @@ DecoderInfo read_decoder_info(const graph::Plan& plan, std::optional<c10::Scalar
     refuse("its caches have " + std::to_string(info.slots) + " slots and max_len " + std::to_string(info.max_len) +
            " (at least 1 slot and 2 positions are needed)");
   info.num_layers = k_caches;
+  info.skips_padding = skips_padding;
   return info;
 }
 

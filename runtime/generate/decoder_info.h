@@ -19,6 +19,9 @@ struct DecoderInfo {
   int64_t vocab = 0;                  // filled by the engine's probe step: the logits' last dimension
   uint64_t cache_bytes_per_slot = 0;  // K and V of every layer, all stages, in the stages' dtype
   int64_t num_layers = 0;             // attention layers (pairs of caches)
+  // The root module's optional bool attribute `skips_padding`: the forward computes the valid tokens only, so a
+  // call's cost follows its tokens, not B x T, and the engine puts decode rows and prompt chunks in one step.
+  bool skips_padding = false;
 };
 
 // Reads `plan`'s model: forward takes exactly (tokens, start, lengths, slots) and the model has buffers named

@@ -5,6 +5,7 @@
 #include <torch/csrc/jit/runtime/graph_executor.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
 #include <cmath>
 #include <unordered_set>
@@ -84,6 +85,10 @@ Engine::Engine(std::shared_ptr<const graph::Plan> plan, schedule::SessionOptions
   check_option(options_.max_rows_per_step, "max_rows_per_step");
   // Before anything is built: a model that is no decoder is refused at once.
   decoder_ = read_decoder_info(*plan, session_options.stage.dtype);
+  // Mixed steps need a decoder whose cost follows its valid tokens; LIBPIPE_MIXED_STEPS=0 turns them off (for
+  // comparisons, as in bench/RESULTS.md).
+  const char* mixed_env = std::getenv("LIBPIPE_MIXED_STEPS");
+  mixed_steps_ = decoder_.skips_padding && !(mixed_env && std::string(mixed_env) == "0");
   if (options_.steps_in_flight == 0) options_.steps_in_flight = static_cast<int64_t>(plan->num_stages());
   if (options_.max_queued == 0) options_.max_queued = 4 * decoder_.slots;
   if (options_.prefill_chunk == 0) options_.prefill_chunk = 256;
@@ -372,6 +377,7 @@ void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
     budget.steps_in_flight = options_.steps_in_flight;
     budget.max_rows = options_.max_rows_per_step;
     budget.prefill_chunk = options_.prefill_chunk;
+    budget.mixed = mixed_steps_;
     auto step = std::make_unique<Step>();
     step->id = next_step_++;
     step->rows = plan_step(ready, budget);

@@ -103,6 +103,7 @@ class Engine {
 
   std::unique_ptr<schedule::Session> session_;
   DecoderInfo decoder_;
+  bool mixed_steps_ = false;  // decode rows and prompt chunks share steps (step_planner.h)
   EngineOptions options_;
   std::shared_ptr<Waker> waker_;
 

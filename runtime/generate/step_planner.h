@@ -1,16 +1,22 @@
 // Step planning: which sequences go into the next step and with how many tokens each. A pure function over a
 // snapshot of the ready sequences, so the batching rules are unit-tested without threads or a model.
 //
-// Rules (docs/DESIGN.md, "Generation"): at most row_cap rows, where row_cap = clamp(ceil(active / steps_in_flight),
-// 1, max_rows), so that the active sequences spread over the steps in flight instead of one step taking everyone
-// and the other stages idling. One kind of row per step, as rows are right-padded to the longest: the oldest ready
-// row decides whether it is a decode step (the oldest decode rows, one token each) or a prefill step (the oldest
-// prompts, each cut to the oldest one's width, at most prefill_chunk tokens, while rows x width fits in
-// prefill_chunk; the next chunk of a cut prompt starts where this one ends: start = cached). First come, first
-// served between prompts and decoding, so neither starves. With fewer sequences than steps in flight, a prompt is
-// cut into steps_in_flight chunks of at least kMinPipelinedChunk tokens, which the engine lets follow each other
-// through the pipeline (a sequence's prompt chunks need not wait for the previous one's return), so that a lone
-// prompt keeps every stage busy.
+// Rules (docs/DESIGN.md, "Generation"): at most row_cap decode rows, where row_cap = clamp(ceil(active /
+// steps_in_flight), 1, max_rows), so that the active sequences spread over the steps in flight instead of one step
+// taking everyone and the other stages idling. Prompts are cut into chunks: the oldest prompt sets the chunk width
+// (its remaining tokens, at most the step's token budget, prefill_chunk), later prompts are cut to that width, and
+// the next chunk of a cut prompt starts where this one ends (start = cached) and may follow it into the pipeline at
+// once. With fewer sequences than steps in flight, a prompt is cut into steps_in_flight chunks of at least
+// kMinPipelinedChunk tokens, so that a lone prompt keeps every stage busy.
+//
+// How a step mixes them depends on what a padded row costs the decoder:
+// - mixed (a decoder that skips padding, DecoderInfo::skips_padding): every step takes the ready decode rows
+//   first, then fills its token budget with prompt chunks (at least kMinPipelinedChunk prompt tokens, so prompts
+//   never starve behind decode rows). Decode rows never wait behind a prompt, and while prompts are waiting every
+//   step carries about the same work, so the steps in flight cost the same and no stage waits for another.
+// - one kind of row per step (a decoder that computes B x T): the oldest ready row decides whether it is a decode
+//   step (the oldest decode rows) or a prefill step (prompt chunks while rows x width fits in prefill_chunk), first
+//   come, first served, so neither starves.
 #pragma once
 
 #include <cstdint>
@@ -43,7 +49,8 @@ struct StepBudget {
   int64_t active = 0;           // sequences holding a slot (ready or in flight)
   int64_t steps_in_flight = 1;  // D
   int64_t max_rows = 1;         // rows per step at most
-  int64_t prefill_chunk = 256;  // prompt tokens per step, all rows together
+  int64_t prefill_chunk = 256;  // tokens per step, all rows together (mixed: decode rows included)
+  bool mixed = false;           // decode rows and prompt chunks share steps (a decoder that skips padding)
 };
 
 // The rows of the next step (empty when `ready` is empty). Never takes a sequence twice.

@@ -32,6 +32,7 @@
 #include "../gate/gate.h"
 #include "fixtures.h"
 #include "runtime/error.h"
+#include "runtime/generate/decoder_info.h"
 #include "runtime/generate/engine.h"
 #include "runtime/graph/torchscript/model.h"
 #include "runtime/planner/planner.h"
@@ -527,6 +528,14 @@ TEST(Engine, AModelThatIsNoDecoderIsRefusedNamingTheContract) {
               Status::InvalidArgument);
     EXPECT_NE(message.find("decoder contract"), std::string::npos) << message;
   }
+}
+
+TEST(Engine, TheDecoderSaysWhetherItSkipsPaddingAndSoWhetherStepsMix) {
+  // libpipe.decoder's modules set skips_padding (they compute the valid tokens only): the engine mixes decode rows
+  // and prompt chunks in their steps. The gated fixture leaves it out (its steps keep one kind of row), and a
+  // decoder that says nothing is taken to compute its padding.
+  EXPECT_TRUE(read_decoder_info(*decoder_plan("tiny_decoder.pt", 2), std::nullopt).skips_padding);
+  EXPECT_FALSE(read_decoder_info(*decoder_plan("gated_decoder.pt", 2), std::nullopt).skips_padding);
 }
 
 TEST(Engine, NegativeOptionsAreRefused) {

@@ -3,7 +3,8 @@
 // (so prompts and decoding are served first come, first served and neither starves); decode steps take the oldest
 // decode rows; prefill steps take the oldest prompts, padded to the oldest one's width (at most prefill_chunk), while
 // rows x width fits in prefill_chunk; at most row_cap = clamp(ceil(active / D), 1, max_rows) rows, start = cached,
-// never a sequence twice, completes_prompt exactly for decode rows and last chunks.
+// never a sequence twice, completes_prompt exactly for decode rows and last chunks. Mixed steps (a decoder that skips
+// padding): the oldest decode rows up to row_cap, then prompt chunks in the step's remaining token budget.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -27,6 +28,10 @@ ReadyRow prompt(uint64_t sequence, int64_t slot, int64_t cached, int64_t remaini
 }
 
 StepBudget budget(int64_t active, int64_t d, int64_t max_rows, int64_t chunk) { return {active, d, max_rows, chunk}; }
+
+StepBudget mixed(int64_t active, int64_t d, int64_t max_rows, int64_t chunk) {
+  return {active, d, max_rows, chunk, /*mixed=*/true};
+}
 
 std::vector<uint64_t> sequences(const std::vector<PlannedRow>& rows) {
   std::vector<uint64_t> out;
@@ -293,6 +298,138 @@ TEST(StepPlanner, RandomReadySetsFollowEveryRule) {
       EXPECT_TRUE(static_cast<int64_t>(rows.size()) == row_cap ||
                   (static_cast<int64_t>(rows.size()) + 1) * width > chunk)
           << "prompt " << kind[rows.size()].sequence << " left out with rows and positions to spare";
+    }
+  }
+}
+
+// ---- mixed steps (a decoder that skips padding) ----
+
+TEST(StepPlanner, MixedStepsTakeTheDecodeRowsFirstThenPromptChunksWithinTheTokenBudget) {
+  // A prompt older than every decode row still rides behind them: the 3 decode rows (oldest first), then the oldest
+  // prompt whole (77 of the 80 tokens are left, it has 50), then the next prompt cut to what is left (27 of its 30),
+  // from its cached position.
+  const std::vector<ReadyRow> ready = {
+      prompt(10, 0, 0, 50, 1), decoding(11, 1, 9, 4), prompt(12, 2, 5, 30, 2),
+      decoding(13, 3, 20, 3),  decoding(14, 4, 6, 9),
+  };
+  const auto rows = plan_step(ready, mixed(8, 2, 8, 80));
+  ASSERT_EQ(sequences(rows), (std::vector<uint64_t>{13, 11, 14, 10, 12}));
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(rows[i].length, 1);
+  EXPECT_EQ(rows[3].length, 50);
+  EXPECT_TRUE(rows[3].completes_prompt);
+  EXPECT_EQ(rows[4].start, 5);
+  EXPECT_EQ(rows[4].length, 27);
+  EXPECT_FALSE(rows[4].completes_prompt);
+}
+
+TEST(StepPlanner, MixedStepsKeepTheRowCapForDecodeRowsAndNeverStarveAPrompt) {
+  // 6 decode rows, row_cap 3 (active 6, D 2): the 3 oldest. The budget (2 tokens) is below the decode rows' own
+  // tokens, yet the waiting prompt still gets min(budget, kMinPipelinedChunk) tokens: 2.
+  std::vector<ReadyRow> ready;
+  for (uint64_t s = 0; s < 6; ++s) ready.push_back(decoding(s, static_cast<int64_t>(s), 10, 10 + s));
+  ready.push_back(prompt(9, 9, 0, 100, 1));
+  auto rows = plan_step(ready, mixed(6, 2, 16, 2));
+  ASSERT_EQ(sequences(rows), (std::vector<uint64_t>{0, 1, 2, 9}));
+  EXPECT_EQ(rows[3].length, 2);
+  // With a budget of 300, the prompt takes at least kMinPipelinedChunk even beside more decode tokens than that.
+  ready.clear();
+  for (uint64_t s = 0; s < 300; ++s) ready.push_back(decoding(s, static_cast<int64_t>(s), 10, 10 + s));
+  ready.push_back(prompt(999, 999, 0, 1000, 1));
+  rows = plan_step(ready, mixed(300, 1, 400, 300));
+  ASSERT_EQ(rows.size(), 301u);
+  EXPECT_EQ(rows.back().sequence, 999u);
+  EXPECT_EQ(rows.back().length, kMinPipelinedChunk);
+}
+
+TEST(StepPlanner, MixedStepsSpreadALongPromptOverTheStepsInFlight) {
+  // Two groups decode (4 + 3 rows, D = 2) when a 500-token prompt arrives, budget 128: the step of each group takes
+  // its decode rows and a chunk of the prompt (the chunk may follow the previous one into the pipeline), so both
+  // steps in flight carry 128 tokens and neither stage waits for the other.
+  ReadyRow p = prompt(100, 7, 0, 500, 0);
+  std::vector<ReadyRow> group_a, group_b;
+  for (uint64_t s = 0; s < 4; ++s) group_a.push_back(decoding(s, static_cast<int64_t>(s), 10, 1));
+  for (uint64_t s = 4; s < 7; ++s) group_b.push_back(decoding(s, static_cast<int64_t>(s), 10, 2));
+  std::vector<int64_t> tokens_per_step;
+  for (int step = 0; step < 4; ++step) {
+    std::vector<ReadyRow> ready = step % 2 == 0 ? group_a : group_b;
+    ready.push_back(p);
+    const auto rows = plan_step(ready, mixed(8, 2, 8, 128));
+    int64_t tokens = 0;
+    for (const auto& r : rows) {
+      tokens += r.length;
+      if (r.sequence == 100) {
+        EXPECT_EQ(r.start, p.cached);
+        p.cached += r.length;
+        p.remaining -= r.length;
+      }
+    }
+    tokens_per_step.push_back(tokens);
+  }
+  EXPECT_EQ(tokens_per_step, (std::vector<int64_t>{128, 128, 128, 128}));
+  EXPECT_EQ(p.cached, 124 + 125 + 124 + 125);
+}
+
+TEST(StepPlanner, RandomReadySetsFollowEveryRuleOfMixedSteps) {
+  std::mt19937 rng(17);
+  for (int trial = 0; trial < 3000; ++trial) {
+    SCOPED_TRACE(trial);
+    const int n = static_cast<int>(rng() % 12);
+    const int64_t d = 1 + rng() % 4, max_rows = 1 + rng() % 12, chunk = 1 + rng() % 300;
+    const int64_t active = n + static_cast<int64_t>(rng() % 6);
+    std::vector<ReadyRow> ready;
+    for (int i = 0; i < n; ++i) {
+      const bool decode = rng() % 2;
+      ready.push_back({static_cast<uint64_t>(1000 + i), i, static_cast<int64_t>(rng() % 30),
+                       decode ? 0 : static_cast<int64_t>(1 + rng() % 200),
+                       static_cast<uint64_t>(rng() % 1000) * 16 + i});
+    }
+    std::shuffle(ready.begin(), ready.end(), rng);
+    const auto rows = plan_step(ready, mixed(active, d, max_rows, chunk));
+    if (ready.empty()) {
+      EXPECT_TRUE(rows.empty());
+      continue;
+    }
+    ASSERT_FALSE(rows.empty());
+    std::vector<ReadyRow> decoders, prompts;
+    std::map<uint64_t, ReadyRow> by_sequence;
+    for (const auto& r : ready) {
+      by_sequence[r.sequence] = r;
+      (r.remaining == 0 ? decoders : prompts).push_back(r);
+    }
+    const auto older = [](const ReadyRow& a, const ReadyRow& b) { return a.ready_since < b.ready_since; };
+    std::sort(decoders.begin(), decoders.end(), older);
+    std::sort(prompts.begin(), prompts.end(), older);
+    const int64_t row_cap = std::clamp<int64_t>((active + d - 1) / d, 1, max_rows);
+    // The oldest decode rows up to row_cap, then the oldest prompts.
+    const size_t decode_rows = std::min<size_t>(decoders.size(), static_cast<size_t>(row_cap));
+    ASSERT_GE(rows.size(), decode_rows);
+    std::set<uint64_t> seen;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const PlannedRow& row = rows[i];
+      EXPECT_TRUE(seen.insert(row.sequence).second);
+      EXPECT_EQ(row.start, by_sequence[row.sequence].cached);
+      if (i < decode_rows) {
+        EXPECT_EQ(row.sequence, decoders[i].sequence);
+        EXPECT_EQ(row.length, 1);
+        EXPECT_TRUE(row.completes_prompt);
+      } else {
+        ASSERT_LT(i - decode_rows, prompts.size());
+        EXPECT_EQ(row.sequence, prompts[i - decode_rows].sequence);
+        EXPECT_GE(row.length, 1);
+        EXPECT_LE(row.length, by_sequence[row.sequence].remaining);
+        EXPECT_EQ(row.completes_prompt, row.length == by_sequence[row.sequence].remaining);
+      }
+    }
+    EXPECT_LE(static_cast<int64_t>(rows.size()), std::max<int64_t>(max_rows, static_cast<int64_t>(decode_rows)));
+    int64_t prompt_tokens = 0;
+    for (size_t i = decode_rows; i < rows.size(); ++i) prompt_tokens += rows[i].length;
+    const int64_t room =
+        std::max<int64_t>(chunk - static_cast<int64_t>(decode_rows), std::min<int64_t>(chunk, kMinPipelinedChunk));
+    EXPECT_LE(prompt_tokens, room);
+    // A waiting prompt left out: the rows ran out or the budget did.
+    if (rows.size() - decode_rows < prompts.size()) {
+      EXPECT_TRUE(static_cast<int64_t>(rows.size()) >= max_rows || prompt_tokens == room)
+          << "a prompt left out with rows and tokens to spare";
     }
   }
 }
