@@ -28,8 +28,9 @@ type GeneratorOptions struct {
 	// Sequences that may wait for a free cache slot; one more is refused with ErrBusy.
 	// 0: 4 x the decoder's slots.
 	MaxQueued int
-	// Positions per prefill step, all rows together as padded (rows x the longest chunk): a
-	// longer prompt is prefilled in chunks, so that it does not hold up the others for long. 0: 256.
+	// Tokens per step, all rows together (a decoder without skips_padding: padded positions,
+	// rows x the longest chunk): a longer prompt is prefilled in chunks, so that it does not hold
+	// up the others for long. 0: 256.
 	PrefillChunk int
 	// Steps in the pipeline at once. 0: the number of stages (every stage busy).
 	StepsInFlight int

@@ -27,8 +27,9 @@ pub struct GeneratorOptions {
     /// Sequences that may wait for a free cache slot; one more makes [`Generator::generate`]
     /// fail with [`Status::Busy`]. 0: 4 x the decoder's slots.
     pub max_queued: usize,
-    /// Positions per prefill step, all rows together as padded (rows x the longest chunk): a longer
-    /// prompt is prefilled in chunks, so that it does not hold up the others for long. 0: 256.
+    /// Tokens per step, all rows together (a decoder without skips_padding: padded positions, rows x
+    /// the longest chunk): a longer prompt is prefilled in chunks, so that it does not hold up the
+    /// others for long. 0: 256.
     pub prefill_chunk: usize,
     /// Steps in the pipeline at once. 0: the number of stages (every stage busy).
     pub steps_in_flight: usize,
