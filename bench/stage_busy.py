@@ -183,7 +183,9 @@ def rounds(args):
                     runs.append(row)
                     print(json.dumps(row), flush=True)
     print()
-    print("| workload | sequences | cut | tokens/s | stages busy, pipeline full: median (each run) | share of the wave |")
+    print(
+        "| workload | sequences | cut | tokens/s | stages busy, pipeline full: median (each run) | share of the wave |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for workload in args.workload:
         for c in args.concurrency:
