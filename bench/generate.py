@@ -297,13 +297,13 @@ def stage_stats(Generator, skeleton, weights, prompts, max_new_tokens, split_at,
     }
 
 
-def steady_state_busy(trace, stages):
-    """Each stage's busy fraction while the pipeline is full, from a session trace (Chrome JSON:
-    one span per step per stage). A step is in flight from the start of its first stage's span to
-    the end of its last one's; the window runs from the first moment `stages` steps are in flight
-    to the last, one stretch, so that the engine's gaps between a step's return and its group's
-    next step count against the stages (only the fill at the start and the drain at the end of a
-    wave are left out). Returns (busy fractions, window ms, share of the wave's span it covers)."""
+def pipeline_full_window(trace, stages):
+    """The stretch of a session trace (Chrome JSON: one span per step per stage) in which `stages`
+    steps are in flight: (first, last) µs, and the wave's whole span µs; None if never. A step is in
+    flight from the start of its first stage's span to the end of its last one's; the window runs
+    from the first moment `stages` steps are in flight to the last, one stretch, so that the engine's
+    gaps between a step's return and its group's next step count against the stages (only the fill
+    at the start and the drain at the end of a wave are left out)."""
     # The stages' spans only: the engine's own track (launch, collect, sample, deliver) is not a stage.
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "microbatch"]
     steps = {}
@@ -320,10 +320,21 @@ def steady_state_busy(trace, stages):
             first = t
     if first is None or last is None or last <= first:
         return None
-    busy = [0.0] * stages
-    for e in spans:
-        busy[e["tid"]] += max(0.0, min(e["ts"] + e["dur"], last) - max(e["ts"], first))
     whole = max(hi for _, hi in steps.values()) - min(lo for lo, _ in steps.values())
+    return (first, last), whole
+
+
+def steady_state_busy(trace, stages):
+    """Each stage's busy fraction while the pipeline is full (pipeline_full_window). Returns (busy
+    fractions, window ms, share of the wave's span it covers), or None."""
+    full = pipeline_full_window(trace, stages)
+    if not full:
+        return None
+    (first, last), whole = full
+    busy = [0.0] * stages
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and e.get("cat") == "microbatch":
+            busy[e["tid"]] += max(0.0, min(e["ts"] + e["dur"], last) - max(e["ts"], first))
     return [b / (last - first) for b in busy], (last - first) / 1000, (last - first) / whole
 
 

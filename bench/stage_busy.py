@@ -13,7 +13,7 @@ workloads, C sequences submitted at once to a libpipe.Generator (C cache slots, 
   --max-new-tokens, stopping at eos. Sequences end at different steps, so the groups differ by a
   row whenever an odd number is left, and contexts are shorter (less attention per layer).
 
-Per run: each stage's busy fraction while the pipeline is full (generate.py's steady_state_busy:
+Per run: each stage's busy fraction while the pipeline is full (generate.py's pipeline_full_window:
 from the first moment two steps are in flight to the last, fill and drain left out), tokens/s of
 the measured wave (after a warm-up wave), and where each stage's idle time in that window fell:
 before a decode step whose group holds as many rows as the step before it on that stage (the
@@ -28,7 +28,6 @@ Run with the project's virtualenv python after scripts/build.sh, with the bindin
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -126,7 +125,8 @@ def one_run(args):
             gen.session.trace_stop(path)
             with open(path) as f:
                 trace = json.load(f)
-    window = full_window(trace, 2)
+    full = generate.pipeline_full_window(trace, 2)
+    window = full[0] if full else None
     print(
         json.dumps(
             {
@@ -135,35 +135,12 @@ def one_run(args):
                 "cut": args.cut[0],
                 "tokens_per_s": tokens / wall,
                 "busy": busy_by_thread(trace, window) if window else None,
-                "window_share": (window[1] - window[0]) / wave_span(trace) if window else None,
+                "window_share": (window[1] - window[0]) / full[1] if full else None,
                 "idle": idle_by_step_kind(trace, window) if window else {},
             }
         ),
         flush=True,
     )
-
-
-def wave_span(trace):
-    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "microbatch"]
-    return max(e["ts"] + e["dur"] for e in spans) - min(e["ts"] for e in spans)
-
-
-def full_window(trace, stages):
-    """(first, last) µs of steady_state_busy's window, or None."""
-    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "microbatch"]
-    steps = {}
-    for e in spans:
-        lo, hi = steps.get(e["args"]["request"], (math.inf, -math.inf))
-        steps[e["args"]["request"]] = (min(lo, e["ts"]), max(hi, e["ts"] + e["dur"]))
-    edges = sorted([(lo, 1) for lo, _ in steps.values()] + [(hi, -1) for _, hi in steps.values()])
-    in_flight, first, last = 0, None, None
-    for t, change in edges:
-        if in_flight >= stages and change < 0:
-            last = t
-        in_flight += change
-        if in_flight >= stages and first is None:
-            first = t
-    return (first, last) if first is not None and last is not None and last > first else None
 
 
 def rounds(args):
