@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the unit tests with ThreadSanitizer in build-tsan/ and runs the scheduler's tests
 # (sessions, requests, cancellation, deadlines, completion callbacks, shutdown, the generation engine's
-# scheduler thread and token callbacks, the spare-core helpers that stages borrow) under it. LibTorch
-# is not instrumented: TSan sees libpipe's own threads, locks and shared state, which is what these tests exercise.
+# scheduler thread and token callbacks, the spare-core helpers that stages borrow, stages shared by worker
+# threads) under it. LibTorch is not instrumented: TSan sees libpipe's own threads, locks and shared state, which
+# is what these tests exercise.
 # Extra arguments go to the test binary (e.g. --gtest_filter=Session.Cancel*).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -19,5 +20,6 @@ export PIPE_TEST_MODELS=$models
 # each engine costs seconds there, so the planner and the single-path engine tests run in the plain suite only.
 engine='Engine.SequencesJoiningMidFlight*:Engine.MoreSequencesThanSlots*:Engine.ASubmitBeyondMaxQueued*'
 engine+=':Engine.CancellingASequenceHeld*:Engine.ADeadlinePassing*:Engine.AFailingStep*:Engine.Destroying*'
+engine+=':Engine.StagesShared*'
 export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 exitcode=66"
-"$build/tests/unit_tests_threads" --gtest_filter="Session.*:SpareCores.*:PackedLinear.*:RequestCompletion.*:Microbatch*:LocalTransport.*:DistributedSession.*:Heartbeat.*:$engine" "$@"
+"$build/tests/unit_tests_threads" --gtest_filter="Session.*:SharedStages.*:StageSharing.*:SpareCores.*:PackedLinear.*:RequestCompletion.*:Microbatch*:LocalTransport.*:DistributedSession.*:Heartbeat.*:$engine" "$@"

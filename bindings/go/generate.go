@@ -32,7 +32,8 @@ type GeneratorOptions struct {
 	// rows x the longest chunk): a longer prompt is prefilled in chunks, so that it does not hold
 	// up the others for long. 0: 256.
 	PrefillChunk int
-	// Steps in the pipeline at once. 0: the number of stages (every stage busy).
+	// Steps in the pipeline at once. 0: the stages that compute at once (every stage busy): the
+	// number of stages, or of worker threads when stages share the cores.
 	StepsInFlight int
 	// Rows (sequences) in one step. 0: the decoder's slots.
 	MaxRowsPerStep int

@@ -89,13 +89,15 @@ Engine::Engine(std::shared_ptr<const graph::Plan> plan, schedule::SessionOptions
   // comparisons, as in bench/RESULTS.md).
   const char* mixed_env = std::getenv("LIBPIPE_MIXED_STEPS");
   mixed_steps_ = decoder_.skips_padding && !(mixed_env && std::string(mixed_env) == "0");
-  if (options_.steps_in_flight == 0) options_.steps_in_flight = static_cast<int64_t>(plan->num_stages());
   if (options_.max_queued == 0) options_.max_queued = 4 * decoder_.slots;
   if (options_.prefill_chunk == 0) options_.prefill_chunk = 256;
   if (options_.max_rows_per_step == 0) options_.max_rows_per_step = decoder_.slots;
   options_.max_rows_per_step = std::min(options_.max_rows_per_step, decoder_.slots);
-  session_ = std::make_unique<schedule::Session>(
-      std::move(plan), step_session_options(std::move(session_options), options_.steps_in_flight));
+  // Room for a step per stage at least; the default keeps one per stage that can compute at once.
+  const int64_t most_in_flight = std::max<int64_t>(options_.steps_in_flight, static_cast<int64_t>(plan->num_stages()));
+  session_ = std::make_unique<schedule::Session>(std::move(plan),
+                                                 step_session_options(std::move(session_options), most_in_flight));
+  if (options_.steps_in_flight == 0) options_.steps_in_flight = static_cast<int64_t>(session_->concurrent_stages());
   probe();
   for (int64_t s = decoder_.slots - 1; s >= 0; --s) free_slots_.push_back(s);
   waker_ = std::make_shared<Waker>();

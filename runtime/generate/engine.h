@@ -1,10 +1,11 @@
 // Engine: token generation from a decoder (the decoder contract, pipe.h), with continuous batching across the
 // pipeline. It owns a Session of the decoder's plan and one scheduler thread that forms steps (rows of many
 // sequences: prompt chunks and single decode tokens, runtime/generate/step_planner.h), keeps up to
-// steps_in_flight of them in the pipeline at once (one per stage by default, so that every stage is busy),
-// samples the logits of each step that returns, hands the tokens to the sequences' Generations and admits queued
-// sequences into the cache slots that finished ones free. Sequences join and leave between steps. No thread per
-// sequence or per caller; over worker processes nothing changes here (the caches live where their layers run).
+// steps_in_flight of them in the pipeline at once (by default one per stage, or per worker thread with shared
+// stages, so that every stage is busy), samples the logits of each step that returns, hands the tokens to the
+// sequences' Generations and admits queued sequences into the cache slots that finished ones free. Sequences join
+// and leave between steps. No thread per sequence or per caller; over worker processes nothing changes here (the caches
+// live where their layers run).
 #pragma once
 
 #include <atomic>
@@ -27,7 +28,7 @@ namespace libpipe::generate {
 struct EngineOptions {
   int64_t max_queued = 0;         // sequences waiting for a slot; 0: 4 x slots. One more: Error(Busy)
   int64_t prefill_chunk = 0;      // prompt tokens per step, all rows together; 0: 256
-  int64_t steps_in_flight = 0;    // 0: the number of stages
+  int64_t steps_in_flight = 0;    // 0: Session::concurrent_stages()
   int64_t max_rows_per_step = 0;  // 0: slots
 };
 

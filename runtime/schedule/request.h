@@ -18,6 +18,7 @@
 #include "runtime/device/place.h"
 #include "runtime/error.h"
 #include "runtime/named_tensor.h"
+#include "runtime/schedule/stage_sharing.h"
 
 namespace libpipe::schedule {
 
@@ -122,6 +123,9 @@ struct MicroBatch {
   // work it queued for this micro-batch (empty while no GPU stage has run it).
   device::Ready input_ready;
   std::vector<std::shared_ptr<c10::Event>> stage_ready;
+  // Within this process: the next stage to run it, and what stage sharing (stage_sharing.h) knows of it.
+  size_t next_stage = 0;
+  StageSharing::Ticket ticket;
   // The events a stage reading values from `producers` (stage indices, -1 the caller) waits for.
   device::Ready ready_for(const std::vector<int>& producers) const;
   // Everything the micro-batch waits for (before it leaves the process).

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 
 #include "runtime/device/cuda_library.h"
@@ -92,9 +93,29 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
   // Stages with one thread each may borrow the cores of stages that are idle (stage/spare_cores.h);
   // with more, OpenMP splits their operators already. Worker processes share the machine: not there.
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  if (!distributed && options_.threads_per_stage == 0 && threads_per_stage_ == 1 && cpu_stages > 1 &&
+  // More CPU stages than cores, all here: one worker thread per core, sharing the stages (stage_sharing.h).
+  if (options_.stage_workers < 0 || static_cast<size_t>(options_.stage_workers) > n)
+    throw Error(Status::InvalidArgument, "stage_workers must be 0 (automatic) or 1 .. the " + std::to_string(n) +
+                                             " stages, got " + std::to_string(options_.stage_workers));
+  const bool all_here_on_cpu = !distributed && cpu_stages == n;
+  size_t num_workers = local;
+  if (options_.stage_workers > 0) {
+    if (!all_here_on_cpu && static_cast<size_t>(options_.stage_workers) != n)
+      throw Error(Status::InvalidArgument,
+                  "stages can share worker threads only when they all run on the CPU in this process; give "
+                  "stage_workers 0");
+    num_workers = static_cast<size_t>(options_.stage_workers);
+  } else if (all_here_on_cpu && options_.threads_per_stage == 0 && n > static_cast<size_t>(cores)) {
+    const char* env = std::getenv("LIBPIPE_STAGE_SHARING");
+    if (!(env && std::string(env) == "0")) num_workers = static_cast<size_t>(cores);
+  }
+  if (num_workers < local)
+    threads_per_stage_ =
+        options_.threads_per_stage > 0 ? options_.threads_per_stage : default_threads_per_stage(num_workers);
+  if (!distributed && options_.threads_per_stage == 0 && threads_per_stage_ == 1 && cpu_stages > 1 && num_workers > 1 &&
       stage::SpareCores::enabled())
-    spare_cores_ = std::make_unique<stage::SpareCores>(std::min(static_cast<int>(cpu_stages), cores));
+    spare_cores_ = std::make_unique<stage::SpareCores>(
+        std::min({static_cast<int>(cpu_stages), static_cast<int>(num_workers), cores}));
   auto checkpoint = options_.stage.weights.empty() ? nullptr : stage::Checkpoint::open(options_.stage.weights);
   for (size_t s = 0; s < local; ++s) {
     stage::BuildOptions build;
@@ -111,13 +132,18 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
   std::unique_ptr<WorkerGroup> group;
   if (distributed)
     group = std::make_unique<WorkerGroup>(*plan_, ranges, devices_, dist, options_.stage, threads_per_stage_);
-  for (size_t s = 0; s < local; ++s) {
-    auto w = std::make_unique<Worker>();
+  for (size_t s = 0; s < local; ++s) counters_.push_back(std::make_unique<StageCounters>());
+  sharing_ = std::make_unique<StageSharing>(local, num_workers);
+  if (sharing_->shares())
+    log::info(std::to_string(local) + " stages share " + std::to_string(num_workers) +
+              " worker threads, one per core (stage_sharing.h)");
+  for (size_t w = 0; w < num_workers; ++w) {
+    auto worker = std::make_unique<Worker>();
     // Admission bounds what is inside the pipeline, so a queue never holds more than that.
-    w->queue = std::make_unique<BoundedQueue<MicroBatch>>(static_cast<size_t>(options_.max_inflight));
-    workers_.push_back(std::move(w));
+    worker->queue = std::make_unique<BoundedQueue<MicroBatch>>(static_cast<size_t>(options_.max_inflight));
+    workers_.push_back(std::move(worker));
   }
-  for (size_t s = 0; s < local; ++s) workers_[s]->thread = std::thread([this, s] { worker_loop(s); });
+  for (size_t w = 0; w < num_workers; ++w) workers_[w]->thread = std::thread([this, w] { worker_loop(w); });
   if (group)
     ring_ = std::make_unique<Ring>(
         std::move(group), static_cast<size_t>(options_.max_inflight), dist.comm_timeout, shutting_down_,
@@ -176,12 +202,12 @@ int64_t Session::promise_microbatches() {
   // busy.
   const int64_t others = inflight_ + promised_;
   if (options_.adaptive_microbatches && others > 0)
-    count = std::clamp<int64_t>(static_cast<int64_t>(total_stages_) - others, 1, requested);
+    count = std::clamp<int64_t>(static_cast<int64_t>(concurrent_stages()) - others, 1, requested);
   promised_ += count;
   return count;
 }
 
-void Session::worker_loop(size_t s) {
+void Session::worker_loop(size_t w) {
   // Per-thread with OpenMP (and MKL): this stage's operators use their share of the cores only.
   // ATen sets a thread's count on the thread's first parallel operation, to the count any thread
   // set last (another session's, whose stages may have another share): that first time is now, so
@@ -189,64 +215,93 @@ void Session::worker_loop(size_t s) {
   (void)at::get_num_threads();
   at::set_num_threads(threads_per_stage_);
   c10::InferenceMode inference;
-  stage::SpareCores* spare = devices_[s].is_cpu() ? spare_cores_.get() : nullptr;
+  stage::SpareCores* spare = devices_[sharing_->first_stage(w)].is_cpu() ? spare_cores_.get() : nullptr;
   stage::SpareCores::Lend lend(spare);
-  Worker& me = *workers_[s];
-  const bool last = s + 1 == total_stages_;
-  const bool to_ring = !last && s + 1 == stages_.size();
+  Worker& me = *workers_[w];
   auto waited_from = Clock::now();
   while (auto item = me.queue->pop()) {
     const auto start = Clock::now();
     me.idle_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(start - waited_from).count();
     MicroBatch mb = std::move(*item);
-    const auto& request = mb.request;
-    bool ran = false, ok = true;
-    if (shutting_down_.load(std::memory_order_relaxed))
-      request->fail(Status::Cancelled, "the session was destroyed while the call was running");
-    if (Clock::now() >= request->deadline())
-      request->fail(Status::DeadlineExceeded, "the call did not finish before its deadline");
-    std::optional<OpTimer> op_timer;
-    if (!request->failed()) {
-      ran = true;
-      if (tracing() && trace_operators_.load(std::memory_order_relaxed)) op_timer.emplace();
-      try {
-        stage::SpareCores::Busy busy(spare);
-        run_stage(s, mb);
-      } catch (const std::exception& e) {
-        ok = false;
-        const StageError err = stage_error(s, mb.index, e);
-        request->fail(err.status, err.message);
+    if (w == 0) mb.ticket.order = sharing_->enter();
+    size_t s = mb.next_stage;
+    for (;;) {
+      run_counted(w, s, mb, spare);
+      // A failed call leaves at once, unless stages are shared: then it passes the later stages without running
+      // them, so that every stage still sees the micro-batches in order.
+      if (s + 1 == total_stages_ || (mb.request->failed() && !sharing_->shares())) {
+        // Release before finishing: a caller woken by its last micro-batch then finds the pipeline
+        // as it is, not one slot fuller (which would make its next call's cut depend on timing).
+        auto r = mb.request;
+        mb = MicroBatch{};  // free this micro-batch's tensors before the caller wakes
+        release();
+        r->finish_one();
+        break;
       }
-    }
-    waited_from = Clock::now();
-    if (ran) {
-      me.microbatches++;
-      if (!ok) me.failures++;
-      me.busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(waited_from - start).count();
-      if (tracing()) {
-        std::lock_guard lock(me.trace_mutex);
-        me.trace.push_back({request->id(), mb.index, since_us(epoch_, start), since_us(epoch_, waited_from), ok,
-                            op_timer ? op_timer->totals() : TraceArgs{}});
+      if (sharing_->keep(w, s + 1, mb.ticket)) {
+        ++s;
+        continue;
       }
-    }
-    op_timer.reset();
-    // Release before finishing: a caller woken by its last micro-batch then finds the pipeline
-    // as it is, not one slot fuller (which would make its next call's cut depend on timing).
-    if (last || request->failed()) {
+      mb.next_stage = s + 1;
       auto r = mb.request;
-      mb = MicroBatch{};  // free this micro-batch's tensors before the caller wakes
-      release();
-      r->finish_one();
-      continue;
+      const bool pushed = s + 1 == stages_.size() ? ring_->push(std::move(mb)) : hand_to(w + 1, std::move(mb));
+      if (!pushed) {
+        r->fail(Status::Cancelled, "the session was destroyed while the call was running");
+        release();
+        r->finish_one();
+      }
+      break;
     }
-    auto r = mb.request;
-    const bool pushed = to_ring ? ring_->push(std::move(mb)) : workers_[s + 1]->queue->push(std::move(mb));
-    if (!pushed) {
-      r->fail(Status::Cancelled, "the session was destroyed while the call was running");
-      release();
-      r->finish_one();
-    }
+    sharing_->done(w);
+    waited_from = Clock::now();
   }
+}
+
+void Session::run_counted(size_t w, size_t s, MicroBatch& mb, stage::SpareCores* spare) {
+  StageCounters& counters = *counters_[s];
+  const auto& request = mb.request;
+  if (shutting_down_.load(std::memory_order_relaxed))
+    request->fail(Status::Cancelled, "the session was destroyed while the call was running");
+  if (Clock::now() >= request->deadline())
+    request->fail(Status::DeadlineExceeded, "the call did not finish before its deadline");
+  if (request->failed()) {
+    sharing_->passed_over(s);
+    return;
+  }
+  std::optional<OpTimer> op_timer;
+  if (tracing() && trace_operators_.load(std::memory_order_relaxed)) op_timer.emplace();
+  bool ok = true;
+  const auto start = Clock::now();
+  try {
+    stage::SpareCores::Busy busy(spare);
+    run_stage(s, mb);
+  } catch (const std::exception& e) {
+    ok = false;
+    const StageError err = stage_error(s, mb.index, e);
+    request->fail(err.status, err.message);
+  }
+  const auto end = Clock::now();
+  const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(end - start).count();
+  counters.microbatches++;
+  counters.busy_ns += ns;
+  if (ok) {
+    sharing_->passed(s, static_cast<double>(ns), mb.ticket);
+  } else {
+    counters.failures++;
+    sharing_->passed_over(s);
+  }
+  if (tracing()) {
+    std::lock_guard lock(counters.trace_mutex);
+    counters.trace.push_back({w, request->id(), mb.index, since_us(epoch_, start), since_us(epoch_, end), ok,
+                              op_timer ? op_timer->totals() : TraceArgs{}});
+  }
+}
+
+bool Session::hand_to(size_t w, MicroBatch&& mb) {
+  sharing_->given(w);
+  if (workers_[w]->queue->push(std::move(mb))) return true;
+  sharing_->done(w);
+  return false;
 }
 
 void Session::run_stage(size_t s, MicroBatch& mb) {
@@ -341,12 +396,12 @@ std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs,
       for (size_t rest = m; rest < microbatches.size(); ++rest) request->finish_one();
       break;
     }
-    MicroBatch mb{request, m, std::vector<c10::IValue>(plan_->values().size()), input_ready, {}};
+    MicroBatch mb{request, m, std::vector<c10::IValue>(plan_->values().size()), input_ready, {}, 0, {}};
     for (size_t id = 0; id < plan_->values().size(); ++id) {
       const auto& cv = plan_->values()[id];
       if (cv.producer < 0) mb.env[id] = microbatches[m][cv.input_index];
     }
-    if (!workers_[0]->queue->push(std::move(mb))) {
+    if (!hand_to(0, std::move(mb))) {
       request->fail(Status::Cancelled, "the session was destroyed while the call was running");
       release();
       for (size_t rest = m; rest < microbatches.size(); ++rest) request->finish_one();
@@ -376,12 +431,12 @@ std::shared_ptr<Request> Session::submit_step(std::vector<c10::IValue>&& inputs)
     if (stopping_) throw Error(Status::Cancelled, "the session is shutting down");
     ++inflight_;  // counted like any micro-batch, so release() balances it; the caller bounds how many
   }
-  MicroBatch mb{request, 0, std::vector<c10::IValue>(plan_->values().size()), {}, {}};
+  MicroBatch mb{request, 0, std::vector<c10::IValue>(plan_->values().size()), {}, {}, 0, {}};
   for (size_t id = 0; id < plan_->values().size(); ++id) {
     const auto& cv = plan_->values()[id];
     if (cv.producer < 0) mb.env[id] = inputs.at(cv.input_index);  // a reference, not a copy of the data
   }
-  if (!workers_[0]->queue->push(std::move(mb))) {
+  if (!hand_to(0, std::move(mb))) {
     request->fail(Status::Cancelled, "the session was destroyed while the call was running");
     release();
     request->finish_one();
@@ -402,20 +457,23 @@ std::vector<NamedTensor> Session::run(const std::vector<c10::IValue>& inputs, co
 StageStats Session::stats(size_t stage) const {
   StageStats st;
   if (stage >= total_stages_) throw Error(Status::InvalidArgument, "no stage " + std::to_string(stage));
-  if (stage >= workers_.size()) return st;  // hosted by a worker process
-  const Worker& w = *workers_.at(stage);
-  st.microbatches = w.microbatches.load();
-  st.failures = w.failures.load();
-  st.busy_ms = static_cast<double>(w.busy_ns.load()) / 1e6;
-  st.idle_ms = static_cast<double>(w.idle_ns.load()) / 1e6;
-  st.queue_depth = w.queue->size();
+  if (stage >= counters_.size()) return st;  // hosted by a worker process
+  const StageCounters& c = *counters_[stage];
+  st.microbatches = c.microbatches.load();
+  st.failures = c.failures.load();
+  st.busy_ms = static_cast<double>(c.busy_ns.load()) / 1e6;
+  if (const int owner = sharing_->owner(stage); owner >= 0) {
+    const Worker& w = *workers_[static_cast<size_t>(owner)];
+    st.idle_ms = static_cast<double>(w.idle_ns.load()) / 1e6;
+    st.queue_depth = w.queue->size();
+  }
   return st;
 }
 
 void Session::start_trace(bool operators) {
-  for (auto& w : workers_) {
-    std::lock_guard lock(w->trace_mutex);
-    w->trace.clear();
+  for (auto& c : counters_) {
+    std::lock_guard lock(c->trace_mutex);
+    c->trace.clear();
   }
   {
     std::lock_guard lock(other_trace_mutex_);
@@ -437,7 +495,7 @@ std::string Session::stop_trace() {
   using Json = nlohmann::json;
   Json events = Json::array();
   events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 1}, {"args", {{"name", "libpipe session"}}}});
-  for (size_t s = 0; s < workers_.size(); ++s) {
+  for (size_t s = 0; s < counters_.size(); ++s) {
     events.push_back({{"name", "thread_name"},
                       {"ph", "M"},
                       {"pid", 1},
@@ -445,9 +503,10 @@ std::string Session::stop_trace() {
                       {"args", {{"name", "stage " + std::to_string(s)}}}});
     events.push_back(
         {{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", 1}, {"tid", s}, {"args", {{"sort_index", s}}}});
-    std::lock_guard lock(workers_[s]->trace_mutex);
-    for (const auto& e : workers_[s]->trace) {
+    std::lock_guard lock(counters_[s]->trace_mutex);
+    for (const auto& e : counters_[s]->trace) {
       Json args{{"request", e.request}, {"microbatch", e.microbatch}};
+      if (sharing_->shares()) args["worker"] = e.worker;  // which thread ran it
       if (!e.operators_us.empty()) {
         Json ops = Json::object();
         for (const auto& [op, us] : e.operators_us) ops[op] = us;
@@ -462,14 +521,14 @@ std::string Session::stop_trace() {
                         {"dur", std::max<int64_t>(e.end_us - e.start_us, 1)},
                         {"args", std::move(args)}});
     }
-    workers_[s]->trace.clear();
+    counters_[s]->trace.clear();
   }
   // The callers' tracks (trace_event) below the stages', one per name in the order they appeared.
   std::lock_guard lock(other_trace_mutex_);
   std::vector<std::string> tracks;
   for (const auto& e : other_trace_) {
     auto at = std::find(tracks.begin(), tracks.end(), e.track);
-    const size_t tid = workers_.size() + static_cast<size_t>(at - tracks.begin());
+    const size_t tid = counters_.size() + static_cast<size_t>(at - tracks.begin());
     if (at == tracks.end()) {
       tracks.push_back(e.track);
       events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 1}, {"tid", tid}, {"args", {{"name", e.track}}}});

@@ -1,4 +1,5 @@
-// Session: one worker thread per stage, each fed by a bounded queue. A call is cut into
+// Session: one worker thread per stage, each fed by a bounded queue (more CPU stages than cores share one
+// thread per core instead: runtime/schedule/stage_sharing.h). A call is cut into
 // micro-batches; each micro-batch carries the values that cross stage boundaries (an
 // "environment" indexed by the plan's crossing values) from worker to worker. Micro-batches of
 // concurrent calls interleave freely, so the stages stay busy under load and there is no
@@ -41,7 +42,11 @@ namespace libpipe::schedule {
 struct SessionOptions {
   int64_t num_microbatches = 1;
   int threads_per_stage = 0;  // 0: the stage's share of the cores
-  int64_t max_inflight = 0;   // micro-batches inside the pipeline at once; 0: max(2·M, 4·stages)
+  // Worker threads of the local stages (stage_sharing.h). 0: one per stage, or one per core when all stages are CPU
+  // stages of this process, more than the cores, with threads_per_stage 0 (LIBPIPE_STAGE_SHARING=0: one per stage).
+  // Fewer than the stages needs CPU stages in this process only.
+  int stage_workers = 0;
+  int64_t max_inflight = 0;  // micro-batches inside the pipeline at once; 0: max(2·M, 4·stages)
   // Adaptive: a call that arrives while others are in flight is cut into only as many
   // micro-batches as it takes to bring the pipeline to one per stage (at least 1, at most M);
   // a call that finds the pipeline empty gets all M. Once other calls keep the stages busy,
@@ -68,8 +73,8 @@ struct RunOptions {
 struct StageStats {
   uint64_t microbatches = 0;  // run by this stage (failed ones included)
   double busy_ms = 0;         // running the stage's code
-  double idle_ms = 0;         // waiting for work
-  uint64_t queue_depth = 0;   // micro-batches waiting now
+  double idle_ms = 0;         // its worker thread waiting for work (0 for a stage that workers share)
+  uint64_t queue_depth = 0;   // micro-batches waiting now for its worker
   uint64_t failures = 0;      // micro-batches whose stage code raised
 };
 
@@ -97,6 +102,9 @@ class Session {
   std::shared_ptr<Request> submit_step(std::vector<c10::IValue>&& inputs);
 
   size_t num_stages() const { return total_stages_; }
+  // Stages that can compute at the same time: every stage, unless this process shares its stages among fewer
+  // worker threads (stage_sharing.h). A generation engine keeps as many steps in flight.
+  size_t concurrent_stages() const { return total_stages_ - stages_.size() + workers_.size(); }
   // The device of every stage, those in worker processes included.
   const std::vector<c10::Device>& devices() const { return devices_; }
   const SessionOptions& options() const { return options_; }
@@ -126,6 +134,7 @@ class Session {
 
  private:
   struct TraceEvent {
+    size_t worker;
     uint64_t request;
     size_t microbatch;
     int64_t start_us, end_us;
@@ -137,17 +146,26 @@ class Session {
     int64_t start_us, end_us;
     TraceArgs args;
   };
-  struct Worker {
-    std::unique_ptr<BoundedQueue<MicroBatch>> queue;
-    std::thread thread;
+  // Per local stage, whichever worker runs it.
+  struct StageCounters {
     std::atomic<uint64_t> microbatches{0}, failures{0};
-    std::atomic<int64_t> busy_ns{0}, idle_ns{0};
+    std::atomic<int64_t> busy_ns{0};
     std::mutex trace_mutex;
     std::vector<TraceEvent> trace;
   };
+  // Per worker thread: one per local stage, or one per core when stages are shared (stage_sharing.h).
+  struct Worker {
+    std::unique_ptr<BoundedQueue<MicroBatch>> queue;
+    std::thread thread;
+    std::atomic<int64_t> idle_ns{0};
+  };
 
-  void worker_loop(size_t stage);
+  void worker_loop(size_t worker);
+  // Runs stage s on the micro-batch on worker w's thread (or passes over it: a failed call), with its statistics.
+  void run_counted(size_t worker, size_t stage, MicroBatch& mb, stage::SpareCores* spare);
   void run_stage(size_t stage, MicroBatch& mb);
+  // Hands a micro-batch to worker w's queue; false once the session stops.
+  bool hand_to(size_t worker, MicroBatch&& mb);
   // Finishes one micro-batch of `request` that left the pipeline (status Ok: it did not fail).
   void retire(const std::shared_ptr<Request>& request, Status status, const std::string& why);
   void admit(const std::shared_ptr<Request>& request);  // waits for a slot; false if refused
@@ -162,9 +180,11 @@ class Session {
   size_t total_stages_ = 0;
   std::vector<std::unique_ptr<stage::Stage>> stages_;  // the stages this process hosts: the first ones
   std::vector<StageIO> stage_io_;
-  std::vector<c10::Device> devices_;                // every stage's
-  std::vector<device::Place> places_;               // the local stages', each used by its worker thread only
-  std::unique_ptr<stage::SpareCores> spare_cores_;  // before workers_: it outlives their threads
+  std::vector<c10::Device> devices_;                      // every stage's
+  std::vector<device::Place> places_;                     // the local stages', each used by its worker thread only
+  std::unique_ptr<stage::SpareCores> spare_cores_;        // before workers_: it outlives their threads
+  std::vector<std::unique_ptr<StageCounters>> counters_;  // per local stage
+  std::unique_ptr<StageSharing> sharing_;                 // which worker runs which local stage
   std::vector<std::unique_ptr<Worker>> workers_;
   int threads_per_stage_ = 1;
   const Clock::time_point epoch_ = Clock::now();

@@ -75,16 +75,22 @@ const Reference& reference() {
 
 // ---- engines ----
 
-// The decoder's plan: one stage, or two cut where the second layer begins (its caches and the gate in stage 1).
-std::shared_ptr<const graph::Plan> decoder_plan(const std::string& file, int stages) {
+// The decoder cut at `points`.
+std::shared_ptr<const graph::Plan> decoder_plan_cut(const std::string& file, const std::vector<std::string>& points) {
   // The gated decoders call libpipe_test::gate, which must be loaded before they are.
   if (file.rfind("gated", 0) == 0 && gate_init() != 0) throw std::runtime_error("gate_init failed");
   auto model = graph::Model::load(test::fixture(file));
   PlanRequest request;
-  if (stages == 2) request.split_points = {"model.layers.1:begin"};
+  request.split_points = points;
   auto plan = make_plan(model, request);
-  EXPECT_EQ(plan->num_stages(), static_cast<size_t>(stages));
+  EXPECT_EQ(plan->num_stages(), points.size() + 1);
   return plan;
+}
+
+// The decoder's plan: one stage, or two cut where the second layer begins (its caches and the gate in stage 1).
+std::shared_ptr<const graph::Plan> decoder_plan(const std::string& file, int stages) {
+  return decoder_plan_cut(file,
+                          stages == 2 ? std::vector<std::string>{"model.layers.1:begin"} : std::vector<std::string>{});
 }
 
 // One intra-op thread per stage: these steps are tiny, and ThreadSanitizer (scripts/test-tsan.sh) cannot see the
@@ -223,6 +229,42 @@ TEST(Engine, GreedyTokensEqualTransformersForPromptsSubmittedAtOnce) {
     EXPECT_EQ(st.prompt_tokens, static_cast<uint64_t>(prompt_tokens));
     EXPECT_GT(st.steps, 0u);
     EXPECT_GT(st.mean_rows_per_step, 0);
+  }
+}
+
+TEST(Engine, StagesSharedByTwoWorkerThreadsGiveTheSameTokensAndKeepTwoStepsInFlight) {
+  // Three and four stages on two worker threads (runtime/schedule/stage_sharing.h): the middle stages run on
+  // whichever worker would otherwise wait, and every stage still sees the steps in order (a prompt's chunks follow
+  // each other in and must find the earlier chunks' keys and values in the caches).
+  const auto& ref = reference();
+  struct Case {
+    std::vector<std::string> cut;
+    int64_t prefill_chunk;
+  };
+  const std::vector<Case> cases{
+      {{"model.layers.1:begin", "model.layers.1.mlp:begin"}, 0},
+      {{"model.layers.0.mlp:begin", "model.layers.1:begin", "model.layers.1.mlp:begin"}, 0},
+      {{"model.layers.0.mlp:begin", "model.layers.1:begin", "model.layers.1.mlp:begin"}, 2},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(testing::Message() << c.cut.size() + 1 << " stages, prefill_chunk " << c.prefill_chunk);
+    auto session_opts = session_options();
+    session_opts.stage_workers = 2;
+    EngineOptions options;
+    options.prefill_chunk = c.prefill_chunk;
+    Engine engine(decoder_plan_cut("tiny_decoder.pt", c.cut), session_opts, options);
+    EXPECT_EQ(engine.session().concurrent_stages(), 2u);
+    EXPECT_EQ(engine.options().steps_in_flight, 2) << "one step per worker thread";
+    std::vector<std::shared_ptr<Generation>> gens;
+    for (const auto& p : ref.prompts) gens.push_back(engine.submit(p, greedy(ref.max_new_tokens)));
+    for (size_t i = 0; i < gens.size(); ++i) {
+      SCOPED_TRACE(testing::Message() << "prompt " << i);
+      EXPECT_EQ(finish_and_read(*gens[i]), ref.greedy[i]);
+      EXPECT_EQ(gens[i]->status(), Status::Ok) << gens[i]->message();
+    }
+    const uint64_t steps = engine.session().stats(0).microbatches;
+    for (size_t s = 1; s < engine.session().num_stages(); ++s)
+      EXPECT_EQ(engine.session().stats(s).microbatches, steps) << "every step passes stage " << s;
   }
 }
 

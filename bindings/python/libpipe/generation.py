@@ -251,8 +251,8 @@ class Generator(_Closeable):
     options (a step is one micro-batch). Generator options, 0 meaning libpipe's default:
     max_queued (sequences that may wait for a free cache slot; one more raises BusyError; 0: 4 x
     slots), prefill_chunk (tokens per step, all rows together, so that a long prompt does not
-    stall the others' decoding; 0: 256), steps_in_flight (steps in the pipeline at once; 0: one per stage),
-    max_rows_per_step (sequences per step; 0: slots).
+    stall the others' decoding; 0: 256), steps_in_flight (steps in the pipeline at once; 0: one per
+    stage, or per core when stages share the cores), max_rows_per_step (sequences per step; 0: slots).
 
     Creating it builds the session and runs one step to check that the model follows the decoder
     contract (InvalidArgumentError says what differs), otherwise the errors of Plan.session.

@@ -31,7 +31,8 @@ pub struct GeneratorOptions {
     /// the longest chunk): a longer prompt is prefilled in chunks, so that it does not hold up the
     /// others for long. 0: 256.
     pub prefill_chunk: usize,
-    /// Steps in the pipeline at once. 0: the number of stages (every stage busy).
+    /// Steps in the pipeline at once. 0: the stages that compute at once (every stage busy): the
+    /// number of stages, or of worker threads when stages share the cores.
     pub steps_in_flight: usize,
     /// Rows (sequences) in one step. 0: the decoder's slots.
     pub max_rows_per_step: usize,
