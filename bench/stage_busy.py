@@ -20,7 +20,7 @@ before a decode step whose group holds as many rows as the step before it on tha
 other group) or not, and before prefill steps.
 
     python bench/stage_busy.py [--concurrency 8 32] [--rounds 3] [--workload equal chat]
-                               [--cut model.layers.17:begin] [--out FILE]
+                               [--cut model.layers.17:begin] [--out FILE] [--traces DIR]
 
 Run with the project's virtualenv python after scripts/build.sh, with the binding installed
 (ctest's bindings_stage, or bindings/python/install.sh).
@@ -125,6 +125,11 @@ def one_run(args):
             gen.session.trace_stop(path)
             with open(path) as f:
                 trace = json.load(f)
+    if args.traces:
+        os.makedirs(args.traces, exist_ok=True)
+        name = f"{args.workload[0]}-{c}-{args.cut[0].replace(',', '+')}-{args.round}.json"
+        with open(os.path.join(args.traces, name), "w") as f:
+            json.dump(trace, f)
     full = generate.pipeline_full_window(trace, 2)
     window = full[0] if full else None
     print(
@@ -152,7 +157,9 @@ def rounds(args):
                     cmd = [sys.executable, os.path.abspath(__file__), "--one-run", "--concurrency", str(c)]
                     cmd += ["--workload", workload, "--cut", cut, "--work", args.work]
                     cmd += ["--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
-                    cmd += ["--max-new-tokens", str(args.max_new_tokens)]
+                    cmd += ["--max-new-tokens", str(args.max_new_tokens), "--round", str(r)]
+                    if args.traces:
+                        cmd += ["--traces", args.traces]
                     out = subprocess.run(cmd, capture_output=True, text=True)
                     if out.returncode != 0:
                         sys.exit(f"stage_busy.py: a run failed:\n{out.stderr[-3000:]}")
@@ -198,6 +205,7 @@ def rounds(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--one-run", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workload", nargs="+", choices=["equal", "chat"], default=["equal", "chat"])
@@ -207,6 +215,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=48, help="chat: at most, stopping at eos")
     ap.add_argument("--work", help="folder for the skeletons (default: a temporary one)")
     ap.add_argument("--out", help="also write every run to this JSON file")
+    ap.add_argument("--traces", help="keep each run's Chrome trace in this folder (WORKLOAD-C-CUT-ROUND.json)")
     args = ap.parse_args()
     args.work = args.work or tempfile.mkdtemp(prefix="bench-busy-")
     if args.one_run:
