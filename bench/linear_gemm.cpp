@@ -1,77 +1,153 @@
-// Linear layers on the CPU: aten::linear against libpipe's pipe::packed_linear (weights packed once
-// for MKL's GEMM, runtime/stage/packed_linear.h), on the 210 linear layers of SmolLM2-135M (30
-// layers of q, k, v, o, gate, up, down; random weights of the real shapes), one intra-op thread,
-// for the row counts a decode step (one row per sequence) and a prefill step give them.
+// Linear layers on the CPU: aten::linear against libpipe's pipe::panel_linear (weights stored once as
+// panels on huge pages, runtime/stage/panel_linear.h) and, for bfloat16, MKL's own bf16 GEMM
+// (cblas_gemm_bf16bf16f32, in the LibTorch wheel), on every linear layer of a model's shape (random
+// weights), for the row counts a decode step (one row per sequence) and a prefill step give them.
 //
-//   cmake --build build --target linear_gemm && build/bench/linear_gemm [repeats]
+//   cmake --build build --target linear_gemm && build/bench/linear_gemm [smollm2|1b] [repeats]
 //
-// Prints, per row count, the best time of one pass over the 210 layers for each, and the ratio.
-// Times are thread CPU time (the least disturbed by other work on the machine); the best of
-// `repeats` passes (default 9).
+// smollm2: SmolLM2-135M's 210 layers (30 x q, k, v, o, gate, up, down); 1b: a 1B-class Llama's
+// (hidden 2048, 16 layers, 8 of 32 heads' width for k and v, intermediate 8192). All the machine's
+// cores: aten::linear on its intra-op threads, panel_linear's units on the cores of a SpareCores pool
+// (as in a session whose stage borrows the idle cores). Prints, per dtype and row count, the best of
+// `repeats` passes (default 5) over all layers in wall time, as milliseconds, the weights' bytes per
+// second and GFLOP/s; and the machine's read bandwidth (a sum over 1 GiB on huge pages) for scale.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
-#include <torch/csrc/jit/api/module.h>
+#include <sys/mman.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
+#include <cstring>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
-#include "runtime/stage/packed_linear.h"
+#include "runtime/cpu/huge_pages.h"
+#include "runtime/stage/panel_linear.h"
+#include "runtime/stage/spare_cores.h"
+
+extern "C" void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
+                                       const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
+                                       int ldc) __attribute__((weak));
 
 namespace {
 
-double thread_ms() {
-  timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-// One module per layer shape: forward(x) = linear(x, self.w); the weights are attributes, as in a stage.
-torch::jit::Module linear_module(const at::Tensor& w) {
-  torch::jit::Module m("LinearBench");
-  m.register_parameter("w", w, false);
-  m.define("def forward(self, x):\n    return torch.linear(x, self.w)\n");
-  return m;
+// Bytes per second one sum over 1 GiB of huge pages reads, on `threads` threads.
+double read_bandwidth(int threads) {
+  const size_t bytes = size_t{1} << 30;
+  libpipe::cpu::HugePageBuffer buffer(bytes);
+  std::memset(buffer.data(), 1, bytes);
+  const float* data = static_cast<const float*>(buffer.data());
+  const size_t n = bytes / sizeof(float);
+  double best = 1e300;
+  for (int r = 0; r < 5; ++r) {
+    std::vector<float> sums(threads);
+    const double start = now();
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {
+        float s[16] = {};
+        for (size_t i = t * n / threads; i + 16 <= (t + 1) * n / threads; i += 16)
+          for (int j = 0; j < 16; ++j) s[j] += data[i + j];
+        for (int j = 0; j < 16; ++j) sums[t] += s[j];
+      });
+    for (auto& t : pool) t.join();
+    best = std::min(best, now() - start);
+  }
+  return bytes / best;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int repeats = argc > 1 ? std::max(1, std::atoi(argv[1])) : 9;
-  at::set_num_threads(1);
+  const std::string model = argc > 1 ? argv[1] : "smollm2";
+  const int repeats = argc > 2 ? std::max(1, std::atoi(argv[2])) : 5;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   c10::InferenceMode guard;
-  // SmolLM2-135M: hidden 576, 9 heads and 3 key/value heads of 64, intermediate 1536, 30 layers.
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {{576, 576},  {192, 576},  {192, 576}, {576, 576},
-                                                           {1536, 576}, {1536, 576}, {576, 1536}};
-  std::vector<torch::jit::Module> plain, packed;
-  for (int layer = 0; layer < 30; ++layer)
-    for (auto [out, in] : shapes) {
-      at::Tensor w = at::randn({out, in});
-      plain.push_back(linear_module(w));
-      packed.push_back(linear_module(w));
-      if (libpipe::stage::pack_linear_weights(packed.back()) != 1) {
-        std::fprintf(stderr, "linear_gemm: nothing was packed (no MKL in this LibTorch, or LIBPIPE_PACKED_LINEAR=0)\n");
-        return 1;
+  at::set_num_threads(cores);
+  const bool big = model == "1b";
+  // {out, in} of one layer's q, k, v, o, gate, up, down.
+  const std::vector<std::pair<int64_t, int64_t>> shapes =
+      big ? std::vector<std::pair<int64_t, int64_t>>{{2048, 2048}, {512, 2048},  {512, 2048}, {2048, 2048},
+                                                     {8192, 2048}, {8192, 2048}, {2048, 8192}}
+          : std::vector<std::pair<int64_t, int64_t>>{{576, 576},  {192, 576},  {192, 576}, {576, 576},
+                                                     {1536, 576}, {1536, 576}, {576, 1536}};
+  const int layers = big ? 16 : 30;
+  libpipe::stage::SpareCores pool(cores);
+  std::printf("%s linear layers, %d threads, best of %d; read bandwidth %.1f GB/s (1 thread %.1f)\n", model.c_str(),
+              cores, repeats, read_bandwidth(cores) / 1e9, read_bandwidth(1) / 1e9);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    std::vector<at::Tensor> weights;
+    double bytes = 0, flops_per_row = 0;
+    for (int l = 0; l < layers; ++l)
+      for (auto [n, k] : shapes) {
+        weights.push_back(at::randn({n, k}).to(dtype));
+        bytes += weights.back().nbytes();
+        flops_per_row += 2.0 * n * k;
       }
+    const std::vector<at::Tensor> panels = libpipe::stage::to_panels(weights);  // in one mapping, as a stage's
+    if (!panels[0].defined()) {
+      std::fprintf(stderr, "linear_gemm: this CPU has no AVX-512: nothing to compare\n");
+      return 1;
     }
-  std::printf("rows  aten::linear ms  packed ms  speed-up  (210 layers, 1 thread, best of %d)\n", repeats);
-  for (int64_t rows : {1, 2, 3, 4, 8, 16, 32, 64, 128}) {
-    const at::Tensor x576 = at::randn({rows, 576}), x1536 = at::randn({rows, 1536});
-    double best[2] = {1e300, 1e300};
-    for (int r = 0; r < repeats; ++r)
-      for (int which = 0; which < 2; ++which) {
-        auto& modules = which == 0 ? plain : packed;
-        const double start = thread_ms();
-        for (size_t i = 0; i < modules.size(); ++i)
-          modules[i].forward({shapes[i % shapes.size()].second == 576 ? x576 : x1536});
-        best[which] = std::min(best[which], thread_ms() - start);
+    std::printf("\n%s, %.0f MB of weights\n%5s  %28s  %28s  %28s\n", c10::toString(dtype), bytes / 1e6, "rows",
+                "aten::linear ms GB/s GFLOP/s", "panel_linear ms GB/s GFLOP/s", "MKL bf16 GEMM ms GB/s GFLOP/s");
+    for (int64_t rows : {1, 2, 4, 8, 16, 32, 64, 128, 256}) {
+      std::vector<at::Tensor> inputs;
+      for (auto [n, k] : shapes) inputs.push_back(at::randn({rows, k}).to(dtype));
+      const bool mkl = dtype == at::kBFloat16 && cblas_gemm_bf16bf16f32;
+      double best[3] = {1e300, 1e300, 1e300};
+      for (int r = 0; r < repeats; ++r) {
+        double start = now();
+        for (size_t i = 0; i < weights.size(); ++i) at::linear(inputs[i % shapes.size()], weights[i]);
+        best[0] = std::min(best[0], now() - start);
+        start = now();
+        {
+          libpipe::stage::SpareCores::Lend lend(&pool);
+          libpipe::stage::SpareCores::Busy busy(&pool);
+          for (size_t i = 0; i < weights.size(); ++i)
+            libpipe::stage::panel_linear(inputs[i % shapes.size()], panels[i], std::nullopt, weights[i].size(0),
+                                         weights[i].size(1));
+        }
+        best[1] = std::min(best[1], now() - start);
+        if (std::getenv("ONE")) {
+          start = now();
+          at::set_num_threads(1);
+          for (size_t i = 0; i < weights.size(); ++i)
+            libpipe::stage::panel_linear(inputs[i % shapes.size()], panels[i], std::nullopt, weights[i].size(0),
+                                         weights[i].size(1));
+          at::set_num_threads(cores);
+          best[2] = std::min(best[2], now() - start);
+        }
+        if (mkl) {
+          start = now();
+          for (size_t i = 0; i < weights.size(); ++i) {
+            const int n = static_cast<int>(weights[i].size(0)), k = static_cast<int>(weights[i].size(1));
+            at::Tensor out = at::empty({rows, n});
+            cblas_gemm_bf16bf16f32(101, 111, 112, static_cast<int>(rows), n, k, 1.f,
+                                   static_cast<const uint16_t*>(inputs[i % shapes.size()].data_ptr()), k,
+                                   static_cast<const uint16_t*>(weights[i].data_ptr()), k, 0.f, out.data_ptr<float>(),
+                                   n);
+          }
+          best[2] = std::min(best[2], now() - start);
+        }
       }
-    std::printf("%4lld  %15.1f  %9.1f  %7.2fx\n", static_cast<long long>(rows), best[0], best[1], best[0] / best[1]);
+      auto cell = [&](double t) {
+        static char text[64];
+        if (t > 1e299) return "-";
+        std::snprintf(text, sizeof text, "%9.2f %7.1f %8.1f", t * 1e3, bytes / t / 1e9, flops_per_row * rows / t / 1e9);
+        return static_cast<const char*>(text);
+      };
+      std::printf("%5lld  %28s", static_cast<long long>(rows), cell(best[0]));
+      std::printf("  %28s", cell(best[1]));
+      std::printf("  %28s\n", cell(best[2]));
+    }
   }
   return 0;
 }

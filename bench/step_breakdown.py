@@ -137,7 +137,7 @@ def timeline(trace, stages):
 
 def kind(op, vocab):
     name = op.split(" [")[0]
-    if name in ("aten::linear", "pipe::packed_linear"):
+    if name in ("aten::linear", "pipe::panel_linear"):
         return "LM head" if f"[{vocab}x" in op else "linear layers"  # out x in: the head's out is the vocabulary
     if name in ("aten::scaled_dot_product_attention", "pipe::cache_attention"):
         return "attention"

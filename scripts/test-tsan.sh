@@ -22,4 +22,4 @@ engine='Engine.SequencesJoiningMidFlight*:Engine.MoreSequencesThanSlots*:Engine.
 engine+=':Engine.CancellingASequenceHeld*:Engine.ADeadlinePassing*:Engine.AFailingStep*:Engine.Destroying*'
 engine+=':Engine.StagesShared*'
 export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 exitcode=66"
-"$build/tests/unit_tests_threads" --gtest_filter="Session.*:SharedStages.*:StageSharing.*:SpareCores.*:PackedLinear.*:RequestCompletion.*:Microbatch*:LocalTransport.*:DistributedSession.*:Heartbeat.*:$engine" "$@"
+"$build/tests/unit_tests_threads" --gtest_filter="Session.*:SharedStages.*:StageSharing.*:SpareCores.*:PanelLinear.*:RequestCompletion.*:Microbatch*:LocalTransport.*:DistributedSession.*:Heartbeat.*:$engine" "$@"

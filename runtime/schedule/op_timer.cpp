@@ -22,12 +22,18 @@ struct OpContext : at::ObserverContext {
 // "aten::linear [out x in]": the weight's shape tells a model's linear layers apart. What RecordFunction records as a
 // boxed call's inputs is a window of the caller's stack that need not line up with the arguments (the TorchScript
 // interpreter leaves out a trailing None and the window then starts one value early), so the weight is found as the
-// last 2-d tensor: in aten::linear(input, weight, bias) and pipe::packed_linear(input, packed, weight, bias) alike,
-// nothing after the weight is 2-d.
+// last 2-d tensor: in aten::linear(input, weight, bias) nothing after the weight is 2-d. pipe::panel_linear(input,
+// panels, bias, out_features, in_features) ends with the shape itself.
 std::string op_key(const at::RecordFunction& fn) {
   std::string key = fn.name();
-  if (key != "aten::linear" && key != "pipe::packed_linear") return key;
   const auto inputs = fn.inputs();
+  if (key == "pipe::panel_linear") {
+    if (inputs.size() >= 2 && inputs[inputs.size() - 1].isInt() && inputs[inputs.size() - 2].isInt())
+      return key + " [" + std::to_string(inputs[inputs.size() - 2].toInt()) + "x" +
+             std::to_string(inputs[inputs.size() - 1].toInt()) + "]";
+    return key;
+  }
+  if (key != "aten::linear") return key;
   for (size_t i = inputs.size(); i-- > 0;)
     if (inputs[i].isTensor() && inputs[i].toTensor().dim() == 2) {
       const at::Tensor& w = inputs[i].toTensor();

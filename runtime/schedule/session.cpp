@@ -122,7 +122,7 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
     build.options = &options_.stage;
     build.checkpoint = checkpoint.get();
     build.device = devices_[s];
-    build.cpu_chunks = spare_cores_ ? spare_cores_->cores() : 1;
+    build.cpu_rewrites = true;
     stages_.push_back(stage::build_stage(*plan_, s, build));
     // NCCL orders its transfers with the default stream, so its stages queue there too.
     places_.push_back(nccl ? device::Place::with_default_stream(devices_[s])

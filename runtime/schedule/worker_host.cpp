@@ -54,7 +54,7 @@ std::vector<std::unique_ptr<stage::Stage>> load_stages(WorkerAssignment& a, int 
     build.options = &options;
     build.checkpoint = checkpoint.get();
     build.device = devices[i];
-    build.cpu_chunks = 1;  // worker processes share the machine: no cores are lent
+    build.cpu_rewrites = true;  // worker processes share the machine: no cores are lent
     stages.push_back(
         stage::receive_stage({std::move(a.modules[i]), a.aliases[i]}, a.stages[i].index, build,
                              "stage " + std::to_string(a.stages[i].index) + " on rank " + std::to_string(rank)));

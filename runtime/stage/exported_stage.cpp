@@ -14,7 +14,7 @@
 #include "runtime/error.h"
 #include "runtime/graph/exported/archive.h"
 #include "runtime/libtorch_log.h"
-#include "runtime/stage/packed_linear.h"
+#include "runtime/stage/panel_linear.h"
 
 namespace libpipe::stage {
 
@@ -218,9 +218,9 @@ std::pair<Json, Json> write_weights(Pt2Writer& writer, const ExportedModel& sour
   return {Json{{"config", weights}}, Json{{"config", constants}}};
 }
 
-// On a CPU stage, each aten.linear of a float32 parameter calls pipe::linear_packed_on_demand (same
-// arguments), which multiplies by the weight packed once for MKL's GEMM, as TorchScript stages'
-// linear layers do (packed_linear.h); the stage packs on its first run. Returns the number of
+// On a CPU stage, each aten.linear of a float32, bfloat16 or float16 parameter calls
+// pipe::linear_packed_on_demand (same arguments), which multiplies by the weight's panels, as TorchScript
+// stages' linear layers do (panel_linear.h); the stage packs on its first run. Returns the number of
 // layers rewritten.
 size_t pack_linear_layers(Json& program, const ExportedModel& source, const std::vector<size_t>& weight_ids) {
   if (!register_linear_packed_on_demand()) return 0;
@@ -234,7 +234,9 @@ size_t pack_linear_layers(Json& program, const ExportedModel& source, const std:
     for (const auto& input : node["inputs"]) {
       if (input.value("name", std::string()) != "weight" || !input["arg"].contains("as_tensor")) continue;
       auto w = by_placeholder.find(input["arg"]["as_tensor"].value("name", std::string()));
-      if (w == by_placeholder.end() || w->second->spec_kind != "parameter" || w->second->meta.dtype != at::kFloat ||
+      if (w == by_placeholder.end() || w->second->spec_kind != "parameter" ||
+          (w->second->meta.dtype != at::kFloat && w->second->meta.dtype != at::kBFloat16 &&
+           w->second->meta.dtype != at::kHalf) ||
           w->second->meta.sizes.size() != 2)
         break;
       node["target"] = "torch.ops.pipe.linear_packed_on_demand.default";
@@ -246,12 +248,12 @@ size_t pack_linear_layers(Json& program, const ExportedModel& source, const std:
 
 void write_archive(Pt2Writer& writer, Json program, const ExportedModel& source, const std::vector<size_t>& weight_ids,
                    const std::string& stage, const c10::Device& device, const StageOptions& options,
-                   Checkpoint* checkpoint, bool leave_out, const AliasGroups& tied, int cpu_chunks) {
+                   Checkpoint* checkpoint, bool leave_out, const AliasGroups& tied, bool cpu_rewrites) {
   const Json where = device_json(device);
   place_devices(program["graph_module"]["graph"], where);
   auto [weights, constants] =
       write_weights(writer, source, weight_ids, stage, options, checkpoint, leave_out, where, tied);
-  if (cpu_chunks > 0 && device.is_cpu()) pack_linear_layers(program, source, weight_ids);
+  if (cpu_rewrites && device.is_cpu()) pack_linear_layers(program, source, weight_ids);
   writer.add("models/model.json", program.dump());
   writer.add("data/weights/model_weights_config.json", weights.dump());
   writer.add("data/constants/model_constants_config.json", constants.dump());
@@ -429,8 +431,8 @@ class MemoryFile {
 
 class ExportedStage : public Stage {
  public:
-  ExportedStage(const MemoryFile& file, const std::string& what, const c10::Device& device, int cpu_chunks) {
-    if (cpu_chunks > 0 && device.is_cpu()) packed_ = std::make_unique<PackedWeights>(cpu_chunks);
+  ExportedStage(const MemoryFile& file, const std::string& what, const c10::Device& device, bool cpu_rewrites) {
+    if (cpu_rewrites && device.is_cpu()) packed_ = std::make_unique<PanelWeights>();
     log::capture_libtorch_log();
     // nativert prints every program's signature to stdout while c10's log level is above 2 (a
     // debugging aid behind the wrong flag), and libpipe raises that level process-wide to quiet
@@ -451,19 +453,19 @@ class ExportedStage : public Stage {
   }
   c10::IValue forward(std::vector<c10::IValue> inputs) override {
     if (!packed_) return runner_->run(inputs, {});
-    PackedWeights::Use use(*packed_);
+    PanelWeights::Use use(*packed_);
     return runner_->run(inputs, {});
   }
 
  private:
   // Held through a pointer: the handle's own move operations cannot be instantiated outside LibTorch.
   std::unique_ptr<torch::nativert::ModelRunnerHandle> runner_;
-  std::unique_ptr<PackedWeights> packed_;  // its linear layers' weights, packed on first use
+  std::unique_ptr<PanelWeights> packed_;  // its linear layers' weights as panels, made on first use
 };
 
 // Writes an archive with `write` into a memory file and loads the stage from it.
 template <typename Write>
-std::unique_ptr<Stage> in_memory(const std::string& what, const c10::Device& device, int cpu_chunks, Write&& write) {
+std::unique_ptr<Stage> in_memory(const std::string& what, const c10::Device& device, bool cpu_rewrites, Write&& write) {
   MemoryFile file;
   try {
     Pt2Writer writer([&file](const void* data, size_t size) { return file.append(data, size); });
@@ -473,7 +475,7 @@ std::unique_ptr<Stage> in_memory(const std::string& what, const c10::Device& dev
     file.check();  // the reason the writer stopped, if the memory file failed it
     throw;
   }
-  return std::make_unique<ExportedStage>(file, what, device, cpu_chunks);
+  return std::make_unique<ExportedStage>(file, what, device, cpu_rewrites);
 }
 
 }  // namespace
@@ -496,9 +498,9 @@ std::unique_ptr<Stage> build_exported_stage(const ExportedModel& model, const gr
   std::vector<size_t> weight_ids;
   Json program = stage_program(model, plan, index, weight_ids);
   const std::string what = "stage " + std::to_string(index);
-  return in_memory(what, build.device, build.cpu_chunks, [&](Pt2Writer& writer) {
+  return in_memory(what, build.device, build.cpu_rewrites, [&](Pt2Writer& writer) {
     write_archive(writer, std::move(program), model, weight_ids, what, build.device, *build.options, build.checkpoint,
-                  false, {}, build.cpu_chunks);
+                  false, {}, build.cpu_rewrites);
   });
 }
 
@@ -506,9 +508,9 @@ std::unique_ptr<Stage> receive_exported_stage(const ExportedModel& received, con
                                               const AliasGroups& tied, const std::string& what) {
   std::vector<size_t> all(received.weights().size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-  return in_memory(what, build.device, build.cpu_chunks, [&](Pt2Writer& writer) {
+  return in_memory(what, build.device, build.cpu_rewrites, [&](Pt2Writer& writer) {
     write_archive(writer, received.program(), received, all, received.path(), build.device, *build.options,
-                  build.checkpoint, false, tied, build.cpu_chunks);
+                  build.checkpoint, false, tied, build.cpu_rewrites);
   });
 }
 

@@ -27,11 +27,10 @@ std::string exported_stage_archive(const graph::exported::ExportedModel& model, 
                                    bool leave_out = false);
 
 // Builds stage `index` to run: its archive goes straight into an anonymous in-memory file (memfd)
-// that nativert reads (it reads files only). On the CPU (`build.cpu_chunks` > 0) its linear layers
-// call libpipe's pipe::linear_packed_on_demand instead of aten::linear, which multiplies by the weight
-// packed once for MKL's GEMM in that many chunks, as TorchScript stages' linear layers do
-// (packed_linear.h). Throws as exported_stage_archive does, and Error(InvalidFormat) when
-// nativert refuses the program (its message included).
+// that nativert reads (it reads files only). On the CPU (`build.cpu_rewrites`) its linear layers
+// call libpipe's pipe::linear_packed_on_demand instead of aten::linear, which multiplies by the weight's
+// panels, made once, as TorchScript stages' linear layers do (panel_linear.h). Throws as exported_stage_archive does,
+// and Error(InvalidFormat) when nativert refuses the program (its message included).
 std::unique_ptr<Stage> build_exported_stage(const graph::exported::ExportedModel& model, const graph::Plan& plan,
                                             size_t index, const BuildOptions& build);
 // The same for a stage program as a worker received it (exported_stage_archive with leave_out), made

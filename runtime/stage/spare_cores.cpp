@@ -29,11 +29,9 @@ SpareCores::SpareCores(int cores) : cores_(cores < 1 ? 1 : cores) {
 }
 
 SpareCores::~SpareCores() {
-  {
-    std::lock_guard lock(mutex_);
-    stopping_ = true;
-  }
-  generation_.fetch_add(1, std::memory_order_release);
+  stopping_.store(true);
+  generation_.fetch_add(1);
+  { std::lock_guard lock(sleep_mutex_); }
   wake_.notify_all();
   for (auto& t : helpers_) t.join();
 }
@@ -46,6 +44,8 @@ bool SpareCores::enabled() {
 SpareCores::Lend::Lend(SpareCores* pool) : previous_(lent) { lent = pool; }
 SpareCores::Lend::~Lend() { lent = previous_; }
 
+int SpareCores::lent_cores() { return lent ? lent->cores_ : 0; }
+
 void SpareCores::for_each(int64_t count, const std::function<void(int64_t)>& fn) {
   if (lent && count > 1) return lent->run(count, fn);
   for (int64_t i = 0; i < count; ++i) fn(i);
@@ -54,51 +54,58 @@ void SpareCores::for_each(int64_t count, const std::function<void(int64_t)>& fn)
 void SpareCores::run(int64_t count, const std::function<void(int64_t)>& fn) {
   // The caller's own core is counted in busy_ when it is a stage thread; spare are the rest.
   const int spare = cores_ - std::max(claimed(), 1);
-  if (spare <= 0 || taken_.exchange(true, std::memory_order_acquire)) {
+  if (spare <= 0 || count >= (int64_t{1} << 32) || taken_.exchange(true, std::memory_order_acquire)) {
     for (int64_t i = 0; i < count; ++i) fn(i);
     return;
   }
-  std::unique_lock lock(mutex_);
-  job_ = &fn;
-  count_ = count;
-  next_ = done_ = 0;
-  error_ = nullptr;
-  joinable_ = spare;
-  done_seen_.store(0, std::memory_order_relaxed);
-  generation_.fetch_add(1, std::memory_order_release);
-  if (sleeping_ > 0) wake_.notify_all();
-  work(lock, false);
-  lock.unlock();
+  // Only this caller writes the job (taken_), and helpers read it only after the bump below.
+  const uint64_t generation = (generation_.load(std::memory_order_relaxed) + 1) & 0xffffffffu;
+  job_.store(&fn, std::memory_order_relaxed);
+  count_.store(count, std::memory_order_relaxed);
+  done_.store(0, std::memory_order_relaxed);
+  joinable_.store(spare, std::memory_order_relaxed);
+  next_.store(generation << 32, std::memory_order_release);
+  generation_.fetch_add(1, std::memory_order_seq_cst);
+  if (sleeping_.load(std::memory_order_seq_cst) > 0) {
+    {
+      std::lock_guard lock(sleep_mutex_);
+    }
+    wake_.notify_all();
+  }
+  work(generation, false);
   // Helpers may still run the last indices they took.
-  for (int spins = 0; done_seen_.load(std::memory_order_acquire) < count; ++spins) {
+  for (int spins = 0; done_.load(std::memory_order_acquire) < count; ++spins) {
     cpu_relax();
     if (spins % 1024 == 1023) std::this_thread::yield();  // a helper may need this core
   }
-  lock.lock();
-  job_ = nullptr;  // a helper that wakes late finds nothing to take
-  std::exception_ptr error = error_;
-  error_ = nullptr;
-  lock.unlock();
+  std::exception_ptr error;
+  {
+    std::lock_guard lock(error_mutex_);
+    std::swap(error, error_);
+  }
   taken_.store(false, std::memory_order_release);
   if (error) std::rethrow_exception(error);
 }
 
-void SpareCores::work(std::unique_lock<std::mutex>& lock, bool helper) {
-  while (job_ && next_ < count_) {
+void SpareCores::work(uint64_t generation, bool helper) {
+  for (;;) {
     // A helper leaves the job when every core has a busy stage again: the caller does the rest.
     if (helper && claimed() >= cores_) return;
-    const int64_t i = next_++;
-    const auto* fn = job_;
-    lock.unlock();
-    std::exception_ptr error;
+    uint64_t next = next_.load(std::memory_order_acquire);
+    int64_t i;
+    const std::function<void(int64_t)>* job;
+    do {
+      i = static_cast<int64_t>(next & 0xffffffffu);
+      if ((next >> 32) != generation || i >= count_.load(std::memory_order_relaxed)) return;
+      job = job_.load(std::memory_order_relaxed);
+    } while (!next_.compare_exchange_weak(next, next + 1, std::memory_order_acq_rel, std::memory_order_acquire));
     try {
-      (*fn)(i);
+      (*job)(i);
     } catch (...) {
-      error = std::current_exception();
+      std::lock_guard lock(error_mutex_);
+      if (!error_) error_ = std::current_exception();
     }
-    lock.lock();
-    if (error && !error_) error_ = error;
-    done_seen_.store(++done_, std::memory_order_release);
+    done_.fetch_add(1, std::memory_order_release);
   }
 }
 
@@ -114,18 +121,19 @@ void SpareCores::helper_loop() {
       if (spins % 256 == 255 && std::chrono::steady_clock::now() > until) break;
       cpu_relax();
     }
-    std::unique_lock lock(mutex_);
-    if (!stopping_ && generation_.load(std::memory_order_relaxed) == seen) {
-      ++sleeping_;
-      wake_.wait(lock, [&] { return stopping_ || generation_.load(std::memory_order_relaxed) != seen; });
-      --sleeping_;
+    if (generation_.load(std::memory_order_acquire) == seen) {
+      std::unique_lock lock(sleep_mutex_);
+      sleeping_.fetch_add(1, std::memory_order_seq_cst);
+      wake_.wait(lock, [&] { return stopping_.load() || generation_.load(std::memory_order_seq_cst) != seen; });
+      sleeping_.fetch_sub(1, std::memory_order_relaxed);
     }
-    if (stopping_) return;
-    seen = generation_.load(std::memory_order_relaxed);
-    if (joinable_ > 0) {
-      --joinable_;
-      work(lock, true);
-    }
+    if (stopping_.load()) return;
+    seen = generation_.load(std::memory_order_acquire);
+    // The job's fields were written before the bump just seen; a job already over (its caller gone)
+    // has no index of this generation left, and work() returns at once.
+    int joinable = joinable_.load(std::memory_order_relaxed);
+    while (joinable > 0 && !joinable_.compare_exchange_weak(joinable, joinable - 1, std::memory_order_acq_rel)) {}
+    if (joinable > 0) work(seen & 0xffffffffu, true);
   }
 }
 

@@ -4,7 +4,7 @@
 // steps are in flight than there are stages (one sequence decoding: the stages take turns), the
 // cores of the idle stages sit unused, and a decode step, which streams every weight from memory
 // once, runs at one core's memory bandwidth. SpareCores lends those cores: a stage's operator
-// splits its work into chunks (pipe::packed_linear: the output features of a layer), and helper
+// splits its work into chunks (pipe::panel_linear: the output features of a layer), and helper
 // threads take chunks while fewer stages are busy than the session has cores. Chunks are short
 // (a fraction of a millisecond): a helper leaves a job between two chunks once every core has a busy
 // stage again, so it holds a core a stage wants for at most one chunk.
@@ -51,6 +51,10 @@ class SpareCores {
   // has returned; rethrows the first exception one threw.
   static void for_each(int64_t count, const std::function<void(int64_t)>& fn);
 
+  // The cores of the pool lent to the calling thread (Lend), 0 when none is: how many pieces a
+  // caller should cut its work into, at least, so that every core may take one.
+  static int lent_cores();
+
   // Lends `pool` (may be null: nothing lent) to the calling thread for the scope.
   class Lend {
    public:
@@ -86,9 +90,9 @@ class SpareCores {
  private:
   void run(int64_t count, const std::function<void(int64_t)>& fn);
   void helper_loop();
-  // Takes and runs indices of the current job until none is left (a helper: or until every core
-  // has a busy stage); `lock` held on entry and exit.
-  void work(std::unique_lock<std::mutex>& lock, bool helper);
+  // Takes and runs indices of job `generation` until none is left (a helper: or until every core
+  // has a busy stage again, or the job is over).
+  void work(uint64_t generation, bool helper);
 
   const int cores_;
   // Threads that need a core of their own now: busy stages, or the micro-batches in the pipeline.
@@ -101,16 +105,23 @@ class SpareCores {
   std::atomic<int64_t> load_{0};
   std::atomic<bool> taken_{false};  // a caller holds the helpers
 
-  std::mutex mutex_;
+  // The current job, written by its caller before it publishes next_ (release). Indices are handed
+  // out lock-free: next_ packs the job's generation (high 32 bits) with the next index (low 32), so a
+  // helper that is late for a job can never take an index of the next one (its compare-exchange
+  // fails once the next job has reset next_; a job cannot end while one of its indices is untaken).
+  std::atomic<const std::function<void(int64_t)>*> job_{nullptr};
+  std::atomic<int64_t> count_{0};
+  std::atomic<uint64_t> next_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> joinable_{0};  // helpers that may still join the current job
+  std::mutex error_mutex_;
+  std::exception_ptr error_;  // guarded by error_mutex_
+
+  std::mutex sleep_mutex_;
   std::condition_variable wake_;
-  const std::function<void(int64_t)>* job_ = nullptr;  // guarded by mutex_, as are the fields below
-  int64_t count_ = 0, next_ = 0, done_ = 0;
-  int joinable_ = 0;  // helpers that may still join the current job
-  std::exception_ptr error_;
-  int sleeping_ = 0;
-  bool stopping_ = false;
+  std::atomic<int> sleeping_{0};
+  std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> generation_{0};  // bumped per job: helpers spin on it before sleeping
-  std::atomic<int64_t> done_seen_{0};    // mirror of done_ the caller spins on
   std::vector<std::thread> helpers_;
 };
 

@@ -27,15 +27,15 @@ class Stage {
 };
 
 // How a stage is built for running: its weights (from the model, or the checkpoint in
-// `options.weights`, open as `checkpoint`), its dtype and its device. `cpu_chunks` > 0 applies the
-// CPU rewrites (packed linear layers in that many chunks, both formats; for TorchScript stages also
-// attention from the KV cache; see packed_linear.h, cache_attention.h); 0 leaves the stage's code
-// as the model wrote it.
+// `options.weights`, open as `checkpoint`), its dtype and its device. `cpu_rewrites` applies the
+// CPU rewrites (linear layers on panels, both formats; for TorchScript stages also attention from the
+// KV cache; see panel_linear.h, cache_attention.h); false leaves the stage's code as the model wrote
+// it.
 struct BuildOptions {
   const StageOptions* options = nullptr;  // required
   Checkpoint* checkpoint = nullptr;
   c10::Device device = c10::Device(c10::kCPU);
-  int cpu_chunks = 0;
+  bool cpu_rewrites = false;
 };
 
 // Throws Error as the format's builder does (Unsupported, NotFound, Input for weights that do not fit).

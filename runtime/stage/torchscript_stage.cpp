@@ -7,7 +7,7 @@
 #include "runtime/error.h"
 #include "runtime/graph/torchscript/model.h"
 #include "runtime/stage/cache_attention.h"
-#include "runtime/stage/packed_linear.h"
+#include "runtime/stage/panel_linear.h"
 #include "runtime/stage/stage_module.h"
 
 namespace libpipe::stage {
@@ -15,8 +15,8 @@ namespace libpipe::stage {
 namespace {
 
 std::unique_ptr<Stage> finish(torch::jit::Module module, const BuildOptions& build) {
-  if (build.cpu_chunks > 0 && build.device.is_cpu()) {
-    pack_linear_weights(module, build.cpu_chunks);
+  if (build.cpu_rewrites && build.device.is_cpu()) {
+    panel_linear_weights(module);
     fuse_cache_attention(module);
   }
   module.eval();

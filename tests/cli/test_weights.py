@@ -109,12 +109,20 @@ def test_dtype_converts_floating_weights_and_inputs(tmp_path, dtype, torch_dtype
     got = load_file(out)["output"]
     assert got.dtype == torch_dtype
     # The reference is PyTorch running the same model converted to the same dtype, on the same two
-    # micro-batches: reduced-precision matmuls round differently for different batch sizes.
+    # micro-batches: reduced-precision matmuls round differently for different batch sizes. libpipe's
+    # CPU linear layers accumulate in float32 and round once (runtime/cpu/panel_gemm.h), PyTorch's
+    # float16 ones may not, so the two differ by the dtype's own rounding (float16: 2^-10 relative):
+    # both are held to float32 arithmetic on the same rounded weights, and libpipe must be as close.
     reference = torch.jit.load(fixture("llama.full.pt")).to(torch_dtype)
+    exact = torch.jit.load(fixture("llama.full.pt")).to(torch_dtype).float()
     ids = load_file(fixture("llama.inputs.safetensors"))["input_ids"]
     with torch.no_grad():
         want = torch.cat([reference(part) for part in ids.tensor_split(2)])
-    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+        truth = torch.cat([exact(part) for part in ids.tensor_split(2)])
+    scale = truth.abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3 * scale)
+    ours, theirs = (got.float() - truth).abs().max().item(), (want.float() - truth).abs().max().item()
+    assert ours <= 1.25 * theirs + 1e-3 * scale, (ours, theirs)
     # A float16 checkpoint tensor is fine once a dtype is asked for.
     result, _ = run(tmp_path, "llama.skeleton.pt", "--weights", fixture("dtype.safetensors"), "--dtype", dtype)
     assert result.returncode == 0, result.stderr

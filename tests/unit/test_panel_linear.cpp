@@ -1,0 +1,245 @@
+// Linear layers on panels (runtime/cpu/panel_gemm.h, runtime/stage/panel_linear.h) against eager PyTorch:
+// the kernels on odd shapes and a row count of 1 in every weight type, the sharing of a product between
+// threads, and the rewrite of a stage's forward (one copy of each weight, tied embeddings).
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/jit/api/module.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "graph_nodes.h"
+#include "runtime/cpu/panel_gemm.h"
+#include "runtime/cpu/panel_gemm_kernels.h"
+#include "runtime/stage/panel_linear.h"
+#include "runtime/stage/spare_cores.h"
+
+namespace libpipe {
+namespace {
+
+using test::count_nodes;
+
+#define SKIP_WITHOUT_PANELS()                                                                             \
+  if (!stage::panel_linear_available())                                                                  \
+  GTEST_SKIP() << "this CPU has no AVX-512 (or LIBPIPE_PACKED_LINEAR=0 / LIBPIPE_CPU_ISA=none): linear " \
+                  "layers stay aten::linear"
+
+// Tolerance of a result in `dtype` against float32 arithmetic on the same (rounded) inputs: float32's
+// summation order, or one rounding of the result to bfloat16 / float16.
+void expect_close(const at::Tensor& got, const at::Tensor& reference, const std::string& what) {
+  ASSERT_EQ(got.sizes(), reference.sizes()) << what;
+  const at::Tensor g = got.to(at::kFloat), r = reference.to(at::kFloat);
+  const double scale = r.abs().max().item<double>() + 1e-6;
+  const double rtol = got.scalar_type() == at::kFloat ? 1e-5 : got.scalar_type() == at::kHalf ? 2e-3 : 1e-2;
+  const double worst = ((g - r).abs() - rtol * r.abs()).max().item<double>();
+  EXPECT_LE(worst, 4 * rtol * scale) << what << ": max difference " << (g - r).abs().max().item<double>();
+}
+
+// aten::linear in float32 on the inputs as `dtype` holds them.
+at::Tensor reference_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  return at::linear(x.to(at::kFloat), w.to(at::kFloat), b.defined() ? b.to(at::kFloat) : at::Tensor());
+}
+
+cpu::WeightType weight_type(at::ScalarType t) {
+  return t == at::kFloat ? cpu::WeightType::kFloat32 : t == at::kBFloat16 ? cpu::WeightType::kBFloat16
+                                                                          : cpu::WeightType::kFloat16;
+}
+
+// The kernel itself, both bfloat16 kernels where the CPU has VDPBF16PS.
+at::Tensor kernel_product(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& bias, int64_t n, int64_t k,
+                          bool native_bf16, int64_t unit_begin = 0, int64_t unit_end = -1, at::Tensor out = {}) {
+  if (!out.defined()) out = at::full({x.size(0), n}, 7.0, x.options());
+  cpu::PanelProduct p;
+  p.type = weight_type(x.scalar_type());
+  p.x = x.data_ptr();
+  p.ldx = k;
+  p.panels = panels.data_ptr();
+  p.bias = bias.defined() ? bias.data_ptr() : nullptr;
+  p.out = out.data_ptr();
+  p.ldo = n;
+  p.m = x.size(0);
+  p.n = n;
+  p.k = k;
+  cpu::avx512::panel_product(p, unit_begin, unit_end < 0 ? cpu::panel_units(n) : unit_end, native_bf16);
+  return out;
+}
+
+TEST(PanelLinear, KernelsEqualLinearOnOddShapesInEveryWeightType) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  at::manual_seed(3);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (int64_t n : {1, 15, 17, 64, 65, 130, 576}) {
+      for (int64_t k : {1, 3, 8, 17, 576}) {
+        const at::Tensor w = at::randn({n, k}).to(dtype);
+        const at::Tensor b = at::randn({n}).to(dtype);
+        const at::Tensor panels = stage::to_panels(w);
+        ASSERT_TRUE(panels.defined());
+        for (int64_t m : {1, 2, 5, 6, 7, 13, 64}) {
+          const at::Tensor x = at::randn({m, k}).to(dtype);
+          for (bool with_bias : {false, true}) {
+            const at::Tensor bias = with_bias ? b : at::Tensor();
+            const at::Tensor want = reference_linear(x, w, bias);
+            const std::string what = std::string(c10::toString(dtype)) + " " + std::to_string(m) + " x " +
+                                     std::to_string(k) + " by " + std::to_string(n) + (with_bias ? " + bias" : "");
+            expect_close(kernel_product(x, panels, bias, n, k, false), want, what + " (converting kernel)");
+            if (dtype == at::kBFloat16 && cpu::cpu_has_avx512_bf16())
+              expect_close(kernel_product(x, panels, bias, n, k, true), want, what + " (VDPBF16PS)");
+            expect_close(stage::panel_linear(x, panels, bias, n, k), want, what + " (the operator)");
+          }
+        }
+      }
+    }
+  }
+}
+
+// A range of units writes exactly its outputs, and the same bits as the whole product.
+TEST(PanelLinear, UnitRangesWriteTheirOutputsOnlyWithTheSameBits) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  at::manual_seed(4);
+  const int64_t n = 200, k = 33;  // 13 units, the last of 8 features
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor w = at::randn({n, k}).to(dtype), x = at::randn({9, k}).to(dtype);
+    const at::Tensor panels = stage::to_panels(w);
+    const at::Tensor whole = kernel_product(x, panels, {}, n, k, cpu::cpu_has_avx512_bf16());
+    std::mt19937 rng(5);
+    for (int trial = 0; trial < 20; ++trial) {
+      const int64_t a = rng() % 14, b = a + rng() % (14 - a);
+      at::Tensor out = at::full({9, n}, 7.0, x.options());
+      kernel_product(x, panels, {}, n, k, cpu::cpu_has_avx512_bf16(), a, b, out);
+      const int64_t first = std::min(a * 16, n), last = std::min(b * 16, n);
+      if (first < last) {
+        EXPECT_TRUE(at::equal(out.narrow(1, first, last - first), whole.narrow(1, first, last - first)))
+            << "units " << a << " .. " << b;
+      }
+      EXPECT_TRUE(at::all(out.narrow(1, 0, first) == 7).item<bool>()) << "units " << a << " .. " << b;
+      EXPECT_TRUE(at::all(out.narrow(1, last, n - last) == 7).item<bool>()) << "units " << a << " .. " << b;
+    }
+  }
+}
+
+TEST(PanelLinear, InputsOfMoreDimensionsAndARowCountOfZero) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  const at::Tensor w = at::randn({70, 12});
+  const at::Tensor panels = stage::to_panels(w);
+  const at::Tensor x = at::randn({2, 3, 12});
+  expect_close(stage::panel_linear(x, panels, std::nullopt, 70, 12), at::linear(x, w), "[2, 3, 12]");
+  const at::Tensor one = at::randn({12});
+  expect_close(stage::panel_linear(one, panels, std::nullopt, 70, 12), at::linear(one, w), "[12]");
+  EXPECT_EQ(stage::panel_linear(at::randn({0, 12}), panels, std::nullopt, 70, 12).sizes(), (at::IntArrayRef{0, 70}));
+  // A view that is not contiguous (every other column).
+  const at::Tensor wide = at::randn({4, 24});
+  const at::Tensor strided = wide.slice(1, 0, 24, 2);
+  expect_close(stage::panel_linear(strided, panels, std::nullopt, 70, 12), at::linear(strided, w), "a strided view");
+}
+
+TEST(PanelLinear, EmbeddingRowsReadBackFromPanels) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const at::Tensor w = at::randn({130, 7}).to(dtype);
+    const at::Tensor panels = stage::to_panels(w);
+    const at::Tensor ids = at::tensor({0, 63, 64, 129, 5}, at::kLong).view({5, 1});
+    EXPECT_TRUE(at::equal(stage::panel_embedding(panels, ids, 130, 7), at::embedding(w, ids))) << c10::toString(dtype);
+    EXPECT_THROW(stage::panel_embedding(panels, at::tensor({130}, at::kLong), 130, 7), std::exception);
+    EXPECT_THROW(stage::panel_embedding(panels, at::tensor({-1}, at::kLong), 130, 7), std::exception);
+  }
+}
+
+TEST(PanelLinear, WrongInputsAreRefusedWithWhatWasWrong) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  const at::Tensor panels = stage::to_panels(at::randn({12, 8}));
+  auto message = [&](const at::Tensor& x) {
+    try {
+      stage::panel_linear(x, panels, std::nullopt, 12, 8);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message(at::randn({3, 9})).find("takes 8 features"), std::string::npos);
+  EXPECT_NE(message(at::randn({3, 8}, at::kDouble)).find("same dtype"), std::string::npos);
+  EXPECT_THROW(stage::panel_linear(at::randn({3, 8}), panels, std::nullopt, 65, 8), std::exception);  // not its size
+  EXPECT_FALSE(stage::to_panels(at::randn({3, 8}, at::kDouble)).defined());
+  EXPECT_FALSE(stage::to_panels(at::randn({8})).defined());
+}
+
+// Three linear layers, one with a bias, one whose weight the forward computes (not an attribute: never
+// rewritten), and a weight also read by an embedding lookup and one also read by another operator.
+torch::jit::Module layers(int64_t k, int64_t n, at::ScalarType dtype, uint64_t seed = 1) {
+  at::manual_seed(seed);
+  torch::jit::Module m("PanelLinearTest");
+  m.register_parameter("w1", at::randn({n, k}).to(dtype), false);
+  m.register_parameter("b1", at::randn({n}).to(dtype), false);
+  m.register_parameter("w2", at::randn({k, n}).to(dtype), false);
+  m.register_parameter("tied", at::randn({50, k}).to(dtype), false);
+  m.register_parameter("shared", at::randn({k, k}).to(dtype), false);
+  m.define(R"(
+def forward(self, x, ids):
+    h = torch.linear(x, self.w1, self.b1)
+    h = torch.linear(h, self.w2)
+    h = torch.linear(h, self.shared) + self.shared.sum()
+    e = torch.embedding(self.tied, ids)
+    return torch.linear(h, self.w1 * 0.5), torch.linear(h + e, self.tied)
+)");
+  return m;
+}
+
+TEST(PanelLinear, AStageHoldsOneCopyOfEachWeightAndEqualsTheModel) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  const int64_t k = 96, n = 160;
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    // Two modules, not a clone: a clone shares its methods' graphs, which the rewrite changes.
+    torch::jit::Module rewritten = layers(k, n, dtype), plain = layers(k, n, dtype);
+    EXPECT_EQ(stage::panel_linear_weights(rewritten), 4u);  // w1, w2, shared, tied; not the computed one
+    const auto& graph = *rewritten.get_method("forward").graph();
+    EXPECT_EQ(count_nodes(graph, "pipe::panel_linear"), 4u);
+    EXPECT_EQ(count_nodes(graph, "aten::linear"), 1u);
+    EXPECT_EQ(count_nodes(graph, "pipe::panel_embedding"), 1u);
+    EXPECT_EQ(count_nodes(graph, "aten::embedding"), 0u);
+    // Originals gone where nothing else reads them; kept (and still right) where sum() does.
+    EXPECT_EQ(rewritten.attr("w2").toTensor().numel(), 0);
+    EXPECT_EQ(rewritten.attr("tied").toTensor().numel(), 0);
+    EXPECT_EQ(rewritten.attr("shared").toTensor().numel(), k * k);
+    EXPECT_EQ(rewritten.attr("w1").toTensor().numel(), n * k);  // w1 * 0.5 reads it
+    for (int64_t rows : {1, 2, 7, 65}) {
+      const at::Tensor x = at::randn({rows, k}).to(dtype);
+      const at::Tensor ids = at::randint(0, 50, {rows}, at::kLong);
+      const auto want = plain.forward({x, ids}).toTuple()->elements();
+      const auto got = rewritten.forward({x, ids}).toTuple()->elements();
+      for (size_t i = 0; i < want.size(); ++i)
+        expect_close(got[i].toTensor(), want[i].toTensor(),
+                     std::string(c10::toString(dtype)) + " output " + std::to_string(i) + ", " + std::to_string(rows) + " rows");
+    }
+  }
+}
+
+// A product shared with a lent core gives the same bits as on one thread.
+TEST(PanelLinear, SharedWithLentCoresGivesTheSameBits) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  const at::Tensor w = at::randn({4100, 64});  // 257 units: more than one piece per core
+  const at::Tensor panels = stage::to_panels(w);
+  stage::SpareCores pool(2);
+  for (int64_t rows : {1, 3, 17}) {
+    const at::Tensor x = at::randn({rows, 64});
+    const at::Tensor alone = stage::panel_linear(x, panels, std::nullopt, 4100, 64);
+    at::Tensor shared;
+    {
+      stage::SpareCores::Lend lend(&pool);
+      stage::SpareCores::Busy busy(&pool);
+      shared = stage::panel_linear(x, panels, std::nullopt, 4100, 64);
+    }
+    EXPECT_TRUE(at::equal(shared, alone)) << rows << " rows";
+    expect_close(alone, at::linear(x, w), std::to_string(rows) + " rows");
+  }
+}
+
+}  // namespace
+}  // namespace libpipe
