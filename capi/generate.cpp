@@ -198,6 +198,9 @@ pipe_status pipe_generator_get_stats(const pipe_generator* generator, pipe_gener
     full.mean_inter_token_ms = st.mean_inter_token_ms;
     full.mean_rows_per_step = st.mean_rows_per_step;
     full.sampling_ms = st.sampling_ms;
+    full.steps_in_flight = st.steps_in_flight;
+    full.steps_one_at_a_time = st.steps_one_at_a_time;
+    full.steps_pipelined = st.steps_pipelined;
     fill(stats, full);
   });
 }

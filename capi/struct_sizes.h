@@ -88,6 +88,8 @@ inline constexpr uint32_t kGeneratorStatsSizes[] = {
     // 0.8.0 (96): struct_size, slots_in_use, queued, sequences_finished, prompt_tokens, generated_tokens,
     // steps, tokens_per_s, mean_time_to_first_token_ms, mean_inter_token_ms, mean_rows_per_step, sampling_ms.
     layout_size(PIPE_FIELD_END(pipe_generator_stats, sampling_ms), alignof(pipe_generator_stats)),
+    // 0.11.0 (120): steps_in_flight, steps_one_at_a_time, steps_pipelined.
+    layout_size(PIPE_FIELD_END(pipe_generator_stats, steps_pipelined), alignof(pipe_generator_stats)),
 };
 
 #undef PIPE_FIELD_END
@@ -120,7 +122,7 @@ static_assert(kRunOptionsSizes[0] == 16);
 static_assert(kStageStatsSizes[0] == 48);
 static_assert(kWorkerOptionsSizes[0] == 32);
 static_assert(kGeneratorOptionsSizes[0] == 40 && kGeneratorInfoSizes[0] == 40 && kGenerationOptionsSizes[0] == 72 &&
-              kGenerationInfoSizes[0] == 48 && kGeneratorStatsSizes[0] == 96);
+              kGenerationInfoSizes[0] == 48 && kGeneratorStatsSizes[0] == 96 && kGeneratorStatsSizes[1] == 120);
 #endif
 
 // One versioned struct: its name, how callers initialise it, and the sizes it has had.

@@ -60,6 +60,11 @@ type GeneratorStats struct {
 	MeanInterToken       time.Duration // over every gap between two tokens of a sequence
 	MeanRowsPerStep      float64       // sequences per step
 	Sampling             time.Duration // time spent sampling, all steps together
+	// StepsInFlight is the engine's limit now: one step per stage, or 1 where it measured that one
+	// step at a time with every core on it is faster (stages sharing this process's cores).
+	StepsInFlight   int
+	StepsOneAtATime uint64 // steps launched while the limit was 1
+	StepsPipelined  uint64 // steps launched while it was more
 }
 
 // Generator generates tokens from a decoder (a TorchScript causal language model that follows
@@ -213,6 +218,9 @@ func (g *Generator) Stats() (GeneratorStats, error) {
 		MeanInterToken:       milliseconds(st.GetMean_inter_token_ms()),
 		MeanRowsPerStep:      st.GetMean_rows_per_step(),
 		Sampling:             milliseconds(st.GetSampling_ms()),
+		StepsInFlight:        int(st.GetSteps_in_flight()),
+		StepsOneAtATime:      st.GetSteps_one_at_a_time(),
+		StepsPipelined:       st.GetSteps_pipelined(),
 	}, nil
 }
 

@@ -234,7 +234,8 @@ func TestGenerateGreedyMatchesTransformers(t *testing.T) {
 	before.check(t, "after every generation ended")
 	stats := must(gen.Stats())(t)
 	if stats.SlotsInUse != 0 || stats.Queued != 0 || stats.SequencesFinished != uint64(len(gens)) ||
-		stats.GeneratedTokens != uint64(total) || stats.Steps == 0 {
+		stats.GeneratedTokens != uint64(total) || stats.Steps == 0 || stats.StepsInFlight < 1 ||
+		stats.StepsOneAtATime+stats.StepsPipelined != stats.Steps {
 		t.Fatalf("stats %+v after %d sequences of %d tokens in all", stats, len(gens), total)
 	}
 	if _, err := gen.StageStats(1); err != nil {

@@ -11,6 +11,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "runtime/generate/in_flight_policy.h"
 #include "runtime/generate/step_planner.h"
 #include "runtime/log.h"
 
@@ -97,7 +98,17 @@ Engine::Engine(std::shared_ptr<const graph::Plan> plan, schedule::SessionOptions
   const int64_t most_in_flight = std::max<int64_t>(options_.steps_in_flight, static_cast<int64_t>(plan->num_stages()));
   session_ = std::make_unique<schedule::Session>(std::move(plan),
                                                  step_session_options(std::move(session_options), most_in_flight));
-  if (options_.steps_in_flight == 0) options_.steps_in_flight = static_cast<int64_t>(session_->concurrent_stages());
+  // Steps in flight: as given, or chosen by measurement between one per stage and one at a time where the
+  // stages share this process's cores (in_flight_policy.h). LIBPIPE_STEPS_IN_FLIGHT=pipelined keeps one per
+  // stage, =one one at a time (for comparisons).
+  const bool chosen = options_.steps_in_flight == 0;
+  const int64_t every_stage = static_cast<int64_t>(session_->concurrent_stages());
+  if (chosen) options_.steps_in_flight = every_stage;
+  const char* policy_env = std::getenv("LIBPIPE_STEPS_IN_FLIGHT");
+  const std::string forced = policy_env ? policy_env : "";
+  if (chosen && forced == "one") options_.steps_in_flight = 1;
+  policy_ = std::make_unique<InFlightPolicy>(options_.steps_in_flight,
+                                             chosen && forced.empty() && session_->spare_cores() != nullptr);
   probe();
   for (int64_t s = decoder_.slots - 1; s >= 0; --s) free_slots_.push_back(s);
   waker_ = std::make_shared<Waker>();
@@ -236,6 +247,10 @@ void Engine::release_slot(Sequence& seq, Clock::time_point now) {
 EngineStats Engine::stats() const {
   std::lock_guard lock(mutex_);
   EngineStats st = totals_;
+  st.steps_in_flight = policy_->current_limit();
+  st.steps_one_at_a_time = policy_->steps_one_at_a_time();
+  st.steps_pipelined = policy_->steps_pipelined();
+  st.steps_in_flight_chosen = policy_->adaptive();
   st.slots_in_use = decoder_.slots - static_cast<int64_t>(free_slots_.size());
   st.queued = static_cast<int64_t>(queue_.size());
   double active_ns = active_ns_;
@@ -360,7 +375,12 @@ void Engine::admit(Clock::time_point now) {
 }
 
 void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
-  while (static_cast<int64_t>(in_flight_.size()) < options_.steps_in_flight) {
+  for (;;) {
+    bool prompts_waiting = false;
+    for (const auto& [id, seq] : sequences_)
+      prompts_waiting |= !seq->ended && seq->slot >= 0 && seq->planned < static_cast<int64_t>(seq->prompt.size());
+    const int64_t limit = policy_->limit(active_, prompts_waiting);
+    if (static_cast<int64_t>(in_flight_.size()) >= limit) return;
     const auto planning = Clock::now();
     std::vector<ReadyRow> ready;
     for (const auto& [id, seq] : sequences_) {
@@ -373,10 +393,13 @@ void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
         ready.push_back({id, seq->slot, seq->planned, prompt_len - seq->planned, seq->ready_since});
       else if (seq->in_flight == 0) ready.push_back({id, seq->slot, seq->cached, 0, seq->ready_since});
     }
-    if (ready.empty()) return;
+    if (ready.empty()) {
+      if (in_flight_.empty()) policy_->idle();
+      return;
+    }
     StepBudget budget;
     budget.active = active_;
-    budget.steps_in_flight = options_.steps_in_flight;
+    budget.steps_in_flight = limit;
     budget.max_rows = options_.max_rows_per_step;
     budget.prefill_chunk = options_.prefill_chunk;
     budget.mixed = mixed_steps_;
@@ -410,6 +433,7 @@ void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
       rows_total_++;
     }
     totals_.steps++;
+    policy_->launched(step->id, step_tokens);
     Step* raw = step.get();
     in_flight_.emplace(step->id, std::move(step));
     // Outside the lock: a request that finishes at once runs its callback on this thread, and the callback locks.
@@ -457,6 +481,7 @@ void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id,
   if (node.empty()) return;
   std::unique_ptr<Step> step = std::move(node.mapped());
   const auto now = Clock::now();
+  policy_->completed(step_id, step->request ? step->returned : now);
   if (step->request && session_->tracing())
     session_->trace_event(
         "engine", "collect step " + std::to_string(step_id), step->returned, now,

@@ -20,6 +20,7 @@
 
 #include "runtime/generate/decoder_info.h"
 #include "runtime/generate/generation.h"
+#include "runtime/generate/in_flight_policy.h"
 #include "runtime/generate/sampling.h"
 #include "runtime/schedule/session.h"
 
@@ -28,7 +29,7 @@ namespace libpipe::generate {
 struct EngineOptions {
   int64_t max_queued = 0;         // sequences waiting for a slot; 0: 4 x slots. One more: Error(Busy)
   int64_t prefill_chunk = 0;      // prompt tokens per step, all rows together; 0: 256
-  int64_t steps_in_flight = 0;    // 0: Session::concurrent_stages()
+  int64_t steps_in_flight = 0;    // 0: chosen between Session::concurrent_stages() and 1 (in_flight_policy.h)
   int64_t max_rows_per_step = 0;  // 0: slots
 };
 
@@ -44,6 +45,10 @@ struct EngineStats {
   double mean_inter_token_ms = 0;
   double mean_rows_per_step = 0;
   double sampling_ms = 0;
+  int64_t steps_in_flight = 0;          // the limit now: one per stage, or 1 (in_flight_policy.h)
+  uint64_t steps_one_at_a_time = 0;     // steps launched while the limit was 1
+  uint64_t steps_pipelined = 0;         // steps launched while it was more
+  bool steps_in_flight_chosen = false;  // the limit is chosen by measurement (not given, not fixed)
 };
 
 class Engine {
@@ -121,7 +126,8 @@ class Engine {
   std::deque<uint64_t> returned_;  // steps whose request finished, in the order they did
   std::vector<FailedSubmit> failed_submits_;
   uint64_t next_sequence_ = 1, next_step_ = 1;
-  Sampler sampler_;  // used by the scheduler thread only
+  Sampler sampler_;                         // used by the scheduler thread only
+  std::unique_ptr<InFlightPolicy> policy_;  // under mutex_
   std::thread scheduler_;
 
   // Statistics, under mutex_.

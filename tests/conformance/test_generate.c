@@ -56,7 +56,7 @@ _Static_assert(sizeof(pipe_generation_info) == 48 && offsetof(pipe_generation_in
                    offsetof(pipe_generation_info, time_to_first_token_ms) == 32 &&
                    offsetof(pipe_generation_info, mean_inter_token_ms) == 40,
                "pipe_generation_info");
-_Static_assert(sizeof(pipe_generator_stats) == 96 && offsetof(pipe_generator_stats, struct_size) == 0 &&
+_Static_assert(sizeof(pipe_generator_stats) == 120 && offsetof(pipe_generator_stats, struct_size) == 0 &&
                    offsetof(pipe_generator_stats, slots_in_use) == 8 && offsetof(pipe_generator_stats, queued) == 16 &&
                    offsetof(pipe_generator_stats, sequences_finished) == 24 &&
                    offsetof(pipe_generator_stats, prompt_tokens) == 32 &&
@@ -65,7 +65,10 @@ _Static_assert(sizeof(pipe_generator_stats) == 96 && offsetof(pipe_generator_sta
                    offsetof(pipe_generator_stats, mean_time_to_first_token_ms) == 64 &&
                    offsetof(pipe_generator_stats, mean_inter_token_ms) == 72 &&
                    offsetof(pipe_generator_stats, mean_rows_per_step) == 80 &&
-                   offsetof(pipe_generator_stats, sampling_ms) == 88,
+                   offsetof(pipe_generator_stats, sampling_ms) == 88 &&
+                   offsetof(pipe_generator_stats, steps_in_flight) == 96 &&
+                   offsetof(pipe_generator_stats, steps_one_at_a_time) == 104 &&
+                   offsetof(pipe_generator_stats, steps_pipelined) == 112,
                "pipe_generator_stats");
 
 /* The tiny decoder's configuration (tests/models/decoder_models.py: hf_model's LlamaConfig and the
@@ -384,11 +387,14 @@ static void init_functions_equal_macros(void **state) {
   assert_true(s.tokens_per_s == s_macro.tokens_per_s && s.mean_time_to_first_token_ms == 0.0 &&
               s.mean_inter_token_ms == s_macro.mean_inter_token_ms &&
               s.mean_rows_per_step == s_macro.mean_rows_per_step && s.sampling_ms == s_macro.sampling_ms);
+  assert_int_equal(s.steps_in_flight, s_macro.steps_in_flight);
+  assert_int_equal(s.steps_one_at_a_time, s_macro.steps_one_at_a_time);
+  assert_int_equal(s.steps_pipelined, s_macro.steps_pipelined);
   assert_string_equal(pipe_status_string(PIPE_ERR_BUSY), "PIPE_ERR_BUSY");
 }
 
-/* The structs have one layout (0.8): every other size is refused by the init functions, nothing
- * written, with a message naming the struct, the macro and the init function. */
+/* The structs have the layouts their versions gave (pipe_generator_stats: 0.8 and 0.11): every other size is refused by
+ * the init functions, nothing written, with a message naming the struct, the macro and the init function. */
 static void unknown_struct_sizes_are_refused(void **state) {
   (void)state;
   unsigned char buf[256];
@@ -433,6 +439,13 @@ static void struct_sizes_checked_where_used(void **state) {
   pipe_generator_stats s = PIPE_GENERATOR_STATS_INIT;
   s.struct_size = 0;
   ASSERT_FAILS(pipe_generator_get_stats(g, &s), PIPE_ERR_INVALID_ARGUMENT, "pipe_generator_stats");
+  /* 0.8's layout (96 bytes) is filled that far: the fields 0.11 appended keep what the caller put there. */
+  memset(&s, 0x5A, sizeof s);
+  s.struct_size = 96;
+  ASSERT_OK(pipe_generator_get_stats(g, &s));
+  assert_int_equal(s.slots_in_use, 0);
+  const unsigned char *tail = (const unsigned char *)&s + 96;
+  for (size_t b = 0; b < sizeof s - 96; ++b) assert_int_equal(tail[b], 0x5A);
 
   gen = submit(g, prompt, 3, 2);
   pipe_generation_info i = PIPE_GENERATION_INFO_INIT;
@@ -698,6 +711,8 @@ static void greedy_equals_transformers(void **state) {
   assert_true(st.mean_inter_token_ms > 0);
   assert_true(st.mean_rows_per_step >= 1 && st.mean_rows_per_step <= SLOTS);
   assert_true(st.sampling_ms >= 0);
+  assert_true(st.steps_in_flight >= 1);
+  assert_int_equal(st.steps_one_at_a_time + st.steps_pipelined, st.steps);
   for (size_t i = 0; i <= n; ++i) pipe_generation_destroy(gens[i]);
 
   /* A stop id ends the sequence with it as the last token: the reference's 4th token of prompt 0

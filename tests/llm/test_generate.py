@@ -49,9 +49,19 @@ def generated(result):
     """The --json output, checked for its form."""
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    assert set(out) == {"outputs", "tokens_per_s", "time_to_first_token_ms", "finish_reasons"}, out
+    assert set(out) == {
+        "outputs",
+        "tokens_per_s",
+        "time_to_first_token_ms",
+        "finish_reasons",
+        "steps_in_flight",
+        "peak_rss_mib",
+    }, out
     assert len(out["finish_reasons"]) == len(out["outputs"])
     assert out["tokens_per_s"] > 0 and out["time_to_first_token_ms"] > 0, out
+    assert out["steps_in_flight"]["now"] >= 1, out
+    assert out["steps_in_flight"]["one_at_a_time"] + out["steps_in_flight"]["pipelined"] > 0, out
+    assert out["peak_rss_mib"]["driver"] > 0, out
     return out
 
 
@@ -68,6 +78,8 @@ def test_greedy_equals_transformers(exported, mode):
     out = generated(result)
     assert out["outputs"] == exported.reference
     assert out["finish_reasons"] == ["length"] * len(PROMPTS)
+    # A worker's peak memory is known once it exited (getrusage of the waited-for children).
+    assert (out["peak_rss_mib"]["largest_worker"] > 0) == ("--processes" in args), out
 
 
 # The tests below are about the command, not the architecture: the Llama model is enough.

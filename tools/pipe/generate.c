@@ -2,9 +2,12 @@
  * token generation with a decoder (pipe.h, "Generation") through the C ABI's generator. Every
  * prompt is submitted at once, so that they batch and pipeline together (prompt i samples with
  * seed S + i); the output is one line of generated ids per prompt, in prompt order, or with --json
- * {"outputs": [[...], ...], "tokens_per_s": x, "time_to_first_token_ms": y, "finish_reasons": [...]}. */
+ * {"outputs": [[...], ...], "tokens_per_s": x, "time_to_first_token_ms": y, "finish_reasons": [...],
+ *  "steps_in_flight": {"now": n, "one_at_a_time": a, "pipelined": b},
+ *  "peak_rss_mib": {"driver": r, "largest_worker": w}}. */
 #include <errno.h>
 #include <math.h>
+#include <sys/resource.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -286,10 +289,19 @@ static void print_ids(const id_list *ids) {
   for (size_t k = 0; k < ids->len; ++k) printf("%s%lld", k ? " " : "", (long long)ids->ids[k]);
 }
 
-static int print_json(const generate_args *g, pipe_generator *generator) {
-  pipe_generator_stats stats = PIPE_GENERATOR_STATS_INIT;
-  pipe_status st = pipe_generator_get_stats(generator, &stats);
-  if (st != PIPE_OK) return fail("cannot read the generator's statistics", st);
+/* Peak resident memory in MiB: of this process, and of the largest worker process it started and has
+ * waited for (0 without workers). */
+static void peak_rss_mib(double *self, double *workers) {
+  struct rusage u;
+  *self = getrusage(RUSAGE_SELF, &u) == 0 ? (double)u.ru_maxrss / 1024.0 : 0.0; /* ru_maxrss is in KiB */
+  *workers = getrusage(RUSAGE_CHILDREN, &u) == 0 ? (double)u.ru_maxrss / 1024.0 : 0.0;
+}
+
+/* After the generator is closed (its workers waited for), with the statistics read before. */
+static void print_json(const generate_args *g, const pipe_generator_stats *stats_in) {
+  const pipe_generator_stats stats = *stats_in;
+  double rss, worker_rss;
+  peak_rss_mib(&rss, &worker_rss);
   printf("{\"outputs\": [");
   for (size_t i = 0; i < g->num_prompts; ++i) {
     const id_list *out = &g->prompts[i].out;
@@ -302,8 +314,10 @@ static int print_json(const generate_args *g, pipe_generator *generator) {
          isfinite(stats.mean_time_to_first_token_ms) ? stats.mean_time_to_first_token_ms : 0.0);
   for (size_t i = 0; i < g->num_prompts; ++i)
     printf("%s\"%s\"", i ? ", " : "", finish_reason_name(g->prompts[i].finish_reason));
-  printf("]}\n");
-  return 0;
+  printf("], \"steps_in_flight\": {\"now\": %lld, \"one_at_a_time\": %llu, \"pipelined\": %llu}",
+         (long long)stats.steps_in_flight, (unsigned long long)stats.steps_one_at_a_time,
+         (unsigned long long)stats.steps_pipelined);
+  printf(", \"peak_rss_mib\": {\"driver\": %.1f, \"largest_worker\": %.1f}}\n", rss, worker_rss);
 }
 
 int cmd_generate(int argc, char **argv) {
@@ -376,6 +390,7 @@ int cmd_generate(int argc, char **argv) {
 
   rc = 1;
   pipeline p;
+  pipe_generator_stats stats = PIPE_GENERATOR_STATS_INIT;
   if (open_generator(&p, model_path, &split, &session, &g.generator) != 0) goto done;
   pipe_session *traced = NULL;
   if (g.trace_path && start_trace(&g, p.generator, &traced) != 0) {
@@ -393,10 +408,15 @@ int cmd_generate(int argc, char **argv) {
       }
     }
     if (!failed && traced) failed = stop_trace(&g, traced) != 0;
-    if (!failed) rc = g.json ? print_json(&g, p.generator) : 0;
+    if (!failed && g.json) {
+      pipe_status st = pipe_generator_get_stats(p.generator, &stats);
+      if (st != PIPE_OK) failed = fail("cannot read the generator's statistics", st);
+    }
+    if (!failed) rc = 0;
   }
   /* The generator first: it cancels what still runs (after an error) at once. */
   close_pipeline(&p);
+  if (rc == 0 && g.json) print_json(&g, &stats); /* now its workers have exited: their peak memory is known */
   for (size_t i = 0; i < g.num_prompts; ++i) pipe_generation_destroy(g.prompts[i].generation);
 done:
   free_args(&g);

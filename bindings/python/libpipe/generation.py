@@ -330,7 +330,9 @@ class Generator(_Closeable):
         """What the generator has done since it was created, as a dict: slots_in_use and queued
         (now), sequences_finished, prompt_tokens, generated_tokens, steps, tokens_per_s (while a
         sequence held a slot), mean_time_to_first_token_ms, mean_inter_token_ms,
-        mean_rows_per_step, sampling_ms."""
+        mean_rows_per_step, sampling_ms; steps_in_flight (the engine's limit now: one per stage,
+        or 1 where it measured that one step at a time with every core on it is faster),
+        steps_one_at_a_time and steps_pipelined (steps launched under each)."""
         with self._handle.use() as h:
             return _lib().pipe_generator_get_stats(h)
 

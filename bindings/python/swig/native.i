@@ -395,13 +395,15 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
 }
 %typemap(argout) pipe_generator_stats * {
   $result = SWIG_Python_AppendOutput($result, Py_BuildValue(
-      "{s:L,s:L,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:d}", "slots_in_use", (long long)$1->slots_in_use,
+      "{s:L,s:L,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:d,s:L,s:K,s:K}", "slots_in_use", (long long)$1->slots_in_use,
       "queued", (long long)$1->queued, "sequences_finished", (unsigned long long)$1->sequences_finished,
       "prompt_tokens", (unsigned long long)$1->prompt_tokens,
       "generated_tokens", (unsigned long long)$1->generated_tokens, "steps", (unsigned long long)$1->steps,
       "tokens_per_s", $1->tokens_per_s, "mean_time_to_first_token_ms", $1->mean_time_to_first_token_ms,
       "mean_inter_token_ms", $1->mean_inter_token_ms, "mean_rows_per_step", $1->mean_rows_per_step,
-      "sampling_ms", $1->sampling_ms));
+      "sampling_ms", $1->sampling_ms, "steps_in_flight", (long long)$1->steps_in_flight,
+      "steps_one_at_a_time", (unsigned long long)$1->steps_one_at_a_time,
+      "steps_pipelined", (unsigned long long)$1->steps_pipelined));
 }
 
 %typemap(in, numinputs=0) pipe_generation_info * (pipe_generation_info tmp) {

@@ -91,6 +91,8 @@ def test_many_sequences_at_once(tiny_generator, decoder_expected):
     assert after["steps"] > before["steps"]
     assert (after["slots_in_use"], after["queued"]) == (0, 0)
     assert after["tokens_per_s"] > 0 and after["mean_rows_per_step"] >= 1
+    assert after["steps_in_flight"] >= 1
+    assert after["steps_one_at_a_time"] + after["steps_pipelined"] == after["steps"]
 
 
 def test_max_new_tokens_and_stop_ids(tiny_generator, decoder_expected):

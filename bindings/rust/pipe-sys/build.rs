@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 /// use pipe_request_on_done and pipe_request_fd, new in 0.7, it binds the generation functions,
 /// new in 0.8, pipe_session_trace_start_with_operators, new in 0.9, and pipe_model_format, new in
 /// 0.10).
-const MIN_LIBPIPE: &str = "0.10";
+const MIN_LIBPIPE: &str = "0.11";
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");

@@ -191,6 +191,13 @@ pub struct GeneratorStats {
     pub mean_rows_per_step: f64,
     /// Time spent sampling, all steps together.
     pub sampling_ms: f64,
+    /// The engine's limit of steps in flight now: one per stage, or 1 where it measured that one
+    /// step at a time with every core on it is faster (stages sharing this process's cores).
+    pub steps_in_flight: usize,
+    /// Steps launched while the limit was 1.
+    pub steps_one_at_a_time: u64,
+    /// Steps launched while it was more.
+    pub steps_pipelined: u64,
 }
 
 /// A decoder's session driven step by step: sequences ([`Generator::generate`]) are admitted
@@ -276,6 +283,9 @@ impl Generator {
             mean_inter_token_ms: raw.mean_inter_token_ms,
             mean_rows_per_step: raw.mean_rows_per_step,
             sampling_ms: raw.sampling_ms,
+            steps_in_flight: count(raw.steps_in_flight),
+            steps_one_at_a_time: raw.steps_one_at_a_time,
+            steps_pipelined: raw.steps_pipelined,
         })
     }
 

@@ -82,6 +82,8 @@ fn greedy_equals_transformers() {
     assert_eq!(stats.prompt_tokens, want.prompts.iter().map(|p| p.len() as u64).sum::<u64>(), "{stats:?}");
     assert_eq!((stats.slots_in_use, stats.queued), (0, 0), "{stats:?}");
     assert!(stats.steps > 0 && stats.tokens_per_s > 0.0 && stats.mean_rows_per_step >= 1.0, "{stats:?}");
+    assert!(stats.steps_in_flight >= 1, "{stats:?}");
+    assert_eq!(stats.steps_one_at_a_time + stats.steps_pipelined, stats.steps, "{stats:?}");
 }
 
 #[test]
