@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -82,6 +83,28 @@ int main(int argc, char** argv) {
   libpipe::stage::SpareCores pool(cores);
   std::printf("%s linear layers, %d threads, best of %d; read bandwidth %.1f GB/s (1 thread %.1f)\n", model.c_str(),
               cores, repeats, read_bandwidth(cores) / 1e9, read_bandwidth(1) / 1e9);
+  // What one product costs beside its arithmetic and memory traffic: a 64 x 64 layer, one row, many times.
+  for (bool shared : {false, true}) {
+    const at::Tensor w = at::randn({64, 64}), x = at::randn({1, 64});
+    const at::Tensor p = libpipe::stage::to_panels(w);
+    std::optional<libpipe::stage::SpareCores::Lend> lend;
+    std::optional<libpipe::stage::SpareCores::Busy> busy;
+    if (shared) {
+      lend.emplace(&pool);
+      busy.emplace(&pool);
+    } else {
+      at::set_num_threads(1);
+    }
+    double best = 1e300;
+    for (int r = 0; r < repeats; ++r) {
+      const double start = now();
+      for (int i = 0; i < 2000; ++i) libpipe::stage::panel_linear(x, p, std::nullopt, 64, 64);
+      best = std::min(best, (now() - start) / 2000);
+    }
+    at::set_num_threads(cores);
+    std::printf("one 64 x 64 product of 1 row, %s: %.2f us\n", shared ? "shared with a lent core" : "one thread",
+                best * 1e6);
+  }
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     std::vector<at::Tensor> weights;
     double bytes = 0, flops_per_row = 0;

@@ -29,7 +29,7 @@ namespace libpipe::generate {
 
 class InFlightPolicy {
  public:
-  static constexpr int kExploreEvery = 8;  // windows between two tries of the slower limit
+  static constexpr int kExploreEvery = 8;       // windows between two tries of the slower limit
   static constexpr int64_t kStepsPerRound = 4;  // a window is this many steps per stage, at least 4 of them
 
   // `most`: the steps that keep every stage busy (Session::concurrent_stages()); `adaptive`: whether the stages

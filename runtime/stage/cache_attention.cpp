@@ -10,6 +10,9 @@
 #include <limits>
 #include <vector>
 
+#include "runtime/cpu/cache_attention.h"
+#include "runtime/stage/spare_cores.h"
+
 // MKL's batched GEMM, as the LibTorch wheels for x86 export it from libtorch_cpu (LP64: int sizes).
 // Weak: a LibTorch without MKL leaves it null, and nothing is rewritten.
 extern "C" {
@@ -27,7 +30,7 @@ constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;  // mkl_cblas.h
 const char* const kOpName = "pipe::cache_attention";
 
 bool fusing_available() {
-  if (!cblas_sgemm_batch) return false;
+  if (!cblas_sgemm_batch && !cpu::cpu_has_panel_kernels()) return false;
   const char* env = std::getenv("LIBPIPE_CACHE_ATTENTION");
   return !(env && std::strcmp(env, "0") == 0);
 }
@@ -99,6 +102,41 @@ void destroy_if_unused(torch::jit::Node* node) {
   if (input->kind() == torch::jit::aten::narrow && !input->hasUses()) input->destroy();
 }
 
+// The kernels of runtime/cpu/cache_attention.h: every dtype they take, one (row, head) per task, the tasks spread
+// over the cores lent to this stage or its intra-op threads.
+at::Tensor kernel_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const int64_t* slot, int64_t context, const at::Tensor& allowed, float scale) {
+  const at::Tensor q = query.contiguous();
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  cpu::CacheAttention a;
+  a.type = query.scalar_type() == at::kFloat      ? cpu::WeightType::kFloat32
+           : query.scalar_type() == at::kBFloat16 ? cpu::WeightType::kBFloat16
+                                                  : cpu::WeightType::kFloat16;
+  a.query = q.data_ptr();
+  a.out = out.data_ptr();
+  a.batch = q.size(0);
+  a.heads = q.size(1);
+  a.queries = q.size(2);
+  a.head_dim = q.size(3);
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  for (int i = 0; i < 3; ++i) {
+    a.cache_stride[i] = k_cache.stride(i);
+    a.v_stride[i] = v_cache.stride(i);
+  }
+  a.kv_heads = k_cache.size(1);
+  a.slots = slot;
+  a.context = context;
+  a.mask = allowed.data_ptr<bool>();
+  for (int i = 0; i < 4; ++i) a.mask_stride[i] = allowed.stride(i);
+  a.scale = scale;
+  SpareCores::for_ranges(cpu::cache_attention_tasks(a), 1, 4,
+                         [&](int64_t begin, int64_t end) { cpu::cache_attention(a, begin, end); });
+  return out;
+}
+
+bool kernel_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
 }  // namespace
 
 at::Tensor cache_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -107,8 +145,11 @@ at::Tensor cache_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   const auto fallback = [&] {
     return gathered_attention(query, k_cache, v_cache, slots, context, mask, scale, enable_gqa);
   };
-  if (!cblas_sgemm_batch || query.dim() != 4 || k_cache.dim() != 4 || v_cache.dim() != 4 || slots.dim() != 1 ||
-      query.scalar_type() != at::kFloat || k_cache.scalar_type() != at::kFloat || v_cache.scalar_type() != at::kFloat ||
+  const bool kernels = cpu::cpu_has_panel_kernels() && kernel_dtype(query.scalar_type()) && query.dim() == 4 &&
+                       cpu::cache_attention_head_dim_supported(query.size(3));
+  const bool mkl = cblas_sgemm_batch && query.scalar_type() == at::kFloat;
+  if ((!kernels && !mkl) || query.dim() != 4 || k_cache.dim() != 4 || v_cache.dim() != 4 || slots.dim() != 1 ||
+      k_cache.scalar_type() != query.scalar_type() || v_cache.scalar_type() != query.scalar_type() ||
       slots.scalar_type() != at::kLong || !query.device().is_cpu() || !k_cache.device().is_cpu() ||
       !v_cache.device().is_cpu() || !slots.device().is_cpu() || !mask || !mask->defined() ||
       mask->scalar_type() != at::kBool || mask->dim() > 4)
@@ -129,6 +170,9 @@ at::Tensor cache_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   } catch (const c10::Error&) {
     return fallback();  // not broadcastable: SDPA's own error
   }
+  if (kernels)
+    return kernel_attention(query, k_cache, v_cache, slot, context, allowed,
+                            static_cast<float>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(d))));
 
   // Heads of one key-value head are consecutive in q [B, H, T, D]: their r x T rows are one block.
   const int64_t r = heads / kv, rows = r * t;

@@ -48,22 +48,6 @@ bool packable(const at::Tensor& w) {
          w.size(0) <= std::numeric_limits<int32_t>::max() && w.size(1) <= std::numeric_limits<int32_t>::max();
 }
 
-// Runs fn(unit_begin, unit_end) over [0, units), on the cores lent to this thread or on its intra-op
-// threads. Every unit is computed by exactly one call.
-void for_unit_ranges(int64_t units, int64_t unit_bytes, const std::function<void(int64_t, int64_t)>& fn) {
-  const int lent = SpareCores::lent_cores();
-  if (lent > 1) {
-    const int64_t pieces = std::min(units, std::max<int64_t>(lent, (units + kMaxUnitsPerPiece - 1) / kMaxUnitsPerPiece));
-    SpareCores::for_each(pieces, [&](int64_t p) { fn(p * units / pieces, (p + 1) * units / pieces); });
-    return;
-  }
-  if (at::get_num_threads() > 1 && !at::in_parallel_region()) {
-    at::parallel_for(0, units, std::max<int64_t>(1, kMinBytesPerPiece / std::max<int64_t>(unit_bytes, 1)), fn);
-    return;
-  }
-  fn(0, units);
-}
-
 at::Tensor linear_op(const at::Tensor& input, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                      int64_t out_features, int64_t in_features) {
   const auto type = weight_type(panels.scalar_type());
@@ -73,17 +57,19 @@ at::Tensor linear_op(const at::Tensor& input, const at::Tensor& panels, const st
                                              std::to_string(out_features) + " x " + std::to_string(in_features) +
                                              " weight (make them with to_panels)");
   if (!input.device().is_cpu())
-    throw Error(Status::InvalidArgument, "pipe::panel_linear: the input is on " + input.device().str() +
-                                             ", the stage's weights are on the CPU");
+    throw Error(Status::InvalidArgument,
+                "pipe::panel_linear: the input is on " + input.device().str() + ", the stage's weights are on the CPU");
   if (input.scalar_type() != panels.scalar_type())
     throw Error(Status::InvalidArgument, std::string("pipe::panel_linear: the input is ") +
                                              c10::toString(input.scalar_type()) + ", the layer's weights are " +
-                                             c10::toString(panels.scalar_type()) + " (mat1 and mat2 must have the same dtype)");
+                                             c10::toString(panels.scalar_type()) +
+                                             " (mat1 and mat2 must have the same dtype)");
   if (input.dim() < 1 || input.size(-1) != in_features)
-    throw Error(Status::InvalidArgument, "pipe::panel_linear: mat1 and mat2 shapes cannot be multiplied: the input's last "
-                                         "dimension is " +
-                                             (input.dim() ? std::to_string(input.size(-1)) : std::string("missing")) +
-                                             ", the layer takes " + std::to_string(in_features) + " features");
+    throw Error(Status::InvalidArgument,
+                "pipe::panel_linear: mat1 and mat2 shapes cannot be multiplied: the input's last "
+                "dimension is " +
+                    (input.dim() ? std::to_string(input.size(-1)) : std::string("missing")) + ", the layer takes " +
+                    std::to_string(in_features) + " features");
   const at::Tensor* b = bias && bias->defined() ? &*bias : nullptr;
   if (b && (b->scalar_type() != panels.scalar_type() || b->numel() != out_features || !b->device().is_cpu()))
     throw Error(Status::InvalidArgument, "pipe::panel_linear: the bias must be " + std::to_string(out_features) + " " +
@@ -106,8 +92,8 @@ at::Tensor linear_op(const at::Tensor& input, const at::Tensor& panels, const st
     p.n = out_features;
     p.k = in_features;
     const int64_t unit_bytes = cpu::kUnitWidth * in_features * static_cast<int64_t>(panels.element_size());
-    for_unit_ranges(cpu::panel_units(out_features), unit_bytes,
-                    [&](int64_t begin, int64_t end) { cpu::panel_product(p, begin, end); });
+    SpareCores::for_ranges(cpu::panel_units(out_features), kMinBytesPerPiece / std::max<int64_t>(unit_bytes, 1),
+                           kMaxUnitsPerPiece, [&](int64_t begin, int64_t end) { cpu::panel_product(p, begin, end); });
   }
   return out.view(sizes);
 }
@@ -132,9 +118,9 @@ at::Tensor embedding_op(const at::Tensor& panels, const at::Tensor& indices, int
   const size_t row_bytes = static_cast<size_t>(embedding_dim) * panels.element_size();
   for (int64_t i = 0; i < ids.numel(); ++i) {
     if (id[i] < 0 || id[i] >= num_embeddings)
-      throw Error(Status::InvalidArgument, "pipe::panel_embedding: index out of range in self: " +
-                                               std::to_string(id[i]) + " is not in 0 .. " +
-                                               std::to_string(num_embeddings - 1));
+      throw Error(Status::InvalidArgument,
+                  "pipe::panel_embedding: index out of range in self: " + std::to_string(id[i]) + " is not in 0 .. " +
+                      std::to_string(num_embeddings - 1));
     cpu::unpack_row(*type, panels.data_ptr(), num_embeddings, embedding_dim, id[i], o + i * row_bytes);
   }
   return out;
@@ -175,9 +161,8 @@ class PanelArena {
     const int64_t n = weight.size(0), k = weight.size(1);
     void* data = static_cast<char*>(buffer_->data()) + offsets_[i];
     const at::Tensor w = weight.contiguous();
-    at::parallel_for(0, (n + cpu::kPanelWidth - 1) / cpu::kPanelWidth, 1, [&](int64_t begin, int64_t end) {
-      cpu::pack_panels(type, w.data_ptr(), n, k, data, begin, end);
-    });
+    at::parallel_for(0, (n + cpu::kPanelWidth - 1) / cpu::kPanelWidth, 1,
+                     [&](int64_t begin, int64_t end) { cpu::pack_panels(type, w.data_ptr(), n, k, data, begin, end); });
     std::shared_ptr<cpu::HugePageBuffer> keep = buffer_;
     return at::from_blob(
         data, {cpu::panel_elements(type, n, k)}, [keep](void*) mutable { keep.reset(); },
@@ -193,7 +178,8 @@ class PanelArena {
   std::shared_ptr<cpu::HugePageBuffer> buffer_;
 };
 
-void collect(torch::jit::Block* block, std::vector<torch::jit::Node*>& linears, std::vector<torch::jit::Node*>& getattrs) {
+void collect(torch::jit::Block* block, std::vector<torch::jit::Node*>& linears,
+             std::vector<torch::jit::Node*>& getattrs) {
   for (torch::jit::Node* n : block->nodes()) {
     if (n->kind() == torch::jit::aten::linear && n->inputs().size() == 3) linears.push_back(n);
     if (n->kind() == torch::jit::prim::GetAttr) getattrs.push_back(n);

@@ -1,5 +1,7 @@
 #include "runtime/stage/spare_cores.h"
 
+#include <ATen/Parallel.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -45,6 +47,23 @@ SpareCores::Lend::Lend(SpareCores* pool) : previous_(lent) { lent = pool; }
 SpareCores::Lend::~Lend() { lent = previous_; }
 
 int SpareCores::lent_cores() { return lent ? lent->cores_ : 0; }
+
+void SpareCores::for_ranges(int64_t count, int64_t grain, int64_t max_piece,
+                            const std::function<void(int64_t, int64_t)>& fn) {
+  if (count <= 0) return;
+  const int cores = lent_cores();
+  if (cores > 1) {
+    const int64_t pieces = std::min(count, std::max<int64_t>(cores, (count + std::max<int64_t>(max_piece, 1) - 1) /
+                                                                        std::max<int64_t>(max_piece, 1)));
+    for_each(pieces, [&](int64_t p) { fn(p * count / pieces, (p + 1) * count / pieces); });
+    return;
+  }
+  if (at::get_num_threads() > 1 && !at::in_parallel_region()) {
+    at::parallel_for(0, count, std::max<int64_t>(grain, 1), fn);
+    return;
+  }
+  fn(0, count);
+}
 
 void SpareCores::for_each(int64_t count, const std::function<void(int64_t)>& fn) {
   if (lent && count > 1) return lent->run(count, fn);

@@ -7,6 +7,7 @@
 #include "runtime/error.h"
 #include "runtime/graph/torchscript/model.h"
 #include "runtime/stage/cache_attention.h"
+#include "runtime/stage/fused_elementwise.h"
 #include "runtime/stage/panel_linear.h"
 #include "runtime/stage/stage_module.h"
 
@@ -18,6 +19,7 @@ std::unique_ptr<Stage> finish(torch::jit::Module module, const BuildOptions& bui
   if (build.cpu_rewrites && build.device.is_cpu()) {
     panel_linear_weights(module);
     fuse_cache_attention(module);
+    fuse_elementwise(module);
   }
   module.eval();
   return std::make_unique<TorchScriptStage>(std::move(module));

@@ -21,7 +21,7 @@ namespace {
 
 using test::count_nodes;
 
-#define SKIP_WITHOUT_PANELS()                                                                             \
+#define SKIP_WITHOUT_PANELS()                                                                            \
   if (!stage::panel_linear_available())                                                                  \
   GTEST_SKIP() << "this CPU has no AVX-512 (or LIBPIPE_PACKED_LINEAR=0 / LIBPIPE_CPU_ISA=none): linear " \
                   "layers stay aten::linear"
@@ -43,8 +43,9 @@ at::Tensor reference_linear(const at::Tensor& x, const at::Tensor& w, const at::
 }
 
 cpu::WeightType weight_type(at::ScalarType t) {
-  return t == at::kFloat ? cpu::WeightType::kFloat32 : t == at::kBFloat16 ? cpu::WeightType::kBFloat16
-                                                                          : cpu::WeightType::kFloat16;
+  return t == at::kFloat      ? cpu::WeightType::kFloat32
+         : t == at::kBFloat16 ? cpu::WeightType::kBFloat16
+                              : cpu::WeightType::kFloat16;
 }
 
 // The kernel itself, both bfloat16 kernels where the CPU has VDPBF16PS.
@@ -214,8 +215,9 @@ TEST(PanelLinear, AStageHoldsOneCopyOfEachWeightAndEqualsTheModel) {
       const auto want = plain.forward({x, ids}).toTuple()->elements();
       const auto got = rewritten.forward({x, ids}).toTuple()->elements();
       for (size_t i = 0; i < want.size(); ++i)
-        expect_close(got[i].toTensor(), want[i].toTensor(),
-                     std::string(c10::toString(dtype)) + " output " + std::to_string(i) + ", " + std::to_string(rows) + " rows");
+        expect_close(
+            got[i].toTensor(), want[i].toTensor(),
+            std::string(c10::toString(dtype)) + " output " + std::to_string(i) + ", " + std::to_string(rows) + " rows");
     }
   }
 }
