@@ -297,16 +297,41 @@ size_t panel_linear_weights(torch::jit::Module& stage) {
   }
 
   register_ops();
+  // Paths that read each weight, so that an original nothing else reads can go as soon as its panels exist:
+  // converted one by one, a load never holds every weight twice (runtime/stage/weights.cpp drops a checkpoint
+  // view's pages with it).
+  std::map<const c10::TensorImpl*, std::set<std::vector<std::string>>> paths;
+  for (torch::jit::Node* get : getattrs) {
+    if (!get->output()->type()->isSubtypeOf(*c10::TensorType::get())) continue;
+    const std::vector<std::string> path = graph::attribute_path(get->output(), self);
+    if (path.empty()) continue;
+    const c10::IValue value = attribute(stage, path, nullptr);
+    if (value.isTensor() && weights.count(value.toTensor().unsafeGetTensorImpl()))
+      paths[value.toTensor().unsafeGetTensorImpl()].insert(path);
+  }
   std::vector<at::Tensor> tensors;
   for (const auto* impl : order) tensors.push_back(weights.at(impl).tensor);
-  const std::vector<at::Tensor> panels = to_panels(tensors);
-  for (size_t i = 0; i < order.size(); ++i) weights.at(order[i]).panels = panels[i];
+  PanelArena arena(tensors);
+  std::vector<int64_t> shapes;
+  for (size_t i = 0; i < order.size(); ++i) {
+    Weight& w = weights.at(order[i]);
+    w.panels = arena.pack(i, tensors[i]);
+    shapes.push_back(w.tensor.size(0));
+    shapes.push_back(w.tensor.size(1));
+    tensors[i] = at::Tensor();
+    if (w.other_reads) continue;
+    for (const auto& path : paths[order[i]]) {
+      torch::jit::Module owner;
+      attribute(stage, path, &owner);
+      owner._ivalue()->setAttr(path.back(), at::empty({0}, w.tensor.options()));
+    }
+    w.tensor = at::Tensor();
+  }
 
   size_t rewritten = 0;
-  std::set<std::vector<std::string>> emptied;
-  for (const auto* impl : order) {
-    Weight& w = weights.at(impl);
-    const int64_t n = w.tensor.size(0), k = w.tensor.size(1);
+  for (size_t i = 0; i < order.size(); ++i) {
+    Weight& w = weights.at(order[i]);
+    const int64_t n = shapes[2 * i], k = shapes[2 * i + 1];
     // The panels as a buffer beside the weight, in the module that holds it.
     auto panels_of = [&](torch::jit::Node* user, size_t weight_input) {
       torch::jit::Value* weight = user->input(weight_input);
@@ -315,7 +340,6 @@ size_t panel_linear_weights(torch::jit::Module& stage) {
       attribute(stage, path, &owner);
       const std::string name = path.back() + "_panels";
       if (!owner.hasattr(name)) owner.register_buffer(name, w.panels);
-      if (!w.other_reads) emptied.insert(path);
       return graph->insertGetAttr(weight->node()->input(0), name);
     };
     for (torch::jit::Node* node : w.linears) {
@@ -336,12 +360,6 @@ size_t panel_linear_weights(torch::jit::Module& stage) {
       node->output()->replaceAllUsesWith(out);
       node->destroy();
     }
-  }
-  // Nothing reads the originals any more: one copy of each weight is enough.
-  for (const auto& path : emptied) {
-    torch::jit::Module owner;
-    const c10::IValue value = attribute(stage, path, &owner);
-    owner._ivalue()->setAttr(path.back(), at::empty({0}, value.toTensor().options()));
   }
   return rewritten;
 }

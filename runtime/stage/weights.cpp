@@ -160,7 +160,20 @@ at::Tensor Checkpoint::load(const std::string& key) {
   void* ptr = const_cast<unsigned char*>(s.data + e.begin);
   const size_t elem = c10::elementSize(e.dtype);
   auto keep = s.mapping;
-  at::Tensor view = at::from_blob(ptr, e.shape, [keep](void*) {}, at::TensorOptions().dtype(e.dtype));
+  const size_t bytes = e.end - e.begin;
+  // When the last tensor that reads these bytes in place goes (a weight cast at load, or repacked into panels,
+  // runtime/stage/panel_linear.h), its pages leave this process's resident memory: MADV_PAGEOUT only drops clean
+  // file pages (it never loses data: a page written in place stays), so a load that converts every weight never
+  // holds the whole file besides the converted copy.
+  at::Tensor view = at::from_blob(
+      ptr, e.shape,
+      [keep, bytes](void* data) {
+        const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+        const uintptr_t first = reinterpret_cast<uintptr_t>(data) / page * page;
+        const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes + page - 1) / page * page;
+        if (bytes > 0) (void)::madvise(reinterpret_cast<void*>(first), end - first, MADV_PAGEOUT);
+      },
+      at::TensorOptions().dtype(e.dtype));
   // Elements must be aligned to their size to be read in place; otherwise take a copy.
   return reinterpret_cast<uintptr_t>(ptr) % elem == 0 ? view : view.clone();
 }
