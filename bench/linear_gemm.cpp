@@ -10,7 +10,7 @@
 // cores: aten::linear on its intra-op threads, panel_linear's units on the cores of a SpareCores pool
 // (as in a session whose stage borrows the idle cores). Prints, per dtype and row count, the best of
 // `repeats` passes (default 5) over all layers in wall time, as milliseconds, the weights' bytes per
-// second and GFLOP/s; and the machine's read bandwidth (a sum over 1 GiB on huge pages) for scale.
+// second and GFLOP/s; read_bandwidth gives the machine's read bandwidth for scale.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -39,31 +39,6 @@ namespace {
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-// Bytes per second one sum over 1 GiB of huge pages reads, on `threads` threads.
-double read_bandwidth(int threads) {
-  const size_t bytes = size_t{1} << 30;
-  libpipe::cpu::HugePageBuffer buffer(bytes);
-  std::memset(buffer.data(), 1, bytes);
-  const float* data = static_cast<const float*>(buffer.data());
-  const size_t n = bytes / sizeof(float);
-  double best = 1e300;
-  for (int r = 0; r < 5; ++r) {
-    std::vector<float> sums(threads);
-    const double start = now();
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t)
-      pool.emplace_back([&, t] {
-        float s[16] = {};
-        for (size_t i = t * n / threads; i + 16 <= (t + 1) * n / threads; i += 16)
-          for (int j = 0; j < 16; ++j) s[j] += data[i + j];
-        for (int j = 0; j < 16; ++j) sums[t] += s[j];
-      });
-    for (auto& t : pool) t.join();
-    best = std::min(best, now() - start);
-  }
-  return bytes / best;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -81,8 +56,8 @@ int main(int argc, char** argv) {
                                                      {1536, 576}, {1536, 576}, {576, 1536}};
   const int layers = big ? 16 : 30;
   libpipe::stage::SpareCores pool(cores);
-  std::printf("%s linear layers, %d threads, best of %d; read bandwidth %.1f GB/s (1 thread %.1f)\n", model.c_str(),
-              cores, repeats, read_bandwidth(cores) / 1e9, read_bandwidth(1) / 1e9);
+  std::printf("%s linear layers, %d threads, best of %d (the machine's read bandwidth: build/bench/read_bandwidth)\n",
+              model.c_str(), cores, repeats);
   // What one product costs beside its arithmetic and memory traffic: a 64 x 64 layer, one row, many times.
   for (bool shared : {false, true}) {
     const at::Tensor w = at::randn({64, 64}), x = at::randn({1, 64});

@@ -227,6 +227,46 @@ def f32_gguf(bin_dir, gguf):
     return converted_gguf(bin_dir, gguf, "F32")
 
 
+def hf_gguf(folder, file_type):
+    """A Hugging Face folder converted to a GGUF of `file_type` (F32 or BF16) by the convert_hf_to_gguf.py of
+    the same llama.cpp tree (with its own gguf-py; sentencepiece installed: it imports it before falling back to
+    a tokenizer.json's BPE vocabulary), cached beside the build under the folder's name, its config and its
+    safetensors files' sizes."""
+    src = cache_dir() / "src"
+    if not (src / "convert_hf_to_gguf.py").is_file():
+        build()  # unpacks the tree
+    folder = Path(folder)
+    signature = json.dumps(
+        {
+            "config": (folder / "config.json").read_text(),
+            "weights": sorted((p.name, p.stat().st_size) for p in folder.glob("*.safetensors")),
+        },
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(signature.encode()).hexdigest()[:12]
+    out = cache_dir() / f"{folder.name}.{digest}.{file_type}.gguf"
+    if out.is_file():
+        return out
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    cmd = [
+        sys.executable,
+        str(src / "convert_hf_to_gguf.py"),
+        str(folder),
+        "--outtype",
+        file_type.lower(),
+        "--outfile",
+        str(tmp),
+    ]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), str(src)]))
+    print(f"llamacpp: converting {folder} to {out.name} (once)", file=sys.stderr, flush=True)
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    if r.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise LlamaCppError(f"`{' '.join(cmd)}` failed ({r.returncode}):\n{r.stdout[-4000:]}")
+    os.replace(tmp, out)
+    return out
+
+
 # ---- the measurement --------------------------------------------------------------------------
 
 

@@ -97,7 +97,8 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
       if (a.type != WeightType::kFloat32)
         for (j = 0; j < ctx; j += 16) {
           const int64_t n = std::min<int64_t>(16, ctx - j);
-          _mm512_mask_storeu_ps(s + j, avx512::first(n), avx512::round_to(a.type, _mm512_maskz_loadu_ps(avx512::first(n), s + j)));
+          _mm512_mask_storeu_ps(s + j, avx512::first(n),
+                                avx512::round_to(a.type, _mm512_maskz_loadu_ps(avx512::first(n), s + j)));
         }
     }
     // The weighted sum of the values.
@@ -118,7 +119,8 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
     for (int qi = 0; qi < nq; ++qi) {
       const __m512 inv = _mm512_set1_ps(1.0f / total[qi]);
       for (int k = 0; k < ND; ++k)
-        avx512::store(a.type, a.out, ((b * a.heads + h) * a.queries + q0 + qi) * d + 16 * k, _mm512_mul_ps(acc[qi][k], inv));
+        avx512::store(a.type, a.out, ((b * a.heads + h) * a.queries + q0 + qi) * d + 16 * k,
+                      _mm512_mul_ps(acc[qi][k], inv));
     }
   }
 }

@@ -74,7 +74,8 @@ void silu_mul(WeightType type, const void* gate, const void* up, void* out, int6
     const __m512 g = load(type, gate, i, n);
     // silu(g) = g / (1 + exp(-g)), rounded as aten stores it, then the product.
     const __m512 silu = round_to(
-        type, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), avx512::exp(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        type,
+        _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), avx512::exp(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
     store(type, out, i, _mm512_mul_ps(silu, load(type, up, i, n)), n);
   }
 }

@@ -97,8 +97,9 @@ void register_ops() {
     lib.def(torch::schema("pipe::rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
                           c10::AliasAnalysisKind::FROM_SCHEMA),
             &rms_norm_op);
-    lib.def(torch::schema("pipe::rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor", c10::AliasAnalysisKind::FROM_SCHEMA),
-            &rotary_op);
+    lib.def(
+        torch::schema("pipe::rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor", c10::AliasAnalysisKind::FROM_SCHEMA),
+        &rotary_op);
     lib.def(torch::schema("pipe::silu_mul(Tensor gate, Tensor up) -> Tensor", c10::AliasAnalysisKind::FROM_SCHEMA),
             &silu_mul_op);
     return true;
@@ -210,8 +211,8 @@ size_t fuse_elementwise(torch::jit::Module& stage) {
       const c10::IValue none, last(int64_t{-1}), one(int64_t{1});
       return constant_is(m, v, "last_dim", last) && constant_is(m, v, "two", int64_t{2}) &&
              constant_is(m, v, "dim1", last) && constant_is(m, v, "end1", none) && constant_is(m, v, "step1", one) &&
-             constant_is(m, v, "dim2", last) && constant_is(m, v, "start2", none) &&
-             constant_is(m, v, "step2", one) && constant_is(m, v, "dim3", last) && constant_is(m, v, "alpha", one);
+             constant_is(m, v, "dim2", last) && constant_is(m, v, "start2", none) && constant_is(m, v, "step2", one) &&
+             constant_is(m, v, "dim3", last) && constant_is(m, v, "alpha", one);
     });
   }
   {
