@@ -209,11 +209,12 @@ class Transformers:
 # ---- libpipe ------------------------------------------------------------------------------------
 
 
-def export_skeleton(folder, path, max_len, slots, dtype=None):
-    """dtype: "fp32" or "bf16" (the skeleton's weights, inputs and cache), default the checkpoint's."""
+def export_skeleton(folder, path, max_len, slots, dtype=None, cache_dtype=None):
+    """dtype: "fp32" or "bf16" (the skeleton's weights, inputs and cache), default the checkpoint's; cache_dtype:
+    the KV caches' when not dtype's (export_llm --cache-dtype)."""
     from libpipe.export_llm import export_llm
 
-    export_llm(str(folder), path, max_seq_len=max_len, max_batch=slots, dtype=dtype)
+    export_llm(str(folder), path, max_seq_len=max_len, max_batch=slots, dtype=dtype, cache_dtype=cache_dtype)
 
 
 def split_args(split_at, stages):
@@ -471,17 +472,25 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
         flush=True,
     )
 
-    def skeleton(c, dtype):
-        path = os.path.join(work, f"{os.path.basename(os.path.normpath(folder))}-{c}slots-{max_len}-{dtype}.pt")
+    def skeleton(c, dtype, cache_dtype):
+        kv = f"-kv{cache_dtype}" if cache_dtype and cache_dtype != dtype else ""
+        path = os.path.join(work, f"{os.path.basename(os.path.normpath(folder))}-{c}slots-{max_len}-{dtype}{kv}.pt")
         if not os.path.exists(path):
-            export_skeleton(folder, path, max_len, c, dtype)
+            export_skeleton(folder, path, max_len, c, dtype, cache_dtype if kv else None)
         return path
 
-    def run_libpipe(c, dtype):
-        # fp32 takes the checkpoint as it is; another dtype casts it at load.
+    def run_libpipe(c, dtype, cache_dtype=args.cache_dtype):
+        # fp32 takes the checkpoint as it is; another dtype casts it at load (the caches with it).
         cast = None if dtype == "fp32" else dtype
         return libpipe_fixed(
-            args.pipe, skeleton(c, dtype), weights, prompts[:c], new, cut, args.threads_per_stage, dtype=cast
+            args.pipe,
+            skeleton(c, dtype, cache_dtype if dtype == "fp32" else None),
+            weights,
+            prompts[:c],
+            new,
+            cut,
+            args.threads_per_stage,
+            dtype=cast,
         )
 
     lc_runs = {(d, c): [] for d in models for c in args.concurrency}
@@ -501,6 +510,12 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
     if "fp32" not in models:
         for c in args.concurrency:
             outputs["fp32", c] = run_libpipe(c, "fp32")[1]
+    # The float32 reference of the agreement columns keeps float32 caches: with --cache-dtype the fp32 rows'
+    # outputs are compared with it too (the smaller cache's effect on greedy tokens).
+    full_cache = {}
+    if args.cache_dtype not in (None, "fp32"):
+        for c in args.concurrency:
+            full_cache[c] = run_libpipe(c, "fp32", cache_dtype=None)[1]
     rows = []
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
@@ -523,8 +538,8 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
                 "decode_bytes_per_step": step_bytes,
                 "weights_and_caches_mib": (weights + caches) / 2**20,
             }
-            if d != "fp32":
-                equal, share = agreement(outputs[d, c], outputs["fp32", c])
+            if d != "fp32" or full_cache:
+                equal, share = agreement(outputs[d, c], full_cache.get(c, outputs["fp32", c]))
                 row["libpipe_agreement_with_fp32"] = {
                     "sequences_equal": equal,
                     "sequences": c,
@@ -537,6 +552,7 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
     return {
         "workload": {"prompt_tokens": length, "new_tokens": new, "stop_ids": [], "cut": cut},
         "dtypes": list(models),
+        "cache_dtype": args.cache_dtype,
         "native_bf16": native_bf16(),
         "llamacpp": {
             "package": f"{llamacpp.PACKAGE}=={llamacpp.VERSION}",
@@ -606,19 +622,23 @@ def print_llamacpp_table(result):
     """The Markdown table of libpipe against llama.cpp, a row per precision and C: each figure, then
     libpipe's as a ratio to llama.cpp's (for rates above 1 is faster; for the time to first token
     below 1 is sooner); with bf16, libpipe's greedy outputs against its fp32 ones."""
-    bf16 = any(r["dtype"] != "fp32" for r in result["rows"])
-    if bf16 and not result["native_bf16"]:
+    bf16 = any(r["dtype"] != "fp32" or "libpipe_agreement_with_fp32" in r for r in result["rows"])
+    if any(r["dtype"] != "fp32" for r in result["rows"]) and not result["native_bf16"]:
         print(f"warning: {NO_NATIVE_BF16}")
     print(
         "| precision | sequences at once | prefill tokens/s llama.cpp | libpipe | ratio | decode tokens/s llama.cpp | "
         "libpipe | ratio | end-to-end tokens/s llama.cpp | libpipe | ratio | TTFT ms llama.cpp | libpipe | ratio | "
         "libpipe every first token ms | decode share of the memory bound llama.cpp | libpipe | libpipe peak RSS MiB "
-        "(weights + KV caches MiB) |" + (" libpipe greedy = fp32 |" if bf16 else "")
+        "(weights + KV caches MiB) |" + (" libpipe greedy = fp32 with fp32 caches |" if bf16 else "")
     )
     print("|" + " --- |" * (18 + bf16))
     for r in result["rows"]:
         lc, lp = r["llamacpp"], r["libpipe"]
-        cells = [r["dtype"], str(r["concurrency"])]
+        kv = result.get("cache_dtype")
+        cells = [
+            r["dtype"] + (f" ({kv} KV cache)" if kv and kv != "fp32" and r["dtype"] == "fp32" else ""),
+            str(r["concurrency"]),
+        ]
         for key, fmt in (
             ("prefill_tokens_per_s", ".0f"),
             ("decode_tokens_per_s", ".1f"),
@@ -809,6 +829,13 @@ def main():
     lc.add_argument("--prompt-tokens", type=int, default=128, help="each sequence's prompt length")
     lc.add_argument("--new-tokens", type=int, default=64, help="tokens each sequence generates (no stop)")
     lc.add_argument("--llamacpp-threads", type=int, default=os.cpu_count(), help="llama.cpp's -t and -tb")
+    lc.add_argument(
+        "--cache-dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="libpipe's KV caches in the fp32 rows (export_llm --cache-dtype; llama.cpp's are its default f16): the "
+        "fp32 rows' greedy outputs are then compared with fp32-cache ones",
+    )
     lc.add_argument(
         "--dtype",
         nargs="+",

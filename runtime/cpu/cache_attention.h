@@ -7,7 +7,8 @@
 // task computes one query head of one row: the scores of its queries against every key it may see
 // (a boolean mask, broadcast as SDPA takes it), a softmax (vectorised exp), and the weighted sum of the
 // values, all in float32 registers whatever the cache holds (float32, bfloat16 or float16), with the
-// query and the output in the cache's dtype. Tasks are independent, so they can be spread over threads.
+// query and the output in the model's dtype (the cache's, or float32 over a cache kept in a smaller one). Tasks are
+// independent, so they can be spread over threads.
 //
 // Plain C++ over raw pointers; the kernels are built with AVX-512 flags (cache_attention_avx512.cpp) and
 // used only where panel_gemm.h's cpu_has_panel_kernels() holds.
@@ -20,9 +21,10 @@
 namespace libpipe::cpu {
 
 struct CacheAttention {
-  WeightType type = WeightType::kFloat32;  // of the query, the caches and the output
-  const void* query = nullptr;             // [batch, heads, queries, head_dim], contiguous
-  void* out = nullptr;                     // the same shape, contiguous
+  WeightType type = WeightType::kFloat32;        // of the query and the output
+  WeightType cache_type = WeightType::kFloat32;  // of the caches (a float32 model may keep them in bfloat16)
+  const void* query = nullptr;                   // [batch, heads, queries, head_dim], contiguous
+  void* out = nullptr;                           // the same shape, contiguous
   int64_t batch = 0, heads = 0, queries = 0, head_dim = 0;
   const void* k_cache = nullptr;  // [slots, kv_heads, max_len, head_dim] with these strides (elements),
   const void* v_cache = nullptr;  // the last one 1

@@ -56,7 +56,8 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
         continue;
       }
       __m512 kv[ND];
-      for (int k = 0; k < ND; ++k) kv[k] = avx512::load(a.type, a.k_cache, k_base + j * a.cache_stride[2] + 16 * k);
+      for (int k = 0; k < ND; ++k)
+        kv[k] = avx512::load(a.cache_type, a.k_cache, k_base + j * a.cache_stride[2] + 16 * k);
       for (int qi = 0; qi < nq; ++qi) {
         __m512 acc = _mm512_mul_ps(qv[qi][0], kv[0]);
         for (int k = 1; k < ND; ++k) acc = _mm512_fmadd_ps(qv[qi][k], kv[k], acc);
@@ -110,7 +111,7 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
       for (int qi = 0; qi < nq; ++qi) any |= scores[qi * ctx + j] != 0.f;
       if (!any) continue;
       __m512 vv[ND];
-      for (int k = 0; k < ND; ++k) vv[k] = avx512::load(a.type, a.v_cache, v_base + j * a.v_stride[2] + 16 * k);
+      for (int k = 0; k < ND; ++k) vv[k] = avx512::load(a.cache_type, a.v_cache, v_base + j * a.v_stride[2] + 16 * k);
       for (int qi = 0; qi < nq; ++qi) {
         const __m512 p = _mm512_set1_ps(scores[qi * ctx + j]);
         for (int k = 0; k < ND; ++k) acc[qi][k] = _mm512_fmadd_ps(p, vv[k], acc[qi][k]);

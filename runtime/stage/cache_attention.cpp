@@ -38,9 +38,11 @@ bool fusing_available() {
 at::Tensor gathered_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& slots, int64_t context, const std::optional<at::Tensor>& mask,
                               std::optional<double> scale, bool enable_gqa) {
-  return at::scaled_dot_product_attention(query, k_cache.narrow(2, 0, context).index_select(0, slots),
-                                          v_cache.narrow(2, 0, context).index_select(0, slots), mask, 0.0, false, scale,
-                                          enable_gqa);
+  // A cache in another dtype than the queries' is read in theirs (the decoder's .to, which the rewrite folds in).
+  return at::scaled_dot_product_attention(query,
+                                          k_cache.narrow(2, 0, context).index_select(0, slots).to(query.scalar_type()),
+                                          v_cache.narrow(2, 0, context).index_select(0, slots).to(query.scalar_type()),
+                                          mask, 0.0, false, scale, enable_gqa);
 }
 
 // One group of `count` GEMMs of equal sizes, row-major: c[i] = alpha * op(a[i]) * op(b[i]).
@@ -75,9 +77,13 @@ bool is_false(torch::jit::Value* v) {
   return c && c->isBool() && !c->toBool();
 }
 
-// `v` = aten::index_select(aten::narrow(cache, 2, 0, context), 0, slots): that node, else null.
+// `v` = aten::index_select(aten::narrow(cache, 2, 0, context), 0, slots), or that converted to another dtype
+// (.to(dtype): a cache stored in another dtype than the model's): the index_select node, else null.
 torch::jit::Node* cache_gather(torch::jit::Value* v) {
   torch::jit::Node* select = v->node();
+  if (select->kind() == torch::jit::aten::to && select->inputs().size() == 5 &&
+      select->input(1)->type()->kind() == c10::TypeKind::IntType)
+    select = select->input(0)->node();
   if (select->kind() != torch::jit::aten::index_select || select->inputs().size() != 3 ||
       !is_constant(select->input(1), 0))
     return nullptr;
@@ -95,11 +101,21 @@ void collect_attention(torch::jit::Block* block, std::vector<torch::jit::Node*>&
   }
 }
 
+// Removes the gather that fed the attention (its .to, index_select and narrow) as far as nothing else reads it.
 void destroy_if_unused(torch::jit::Node* node) {
-  if (node->hasUses()) return;
-  torch::jit::Node* input = node->input(0)->node();
-  node->destroy();
-  if (input->kind() == torch::jit::aten::narrow && !input->hasUses()) input->destroy();
+  while (node && !node->hasUses() &&
+         (node->kind() == torch::jit::aten::to || node->kind() == torch::jit::aten::index_select ||
+          node->kind() == torch::jit::aten::narrow)) {
+    torch::jit::Node* input = node->kind() == torch::jit::aten::narrow ? nullptr : node->input(0)->node();
+    node->destroy();
+    node = input;
+  }
+}
+
+cpu::WeightType weight_type(at::ScalarType t) {
+  return t == at::kFloat      ? cpu::WeightType::kFloat32
+         : t == at::kBFloat16 ? cpu::WeightType::kBFloat16
+                              : cpu::WeightType::kFloat16;
 }
 
 // The kernels of runtime/cpu/cache_attention.h: every dtype they take, one (row, head) per task, the tasks spread
@@ -109,9 +125,8 @@ at::Tensor kernel_attention(const at::Tensor& query, const at::Tensor& k_cache, 
   const at::Tensor q = query.contiguous();
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   cpu::CacheAttention a;
-  a.type = query.scalar_type() == at::kFloat      ? cpu::WeightType::kFloat32
-           : query.scalar_type() == at::kBFloat16 ? cpu::WeightType::kBFloat16
-                                                  : cpu::WeightType::kFloat16;
+  a.type = weight_type(query.scalar_type());
+  a.cache_type = weight_type(k_cache.scalar_type());
   a.query = q.data_ptr();
   a.out = out.data_ptr();
   a.batch = q.size(0);
@@ -145,14 +160,14 @@ at::Tensor cache_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   const auto fallback = [&] {
     return gathered_attention(query, k_cache, v_cache, slots, context, mask, scale, enable_gqa);
   };
-  const bool kernels = cpu::cpu_has_panel_kernels() && kernel_dtype(query.scalar_type()) && query.dim() == 4 &&
+  const bool kernels = cpu::cpu_has_panel_kernels() && kernel_dtype(query.scalar_type()) &&
+                       kernel_dtype(k_cache.scalar_type()) && query.dim() == 4 &&
                        cpu::cache_attention_head_dim_supported(query.size(3));
-  const bool mkl = cblas_sgemm_batch && query.scalar_type() == at::kFloat;
+  const bool mkl = cblas_sgemm_batch && query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat;
   if ((!kernels && !mkl) || query.dim() != 4 || k_cache.dim() != 4 || v_cache.dim() != 4 || slots.dim() != 1 ||
-      k_cache.scalar_type() != query.scalar_type() || v_cache.scalar_type() != query.scalar_type() ||
-      slots.scalar_type() != at::kLong || !query.device().is_cpu() || !k_cache.device().is_cpu() ||
-      !v_cache.device().is_cpu() || !slots.device().is_cpu() || !mask || !mask->defined() ||
-      mask->scalar_type() != at::kBool || mask->dim() > 4)
+      v_cache.scalar_type() != k_cache.scalar_type() || slots.scalar_type() != at::kLong || !query.device().is_cpu() ||
+      !k_cache.device().is_cpu() || !v_cache.device().is_cpu() || !slots.device().is_cpu() || !mask ||
+      !mask->defined() || mask->scalar_type() != at::kBool || mask->dim() > 4)
     return fallback();
   const int64_t b = query.size(0), heads = query.size(1), t = query.size(2), d = query.size(3);
   const int64_t kv = k_cache.size(1), slots_held = k_cache.size(0);
@@ -232,10 +247,12 @@ size_t fuse_cache_attention(torch::jit::Module& stage) {
         c10::Symbol::fromQualString(kOpName),
         {node->input(0), keys->input(0)->node()->input(0), values->input(0)->node()->input(0), keys->input(2),
          keys->input(0)->node()->input(3), node->input(3), node->input(6), node->input(7)});
+    torch::jit::Node* key_input = node->input(1)->node();
+    torch::jit::Node* value_input = node->input(2)->node();
     node->output()->replaceAllUsesWith(out);
     node->destroy();
-    destroy_if_unused(keys);
-    destroy_if_unused(values);
+    destroy_if_unused(key_input);
+    destroy_if_unused(value_input);
     ++rewritten;
   }
   return rewritten;

@@ -111,9 +111,9 @@ def greedy_mid_flight(step, prompts, slots):
     return out
 
 
-def scripted_with_weights(exported):
+def scripted_with_weights(exported, cache_dtype=None):
     """The decoder scripted in this process with the checkpoint's tensors copied in by name."""
-    decoder = build_decoder(exported.config, MAX_LEN, SLOTS)
+    decoder = build_decoder(exported.config, MAX_LEN, SLOTS, cache_dtype=cache_dtype)
     missing, unexpected = decoder.load_state_dict(load_file(exported.weights), strict=False)
     tied = exported.config.get("tie_word_embeddings", False)
     assert unexpected == [] and missing == (["lm_head.weight"] if tied else [])
@@ -327,6 +327,25 @@ def test_bf16_checkpoint_equals_transformers_in_bf16(exported, tmp_path):
     assert_decodes_in_bf16(got, want, want32, expected)
     # The dtype decides tokens here, so a float32 computation somewhere would be caught.
     assert reference != exported.reference[:SLOTS]
+
+
+def test_caches_in_bf16_for_a_float32_model(exported, tmp_path):
+    """export_llm --cache-dtype bf16: the caches are bfloat16 buffers (half the bytes), the weights stay float32,
+    and libpipe over 2 stages decodes as the eager decoder with the same caches: keys and values rounded once
+    when written, attention in float32."""
+    skeleton = tmp_path / "bf16-caches.pt"
+    result = export(exported.folder, skeleton, "--max-seq-len", MAX_LEN, "--max-batch", SLOTS, "--cache-dtype", "bf16")
+    assert result.returncode == 0, result.stderr
+    buffers = dict(torch.jit.load(skeleton).named_buffers())
+    caches = [b for n, b in buffers.items() if n.endswith(("k_cache", "v_cache"))]
+    assert caches and all(b.dtype == torch.bfloat16 for b in caches)
+    assert all(p.dtype == torch.float32 for p in torch.jit.load(skeleton).parameters())
+    prompts = PROMPTS[:SLOTS]
+    with torch.no_grad():
+        expected = greedy_batched(scripted_with_weights(exported, torch.bfloat16), prompts, [0, 1, 2, 3])
+    with libpipe.Model.load(skeleton) as model, split(model, 2, exported.config) as plan:
+        with plan.session(weights=exported.weights, microbatches=2) as session:
+            assert greedy_batched(libpipe_step(session), prompts, [0, 1, 2, 3]) == expected
 
 
 def test_bad_calls_are_refused_by_the_module(exported):

@@ -115,6 +115,26 @@ TEST(CacheAttention, KernelsEqualSdpaInEveryDtype) {
   }
 }
 
+// A float32 model's caches kept in bfloat16 or float16 (export_llm --cache-dtype): the kernels read them as the
+// decoder's .to(q.dtype) does, float32 attention over the rounded keys and values.
+TEST(CacheAttention, CachesInASmallerDtypeThanTheQueries) {
+  if (!cpu::cpu_has_panel_kernels()) GTEST_SKIP() << "this CPU has no AVX-512: the kernels do not run";
+  c10::InferenceMode guard;
+  at::manual_seed(7);
+  for (at::ScalarType cache : {at::kBFloat16, at::kHalf}) {
+    const at::Tensor k_cache = at::randn({3, 2, 40, 64}).to(cache), v_cache = at::randn({3, 2, 40, 64}).to(cache);
+    const at::Tensor slots = at::tensor({2, 0}, at::kLong), start = at::tensor({30, 0}, at::kLong),
+                     lengths = at::tensor({1, 4}, at::kLong);
+    const at::Tensor mask = decoder_mask(start, lengths, 4, 31, 0);
+    const at::Tensor q = at::randn({2, 4, 6, 64}).transpose(1, 2);
+    const at::Tensor want =
+        reference(q, k_cache.to(at::kFloat), v_cache.to(at::kFloat), slots, 31, mask, std::nullopt, true);
+    const at::Tensor got = stage::cache_attention(q, k_cache, v_cache, slots, 31, mask, std::nullopt, true);
+    ASSERT_EQ(got.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-5)) << (got - want).abs().max().item<double>();
+  }
+}
+
 // A query that may see no key comes out NaN from the kernels, as from SDPA; the others are unaffected.
 TEST(CacheAttention, AQuerySeeingNothingIsNaN) {
   if (!cpu::cpu_has_panel_kernels()) GTEST_SKIP() << "this CPU has no AVX-512: the kernels do not run";
@@ -186,6 +206,38 @@ TEST(CacheAttention, TheDecodersPatternIsRewrittenAndComputesTheSame) {
   EXPECT_EQ(count_nodes(graph, "aten::scaled_dot_product_attention"), 0u);
   EXPECT_EQ(count_nodes(graph, "aten::index_select"), 0u);  // the gathers are gone
   const std::vector<c10::IValue> inputs{at::randn({3, 6, 1, 8}), at::tensor({3, 1, 0}, at::kLong),
+                                        at::tensor({5, 9, 2}, at::kLong)};
+  const at::Tensor want = plain.forward(inputs).toTensor();
+  const at::Tensor got = fused.forward(inputs).toTensor();
+  EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-5)) << (got - want).abs().max().item<double>();
+}
+
+// The decoder's read of a cache kept in another dtype: the gather converted to the queries' dtype.
+TEST(CacheAttention, AGatherConvertedToTheQueriesDtypeIsRewrittenToo) {
+  if (!fusing_expected()) GTEST_SKIP() << "nothing is rewritten here";
+  c10::InferenceMode guard;
+  auto module = [] {
+    at::manual_seed(8);
+    torch::jit::Module m("CastCacheAttentionTest");
+    m.register_buffer("k_cache", at::randn({4, 2, 16, 16}).to(at::kBFloat16));
+    m.register_buffer("v_cache", at::randn({4, 2, 16, 16}).to(at::kBFloat16));
+    m.define(R"(
+def forward(self, q, slots, end):
+    context = int(end.max())
+    keys = self.k_cache.narrow(2, 0, context).index_select(0, slots).to(q.dtype)
+    values = self.v_cache.narrow(2, 0, context).index_select(0, slots).to(q.dtype)
+    allowed = (torch.arange(context) < end.unsqueeze(-1)).unsqueeze(1).unsqueeze(1)
+    return torch.scaled_dot_product_attention(
+        q, keys, values, attn_mask=allowed, dropout_p=0.0, is_causal=False, scale=0.25, enable_gqa=True)
+)");
+    return m;
+  };
+  torch::jit::Module fused = module(), plain = module();
+  EXPECT_EQ(stage::fuse_cache_attention(fused), 1u);
+  const auto& graph = *fused.get_method("forward").graph();
+  EXPECT_EQ(count_nodes(graph, "aten::index_select"), 0u);
+  EXPECT_EQ(count_nodes(graph, "aten::to"), 0u);  // the casts went with the gathers
+  const std::vector<c10::IValue> inputs{at::randn({3, 6, 1, 16}), at::tensor({3, 1, 0}, at::kLong),
                                         at::tensor({5, 9, 2}, at::kLong)};
   const at::Tensor want = plain.forward(inputs).toTensor();
   const at::Tensor got = fused.forward(inputs).toTensor();

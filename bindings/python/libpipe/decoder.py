@@ -158,8 +158,8 @@ def write_cache(
     rows, cols = valid.nonzero().unbind(1)
     where = slots[rows]
     at = positions[rows, cols]
-    k_cache[where, :, at] = k.transpose(1, 2)[rows, cols]
-    v_cache[where, :, at] = v.transpose(1, 2)[rows, cols]
+    k_cache[where, :, at] = k.transpose(1, 2)[rows, cols].to(k_cache.dtype)
+    v_cache[where, :, at] = v.transpose(1, 2)[rows, cols].to(v_cache.dtype)
 
 
 def _write_cache_exported(
@@ -183,8 +183,8 @@ def _write_cache_exported(
     pick = cols.unsqueeze(-1).unsqueeze(-1)
     keys = k.transpose(1, 2)  # [B, T, kv_heads, head_dim]
     values = v.transpose(1, 2)
-    k_cache[where, :, at] = keys.gather(1, pick.expand_as(keys))
-    v_cache[where, :, at] = values.gather(1, pick.expand_as(values))
+    k_cache[where, :, at] = keys.gather(1, pick.expand_as(keys)).to(k_cache.dtype)
+    v_cache[where, :, at] = values.gather(1, pick.expand_as(values)).to(v_cache.dtype)
 
 
 def attend_cache(
@@ -205,8 +205,9 @@ def attend_cache(
         context = int(end.max())
     else:
         context = _context(end, k_cache.shape[2])
-    keys = k_cache.narrow(2, 0, context).index_select(0, slots)
-    values = v_cache.narrow(2, 0, context).index_select(0, slots)
+    # A cache in another dtype than the model's (export_llm --cache-dtype) is read in the model's: a no-op otherwise.
+    keys = k_cache.narrow(2, 0, context).index_select(0, slots).to(q.dtype)
+    values = v_cache.narrow(2, 0, context).index_select(0, slots).to(q.dtype)
     kpos = torch.arange(context, device=q.device)
     qpos = positions.unsqueeze(-1)
     allowed = kpos <= qpos
@@ -304,8 +305,8 @@ def write_packed(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, 
     """Writes packed keys and values [N, kv_heads, head_dim] at their slots and positions, in place."""
     if k_cache.stride(0) == 0 or v_cache.stride(0) == 0:
         raise ValueError("decoder: k_cache/v_cache is a zero-stride placeholder, not an allocated cache")
-    k_cache[where, :, at] = k
-    v_cache[where, :, at] = v
+    k_cache[where, :, at] = k.to(k_cache.dtype)
+    v_cache[where, :, at] = v.to(v_cache.dtype)
 
 
 def _context(end: torch.Tensor, max_len: int) -> int:
@@ -416,6 +417,7 @@ class Attention(nn.Module):
         max_len: int,
         weights,
         placeholder_caches: bool = False,
+        cache_dtype=None,
     ):
         super().__init__()
         self.heads = heads
@@ -428,8 +430,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias, **weights)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias, **weights)
         shape = (slots, kv_heads, max_len, head_dim)
-        self.register_buffer("k_cache", new_cache(shape, weights["dtype"], placeholder_caches), persistent=False)
-        self.register_buffer("v_cache", new_cache(shape, weights["dtype"], placeholder_caches), persistent=False)
+        cache_dtype = cache_dtype or weights["dtype"]
+        self.register_buffer("k_cache", new_cache(shape, cache_dtype, placeholder_caches), persistent=False)
+        self.register_buffer("v_cache", new_cache(shape, cache_dtype, placeholder_caches), persistent=False)
 
     def forward(
         self,
@@ -617,7 +620,15 @@ class GPT2Attention(nn.Module):
     """GPT-2's attention (fused q/k/v projection c_attn, output c_proj) over the slot's cache."""
 
     def __init__(
-        self, hidden: int, heads: int, scale: float, slots: int, max_len: int, weights, placeholder_caches: bool = False
+        self,
+        hidden: int,
+        heads: int,
+        scale: float,
+        slots: int,
+        max_len: int,
+        weights,
+        placeholder_caches: bool = False,
+        cache_dtype=None,
     ):
         super().__init__()
         self.heads = heads
@@ -627,8 +638,9 @@ class GPT2Attention(nn.Module):
         self.c_attn = Conv1D(3 * hidden, hidden, weights)
         self.c_proj = Conv1D(hidden, hidden, weights)
         shape = (slots, heads, max_len, self.head_dim)
-        self.register_buffer("k_cache", new_cache(shape, weights["dtype"], placeholder_caches), persistent=False)
-        self.register_buffer("v_cache", new_cache(shape, weights["dtype"], placeholder_caches), persistent=False)
+        cache_dtype = cache_dtype or weights["dtype"]
+        self.register_buffer("k_cache", new_cache(shape, cache_dtype, placeholder_caches), persistent=False)
+        self.register_buffer("v_cache", new_cache(shape, cache_dtype, placeholder_caches), persistent=False)
 
     def forward(
         self,
@@ -779,7 +791,7 @@ class GPT2LM(nn.Module):
         return self.lm_head(self.transformer.ln_f(last)).to(torch.float32)
 
 
-def build_gpt2(config, max_len, slots, weights, placeholder_caches=False):
+def build_gpt2(config, max_len, slots, weights, placeholder_caches=False, cache_dtype=None):
     """GPT2LM for a GPT-2 config.json (GPT2LMHeadModel's names: transformer.h.N.attn.c_attn, ...)."""
     if config.get("add_cross_attention"):
         raise ValueError("GPT-2 with cross-attention (add_cross_attention) is not a decoder-only model")
@@ -800,7 +812,7 @@ def build_gpt2(config, max_len, slots, weights, placeholder_caches=False):
     vocab = config["vocab_size"]
     blocks = [
         GPT2Block(
-            GPT2Attention(hidden, heads, scale, slots, max_len, weights, placeholder_caches),
+            GPT2Attention(hidden, heads, scale, slots, max_len, weights, placeholder_caches, cache_dtype),
             GPT2MLP(hidden, inner, weights),
             hidden,
             eps,
@@ -885,13 +897,18 @@ def config_dtype(config):
     return _DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32)
 
 
-def build_decoder(config, max_len, slots, dtype=torch.float32, weights_device="cpu", placeholder_caches=False):
+def build_decoder(
+    config, max_len, slots, dtype=torch.float32, weights_device="cpu", placeholder_caches=False, cache_dtype=None
+):
     """An eager DecoderLM for a Hugging Face config dict (config.json), with caches of
     [slots, kv_heads, max_len, head_dim] per attention layer. ValueError for what it cannot build
     exactly: another model type, rope type, activation, or a max_len or slots below 1.
     weights_device "meta" makes the parameters without memory (for a skeleton); the caches and
     rotary frequencies are always made on the CPU. placeholder_caches makes each cache a
-    zero-stride placeholder (see the module docstring: libpipe allocates it; eager calls refuse it)."""
+    zero-stride placeholder (see the module docstring: libpipe allocates it; eager calls refuse it).
+    cache_dtype (a torch.dtype; default `dtype`) stores keys and values in another dtype than the
+    model's, e.g. bfloat16 caches for a float32 model: half the bytes attention reads, each key and
+    value rounded once when written, read back in the model's dtype."""
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -902,7 +919,7 @@ def build_decoder(config, max_len, slots, dtype=torch.float32, weights_device="c
         raise ValueError(f"max_len and slots must be at least 1 (got {max_len} and {slots})")
     weights = {"dtype": dtype, "device": torch.device(weights_device)}
     if model_type == "gpt2":
-        return build_gpt2(config, max_len, slots, weights, placeholder_caches).eval()
+        return build_gpt2(config, max_len, slots, weights, placeholder_caches, cache_dtype).eval()
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
@@ -936,6 +953,7 @@ def build_decoder(config, max_len, slots, dtype=torch.float32, weights_device="c
                 max_len,
                 weights,
                 placeholder_caches,
+                cache_dtype,
             ),
             MLP(hidden, config["intermediate_size"], mlp_bias, weights),
             hidden,

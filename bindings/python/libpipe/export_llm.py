@@ -2,6 +2,7 @@
 libpipe.decoder).
 
     python -m libpipe.export_llm HF_MODEL_DIR OUT.pt [--max-seq-len L] [--max-batch S] [--dtype fp32|bf16|fp16]
+                                 [--cache-dtype fp32|bf16|fp16]
 
 reads HF_MODEL_DIR/config.json (Llama, Qwen2, Mistral, GPT-2), builds the decoder with caches for S
 sequences (slots) of up to L tokens each, scripts it and saves it without weights: parameters on
@@ -23,9 +24,13 @@ zeros for the caches, which the program writes in place; the rotary frequencies 
 
 --dtype defaults to the checkpoint's (config.json `dtype` / `torch_dtype`, else fp32): libpipe
 refuses weights whose dtype differs from the skeleton's unless a session dtype converts them.
+--cache-dtype (default: --dtype) stores the KV caches in another dtype, e.g. bf16 for a float32
+model: half the cache's memory and half the bytes attention reads per token, each key and value
+rounded once when written (greedy tokens may then part from float32's at near ties:
+bench/RESULTS.md reports how often). A session dtype converts the caches with the weights.
 
-From Python: export_llm(model_dir, out, max_seq_len=..., max_batch=..., dtype=...) returns the
-eager decoder it saved (nn.Module, weights uninitialised).
+From Python: export_llm(model_dir, out, max_seq_len=..., max_batch=..., dtype=..., cache_dtype=...)
+returns the eager decoder it saved (nn.Module, weights uninitialised).
 """
 
 import argparse
@@ -59,11 +64,11 @@ def read_config(model_dir):
         raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
-def export_llm(model_dir, out, *, max_seq_len=None, max_batch=DEFAULT_MAX_BATCH, dtype=None):
+def export_llm(model_dir, out, *, max_seq_len=None, max_batch=DEFAULT_MAX_BATCH, dtype=None, cache_dtype=None):
     """Writes the skeleton of the decoder for model_dir's config.json to `out`. max_seq_len
     defaults to the config's max_position_embeddings; dtype ("fp32" | "bf16" | "fp16" or a
-    torch.dtype) to the checkpoint's. ValueError for what cannot be exported (the message says
-    why). Returns the eager decoder."""
+    torch.dtype) to the checkpoint's; cache_dtype (the same choices) to dtype. ValueError for
+    what cannot be exported (the message says why). Returns the eager decoder."""
     config = read_config(model_dir)
     if max_seq_len is None:
         max_seq_len = config.get("max_position_embeddings")
@@ -75,9 +80,19 @@ def export_llm(model_dir, out, *, max_seq_len=None, max_batch=DEFAULT_MAX_BATCH,
         dtype = _DTYPES[dtype]
     if dtype is None:
         dtype = config_dtype(config)
+    if isinstance(cache_dtype, str):
+        if cache_dtype not in _DTYPES:
+            raise ValueError(f"cache_dtype {cache_dtype!r} is not one of fp32, bf16, fp16")
+        cache_dtype = _DTYPES[cache_dtype]
     # Nothing big is made here: the weights are on the meta device, the caches placeholders.
     decoder = build_decoder(
-        config, int(max_seq_len), int(max_batch), dtype, weights_device="meta", placeholder_caches=True
+        config,
+        int(max_seq_len),
+        int(max_batch),
+        dtype,
+        weights_device="meta",
+        placeholder_caches=True,
+        cache_dtype=cache_dtype,
     )
     if os.fspath(out).endswith(".pt2"):
         save_exported_skeleton(decoder, os.fspath(out))
@@ -220,10 +235,18 @@ def main(argv=None):
     parser.add_argument("--max-seq-len", type=int, default=None, help="cache length per sequence (tokens)")
     parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="cache slots (sequences at once)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the checkpoint's")
+    parser.add_argument(
+        "--cache-dtype", choices=["fp32", "bf16", "fp16"], default=None, help="the KV caches' (default: --dtype)"
+    )
     args = parser.parse_args(argv)
     try:
         decoder = export_llm(
-            args.model_dir, args.out, max_seq_len=args.max_seq_len, max_batch=args.max_batch, dtype=args.dtype
+            args.model_dir,
+            args.out,
+            max_seq_len=args.max_seq_len,
+            max_batch=args.max_batch,
+            dtype=args.dtype,
+            cache_dtype=args.cache_dtype,
         )
     except (ValueError, KeyError) as e:
         what = f"config.json lacks {e}" if isinstance(e, KeyError) else str(e)
