@@ -54,6 +54,18 @@ inline void store(WeightType type, void* base, int64_t index, __m512 v, int64_t 
   _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + index, m, h);
 }
 
+// 16 values [index, index + 16) of a `T` array, without a mask (the type known where the kernel is compiled).
+template <WeightType T>
+inline __m512 load16(const void* base, int64_t index) {
+  if constexpr (T == WeightType::kFloat32) {
+    return _mm512_loadu_ps(static_cast<const float*>(base) + index);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index));
+    if constexpr (T == WeightType::kBFloat16) return bf16_to_f32(h);
+    return _mm512_cvtph_ps(h);
+  }
+}
+
 // v rounded to `type` and back: what storing an intermediate result in the model's dtype does to it.
 inline __m512 round_to(WeightType type, __m512 v) {
   if (type == WeightType::kFloat32) return v;

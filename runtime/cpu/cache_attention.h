@@ -45,6 +45,12 @@ inline int64_t cache_attention_tasks(const CacheAttention& a) { return a.batch *
 // cpu_has_panel_kernels(), head_dim a multiple of 16 and at most 256.
 void cache_attention(const CacheAttention& a, int64_t begin, int64_t end);
 
+// Whether the kernels take these dtypes: the query's and the caches' equal, or float32 queries over bfloat16 or
+// float16 caches.
+inline bool cache_attention_types_supported(WeightType query, WeightType cache) {
+  return query == cache || query == WeightType::kFloat32;
+}
+
 // Whether the kernels take this head size.
 inline bool cache_attention_head_dim_supported(int64_t head_dim) {
   return head_dim > 0 && head_dim % 16 == 0 && head_dim <= 256;

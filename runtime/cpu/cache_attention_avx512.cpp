@@ -23,8 +23,35 @@ namespace libpipe::cpu {
 
 namespace {
 
+// Lane t = the sum of p[t]'s 16 lanes: four levels of shuffles and adds (p[i] with p[i+8], then within halves,
+// quarters and pairs), 3 instructions per vector where a horizontal sum per vector takes about 10; the levels
+// leave key t at position kPosition[t], which one permutation puts back.
+inline __m512 sum16(const __m512 (&p)[16]) {
+  __m512 q[8], r[4], s[2];
+  for (int i = 0; i < 8; ++i)
+    q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[i], p[i + 8], 0x44), _mm512_shuffle_f32x4(p[i], p[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(q[i], q[i + 4], 0x88), _mm512_shuffle_f32x4(q[i], q[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    s[i] = _mm512_add_ps(_mm512_shuffle_ps(r[i], r[i + 2], 0x44), _mm512_shuffle_ps(r[i], r[i + 2], 0xEE));
+  const __m512 out = _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], 0x88), _mm512_shuffle_ps(s[0], s[1], 0xDD));
+  // out's 128-bit lane L, element e holds key [0, 8, 4, 12][L] + [0, 2, 1, 3][e].
+  const __m512i position = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(position, out);
+}
+
+// The keys j .. j + n - 1 (n <= 16) a query may see, as bits, from its mask row (bools `stride` apart).
+inline __mmask16 visible(const bool* mask, int64_t stride, int64_t n) {
+  if (stride == 1)
+    return _mm_mask_cmpneq_epi8_mask(avx512::first(n), _mm_maskz_loadu_epi8(avx512::first(n), mask),
+                                     _mm_setzero_si128());
+  __mmask16 bits = 0;
+  for (int64_t t = 0; t < n; ++t) bits |= static_cast<__mmask16>(mask[t * stride] ? 1u << t : 0u);
+  return bits;
+}
+
 // One head of one row: QB queries at a time, ND 16-wide vectors per head.
-template <int ND>
+template <WeightType Q, WeightType C, int ND>
 void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores) {
   constexpr int QB = ND >= 16 ? 1 : 16 / ND;  // queries whose vectors fit 16 registers
   const int64_t b = task / a.heads, h = task % a.heads;
@@ -40,29 +67,40 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
     __m512 qv[QB][ND];
     for (int qi = 0; qi < QB; ++qi)
       for (int k = 0; k < ND; ++k)
-        qv[qi][k] = qi < nq ? avx512::load(a.type, a.query, ((b * a.heads + h) * a.queries + q0 + qi) * d + 16 * k)
+        qv[qi][k] = qi < nq ? avx512::load16<Q>(a.query, ((b * a.heads + h) * a.queries + q0 + qi) * d + 16 * k)
                             : _mm512_setzero_ps();
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    // Scores of every key each query may see; -inf where it may not.
-    for (int64_t j = 0; j < ctx; ++j) {
-      bool any = false;
-      bool sees[QB];
+    // Scores of every key each query may see, -inf where it may not, 16 keys at a time: 16 product vectors
+    // summed across their lanes together (sum16), not one horizontal sum per key.
+    for (int64_t j0 = 0; j0 < ctx; j0 += 16) {
+      const int64_t nk = std::min<int64_t>(16, ctx - j0);
+      __mmask16 sees[QB];
+      __mmask16 any = 0;
       for (int qi = 0; qi < nq; ++qi) {
-        sees[qi] = mask_row[(q0 + qi) * a.mask_stride[2] + j * a.mask_stride[3]];
+        sees[qi] = visible(mask_row + (q0 + qi) * a.mask_stride[2] + j0 * a.mask_stride[3], a.mask_stride[3], nk);
         any |= sees[qi];
       }
+      const __m512 none = _mm512_set1_ps(neg_inf);
       if (!any) {
-        for (int qi = 0; qi < nq; ++qi) scores[qi * ctx + j] = neg_inf;
+        for (int qi = 0; qi < nq; ++qi) _mm512_mask_storeu_ps(scores.data() + qi * ctx + j0, avx512::first(nk), none);
         continue;
       }
-      __m512 kv[ND];
-      for (int k = 0; k < ND; ++k)
-        kv[k] = avx512::load(a.cache_type, a.k_cache, k_base + j * a.cache_stride[2] + 16 * k);
       for (int qi = 0; qi < nq; ++qi) {
-        __m512 acc = _mm512_mul_ps(qv[qi][0], kv[0]);
-        for (int k = 1; k < ND; ++k) acc = _mm512_fmadd_ps(qv[qi][k], kv[k], acc);
+        __m512 p[16];
+        for (int t = 0; t < 16; ++t) {
+          if (t >= nk) {
+            p[t] = _mm512_setzero_ps();
+            continue;
+          }
+          const int64_t row = k_base + (j0 + t) * a.cache_stride[2];
+          __m512 acc = _mm512_mul_ps(qv[qi][0], avx512::load16<C>(a.k_cache, row));
+          for (int k = 1; k < ND; ++k)
+            acc = _mm512_fmadd_ps(qv[qi][k], avx512::load16<C>(a.k_cache, row + 16 * k), acc);
+          p[t] = acc;
+        }
         // Scaled after the product, as SDPA scales.
-        scores[qi * ctx + j] = sees[qi] ? _mm512_reduce_add_ps(acc) * a.scale : neg_inf;
+        const __m512 sc = _mm512_mul_ps(sum16(p), _mm512_set1_ps(a.scale));
+        _mm512_mask_storeu_ps(scores.data() + qi * ctx + j0, avx512::first(nk), _mm512_mask_mov_ps(none, sees[qi], sc));
       }
     }
     // Softmax per query (the weights stay unnormalised; the sum divides at the end).
@@ -95,11 +133,11 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
       total[qi] = _mm512_reduce_add_ps(sum);
       // In a bfloat16 or float16 model SDPA multiplies the values by the weights rounded to the dtype (the sum
       // stays float32): so here too, or greedy tokens would part from eager's at near ties.
-      if (a.type != WeightType::kFloat32)
+      if constexpr (Q != WeightType::kFloat32)
         for (j = 0; j < ctx; j += 16) {
           const int64_t n = std::min<int64_t>(16, ctx - j);
           _mm512_mask_storeu_ps(s + j, avx512::first(n),
-                                avx512::round_to(a.type, _mm512_maskz_loadu_ps(avx512::first(n), s + j)));
+                                avx512::round_to(Q, _mm512_maskz_loadu_ps(avx512::first(n), s + j)));
         }
     }
     // The weighted sum of the values.
@@ -111,7 +149,7 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
       for (int qi = 0; qi < nq; ++qi) any |= scores[qi * ctx + j] != 0.f;
       if (!any) continue;
       __m512 vv[ND];
-      for (int k = 0; k < ND; ++k) vv[k] = avx512::load(a.cache_type, a.v_cache, v_base + j * a.v_stride[2] + 16 * k);
+      for (int k = 0; k < ND; ++k) vv[k] = avx512::load16<C>(a.v_cache, v_base + j * a.v_stride[2] + 16 * k);
       for (int qi = 0; qi < nq; ++qi) {
         const __m512 p = _mm512_set1_ps(scores[qi * ctx + j]);
         for (int k = 0; k < ND; ++k) acc[qi][k] = _mm512_fmadd_ps(p, vv[k], acc[qi][k]);
@@ -120,39 +158,51 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
     for (int qi = 0; qi < nq; ++qi) {
       const __m512 inv = _mm512_set1_ps(1.0f / total[qi]);
       for (int k = 0; k < ND; ++k)
-        avx512::store(a.type, a.out, ((b * a.heads + h) * a.queries + q0 + qi) * d + 16 * k,
-                      _mm512_mul_ps(acc[qi][k], inv));
+        avx512::store(Q, a.out, ((b * a.heads + h) * a.queries + q0 + qi) * d + 16 * k, _mm512_mul_ps(acc[qi][k], inv));
     }
   }
 }
 
-template <int ND>
+template <WeightType Q, WeightType C, int ND>
 void tasks(const CacheAttention& a, int64_t begin, int64_t end) {
   thread_local std::vector<float> scores;
-  for (int64_t t = begin; t < end; ++t) one_task<ND>(a, t, scores);
+  for (int64_t t = begin; t < end; ++t) one_task<Q, C, ND>(a, t, scores);
+}
+
+template <WeightType Q, WeightType C>
+void by_head_dim(const CacheAttention& a, int64_t begin, int64_t end) {
+  switch (a.head_dim / 16) {
+    case 1: return tasks<Q, C, 1>(a, begin, end);
+    case 2: return tasks<Q, C, 2>(a, begin, end);
+    case 3: return tasks<Q, C, 3>(a, begin, end);
+    case 4: return tasks<Q, C, 4>(a, begin, end);
+    case 5: return tasks<Q, C, 5>(a, begin, end);
+    case 6: return tasks<Q, C, 6>(a, begin, end);
+    case 7: return tasks<Q, C, 7>(a, begin, end);
+    case 8: return tasks<Q, C, 8>(a, begin, end);
+    case 9: return tasks<Q, C, 9>(a, begin, end);
+    case 10: return tasks<Q, C, 10>(a, begin, end);
+    case 11: return tasks<Q, C, 11>(a, begin, end);
+    case 12: return tasks<Q, C, 12>(a, begin, end);
+    case 13: return tasks<Q, C, 13>(a, begin, end);
+    case 14: return tasks<Q, C, 14>(a, begin, end);
+    case 15: return tasks<Q, C, 15>(a, begin, end);
+    default: return tasks<Q, C, 16>(a, begin, end);
+  }
 }
 
 }  // namespace
 
 void cache_attention(const CacheAttention& a, int64_t begin, int64_t end) {
-  switch (a.head_dim / 16) {
-    case 1: return tasks<1>(a, begin, end);
-    case 2: return tasks<2>(a, begin, end);
-    case 3: return tasks<3>(a, begin, end);
-    case 4: return tasks<4>(a, begin, end);
-    case 5: return tasks<5>(a, begin, end);
-    case 6: return tasks<6>(a, begin, end);
-    case 7: return tasks<7>(a, begin, end);
-    case 8: return tasks<8>(a, begin, end);
-    case 9: return tasks<9>(a, begin, end);
-    case 10: return tasks<10>(a, begin, end);
-    case 11: return tasks<11>(a, begin, end);
-    case 12: return tasks<12>(a, begin, end);
-    case 13: return tasks<13>(a, begin, end);
-    case 14: return tasks<14>(a, begin, end);
-    case 15: return tasks<15>(a, begin, end);
-    default: return tasks<16>(a, begin, end);
+  using W = WeightType;
+  if (a.type == a.cache_type) {
+    if (a.type == W::kFloat32) return by_head_dim<W::kFloat32, W::kFloat32>(a, begin, end);
+    if (a.type == W::kBFloat16) return by_head_dim<W::kBFloat16, W::kBFloat16>(a, begin, end);
+    return by_head_dim<W::kFloat16, W::kFloat16>(a, begin, end);
   }
+  // A float32 model's caches in a smaller dtype (cache_attention_types_supported: the only mixes).
+  if (a.cache_type == W::kBFloat16) return by_head_dim<W::kFloat32, W::kBFloat16>(a, begin, end);
+  return by_head_dim<W::kFloat32, W::kFloat16>(a, begin, end);
 }
 
 }  // namespace libpipe::cpu

@@ -160,9 +160,10 @@ at::Tensor cache_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   const auto fallback = [&] {
     return gathered_attention(query, k_cache, v_cache, slots, context, mask, scale, enable_gqa);
   };
-  const bool kernels = cpu::cpu_has_panel_kernels() && kernel_dtype(query.scalar_type()) &&
-                       kernel_dtype(k_cache.scalar_type()) && query.dim() == 4 &&
-                       cpu::cache_attention_head_dim_supported(query.size(3));
+  const bool kernels =
+      cpu::cpu_has_panel_kernels() && kernel_dtype(query.scalar_type()) && kernel_dtype(k_cache.scalar_type()) &&
+      cpu::cache_attention_types_supported(weight_type(query.scalar_type()), weight_type(k_cache.scalar_type())) &&
+      query.dim() == 4 && cpu::cache_attention_head_dim_supported(query.size(3));
   const bool mkl = cblas_sgemm_batch && query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat;
   if ((!kernels && !mkl) || query.dim() != 4 || k_cache.dim() != 4 || v_cache.dim() != 4 || slots.dim() != 1 ||
       v_cache.scalar_type() != k_cache.scalar_type() || slots.scalar_type() != at::kLong || !query.device().is_cpu() ||
