@@ -27,9 +27,10 @@ Face folder runs the llama.cpp comparison on that model instead (llama.cpp's own
 writes its F32 and BF16 GGUFs from the folder, cached beside the build).
 
 The machine's read bandwidth (bench/read_bandwidth.cpp, all cores, on huge pages) is measured before and
-after the run; each decode rate is also given as a share of the memory bound, C x bandwidth / the bytes a
-decode step reads (every weight once, an untied embedding's one row aside), with the mean of the two
-bandwidths. libpipe's peak resident memory (`pipe generate --json`: its largest process) stands beside the
+after every run (a shared machine's moves between 36 and 62 GB/s within minutes); each decode rate is
+also given as a share of the memory bound, C x bandwidth / the bytes a decode step reads (every weight
+once, an untied embedding's one row aside), with the mean of the bandwidth around that run (median over
+runs). libpipe's peak resident memory (`pipe generate --json`: its largest process) stands beside the
 bytes of its weights and KV caches.
 
 Against transformers (--reference transformers): for each C the same chat prompts (real user
@@ -496,16 +497,26 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
     lc_runs = {(d, c): [] for d in models for c in args.concurrency}
     lp_runs = {(d, c): [] for d in models for c in args.concurrency}
     outputs = {}  # (dtype, C): libpipe's greedy outputs in the first repeat
+
+    # A shared machine's read bandwidth changes within minutes (here 36 <-> 62 GB/s): each run records the mean of
+    # the bandwidth just before and just after it, which its share of the memory bound uses.
+    def all_cores():
+        bw = read_bandwidth(args.pipe)
+        return bw[max(bw)]
+
     for _ in range(args.repeats):
         for d, model in models.items():
+            before = all_cores()
             try:
                 rows = llamacpp.batched_bench(bin_dir, model, args.concurrency, length, new, args.llamacpp_threads)
             except llamacpp.LlamaCppError as e:
                 sys.exit(f"generate.py: llama.cpp: {e}")
+            bandwidth = (before + all_cores()) / 2
             for c in args.concurrency:
-                lc_runs[d, c].append(rows[c])
+                lc_runs[d, c].append({**rows[c], "read_bandwidth_gb_per_s": bandwidth})
+                before = all_cores()
                 times, outs = run_libpipe(c, d)
-                lp_runs[d, c].append(times)
+                lp_runs[d, c].append({**times, "read_bandwidth_gb_per_s": (before + all_cores()) / 2})
                 outputs.setdefault((d, c), outs)
     if "fp32" not in models:
         for c in args.concurrency:
@@ -535,6 +546,20 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
                 "concurrency": c,
                 "llamacpp": llamacpp.median_figures(lc_runs[d, c]),
                 "libpipe": libpipe_figures(c, length, new, llamacpp.median_figures(lp_runs[d, c])),
+                # A decode step of C rows reads every weight once: at most C x bandwidth / bytes tokens per second,
+                # with the bandwidth measured around each run (the median over runs of each run's share).
+                "decode_share_of_memory_bound": {
+                    "llamacpp": statistics.median(
+                        r["decode_tokens_per_s"] * step_bytes / (c * r["read_bandwidth_gb_per_s"] * 1e9)
+                        for r in lc_runs[d, c]
+                    ),
+                    "libpipe": statistics.median(
+                        libpipe_figures(c, length, new, r)["decode_tokens_per_s"]
+                        * step_bytes
+                        / (c * r["read_bandwidth_gb_per_s"] * 1e9)
+                        for r in lp_runs[d, c]
+                    ),
+                },
                 "decode_bytes_per_step": step_bytes,
                 "weights_and_caches_mib": (weights + caches) / 2**20,
             }
@@ -648,8 +673,8 @@ def print_llamacpp_table(result):
             ratio = lp[key] / lc[key]
             cells += [format(lc[key], fmt), format(lp[key], fmt), f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a"]
         cells.append(f"{lp['all_first_tokens_ms']:.0f}")
-        bound = r["memory_bound_tokens_per_s"]
-        cells += [f"{lc['decode_tokens_per_s'] / bound:.0%}", f"{lp['decode_tokens_per_s'] / bound:.0%}"]
+        share = r["decode_share_of_memory_bound"]
+        cells += [f"{share['llamacpp']:.0%}", f"{share['libpipe']:.0%}"]
         cells.append(f"{lp['peak_rss_mib']:.0f} ({r['weights_and_caches_mib']:.0f})")
         if bf16:
             a = r.get("libpipe_agreement_with_fp32")
@@ -893,14 +918,9 @@ def main():
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     after = read_bandwidth(args.pipe)
     results["read_bandwidth_gb_per_s"] = {"before": before, "after": after}
-    # The bound: a decode step of C rows reads every weight once, so at most C x bandwidth / bytes tokens per second,
-    # with the mean of the bandwidth (all cores) before and after the run: a shared machine's varies by the hour.
-    bandwidth = (before[max(before)] + after[max(after)]) / 2
-    for r in results.get("llamacpp", {}).get("rows", []):
-        r["memory_bound_tokens_per_s"] = r["concurrency"] * bandwidth * 1e9 / r["decode_bytes_per_step"]
     print(
-        f"read bandwidth after (GB/s, by threads): {after}; the memory bound uses {bandwidth:.1f} GB/s (all cores, "
-        "the mean of before and after)"
+        f"read bandwidth after (GB/s, by threads): {after}; the shares of the memory bound use the bandwidth measured "
+        "around each run"
     )
     if "llamacpp" in results:
         print()
