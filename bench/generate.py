@@ -930,7 +930,7 @@ def main():
         print_tables(results["transformers"], args.hf_threads)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(results, f, indent=1, default=str)  # paths (the GGUFs) as their text
             f.write("\n")
     return 0
 
