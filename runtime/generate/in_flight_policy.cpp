@@ -23,10 +23,19 @@ double InFlightPolicy::rate(int64_t active, bool prompts_waiting, int64_t limit)
 int64_t InFlightPolicy::choose(const Class& c) {
   Rates& r = rates_[c];
   ++r.windows;
+  r.exploring = -1;
   if (r.rate[0] == 0) return 1;
-  if (r.rate[1] == 0) return most_;
+  if (r.rate[1] == 0) {
+    r.next_try = r.windows + kExploreEvery;
+    return most_;
+  }
   const int faster = r.rate[1] > r.rate[0] ? 1 : 0;
-  const int pick = r.windows % kExploreEvery == 0 ? 1 - faster : faster;
+  int pick = faster;
+  if (r.windows >= r.next_try) {
+    pick = 1 - faster;
+    r.exploring = pick;
+    r.next_try = r.windows + (kExploreEvery << std::min(r.confirmations, kMaxBackoff));
+  }
   return pick ? most_ : 1;
 }
 
@@ -73,9 +82,16 @@ void InFlightPolicy::end_window(std::chrono::steady_clock::time_point when) {
   open_ = false;
   const double seconds = std::chrono::duration<double>(when - first_done_at_).count();
   if (!first_done_ || seconds <= 0 || tokens_after_first_ <= 0) return;
-  double& slot = rates_[class_].rate[limit_ > 1 ? 1 : 0];
+  Rates& r = rates_[class_];
+  double& slot = r.rate[limit_ > 1 ? 1 : 0];
   const double measured = static_cast<double>(tokens_after_first_) / seconds;
   slot = slot == 0 ? measured : 0.5 * slot + 0.5 * measured;
+  if (r.exploring >= 0) {  // a try of the slower limit: did the faster stay faster?
+    const bool confirmed = r.rate[1 - r.exploring] >= r.rate[r.exploring];
+    r.confirmations = confirmed ? r.confirmations + 1 : 0;
+    if (!confirmed) r.next_try = r.windows + kExploreEvery;
+    r.exploring = -1;
+  }
 }
 
 }  // namespace libpipe::generate

@@ -16,7 +16,10 @@
 // first step's wait is the hand-over from the previous window's limit). Windows are classified by the
 // workload they start in (sequences holding a slot, in powers of two, and whether prompts are waiting): each
 // class learns each limit's rate (a moving average), tries a limit it has not measured, then keeps the faster
-// one, and tries the other again every kExploreEvery windows, so that it follows a workload that changes.
+// one, and tries the other again after kExploreEvery windows, so that it follows a workload that changes. Each
+// try that finds the same limit faster doubles the wait before the next (up to kExploreEvery << kMaxBackoff):
+// a slower limit costs its windows (one of 1B Llama's decode steps pipelined at 8 sequences ran 1.45x slower
+// than one at a time), and a steady workload need not keep paying for the proof.
 // A pure state machine: the engine calls it with what it launched and what completed, and asks limit().
 #pragma once
 
@@ -29,7 +32,8 @@ namespace libpipe::generate {
 
 class InFlightPolicy {
  public:
-  static constexpr int kExploreEvery = 8;       // windows between two tries of the slower limit
+  static constexpr int kExploreEvery = 8;       // windows before the slower limit is tried again, at first
+  static constexpr int kMaxBackoff = 3;         // ... and at most kExploreEvery << kMaxBackoff
   static constexpr int64_t kStepsPerRound = 4;  // a window is this many steps per stage, at least 4 of them
 
   // `most`: the steps that keep every stage busy (Session::concurrent_stages()); `adaptive`: whether the stages
@@ -68,6 +72,9 @@ class InFlightPolicy {
   struct Rates {
     double rate[2] = {0, 0};  // [0]: one at a time, [1]: pipelined
     int windows = 0;
+    int next_try = 0;       // the window at which the slower limit runs again
+    int confirmations = 0;  // tries in a row that found the same limit faster
+    int exploring = -1;     // the limit index the open window tries against the faster one, or -1
   };
 
   const int64_t most_;

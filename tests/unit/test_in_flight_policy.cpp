@@ -69,6 +69,27 @@ TEST(InFlightPolicy, KeepsTheFasterLimitAndTriesTheOtherNowAndThen) {
   }
 }
 
+// Each try that confirms the faster limit doubles the wait before the next: over 120 windows of a steady workload
+// the slower limit runs in its first window and a handful of tries (8, 16, 32, 64 windows apart), not in one
+// window of every kExploreEvery (15).
+TEST(InFlightPolicy, ConfirmedTriesOfTheSlowerLimitComeLessOften) {
+  InFlightPolicy policy(2, true);
+  const auto [one, pipelined] = drive(policy, 120, 10, 30);  // one at a time is faster
+  const uint64_t slower_windows = pipelined / static_cast<uint64_t>(policy.window_size());
+  EXPECT_GE(slower_windows, 3u) << "the slower limit must still be tried now and then";
+  EXPECT_LE(slower_windows, 6u) << "one at a time " << one << ", pipelined " << pipelined;
+}
+
+// When the workload changes so that the other limit becomes faster, the policy follows: a try finds it faster,
+// the waits start over, and the new faster limit takes most windows.
+TEST(InFlightPolicy, FollowsAWorkloadWhoseFasterLimitChanges) {
+  InFlightPolicy policy(2, true);
+  drive(policy, 100, 10, 30);                                // one at a time faster: tries back off
+  const auto [one, pipelined] = drive(policy, 200, 10, 12);  // now pipelined is faster (6 ms a step)
+  EXPECT_GT(policy.rate(8, false, 2), policy.rate(8, false, 1));
+  EXPECT_GT(pipelined, 2 * one) << "one at a time " << one << ", pipelined " << pipelined;
+}
+
 TEST(InFlightPolicy, EachWorkloadClassLearnsItsOwnChoice) {
   InFlightPolicy policy(2, true);
   drive(policy, 12, 10, 40, /*active=*/1);   // one sequence: one at a time wins
