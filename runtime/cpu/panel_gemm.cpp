@@ -1,9 +1,11 @@
 #include "runtime/cpu/panel_gemm.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 
+#include "runtime/cpu/kernel_choice.h"
 #include "runtime/cpu/panel_gemm_kernels.h"
 
 namespace libpipe::cpu {
@@ -102,7 +104,15 @@ void unpack_row(WeightType type, const void* panels, int64_t /*n*/, int64_t k, i
 void panel_product(const PanelProduct& p, int64_t unit_begin, int64_t unit_end) {
   unit_end = std::min(unit_end, panel_units(p.n));
   if (unit_begin >= unit_end || p.m <= 0) return;
-  avx512::panel_product(p, unit_begin, unit_end, cpu_has_avx512_bf16());
+  KernelChoice& choice = KernelChoice::instance();
+  const KernelChoice::Pick pick = choice.pick(p.type, p.m);
+  if (pick.slot < 0) return avx512::panel_product(p, unit_begin, unit_end, pick.variant);
+  const auto start = std::chrono::steady_clock::now();
+  avx512::panel_product(p, unit_begin, unit_end, pick.variant);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const int64_t units = unit_end - unit_begin;
+  choice.record(p.type, p.m, pick.slot, units * kUnitWidth * panel_depth(p.type, p.k) * int64_t(element_size(p.type)),
+                seconds);
 }
 
 }  // namespace libpipe::cpu

@@ -32,10 +32,18 @@ enum class WeightType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 constexpr int64_t kPanelWidth = 64;  // output features per panel
 constexpr int64_t kUnitWidth = 16;   // output features per unit of work (one 512-bit vector of float32)
 
-// What this CPU runs: the kernels need AVX-512 F/BW/VL/DQ; bfloat16 uses VDPBF16PS where the CPU has
-// AVX-512 BF16, and converts pairs to float32 otherwise (same results up to float32 rounding).
+// What this CPU runs: the kernels need AVX-512 F/BW/VL/DQ; bfloat16 may use VDPBF16PS where the CPU has
+// AVX-512 BF16 (bf16_uses_dot_product), and converts pairs to float32 otherwise.
 bool cpu_has_panel_kernels();
 bool cpu_has_avx512_bf16();
+
+// How a product streams its weights; every variant gives the same bits (the bfloat16 kernels add the products
+// in the same order, VDPBF16PS's, and a product of two bfloat16 values is exact in float32). Which runs is
+// measured per process (kernel_choice.h).
+struct KernelVariant {
+  bool native_bf16 = false;  // bfloat16 by VDPBF16PS (needs AVX-512 BF16), else pairs converted to float32
+  bool prefetch = false;     // software prefetches ahead of the panel stream
+};
 
 // Elements (of the weight's type) of the panels of an [n, k] weight.
 int64_t panel_elements(WeightType type, int64_t n, int64_t k);
@@ -66,8 +74,9 @@ struct PanelProduct {
 // Units of 16 output features in a product of n outputs.
 inline int64_t panel_units(int64_t n) { return (n + kUnitWidth - 1) / kUnitWidth; }
 
-// Computes outputs of units [unit_begin, unit_end) for every row: out = x * weight^T + bias.
-// Requires cpu_has_panel_kernels(); for bfloat16, k's padding column of x is never read.
+// Computes outputs of units [unit_begin, unit_end) for every row: out = x * weight^T + bias, with the variant
+// KernelChoice picks (timing it while it measures). Requires cpu_has_panel_kernels(); for bfloat16, k's
+// padding column of x is never read.
 void panel_product(const PanelProduct& p, int64_t unit_begin, int64_t unit_end);
 
 }  // namespace libpipe::cpu

@@ -23,8 +23,26 @@ namespace libpipe::cpu::avx512 {
 namespace {
 
 constexpr int kMaxRows = 6;  // rows per tile: 6 x 4 accumulators, 4 weight vectors, 1 broadcast in 32 registers
-// No software prefetch: the panels are read in one sequential run, which the hardware prefetcher
-// follows; prefetching 8-64 rows ahead measured 5-25% slower at 4 rows.
+
+// Software prefetch of the panel stream, in bytes ahead of the row of the panel being read: into L2 far
+// ahead, into L1 near. The hardware prefetcher follows the sequential run alone on some CPUs (an AMD EPYC
+// measured 5-25% slower with prefetches at 4 rows); on others a tile of several rows issues too few loads
+// per cache line for it to keep the memory busy (an Intel Xeon: 4 rows on one core 11.2 -> 16.5 GB/s with
+// them). Whether to prefetch is measured per process (kernel_choice.h). Only the first tile of rows over a
+// panel prefetches: the others find it in L2.
+constexpr int64_t kPrefetchL2Bytes = 2048;
+constexpr int64_t kPrefetchL1Bytes = 512;
+
+template <bool kPrefetch, int NZ>
+inline void prefetch_panel_row(const void* row_of_vectors) {
+  if constexpr (kPrefetch) {
+    const char* at = static_cast<const char*>(row_of_vectors);
+    for (int j = 0; j < NZ; ++j) {
+      _mm_prefetch(at + 64 * j + kPrefetchL2Bytes, _MM_HINT_T1);
+      _mm_prefetch(at + 64 * j + kPrefetchL1Bytes, _MM_HINT_T0);
+    }
+  }
+}
 
 inline __m512 f16_to_f32(__m256i v) { return _mm512_cvtph_ps(v); }
 inline float f16_scalar(uint16_t v) { return _cvtsh_ss(v); }
@@ -54,20 +72,34 @@ inline void store_out(void* out, int64_t index, __m512 v, int64_t valid) {
   }
 }
 
-// One tile: rows [0, MR) of x times NZ 16-wide vectors of one panel (starting at vector j0 of 4), over
-// all of K. `w` points at the panel; `col` is the tile's first output feature.
-template <WeightType T, bool kNativeBf16, int MR, int NZ>
-void tile(const PanelProduct& p, const void* xrows, int64_t row0, const void* w, int j0, int64_t col) {
+// Where a tile's accumulators start and end: from the bias (first block of K) or `saved`, and to the output
+// (last block) or `saved`, which holds MR x 64 floats between blocks of K.
+struct TileSpan {
+  int64_t i0 = 0, i1 = 0;  // rows of the panel: k for float32 / float16, pairs of k for bfloat16
+  bool first = true, last = true;
+  float* saved = nullptr;
+};
+
+// One tile: rows [row0, row0 + MR) of x times NZ 16-wide vectors of one panel (starting at vector j0 of 4), over
+// the panel rows of `span`. `w` points at the panel; `col` is the tile's first output feature.
+template <WeightType T, bool kNativeBf16, bool kPrefetch, int MR, int NZ>
+void tile(const PanelProduct& p, int64_t row0, const void* w, int j0, int64_t col, const TileSpan& span) {
   __m512 acc[MR][NZ];
-  for (int j = 0; j < NZ; ++j) {
-    const __m512 b = load_bias<T>(p.bias, col + 16 * j, p.n - col - 16 * j);
-    for (int r = 0; r < MR; ++r) acc[r][j] = b;
+  if (span.first) {
+    for (int j = 0; j < NZ; ++j) {
+      const __m512 b = load_bias<T>(p.bias, col + 16 * j, p.n - col - 16 * j);
+      for (int r = 0; r < MR; ++r) acc[r][j] = b;
+    }
+  } else {
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NZ; ++j) acc[r][j] = _mm512_load_ps(span.saved + r * kPanelWidth + 16 * j);
   }
   const int64_t k = p.k;
   if constexpr (T == WeightType::kFloat32) {
-    const float* x = static_cast<const float*>(xrows) + row0 * p.ldx;
-    const float* wp = static_cast<const float*>(w) + 16 * j0;
-    for (int64_t i = 0; i < k; ++i, wp += kPanelWidth) {
+    const float* x = static_cast<const float*>(p.x) + row0 * p.ldx;
+    const float* wp = static_cast<const float*>(w) + 16 * j0 + span.i0 * kPanelWidth;
+    for (int64_t i = span.i0; i < span.i1; ++i, wp += kPanelWidth) {
+      prefetch_panel_row<kPrefetch, NZ>(wp);
       __m512 wv[NZ];
       for (int j = 0; j < NZ; ++j) wv[j] = _mm512_loadu_ps(wp + 16 * j);
       for (int r = 0; r < MR; ++r) {
@@ -76,9 +108,10 @@ void tile(const PanelProduct& p, const void* xrows, int64_t row0, const void* w,
       }
     }
   } else if constexpr (T == WeightType::kFloat16) {
-    const uint16_t* x = static_cast<const uint16_t*>(xrows) + row0 * p.ldx;
-    const uint16_t* wp = static_cast<const uint16_t*>(w) + 16 * j0;
-    for (int64_t i = 0; i < k; ++i, wp += kPanelWidth) {
+    const uint16_t* x = static_cast<const uint16_t*>(p.x) + row0 * p.ldx;
+    const uint16_t* wp = static_cast<const uint16_t*>(w) + 16 * j0 + span.i0 * kPanelWidth;
+    for (int64_t i = span.i0; i < span.i1; ++i, wp += kPanelWidth) {
+      prefetch_panel_row<kPrefetch, (NZ + 1) / 2>(wp);  // 32 bytes per vector of 16 outputs
       __m512 wv[NZ];
       for (int j = 0; j < NZ; ++j)
         wv[j] = f16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16 * j)));
@@ -89,10 +122,12 @@ void tile(const PanelProduct& p, const void* xrows, int64_t row0, const void* w,
     }
   } else {
     // bfloat16: pairs (k, k+1) per output; 128 elements per pair row of the panel.
-    const uint16_t* x = static_cast<const uint16_t*>(xrows) + row0 * p.ldx;
-    const uint16_t* wp = static_cast<const uint16_t*>(w) + 32 * j0;
+    const uint16_t* x = static_cast<const uint16_t*>(p.x) + row0 * p.ldx;
+    const uint16_t* wp = static_cast<const uint16_t*>(w) + 32 * j0 + span.i0 * 2 * kPanelWidth;
     const int64_t pairs = k / 2;
-    for (int64_t i = 0; i < pairs; ++i, wp += 2 * kPanelWidth) {
+    const int64_t end = std::min(span.i1, pairs);
+    for (int64_t i = span.i0; i < end; ++i, wp += 2 * kPanelWidth) {
+      prefetch_panel_row<kPrefetch, NZ>(wp);
       __m512i wv[NZ];
       for (int j = 0; j < NZ; ++j) wv[j] = _mm512_loadu_si512(wp + 32 * j);
       for (int r = 0; r < MR; ++r) {
@@ -104,15 +139,18 @@ void tile(const PanelProduct& p, const void* xrows, int64_t row0, const void* w,
         } else {
           const __m512 lo = _mm512_set1_ps(bf16_scalar(static_cast<uint16_t>(pair & 0xffff)));
           const __m512 hi = _mm512_set1_ps(bf16_scalar(static_cast<uint16_t>(pair >> 16)));
+          // The odd element first, then the even: VDPBF16PS's order. A product of two bfloat16 values is exact in
+          // float32, so each fused multiply-add rounds as its add does, and both kernels give the same bits
+          // (VDPBF16PS aside treats denormal inputs and results as zero).
           for (int j = 0; j < NZ; ++j) {
             const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(wv[j], 16));
             const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(wv[j], _mm512_set1_epi32(~0xffff)));
-            acc[r][j] = _mm512_fmadd_ps(hi, odd, _mm512_fmadd_ps(lo, even, acc[r][j]));
+            acc[r][j] = _mm512_fmadd_ps(lo, even, _mm512_fmadd_ps(hi, odd, acc[r][j]));
           }
         }
       }
     }
-    if (k % 2) {  // the last k alone: its partner in the panel is zero, x's may be anything
+    if (k % 2 && span.i1 > pairs) {  // the last k alone: its partner in the panel is zero, x's may be anything
       for (int j = 0; j < NZ; ++j) {
         const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(wp + 32 * j), 16));
         for (int r = 0; r < MR; ++r)
@@ -120,35 +158,76 @@ void tile(const PanelProduct& p, const void* xrows, int64_t row0, const void* w,
       }
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NZ; ++j) store_out<T>(p.out, (row0 + r) * p.ldo + col + 16 * j, acc[r][j], p.n - col - 16 * j);
-}
-
-template <WeightType T, bool kNativeBf16, int MR>
-void tile_nz(const PanelProduct& p, int64_t row0, const void* w, int j0, int nz, int64_t col) {
-  switch (nz) {
-    case 1: return tile<T, kNativeBf16, MR, 1>(p, p.x, row0, w, j0, col);
-    case 2: return tile<T, kNativeBf16, MR, 2>(p, p.x, row0, w, j0, col);
-    case 3: return tile<T, kNativeBf16, MR, 3>(p, p.x, row0, w, j0, col);
-    default: return tile<T, kNativeBf16, MR, 4>(p, p.x, row0, w, j0, col);
+  if (span.last) {
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NZ; ++j)
+        store_out<T>(p.out, (row0 + r) * p.ldo + col + 16 * j, acc[r][j], p.n - col - 16 * j);
+  } else {
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NZ; ++j) _mm512_store_ps(span.saved + r * kPanelWidth + 16 * j, acc[r][j]);
   }
 }
 
-template <WeightType T, bool kNativeBf16>
+template <WeightType T, bool kNativeBf16, bool kPrefetch, int MR>
+void tile_nz(const PanelProduct& p, int64_t row0, const void* w, int j0, int nz, int64_t col, const TileSpan& span) {
+  switch (nz) {
+    case 1: return tile<T, kNativeBf16, kPrefetch, MR, 1>(p, row0, w, j0, col, span);
+    case 2: return tile<T, kNativeBf16, kPrefetch, MR, 2>(p, row0, w, j0, col, span);
+    case 3: return tile<T, kNativeBf16, kPrefetch, MR, 3>(p, row0, w, j0, col, span);
+    default: return tile<T, kNativeBf16, kPrefetch, MR, 4>(p, row0, w, j0, col, span);
+  }
+}
+
+template <WeightType T, bool kNativeBf16, bool kPrefetch>
+void tile_rows(const PanelProduct& p, int64_t row, int64_t rows, const void* w, int j0, int nz, int64_t col,
+               const TileSpan& span) {
+  switch (rows) {
+    case 1: return tile_nz<T, kNativeBf16, kPrefetch, 1>(p, row, w, j0, nz, col, span);
+    case 2: return tile_nz<T, kNativeBf16, kPrefetch, 2>(p, row, w, j0, nz, col, span);
+    case 3: return tile_nz<T, kNativeBf16, kPrefetch, 3>(p, row, w, j0, nz, col, span);
+    case 4: return tile_nz<T, kNativeBf16, kPrefetch, 4>(p, row, w, j0, nz, col, span);
+    case 5: return tile_nz<T, kNativeBf16, kPrefetch, 5>(p, row, w, j0, nz, col, span);
+    default: return tile_nz<T, kNativeBf16, kPrefetch, 6>(p, row, w, j0, nz, col, span);
+  }
+}
+
+// Panel rows per block of K when several tiles of rows share a panel: 16 KiB of float32 panel (32 KiB of
+// bfloat16 pairs), so that the tiles after the first read the block from L1, not L2. Without the blocks, a
+// product of 8 rows on an Intel Xeon streamed 20 GB/s on 2 cores where one of 6 rows reached 31: the second
+// tile's pass over the panel from L2 cost half as much again as the first's from memory.
+constexpr int64_t kBlockRows = 64;
+// Rows whose accumulators wait in memory between blocks of K (a group of tiles; more rows take more groups).
+constexpr int64_t kGroupRows = 8 * kMaxRows;
+
+template <WeightType T, bool kNativeBf16, bool kPrefetch>
 void rows_of_panel(const PanelProduct& p, const void* w, int j0, int nz, int64_t col) {
-  for (int64_t row = 0; row < p.m; row += kMaxRows) {
-    switch (std::min<int64_t>(kMaxRows, p.m - row)) {
-      case 1: tile_nz<T, kNativeBf16, 1>(p, row, w, j0, nz, col); break;
-      case 2: tile_nz<T, kNativeBf16, 2>(p, row, w, j0, nz, col); break;
-      case 3: tile_nz<T, kNativeBf16, 3>(p, row, w, j0, nz, col); break;
-      case 4: tile_nz<T, kNativeBf16, 4>(p, row, w, j0, nz, col); break;
-      case 5: tile_nz<T, kNativeBf16, 5>(p, row, w, j0, nz, col); break;
-      default: tile_nz<T, kNativeBf16, 6>(p, row, w, j0, nz, col); break;
+  const int64_t depth = T == WeightType::kBFloat16 ? (p.k + 1) / 2 : p.k;  // panel rows
+  if (p.m <= kMaxRows) {
+    TileSpan whole;
+    whole.i1 = depth;
+    return tile_rows<T, kNativeBf16, kPrefetch>(p, 0, p.m, w, j0, nz, col, whole);
+  }
+  alignas(64) float saved[kGroupRows * kPanelWidth];
+  for (int64_t group = 0; group < p.m; group += kGroupRows) {
+    const int64_t group_end = std::min(p.m, group + kGroupRows);
+    for (int64_t i0 = 0; i0 < depth; i0 += kBlockRows) {
+      TileSpan span;
+      span.i0 = i0;
+      span.i1 = std::min(depth, i0 + kBlockRows);
+      span.first = i0 == 0;
+      span.last = span.i1 == depth;
+      for (int64_t row = group; row < group_end; row += kMaxRows) {
+        span.saved = saved + (row - group) * kPanelWidth;
+        const int64_t rows = std::min<int64_t>(kMaxRows, group_end - row);
+        // The group's first tile streams the block from memory; the others find it in L1.
+        if (row == group) tile_rows<T, kNativeBf16, kPrefetch>(p, row, rows, w, j0, nz, col, span);
+        else tile_rows<T, kNativeBf16, false>(p, row, rows, w, j0, nz, col, span);
+      }
     }
   }
 }
 
-template <WeightType T, bool kNativeBf16>
+template <WeightType T, bool kNativeBf16, bool kPrefetch>
 void product(const PanelProduct& p, int64_t unit_begin, int64_t unit_end) {
   const int64_t depth = panel_depth(T, p.k);
   const int64_t panel_size = depth * kPanelWidth;  // elements
@@ -159,20 +238,27 @@ void product(const PanelProduct& p, int64_t unit_begin, int64_t unit_end) {
     const int j0 = static_cast<int>(u % kUnitsPerPanel);
     const int nz = static_cast<int>(std::min<int64_t>(kUnitsPerPanel - j0, unit_end - u));
     const void* w = static_cast<const char*>(p.panels) + static_cast<size_t>(panel * panel_size) * element;
-    rows_of_panel<T, kNativeBf16>(p, w, j0, nz, u * kUnitWidth);
+    rows_of_panel<T, kNativeBf16, kPrefetch>(p, w, j0, nz, u * kUnitWidth);
     u += nz;
   }
 }
 
 }  // namespace
 
-void panel_product(const PanelProduct& p, int64_t unit_begin, int64_t unit_end, bool native_bf16) {
+void panel_product(const PanelProduct& p, int64_t unit_begin, int64_t unit_end, KernelVariant v) {
   switch (p.type) {
-    case WeightType::kFloat32: return product<WeightType::kFloat32, false>(p, unit_begin, unit_end);
-    case WeightType::kFloat16: return product<WeightType::kFloat16, false>(p, unit_begin, unit_end);
+    case WeightType::kFloat32:
+      return v.prefetch ? product<WeightType::kFloat32, false, true>(p, unit_begin, unit_end)
+                        : product<WeightType::kFloat32, false, false>(p, unit_begin, unit_end);
+    case WeightType::kFloat16:
+      return v.prefetch ? product<WeightType::kFloat16, false, true>(p, unit_begin, unit_end)
+                        : product<WeightType::kFloat16, false, false>(p, unit_begin, unit_end);
     case WeightType::kBFloat16:
-      return native_bf16 ? product<WeightType::kBFloat16, true>(p, unit_begin, unit_end)
-                         : product<WeightType::kBFloat16, false>(p, unit_begin, unit_end);
+      if (v.native_bf16)
+        return v.prefetch ? product<WeightType::kBFloat16, true, true>(p, unit_begin, unit_end)
+                          : product<WeightType::kBFloat16, true, false>(p, unit_begin, unit_end);
+      return v.prefetch ? product<WeightType::kBFloat16, false, true>(p, unit_begin, unit_end)
+                        : product<WeightType::kBFloat16, false, false>(p, unit_begin, unit_end);
   }
 }
 

@@ -8,6 +8,6 @@
 
 namespace libpipe::cpu::avx512 {
 
-void panel_product(const PanelProduct& p, int64_t unit_begin, int64_t unit_end, bool native_bf16);
+void panel_product(const PanelProduct& p, int64_t unit_begin, int64_t unit_end, KernelVariant variant);
 
 }  // namespace libpipe::cpu::avx512

@@ -50,7 +50,8 @@ cpu::WeightType weight_type(at::ScalarType t) {
 
 // The kernel itself, both bfloat16 kernels where the CPU has VDPBF16PS.
 at::Tensor kernel_product(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& bias, int64_t n, int64_t k,
-                          bool native_bf16, int64_t unit_begin = 0, int64_t unit_end = -1, at::Tensor out = {}) {
+                          bool native_bf16, int64_t unit_begin = 0, int64_t unit_end = -1, at::Tensor out = {},
+                          bool prefetch = false) {
   if (!out.defined()) out = at::full({x.size(0), n}, 7.0, x.options());
   cpu::PanelProduct p;
   p.type = weight_type(x.scalar_type());
@@ -63,7 +64,10 @@ at::Tensor kernel_product(const at::Tensor& x, const at::Tensor& panels, const a
   p.m = x.size(0);
   p.n = n;
   p.k = k;
-  cpu::avx512::panel_product(p, unit_begin, unit_end < 0 ? cpu::panel_units(n) : unit_end, native_bf16);
+  cpu::KernelVariant variant;
+  variant.native_bf16 = native_bf16;
+  variant.prefetch = prefetch;
+  cpu::avx512::panel_product(p, unit_begin, unit_end < 0 ? cpu::panel_units(n) : unit_end, variant);
   return out;
 }
 
@@ -89,6 +93,38 @@ TEST(PanelLinear, KernelsEqualLinearOnOddShapesInEveryWeightType) {
             if (dtype == at::kBFloat16 && cpu::cpu_has_avx512_bf16())
               expect_close(kernel_product(x, panels, bias, n, k, true), want, what + " (VDPBF16PS)");
             expect_close(stage::panel_linear(x, panels, bias, n, k), want, what + " (the operator)");
+          }
+        }
+      }
+    }
+  }
+}
+
+// Every variant of the kernels (prefetching or not; for bfloat16, VDPBF16PS or pairs converted to float32) gives
+// the same bits, so which one a process picks by measurement (cpu::KernelChoice) never changes a result: odd K,
+// tail panels, every tile height and a bias included.
+TEST(PanelLinear, EveryKernelVariantGivesTheSameBits) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  at::manual_seed(6);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (int64_t k : {1, 2, 17, 576, 1537}) {
+      for (int64_t m : {1, 3, 6, 13}) {
+        const int64_t n = 130;
+        const at::Tensor w = at::randn({n, k}).to(dtype), b = at::randn({n}).to(dtype);
+        const at::Tensor x = at::randn({m, k}).to(dtype);
+        const at::Tensor panels = stage::to_panels(w);
+        for (bool with_bias : {false, true}) {
+          const at::Tensor bias = with_bias ? b : at::Tensor();
+          const std::string what = std::string(c10::toString(dtype)) + " " + std::to_string(m) + " x " +
+                                   std::to_string(k) + " by " + std::to_string(n) + (with_bias ? " + bias" : "");
+          const at::Tensor plain = kernel_product(x, panels, bias, n, k, false);
+          EXPECT_TRUE(at::equal(kernel_product(x, panels, bias, n, k, false, 0, -1, {}, true), plain))
+              << what << ": prefetching";
+          if (dtype == at::kBFloat16 && cpu::cpu_has_avx512_bf16()) {
+            EXPECT_TRUE(at::equal(kernel_product(x, panels, bias, n, k, true), plain)) << what << ": VDPBF16PS";
+            EXPECT_TRUE(at::equal(kernel_product(x, panels, bias, n, k, true, 0, -1, {}, true), plain))
+                << what << ": VDPBF16PS, prefetching";
           }
         }
       }
