@@ -2,6 +2,7 @@
 
 #include <ATen/Parallel.h>
 #include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/passes/dead_code_elimination.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -48,8 +49,9 @@ bool packable(const at::Tensor& w) {
          w.size(0) <= std::numeric_limits<int32_t>::max() && w.size(1) <= std::numeric_limits<int32_t>::max();
 }
 
-at::Tensor linear_op(const at::Tensor& input, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                     int64_t out_features, int64_t in_features) {
+// Refuses what aten::linear would refuse (with its words where users know them), and panels of another shape.
+WeightType check_product(const at::Tensor& input, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                         int64_t out_features, int64_t in_features) {
   const auto type = weight_type(panels.scalar_type());
   if (!type || panels.dim() != 1 || !panels.is_contiguous() ||
       panels.numel() != cpu::panel_elements(*type, out_features, in_features))
@@ -74,6 +76,13 @@ at::Tensor linear_op(const at::Tensor& input, const at::Tensor& panels, const st
   if (b && (b->scalar_type() != panels.scalar_type() || b->numel() != out_features || !b->device().is_cpu()))
     throw Error(Status::InvalidArgument, "pipe::panel_linear: the bias must be " + std::to_string(out_features) + " " +
                                              c10::toString(panels.scalar_type()) + " values on the CPU");
+  return *type;
+}
+
+at::Tensor linear_op(const at::Tensor& input, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                     int64_t out_features, int64_t in_features) {
+  const WeightType type = check_product(input, panels, bias, out_features, in_features);
+  const at::Tensor* b = bias && bias->defined() ? &*bias : nullptr;
   const at::Tensor x = input.reshape({-1, in_features}).contiguous();
   const at::Tensor bias_values = b ? b->contiguous() : at::Tensor();
   std::vector<int64_t> sizes = input.sizes().vec();
@@ -81,7 +90,7 @@ at::Tensor linear_op(const at::Tensor& input, const at::Tensor& panels, const st
   at::Tensor out = at::empty({x.size(0), out_features}, input.options());
   if (x.size(0) > 0) {
     cpu::PanelProduct p;
-    p.type = *type;
+    p.type = type;
     p.x = x.data_ptr();
     p.ldx = in_features;
     p.panels = panels.data_ptr();
@@ -96,6 +105,63 @@ at::Tensor linear_op(const at::Tensor& input, const at::Tensor& panels, const st
                            kMaxUnitsPerPiece, [&](int64_t begin, int64_t end) { cpu::panel_product(p, begin, end); });
   }
   return out.view(sizes);
+}
+
+// Several products of one input (a layer's q, k and v; gate and up) as one: one hand-over to the lent cores and
+// one wait for them instead of one per product. Each output unit is computed as by linear_op alone, so the
+// outputs have the same bits.
+std::vector<at::Tensor> linear_group_op(const at::Tensor& input, const std::vector<at::Tensor>& panels,
+                                        const std::vector<std::optional<at::Tensor>>& biases,
+                                        const std::vector<int64_t>& out_features, int64_t in_features) {
+  if (panels.empty() || panels.size() != biases.size() || panels.size() != out_features.size())
+    throw Error(Status::InvalidArgument, "pipe::panel_linear_group: " + std::to_string(panels.size()) + " panels, " +
+                                             std::to_string(biases.size()) + " biases and " +
+                                             std::to_string(out_features.size()) + " output sizes: give one of each");
+  std::vector<WeightType> types;
+  for (size_t i = 0; i < panels.size(); ++i)
+    types.push_back(check_product(input, panels[i], biases[i], out_features[i], in_features));
+  const at::Tensor x = input.reshape({-1, in_features}).contiguous();
+  std::vector<int64_t> sizes = input.sizes().vec();
+  std::vector<at::Tensor> outs;
+  std::vector<cpu::PanelProduct> products;
+  std::vector<at::Tensor> bias_values;
+  std::vector<int64_t> first_unit;  // of each product, in the units of all
+  int64_t units = 0;
+  for (size_t i = 0; i < panels.size(); ++i) {
+    outs.push_back(at::empty({x.size(0), out_features[i]}, input.options()));
+    const at::Tensor* b = biases[i] && biases[i]->defined() ? &*biases[i] : nullptr;
+    bias_values.push_back(b ? b->contiguous() : at::Tensor());
+    cpu::PanelProduct p;
+    p.type = types[i];
+    p.x = x.data_ptr();
+    p.ldx = in_features;
+    p.panels = panels[i].data_ptr();
+    p.bias = b ? bias_values.back().data_ptr() : nullptr;
+    p.out = outs.back().data_ptr();
+    p.ldo = out_features[i];
+    p.m = x.size(0);
+    p.n = out_features[i];
+    p.k = in_features;
+    products.push_back(p);
+    first_unit.push_back(units);
+    units += cpu::panel_units(out_features[i]);
+  }
+  if (x.size(0) > 0) {
+    const int64_t unit_bytes = cpu::kUnitWidth * in_features * static_cast<int64_t>(panels[0].element_size());
+    SpareCores::for_ranges(units, kMinBytesPerPiece / std::max<int64_t>(unit_bytes, 1), kMaxUnitsPerPiece,
+                           [&](int64_t begin, int64_t end) {
+                             for (size_t i = 0; i < products.size(); ++i) {
+                               const int64_t lo = std::max(begin, first_unit[i]);
+                               const int64_t hi = std::min(end, first_unit[i] + cpu::panel_units(products[i].n));
+                               if (lo < hi) cpu::panel_product(products[i], lo - first_unit[i], hi - first_unit[i]);
+                             }
+                           });
+  }
+  for (size_t i = 0; i < outs.size(); ++i) {
+    sizes.back() = out_features[i];
+    outs[i] = outs[i].view(sizes);
+  }
+  return outs;
 }
 
 at::Tensor embedding_op(const at::Tensor& panels, const at::Tensor& indices, int64_t num_embeddings,
@@ -138,6 +204,10 @@ void register_ops() {
                           "int embedding_dim) -> Tensor",
                           c10::AliasAnalysisKind::FROM_SCHEMA),
             &embedding_op);
+    lib.def(torch::schema("pipe::panel_linear_group(Tensor input, Tensor[] panels, Tensor?[] biases, "
+                          "int[] out_features, int in_features) -> Tensor[]",
+                          c10::AliasAnalysisKind::FROM_SCHEMA),
+            &linear_group_op);
     return true;
   }();
   (void)once;
@@ -191,6 +261,78 @@ c10::IValue attribute(torch::jit::Module stage, const std::vector<std::string>& 
   for (size_t i = 0; i + 1 < path.size(); ++i) stage = stage.attr(path[i]).toModule();
   if (owner) *owner = stage;
   return stage.attr(path.back());
+}
+
+// `path` read from `self` by a chain of prim::GetAttr at the graph's insertion point.
+torch::jit::Value* get_attr_path(torch::jit::Graph& graph, torch::jit::Value* self,
+                                 const std::vector<std::string>& path) {
+  torch::jit::Value* v = self;
+  for (const auto& name : path) v = graph.insertGetAttr(v, name);
+  return v;
+}
+
+bool grouping_enabled() {
+  const char* env = std::getenv("LIBPIPE_GROUPED_LINEAR");
+  return !(env && std::strcmp(env, "0") == 0);
+}
+
+// Products of one input in one block (a layer's q, k and v; gate and up) become one pipe::panel_linear_group at the
+// first of them, each output as before. Their panels and biases must be attributes (read again there) or no bias.
+size_t group_linears(torch::jit::Graph& graph, torch::jit::Value* self) {
+  const auto kind = c10::Symbol::fromQualString("pipe::panel_linear");
+  std::map<std::pair<torch::jit::Block*, torch::jit::Value*>, std::vector<torch::jit::Node*>> by_input;
+  std::vector<std::pair<torch::jit::Block*, torch::jit::Value*>> order;
+  std::function<void(torch::jit::Block*)> collect_products = [&](torch::jit::Block* block) {
+    for (torch::jit::Node* n : block->nodes()) {
+      for (torch::jit::Block* b : n->blocks()) collect_products(b);
+      if (n->kind() != kind) continue;
+      const bool bias_ok =
+          n->input(2)->type()->kind() == c10::TypeKind::NoneType || !graph::attribute_path(n->input(2), self).empty();
+      if (!bias_ok || graph::attribute_path(n->input(1), self).empty() || !torch::jit::toIValue(n->input(3)) ||
+          !torch::jit::toIValue(n->input(4)))
+        continue;
+      auto key = std::make_pair(block, n->input(0));
+      auto [it, fresh] = by_input.try_emplace(key);
+      if (fresh) order.push_back(key);
+      it->second.push_back(n);
+    }
+  };
+  collect_products(graph.block());
+  size_t grouped = 0;
+  for (const auto& key : order) {
+    std::vector<torch::jit::Node*>& nodes = by_input[key];
+    const int64_t in_features = torch::jit::toIValue(nodes[0]->input(4))->toInt();
+    std::vector<torch::jit::Node*> group;
+    for (torch::jit::Node* n : nodes)
+      if (torch::jit::toIValue(n->input(4))->toInt() == in_features) group.push_back(n);
+    if (group.size() < 2) continue;
+    // In block order (collect visits them so), the first is where every input of the group exists: the shared
+    // input, and the attributes read again from `self`.
+    torch::jit::WithInsertPoint here(group.front());
+    std::vector<torch::jit::Value*> panels, biases;
+    std::vector<int64_t> out_features;
+    for (torch::jit::Node* n : group) {
+      panels.push_back(get_attr_path(graph, self, graph::attribute_path(n->input(1), self)));
+      biases.push_back(n->input(2)->type()->kind() == c10::TypeKind::NoneType
+                           ? graph.insertConstant(c10::IValue())
+                           : get_attr_path(graph, self, graph::attribute_path(n->input(2), self)));
+      out_features.push_back(torch::jit::toIValue(n->input(3))->toInt());
+    }
+    torch::jit::Value* panel_list = graph.insertNode(graph.createList(c10::TensorType::get(), panels))->output();
+    torch::jit::Value* bias_list =
+        graph.insertNode(graph.createList(c10::OptionalType::create(c10::TensorType::get()), biases))->output();
+    torch::jit::Value* outs = graph.insert(c10::Symbol::fromQualString("pipe::panel_linear_group"),
+                                           {key.second, panel_list, bias_list, out_features, in_features});
+    torch::jit::Node* unpack = graph.insertNode(graph.createListUnpack(outs, group.size()));
+    for (size_t i = 0; i < group.size(); ++i) {
+      unpack->output(i)->setType(group[i]->output()->type());
+      group[i]->output()->replaceAllUsesWith(unpack->output(i));
+      group[i]->destroy();
+    }
+    ++grouped;
+  }
+  if (grouped) torch::jit::EliminateDeadCode(graph.block());
+  return grouped;
 }
 
 thread_local PanelWeights* current_weights = nullptr;
@@ -361,6 +503,7 @@ size_t panel_linear_weights(torch::jit::Module& stage) {
       node->destroy();
     }
   }
+  if (grouping_enabled()) group_linears(*graph, graph->inputs()[0]);
   return rewritten;
 }
 

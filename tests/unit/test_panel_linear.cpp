@@ -258,6 +258,54 @@ TEST(PanelLinear, AStageHoldsOneCopyOfEachWeightAndEqualsTheModel) {
   }
 }
 
+// Products of one input (q, k, v with and without a bias) become one pipe::panel_linear_group; its outputs have the
+// bits of the products computed one by one; a product of another input stays alone.
+TEST(PanelLinear, ProductsOfOneInputAreGroupedWithTheSameBits) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  const int64_t k = 80;
+  auto attention = [&](at::ScalarType dtype) {
+    at::manual_seed(9);
+    torch::jit::Module m("GroupTest");
+    m.register_parameter("q", at::randn({96, k}).to(dtype), false);
+    m.register_parameter("qb", at::randn({96}).to(dtype), false);
+    m.register_parameter("k", at::randn({40, k}).to(dtype), false);
+    m.register_parameter("v", at::randn({40, k}).to(dtype), false);
+    m.register_parameter("o", at::randn({k, 96}).to(dtype), false);
+    m.define(R"(
+def forward(self, x):
+    q = torch.linear(x, self.q, self.qb)
+    s = q.sum()
+    k = torch.linear(x, self.k)
+    v = torch.linear(x, self.v)
+    return torch.linear(q, self.o) + s, k * 2, v
+)");
+    return m;
+  };
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    torch::jit::Module grouped = attention(dtype), alone = attention(dtype), plain = attention(dtype);
+    EXPECT_EQ(stage::panel_linear_weights(grouped), 4u);
+    setenv("LIBPIPE_GROUPED_LINEAR", "0", 1);
+    EXPECT_EQ(stage::panel_linear_weights(alone), 4u);
+    unsetenv("LIBPIPE_GROUPED_LINEAR");
+    EXPECT_EQ(count_nodes(*grouped.get_method("forward").graph(), "pipe::panel_linear_group"), 1u);
+    EXPECT_EQ(count_nodes(*grouped.get_method("forward").graph(), "pipe::panel_linear"), 1u);  // o: another input
+    EXPECT_EQ(count_nodes(*alone.get_method("forward").graph(), "pipe::panel_linear"), 4u);
+    for (int64_t rows : {1, 3, 7, 50}) {
+      const at::Tensor x = at::randn({rows, k}).to(dtype);
+      const auto got = grouped.forward({x}).toTuple()->elements();
+      const auto one_by_one = alone.forward({x}).toTuple()->elements();
+      const auto want = plain.forward({x}).toTuple()->elements();
+      for (size_t i = 0; i < got.size(); ++i) {
+        const std::string what =
+            std::string(c10::toString(dtype)) + " output " + std::to_string(i) + ", " + std::to_string(rows) + " rows";
+        EXPECT_TRUE(at::equal(got[i].toTensor(), one_by_one[i].toTensor())) << what;
+        expect_close(got[i].toTensor(), want[i].toTensor(), what);
+      }
+    }
+  }
+}
+
 // A product shared with a lent core gives the same bits as on one thread.
 TEST(PanelLinear, SharedWithLentCoresGivesTheSameBits) {
   SKIP_WITHOUT_PANELS();
