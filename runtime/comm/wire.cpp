@@ -2,6 +2,7 @@
 
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include <cstdlib>
 #include <cstring>
 
 #include "runtime/error.h"
@@ -58,27 +59,104 @@ Frame encode(const Message& message) {
   return frame;
 }
 
-Announced announced(const Preamble& p) {
+const Limits& limits() {
+  static const Limits l = [] {
+    Limits out;
+    if (const char* env = std::getenv("LIBPIPE_MAX_MESSAGE_BYTES")) {
+      char* end = nullptr;
+      const unsigned long long v = std::strtoull(env, &end, 10);
+      if (end != env && *end == '\0' && v > 0) out.max_tensor_bytes = v;
+    }
+    return out;
+  }();
+  return l;
+}
+
+Announced announced(const Preamble& p, const Limits& limits) {
   if (p[kMagicWord] != kMagic) malformed("bad magic number");
   if (p[kTextBytes] < 0 || p[kPickleBytes] < 0 || p[kMetaWords] < 0) malformed("negative sizes");
+  // Each below the limit first, so that the sum cannot overflow.
+  const auto small = static_cast<uint64_t>(limits.max_small_bytes);
+  if (static_cast<uint64_t>(p[kTextBytes]) > small || static_cast<uint64_t>(p[kPickleBytes]) > small ||
+      static_cast<uint64_t>(p[kTextBytes]) + static_cast<uint64_t>(p[kPickleBytes]) > small)
+    malformed("text and structure of " + std::to_string(p[kTextBytes]) + " + " + std::to_string(p[kPickleBytes]) +
+              " bytes, more than the " + std::to_string(limits.max_small_bytes) + " allowed");
+  if (static_cast<uint64_t>(p[kMetaWords]) > limits.max_meta_words)
+    malformed(std::to_string(p[kMetaWords]) + " words of tensor headers, more than the " +
+              std::to_string(limits.max_meta_words) + " allowed");
   return {static_cast<size_t>(p[kMetaWords]), static_cast<size_t>(p[kTextBytes] + p[kPickleBytes])};
 }
 
-std::vector<at::Tensor> allocate(const std::vector<int64_t>& meta, const at::TensorOptions& options) {
-  std::vector<at::Tensor> tensors;
+namespace {
+
+// The dtypes a message may carry: those at::empty makes for a plain dense tensor.
+bool travels(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Byte:
+    case c10::ScalarType::Char:
+    case c10::ScalarType::Short:
+    case c10::ScalarType::Int:
+    case c10::ScalarType::Long:
+    case c10::ScalarType::Half:
+    case c10::ScalarType::Float:
+    case c10::ScalarType::Double:
+    case c10::ScalarType::ComplexHalf:
+    case c10::ScalarType::ComplexFloat:
+    case c10::ScalarType::ComplexDouble:
+    case c10::ScalarType::Bool:
+    case c10::ScalarType::BFloat16:
+    case c10::ScalarType::UInt16:
+    case c10::ScalarType::UInt32:
+    case c10::ScalarType::UInt64:
+    case c10::ScalarType::Float8_e5m2:
+    case c10::ScalarType::Float8_e4m3fn:
+    case c10::ScalarType::Float8_e5m2fnuz:
+    case c10::ScalarType::Float8_e4m3fnuz: return true;
+    default: return false;
+  }
+}
+
+}  // namespace
+
+std::vector<at::Tensor> allocate(const std::vector<int64_t>& meta, const at::TensorOptions& options,
+                                 const Limits& limits) {
+  // Every header is checked, and the bytes of all added up, before the first tensor is allocated.
+  struct Header {
+    c10::ScalarType dtype;
+    std::vector<int64_t> sizes;
+  };
+  std::vector<Header> headers;
+  uint64_t total = 0;
   size_t i = 0;
   while (i < meta.size()) {
-    if (i + 2 > meta.size()) malformed("truncated tensor header");
+    if (meta.size() - i < 2) malformed("truncated tensor header");
     const int64_t dtype = meta[i], ndim = meta[i + 1];
-    if (dtype < 0 || dtype >= static_cast<int64_t>(c10::ScalarType::NumOptions)) malformed("unknown dtype");
-    if (ndim < 0 || i + 2 + static_cast<size_t>(ndim) > meta.size()) malformed("bad tensor rank");
-    std::vector<int64_t> sizes(meta.begin() + static_cast<std::ptrdiff_t>(i + 2),
-                               meta.begin() + static_cast<std::ptrdiff_t>(i + 2 + ndim));
-    for (int64_t d : sizes)
+    if (dtype < 0 || dtype >= static_cast<int64_t>(c10::ScalarType::NumOptions) ||
+        !travels(static_cast<c10::ScalarType>(dtype)))
+      malformed("unknown dtype " + std::to_string(dtype));
+    if (ndim < 0 || ndim > limits.max_rank || static_cast<uint64_t>(ndim) > meta.size() - i - 2)
+      malformed("bad tensor rank " + std::to_string(ndim));
+    Header h{static_cast<c10::ScalarType>(dtype),
+             std::vector<int64_t>(meta.begin() + static_cast<std::ptrdiff_t>(i + 2),
+                                  meta.begin() + static_cast<std::ptrdiff_t>(i + 2 + ndim))};
+    uint64_t bytes = c10::elementSize(h.dtype);
+    for (int64_t d : h.sizes) {
       if (d < 0) malformed("negative tensor size");
-    tensors.push_back(at::empty(sizes, options.dtype(static_cast<c10::ScalarType>(dtype))));
+      // bytes * d, refused once it passes the limit (so it never overflows).
+      if (d > 0 && bytes > limits.max_tensor_bytes / static_cast<uint64_t>(d))
+        malformed("a tensor of more than " + std::to_string(limits.max_tensor_bytes) + " bytes");
+      bytes *= static_cast<uint64_t>(d);
+    }
+    if (bytes > limits.max_tensor_bytes - total)
+      malformed("tensors of more than " + std::to_string(limits.max_tensor_bytes) +
+                " bytes in one message (LIBPIPE_MAX_MESSAGE_BYTES)");
+    total += bytes;
+    headers.push_back(std::move(h));
     i += 2 + static_cast<size_t>(ndim);
   }
+  std::vector<at::Tensor> tensors;
+  tensors.reserve(headers.size());
+  for (const auto& h : headers) tensors.push_back(at::empty(h.sizes, options.dtype(h.dtype)));
   return tensors;
 }
 

@@ -1,4 +1,4 @@
-// The wire format shared by the Gloo and NCCL transports. A message consists of four parts, in
+// The wire format shared by the transports between processes. A message consists of four parts, in
 // this order (a transport may pack the small first three into fewer transfers):
 //   1. the preamble: kPreambleWords int64 (magic, kind, request, micro-batch, status, text bytes,
 //      pickle bytes, meta words);
@@ -33,17 +33,32 @@ struct Frame {
 // Throws Error(Unsupported) for a tensor that cannot travel (sparse, quantized, ...).
 Frame encode(const Message& message);
 
+// What a receiver accepts before it allocates anything. A peer holds the session's secret (the transports
+// authenticate every connection), so these bounds guard against a broken or mismatched peer rather than a
+// stranger; still nothing a frame announces is allocated before it is checked against them.
+struct Limits {
+  size_t max_meta_words = size_t{1} << 16;        // 16 K tensors' headers at most (dtype, rank, sizes)
+  size_t max_small_bytes = size_t{64} << 20;      // text and pickled structure together
+  int64_t max_rank = 64;                          // dimensions of one tensor
+  uint64_t max_tensor_bytes = uint64_t{1} << 40;  // every tensor of one message together
+};
+// The process's limits: the defaults, with LIBPIPE_MAX_MESSAGE_BYTES (the tensors of one message; default
+// 1 TiB, for stages shipped with their weights) read once.
+const Limits& limits();
+
 // What the preamble announces. Throws Error(Communication) for a preamble that is not libpipe's
-// (a peer from another program or version).
+// (a peer from another program or version), negative sizes, or sizes beyond `limits`.
 struct Announced {
   size_t meta_words = 0;
   size_t bytes = 0;
 };
-Announced announced(const Preamble& preamble);
+Announced announced(const Preamble& preamble, const Limits& limits = wire::limits());
 
-// Empty tensors shaped as `meta` describes, with `options` (device), to receive into.
-// Throws Error(Communication) for malformed meta.
-std::vector<at::Tensor> allocate(const std::vector<int64_t>& meta, const at::TensorOptions& options);
+// Empty tensors shaped as `meta` describes, with `options` (device), to receive into. Throws
+// Error(Communication) for malformed meta: an unknown dtype, a rank or size out of range, sizes whose
+// product overflows, or more bytes in all than limits.max_tensor_bytes.
+std::vector<at::Tensor> allocate(const std::vector<int64_t>& meta, const at::TensorOptions& options,
+                                 const Limits& limits = wire::limits());
 
 // The message, from what was received (tensors as allocate() made them, then filled).
 Message decode(const Preamble& preamble, const std::vector<uint8_t>& bytes, std::vector<at::Tensor> tensors);
