@@ -77,4 +77,9 @@ pipe_status pipe_generator_stats_init(pipe_generator_stats* stats, size_t struct
   return init(__func__, "stats", stats, struct_size, kGeneratorStats, defaults);
 }
 
+pipe_status pipe_launch_info_init(pipe_launch_info* info, size_t struct_size) {
+  static const pipe_launch_info defaults = PIPE_LAUNCH_INFO_INIT;
+  return init(__func__, "info", info, struct_size, kLaunchInfo, defaults);
+}
+
 }  // extern "C"

@@ -119,16 +119,17 @@ libpipe::schedule::SessionOptions session_options(const pipe_session_options* op
   if (PIPE_HAS(transport)) {
     switch (o->transport) {
       case PIPE_TRANSPORT_LOCAL: dist.transport = libpipe::schedule::TransportKind::Local; break;
-      case PIPE_TRANSPORT_GLOO: dist.transport = libpipe::schedule::TransportKind::Gloo; break;
+      case PIPE_TRANSPORT_TCP: dist.transport = libpipe::schedule::TransportKind::Tcp; break;
       case PIPE_TRANSPORT_NCCL: dist.transport = libpipe::schedule::TransportKind::Nccl; break;
       default:
         throw Error(Status::InvalidArgument,
                     fn + ": " + field("transport") + " is " + std::to_string(o->transport) +
-                        "; use PIPE_TRANSPORT_LOCAL, PIPE_TRANSPORT_GLOO or PIPE_TRANSPORT_NCCL");
+                        "; use PIPE_TRANSPORT_LOCAL, PIPE_TRANSPORT_TCP or PIPE_TRANSPORT_NCCL");
     }
   }
   if (PIPE_HAS(world_size)) dist.world_size = o->world_size == 0 ? 1 : o->world_size;  // zeroed structs
   if (PIPE_HAS(store) && o->store) dist.store = o->store;
+  if (PIPE_HAS(token) && o->token) dist.token = o->token;
   if (PIPE_HAS(comm_timeout_ms)) {
     if (o->comm_timeout_ms < 0)
       throw Error(Status::InvalidArgument, fn + ": " + field("comm_timeout_ms") + " is " +
@@ -146,9 +147,9 @@ libpipe::schedule::SessionOptions session_options(const pipe_session_options* op
   if (dist.transport == libpipe::schedule::TransportKind::Local && !dist.store.empty())
     throw Error(Status::InvalidArgument, fn + ": " + field("store") +
                                              " is set but the transport is local; "
-                                             "choose PIPE_TRANSPORT_GLOO or NCCL, or leave store NULL");
+                                             "choose PIPE_TRANSPORT_TCP or NCCL, or leave store NULL");
   if (dist.transport != libpipe::schedule::TransportKind::Local && dist.world_size < 2)
-    throw Error(Status::InvalidArgument, fn + ": a Gloo or NCCL session needs " + field("world_size") +
+    throw Error(Status::InvalidArgument, fn + ": a TCP or NCCL session needs " + field("world_size") +
                                              " >= 2 (this process and at least one worker), got " +
                                              std::to_string(dist.world_size));
   if (dist.transport == libpipe::schedule::TransportKind::Nccl) {

@@ -43,8 +43,10 @@ inline constexpr uint32_t kSessionOptionsSizes[] = {
     layout_size(PIPE_FIELD_END(pipe_session_options, microbatching), alignof(pipe_session_options)),
     // 0.4.0 (88): + transport, world_size, store, comm_timeout_ms.
     layout_size(PIPE_FIELD_END(pipe_session_options, comm_timeout_ms), alignof(pipe_session_options)),
-    // 0.5.0 (104): + devices, outputs. Unchanged since.
+    // 0.5.0 (104): + devices, outputs.
     layout_size(PIPE_FIELD_END(pipe_session_options, outputs), alignof(pipe_session_options)),
+    // 0.12.0 (112): + token.
+    layout_size(PIPE_FIELD_END(pipe_session_options, token), alignof(pipe_session_options)),
 };
 
 inline constexpr uint32_t kRunOptionsSizes[] = {
@@ -58,8 +60,10 @@ inline constexpr uint32_t kStageStatsSizes[] = {
 };
 
 inline constexpr uint32_t kWorkerOptionsSizes[] = {
-    // 0.4.0 (32): struct_size, rank, world_size, store, comm_timeout_ms, threads_per_stage. Unchanged since.
+    // 0.4.0 (32): struct_size, rank, world_size, store, comm_timeout_ms, threads_per_stage.
     layout_size(PIPE_FIELD_END(pipe_worker_options, threads_per_stage), alignof(pipe_worker_options)),
+    // 0.12.0 (40): + token.
+    layout_size(PIPE_FIELD_END(pipe_worker_options, token), alignof(pipe_worker_options)),
 };
 
 inline constexpr uint32_t kGeneratorOptionsSizes[] = {
@@ -92,6 +96,11 @@ inline constexpr uint32_t kGeneratorStatsSizes[] = {
     layout_size(PIPE_FIELD_END(pipe_generator_stats, steps_pipelined), alignof(pipe_generator_stats)),
 };
 
+inline constexpr uint32_t kLaunchInfoSizes[] = {
+    // 0.12.0 (324): struct_size, rank, world_size, local_rank, local_world_size, launcher, store.
+    layout_size(PIPE_FIELD_END(pipe_launch_info, store), alignof(pipe_launch_info)),
+};
+
 #undef PIPE_FIELD_END
 
 // A struct grown without its new layout listed here would refuse its own INIT macro: the last size
@@ -112,15 +121,17 @@ static_assert(last(kGenerationOptionsSizes) == sizeof(pipe_generation_options),
               "list pipe_generation_options' new layout");
 static_assert(last(kGenerationInfoSizes) == sizeof(pipe_generation_info), "list pipe_generation_info's new layout");
 static_assert(last(kGeneratorStatsSizes) == sizeof(pipe_generator_stats), "list pipe_generator_stats' new layout");
+static_assert(last(kLaunchInfoSizes) == sizeof(pipe_launch_info), "list pipe_launch_info's new layout");
 
 #if UINTPTR_MAX == UINT64_MAX && defined(__LP64__)
 // The sizes each version's header gave on LP64, as recorded above.
 static_assert(kStageOptionsSizes[0] == 32);
 static_assert(kSessionOptionsSizes[0] == 12 && kSessionOptionsSizes[1] == 48 && kSessionOptionsSizes[2] == 56 &&
-              kSessionOptionsSizes[3] == 64 && kSessionOptionsSizes[4] == 88 && kSessionOptionsSizes[5] == 104);
+              kSessionOptionsSizes[3] == 64 && kSessionOptionsSizes[4] == 88 && kSessionOptionsSizes[5] == 104 &&
+              kSessionOptionsSizes[6] == 112);
 static_assert(kRunOptionsSizes[0] == 16);
 static_assert(kStageStatsSizes[0] == 48);
-static_assert(kWorkerOptionsSizes[0] == 32);
+static_assert(kWorkerOptionsSizes[0] == 32 && kWorkerOptionsSizes[1] == 40);
 static_assert(kGeneratorOptionsSizes[0] == 40 && kGeneratorInfoSizes[0] == 40 && kGenerationOptionsSizes[0] == 72 &&
               kGenerationInfoSizes[0] == 48 && kGeneratorStatsSizes[0] == 96 && kGeneratorStatsSizes[1] == 120);
 #endif
@@ -162,6 +173,8 @@ inline constexpr VersionedStruct kGenerationInfo{"pipe_generation_info", "PIPE_G
 inline constexpr VersionedStruct kGeneratorStats{"pipe_generator_stats", "PIPE_GENERATOR_STATS_INIT",
                                                  "pipe_generator_stats_init", kGeneratorStatsSizes,
                                                  std::size(kGeneratorStatsSizes)};
+inline constexpr VersionedStruct kLaunchInfo{"pipe_launch_info", "PIPE_LAUNCH_INFO_INIT", "pipe_launch_info_init",
+                                             kLaunchInfoSizes, std::size(kLaunchInfoSizes)};
 
 // Error(InvalidArgument) unless `size` is one of `s`'s sizes. `function` is the exported function
 // and `what` the argument as the caller knows it ("options->struct_size"), both named in the

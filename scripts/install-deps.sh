@@ -15,8 +15,9 @@ apt_packages=(
   swig                                           # the Python and Go bindings are generated from pipe.h
   clang libclang-dev                             # bindgen (the Rust binding's -sys crate)
   libclang-rt-dev                                # clang's fuzzer and sanitizer runtimes (scripts/fuzz.sh links them)
-  libgloo-dev                                    # gloo's headers for c10d's Gloo transport (its code is in LibTorch)
+  libssl-dev                                     # libcrypto: HMAC-SHA256 for authenticating connections between processes
   curl                                           # examples/go-sse's test drives the service with curl
+  iproute2                                       # ip netns and tc: two hosts on one machine (tests/distributed)
 )
 missing=()
 for pkg in "${apt_packages[@]}"; do

@@ -134,7 +134,8 @@ def _defaults(text, values):
     for m in _STRUCT.finditer(text):
         body = re.sub(r"/\*.*?\*/", " ", m.group("body"), flags=re.S)
         decls = [d.strip() for d in body.split(";") if d.strip()]
-        fields[m.group("name")] = [re.search(r"(\w+)\s*$", d).group(1) for d in decls]
+        # A field's name ends its declaration, before an array's size (char store[288]).
+        fields[m.group("name")] = [re.search(r"(\w+)\s*(?:\[[^\]]*\])?\s*$", d).group(1) for d in decls]
     defaults = {}
     for m in _INIT_DEFINE.finditer(text):
         struct = "pipe_" + m.group("struct").lower()
@@ -167,6 +168,8 @@ def _defaults(text, values):
 def _value(item, values, macro):
     if item == "NULL":
         return None
+    if item == '""':
+        return ""
     if re.fullmatch(r"-?\d+", item):
         return int(item)
     if re.fullmatch(r"-?\d+\.\d*(?:[eE][-+]?\d+)?", item):

@@ -211,7 +211,7 @@ func (w *worker) stderr() string {
 func newGlooSession(t *testing.T, plan *pipe.Plan, w *worker, opts pipe.SessionOptions) (*pipe.Session, string) {
 	t.Helper()
 	stores := storeReports(t)
-	opts.Transport, opts.WorldSize, opts.Store = pipe.TransportGloo, 2, anyPort
+	opts.Transport, opts.WorldSize, opts.Store = pipe.TransportTCP, 2, anyPort
 	type created struct {
 		session *pipe.Session
 		err     error
@@ -343,7 +343,7 @@ func TestDriverWithoutWorkersNamesTheMissingRank(t *testing.T) {
 	stores := storeReports(t)
 	started := time.Now()
 	_, err := d.plan.NewSession(&pipe.SessionOptions{
-		Transport: pipe.TransportGloo, WorldSize: 2, Store: anyPort, CommTimeout: time.Second,
+		Transport: pipe.TransportTCP, WorldSize: 2, Store: anyPort, CommTimeout: time.Second,
 	})
 	pe := asError(t, err, pipe.StatusCommunication)
 	// A CommTimeout that did not reach libpipe would be its one-minute default.
@@ -372,7 +372,7 @@ func TestDistributedSessionOptionErrors(t *testing.T) {
 		}
 	}
 	gloo := func(worldSize int, store string) pipe.SessionOptions {
-		return pipe.SessionOptions{Transport: pipe.TransportGloo, WorldSize: worldSize, Store: store,
+		return pipe.SessionOptions{Transport: pipe.TransportTCP, WorldSize: worldSize, Store: store,
 			CommTimeout: time.Second}
 	}
 	checked("local over 2 processes", pipe.SessionOptions{WorldSize: 2}, "local transport")
@@ -396,12 +396,16 @@ func TestDistributedSessionOptionErrors(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		want pipe.Transport
-	}{{"local", pipe.TransportLocal}, {"gloo", pipe.TransportGloo}, {"nccl", pipe.TransportNCCL}} {
+	}{{"local", pipe.TransportLocal}, {"tcp", pipe.TransportTCP}, {"nccl", pipe.TransportNCCL}} {
 		if got, err := pipe.ParseTransport(tc.name); err != nil || got != tc.want || got.String() != tc.name {
 			t.Errorf("ParseTransport(%q) = %v, %v", tc.name, got, err)
 		}
 	}
-	for _, bad := range []string{"tcp", "Gloo", ""} {
+	// "gloo", tcp's name before libpipe 0.12, still parses.
+	if got, err := pipe.ParseTransport("gloo"); err != nil || got != pipe.TransportTCP || pipe.TransportGloo != pipe.TransportTCP {
+		t.Errorf("ParseTransport(\"gloo\") = %v, %v", got, err)
+	}
+	for _, bad := range []string{"udp", "Gloo", "TCP", ""} {
 		_, err := pipe.ParseTransport(bad)
 		if pe := asError(t, err, pipe.StatusInvalidArgument); !strings.Contains(pe.Message, fmt.Sprintf("%q", bad)) {
 			t.Errorf("ParseTransport(%q): %q does not quote it", bad, pe.Message)
@@ -443,8 +447,8 @@ func TestRunWorkerErrors(t *testing.T) {
 	worker := func(rank, worldSize int, store string) *pipe.WorkerOptions {
 		return &pipe.WorkerOptions{Rank: rank, WorldSize: worldSize, Store: store, CommTimeout: 500 * time.Millisecond}
 	}
-	checked("no options", nil, "Store")
-	checked("no store", worker(1, 2, ""), "no Store")
+	checked("no options", nil, "no launcher (torchrun, srun)") // rank and world size 0: a launcher's
+	checked("no store", worker(1, 2, ""), "options->store")
 	for _, rank := range []int{0, 2, -1} {
 		checked(fmt.Sprintf("rank %d of 2", rank), worker(rank, 2, store), "rank")
 	}

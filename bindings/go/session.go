@@ -84,8 +84,12 @@ type Transport int32
 const (
 	// TransportLocal, the default (the zero value): every stage runs in this process.
 	TransportLocal Transport = Transport(capi.PIPE_TRANSPORT_LOCAL)
-	// TransportGloo: CPU stages spread over SessionOptions.WorldSize processes.
-	TransportGloo Transport = Transport(capi.PIPE_TRANSPORT_GLOO)
+	// TransportTCP: CPU stages spread over SessionOptions.WorldSize processes, over libpipe's own
+	// TCP connections, each authenticated with the session's token.
+	TransportTCP Transport = Transport(capi.PIPE_TRANSPORT_TCP)
+	// TransportGloo is TransportTCP's name before libpipe 0.12 (Gloo's connections accept any peer,
+	// so libpipe no longer uses them).
+	TransportGloo = TransportTCP
 	// TransportNCCL: GPU stages spread over SessionOptions.WorldSize processes, one GPU each.
 	TransportNCCL Transport = Transport(capi.PIPE_TRANSPORT_NCCL)
 )
@@ -93,9 +97,9 @@ const (
 var transportNames = []struct {
 	t    Transport
 	name string
-}{{TransportLocal, "local"}, {TransportGloo, "gloo"}, {TransportNCCL, "nccl"}}
+}{{TransportLocal, "local"}, {TransportTCP, "tcp"}, {TransportNCCL, "nccl"}}
 
-// String is "local", "gloo", "nccl", or the number for a value pipe.h does not define.
+// String is "local", "tcp", "nccl", or the number for a value pipe.h does not define.
 func (t Transport) String() string {
 	for _, n := range transportNames {
 		if n.t == t {
@@ -105,16 +109,20 @@ func (t Transport) String() string {
 	return fmt.Sprintf("Transport(%d)", int32(t))
 }
 
-// ParseTransport is the transport named "local", "gloo" or "nccl" (as the pipe tool's
-// --transport and Python's transport= spell them); any other name is ErrInvalidArgument.
+// ParseTransport is the transport named "local", "tcp" or "nccl" (as the pipe tool's
+// --transport and Python's transport= spell them; "gloo" is "tcp"'s name before libpipe 0.12);
+// any other name is ErrInvalidArgument.
 func ParseTransport(name string) (Transport, error) {
+	if name == "gloo" {
+		return TransportTCP, nil
+	}
 	for _, n := range transportNames {
 		if n.name == name {
 			return n.t, nil
 		}
 	}
 	return 0, errorf("ParseTransport", StatusInvalidArgument,
-		"transport must be one of local, gloo, nccl, not %q", name)
+		"transport must be one of local, tcp, nccl, not %q", name)
 }
 
 // commTimeoutMS is d in whole milliseconds (rounded up, so that a positive d never becomes 0,
@@ -143,6 +151,13 @@ func int32Option(op, what string, n int) (int32, error) {
 
 // storeAddress checks what C cannot see: a Go string may hold a NUL byte, which would cut the C
 // string short and leave libpipe another address than the one given.
+func tokenText(op, token string) (string, error) {
+	if strings.IndexByte(token, 0) >= 0 {
+		return "", errorf(op, StatusInvalidArgument, "Token contains a NUL byte; give a text token")
+	}
+	return token, nil
+}
+
 func storeAddress(op, store string) (string, error) {
 	if strings.IndexByte(store, 0) >= 0 {
 		return "", errorf(op, StatusInvalidArgument, "Store %q contains a NUL byte; give \"HOST:PORT\"", store)
@@ -176,12 +191,12 @@ type SessionOptions struct {
 	Devices string
 
 	// Stages in other processes (see RunWorker). Transport: how the stages talk; the zero
-	// value, TransportLocal, runs every stage here. With TransportGloo or TransportNCCL this
+	// value, TransportLocal, runs every stage here. With TransportTCP or TransportNCCL this
 	// process is rank 0 (the driver, with the first stages) and WorldSize-1 worker processes,
 	// ranks 1 .. WorldSize-1, each run RunWorker (or `pipe worker`) and get contiguous groups
 	// of the following stages. NewSession waits for them to join and load their stages.
 	Transport Transport
-	// Processes in the session, this one included: at least 2 with Gloo or NCCL; 0 means 1.
+	// Processes in the session, this one included: at least 2 with TCP or NCCL; 0 means 1.
 	WorldSize int
 	// "HOST:PORT" of the rendezvous store, which this process hosts: it listens on PORT, and
 	// HOST is this machine's address as the workers reach it. Required unless the transport is
@@ -197,6 +212,11 @@ type SessionOptions struct {
 	// host hangs, stops them (a worker that dies is noticed at once). 0 is libpipe's default, one
 	// minute; it is rounded up to whole milliseconds.
 	CommTimeout time.Duration
+	// The session's secret, the same for every process of it; "" reads the LIBPIPE_TOKEN
+	// environment variable. Required with WorldSize > 1 (at least 16 bytes): every connection to
+	// the store and between ranks proves both ends hold it without sending it, and a process that
+	// cannot is refused while the session goes on. It authenticates; it does not encrypt.
+	Token string
 }
 
 // Session runs a plan: one worker per stage. All methods are safe for concurrent use; many
@@ -300,6 +320,11 @@ func newSessionOptions(op string, opts *SessionOptions) (sessionOptions, error) 
 		return fail(err)
 	}
 	so.SetComm_timeout_ms(int(commTimeout))
+	token, err := tokenText(op, opts.Token)
+	if err != nil {
+		return fail(err)
+	}
+	so.Set_token_text(token)
 	if len(opts.InputSpecs) > 0 {
 		so.Set_input_specs(specPairs(opts.InputSpecs))
 	}

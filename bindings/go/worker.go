@@ -9,13 +9,18 @@ import (
 // WorkerOptions says which session a worker process joins (pipe.h's pipe_worker_options).
 type WorkerOptions struct {
 	// This worker's rank, 1 .. WorldSize-1 (rank 0 is the driver, which creates the session).
+	// Rank and WorldSize both 0: a launcher's environment (torchrun, srun) decides, its rank i
+	// serving as rank i + 1 of a driver outside the launch.
 	Rank int
 	// Processes in the session, the driver included; must match the driver's WorldSize.
 	WorldSize int
 	// "HOST:PORT" of the driver's rendezvous store: the port it listens on. A driver given port
 	// 0 reports the port its store got ("store listening on HOST:PORT", see
-	// SessionOptions.Store); port 0 is ErrInvalidArgument here.
+	// SessionOptions.Store); port 0 is ErrInvalidArgument here. "": the LIBPIPE_STORE
+	// environment variable.
 	Store string
+	// The session's secret, the driver's own ("": the LIBPIPE_TOKEN environment variable).
+	Token string
 	// How long to keep trying to reach the store, and to wait for the driver's stages, before
 	// failing with ErrCommunication; 0 is libpipe's default, one minute. Once serving, a worker
 	// waits for work as long as its driver is alive.
@@ -25,7 +30,7 @@ type WorkerOptions struct {
 }
 
 // RunWorker serves as worker opts.Rank of the session whose driver (rank 0) creates it with
-// SessionOptions{Transport: TransportGloo or TransportNCCL, WorldSize, Store}: it joins through
+// SessionOptions{Transport: TransportTCP or TransportNCCL, WorldSize, Store}: it joins through
 // the driver's store, receives this rank's stages and runs them until the driver closes that
 // session, then returns nil. It serves one session; call it again for the next.
 //
@@ -42,7 +47,7 @@ type WorkerOptions struct {
 func RunWorker(opts *WorkerOptions) error {
 	const op = "RunWorker"
 	if opts == nil {
-		return errorf(op, StatusInvalidArgument, "no options: give at least Rank, WorldSize and Store")
+		opts = &WorkerOptions{} // a launcher's rank, LIBPIPE_STORE and LIBPIPE_TOKEN
 	}
 	wo := capi.NewPipe_worker_options()
 	if wo.Swigcptr() == 0 {
@@ -61,10 +66,6 @@ func RunWorker(opts *WorkerOptions) error {
 	if err != nil {
 		return err
 	}
-	if opts.Store == "" {
-		return errorf(op, StatusInvalidArgument,
-			"no Store: give the driver's store address, HOST:PORT with the port its store listens on")
-	}
 	store, err := storeAddress(op, opts.Store)
 	if err != nil {
 		return err
@@ -76,6 +77,11 @@ func RunWorker(opts *WorkerOptions) error {
 	wo.SetRank(int(rank))
 	wo.SetWorld_size(int(worldSize))
 	wo.Set_store_address(store)
+	token, err := tokenText(op, opts.Token)
+	if err != nil {
+		return err
+	}
+	wo.Set_token_text(token)
 	wo.SetComm_timeout_ms(int(commTimeout))
 	wo.SetThreads_per_stage(int(threads))
 	return call("pipe_worker_run", func() int { return capi.Pipe_worker_run(wo) })

@@ -1,95 +1,25 @@
 #include "runtime/comm/rendezvous.h"
 
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netdb.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstring>
+#include <chrono>
 #include <memory>
 #include <thread>
 
+#include "runtime/comm/socket.h"
+#include "runtime/comm/store_client.h"
+#include "runtime/comm/store_server.h"
 #include "runtime/error.h"
-#include "runtime/libtorch_log.h"
 #include "runtime/log.h"
 
 namespace libpipe::comm {
 
-namespace {
-
-using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
+
+namespace {
 
 std::string short_what(const std::exception& e) {
   if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
   return e.what();
 }
-
-struct AddrInfo {
-  addrinfo* list = nullptr;
-  ~AddrInfo() {
-    if (list) freeaddrinfo(list);
-  }
-};
-
-// Resolves host:port for TCP; throws Error(Communication) when the name does not resolve.
-void resolve(const Address& address, AddrInfo& out, const std::string& role) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  const std::string port = std::to_string(address.port);
-  const int rc = getaddrinfo(address.host.c_str(), port.c_str(), &hints, &out.list);
-  if (rc != 0)
-    throw Error(Status::Communication, role + " address " + format_address(address) + ": host '" + address.host +
-                                           "' does not resolve (" + gai_strerror(rc) + "); give a host name or IP " +
-                                           "address the processes can reach");
-}
-
-struct Fd {
-  int fd = -1;
-  ~Fd() {
-    if (fd >= 0) close(fd);
-  }
-};
-
-std::string numeric_host(const sockaddr* sa, socklen_t len) {
-  char host[NI_MAXHOST] = {};
-  if (getnameinfo(sa, len, host, sizeof host, nullptr, 0, NI_NUMERICHOST) != 0) return "";
-  return host;
-}
-
-// One non-blocking connect attempt, bounded by `budget`. Returns 0 or the errno.
-int try_connect(const addrinfo* ai, milliseconds budget, std::string* local_host) {
-  Fd s;
-  s.fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
-  if (s.fd < 0) return errno;
-  if (connect(s.fd, ai->ai_addr, ai->ai_addrlen) != 0) {
-    if (errno != EINPROGRESS) return errno;
-    pollfd p{s.fd, POLLOUT, 0};
-    const int n = poll(&p, 1, static_cast<int>(std::max<int64_t>(budget.count(), 1)));
-    if (n == 0) return ETIMEDOUT;
-    if (n < 0) return errno;
-    int err = 0;
-    socklen_t len = sizeof err;
-    getsockopt(s.fd, SOL_SOCKET, SO_ERROR, &err, &len);
-    if (err != 0) return err;
-  }
-  sockaddr_storage local{};
-  socklen_t len = sizeof local;
-  if (local_host && getsockname(s.fd, reinterpret_cast<sockaddr*>(&local), &len) == 0)
-    *local_host = numeric_host(reinterpret_cast<sockaddr*>(&local), len);
-  return 0;
-}
-
-// c10d logs its retries and failures to stderr itself, with C++ backtraces, before throwing the
-// error libpipe reports anyway: only fatal messages may pass (process-wide; LibTorch offers no
-// per-component switch).
-void quiet_c10d_logging() { log::raise_libtorch_log_level(3); }
 
 }  // namespace
 
@@ -125,89 +55,28 @@ Address parse_address(const std::string& value, const std::string& what, PortZer
   return a;
 }
 
-HostedStore host_store(const Address& address, int world_size, milliseconds timeout) {
-  quiet_c10d_logging();
-  // The workers are told to reach this process at address.host, and its transport listens
-  // there: it must be one of this machine's addresses. Binding to it proves that at once,
-  // where a wrong address would otherwise only show as workers that never arrive.
-  AddrInfo ai;
-  resolve(address, ai, "the store");
-  bool local = false;
-  for (const addrinfo* p = ai.list; p && !local; p = p->ai_next) {
-    Fd s;
-    s.fd = socket(p->ai_family, p->ai_socktype | SOCK_CLOEXEC, p->ai_protocol);
-    if (s.fd < 0) continue;
-    sockaddr_storage any{};
-    std::memcpy(&any, p->ai_addr, p->ai_addrlen);
-    if (any.ss_family == AF_INET) reinterpret_cast<sockaddr_in*>(&any)->sin_port = 0;
-    if (any.ss_family == AF_INET6) reinterpret_cast<sockaddr_in6*>(&any)->sin6_port = 0;
-    local = bind(s.fd, reinterpret_cast<sockaddr*>(&any), p->ai_addrlen) == 0;
-  }
-  if (!local)
-    throw Error(Status::Communication, "the store address " + format_address(address) +
-                                           " is not an address of this machine; " +
-                                           "the driver hosts the store, so give one of its own addresses " +
-                                           "(127.0.0.1 when every process runs here)");
-  c10d::TCPStoreOptions options;
-  options.port = address.port;
-  options.isServer = true;
-  options.numWorkers = static_cast<size_t>(world_size);
-  options.waitWorkers = false;  // the session waits for its workers itself, with its own message
-  options.timeout = timeout;
+HostedStore host_store(const Address& address, const Secret& secret, int world_size, milliseconds timeout) {
   HostedStore hosted;
-  hosted.address = address;
-  try {
-    auto store = c10::make_intrusive<c10d::TCPStore>(address.host, options);
-    hosted.address.port = store->getPort();
-    hosted.store = std::move(store);
-  } catch (const std::exception& e) {
-    throw Error(Status::Communication, "cannot host the rendezvous store at " + format_address(address) + ": " +
-                                           short_what(e) + " (is the port already in use? pick a free one, or give " +
-                                           "port 0 to let the store pick one)");
-  }
+  // Each worker holds a connection or two (joining, heartbeats), the driver its own; strangers get none.
+  hosted.server =
+      std::make_shared<StoreServer>(address, secret, 4 * world_size + 8, std::min(timeout, milliseconds(10'000)));
+  hosted.address = hosted.server->address();
   log::info("store listening on " + format_address(hosted.address));
+  hosted.store = c10::make_intrusive<StoreClient>(hosted.address, secret, timeout);
   return hosted;
 }
 
-c10::intrusive_ptr<c10d::Store> connect_store(const Address& address, milliseconds timeout, std::string* local_host) {
-  quiet_c10d_logging();
-  AddrInfo ai;
-  resolve(address, ai, "the store");
-  const auto deadline = Clock::now() + timeout;
-  int last = 0;
-  bool connected = false;
-  while (!connected) {
-    for (const addrinfo* p = ai.list; p && !connected; p = p->ai_next) {
-      const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
-      last = try_connect(p, std::max(left, milliseconds(1)), local_host);
-      connected = last == 0;
-    }
-    if (connected) break;
-    if (Clock::now() >= deadline)
-      throw Error(Status::Communication, "no rendezvous store answered at " + format_address(address) + " within " +
-                                             std::to_string(timeout.count()) + " ms (" + std::strerror(last) +
-                                             "); is the driver running, and is that its --store address?");
-    std::this_thread::sleep_for(
-        std::min(milliseconds(100), std::chrono::duration_cast<milliseconds>(deadline - Clock::now())));
-  }
-  c10d::TCPStoreOptions options;
-  options.port = address.port;
-  options.isServer = false;
-  options.waitWorkers = false;
-  options.timeout = timeout;
-  try {
-    return c10::make_intrusive<c10d::TCPStore>(address.host, options);
-  } catch (const std::exception& e) {
-    throw Error(Status::Communication,
-                "cannot join the rendezvous store at " + format_address(address) + ": " + short_what(e));
-  }
+c10::intrusive_ptr<c10d::Store> connect_store(const Address& address, const Secret& secret, milliseconds timeout,
+                                              std::string* local_host) {
+  return c10::make_intrusive<StoreClient>(address, secret, timeout, local_host);
 }
 
 namespace {
 
 // Bumped whenever driver and worker stop understanding each other (wire format or setup).
 // 2: workers send heartbeats at the pace the driver's assignment gives.
-const std::string kProtocol = "libpipe-distributed-2";
+// 3: libpipe's own store and TCP transport, every connection authenticated.
+const std::string kProtocol = "libpipe-distributed-3";
 
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 std::string str(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }

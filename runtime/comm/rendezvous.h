@@ -1,16 +1,19 @@
-// Rendezvous through c10d's TCPStore: the driver (rank 0) hosts the store, workers connect to it.
-// Every step is bounded by our own deadline: TCPStore's client retries a refused connect with a
-// backoff that overruns its timeout, so the address is probed first with plain sockets. Both
-// ends silence c10's own stderr logging (process-wide) below fatal: libpipe reports the errors.
+// Rendezvous through libpipe's own store (store_server.h): the driver (rank 0) hosts it on the address
+// asked for, workers connect to it, and every connection proves it holds the session's secret (auth.h)
+// before it may read or write a key. Every step is bounded by a deadline.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace libpipe::comm {
+
+class Secret;
+class StoreServer;
 
 struct Address {
   std::string host;
@@ -27,25 +30,26 @@ Address parse_address(const std::string& text, const std::string& what, PortZero
 // "HOST:PORT" as parse_address reads it ("[v6]:PORT" for an IPv6 host).
 std::string format_address(const Address& address);
 
-// What the driver hosts: the store and the address it listens on (the port it got when 0 was
-// asked for).
+// What the driver hosts: the store's server, this process's own connection to it, and the address it
+// listens on (the port it got when 0 was asked for).
 struct HostedStore {
+  std::shared_ptr<StoreServer> server;
   c10::intrusive_ptr<c10d::Store> store;
   Address address;
 };
 
-// Hosts the store on address.port (all interfaces; 0: a free port the system picks), after
-// checking that address.host resolves to an address of this machine. As soon as it listens it
-// logs, at INFO, exactly "store listening on HOST:PORT" with the port it got: the documented way
-// (pipe.h, store option) for a program to learn a picked port before waiting for its workers.
-// Throws Error(Communication) naming the address and what to do.
-HostedStore host_store(const Address& address, int world_size, std::chrono::milliseconds timeout);
+// Hosts the store on exactly address.host (an address of this machine; never the wildcard), port
+// address.port (0: a free port the system picks). As soon as it listens it logs, at INFO, exactly
+// "store listening on HOST:PORT" with the port it got: the documented way (pipe.h, store option) for a
+// program to learn a picked port before waiting for its workers. Throws Error(Communication) naming the
+// address and what to do.
+HostedStore host_store(const Address& address, const Secret& secret, int world_size, std::chrono::milliseconds timeout);
 
-// Connects to the store at `address`, trying until `timeout` passes. Throws Error(Communication)
-// naming the address. `local_host` receives this machine's address on the route to the store
-// (what this rank's transport should listen on).
-c10::intrusive_ptr<c10d::Store> connect_store(const Address& address, std::chrono::milliseconds timeout,
-                                              std::string* local_host);
+// Connects to the store at `address`, trying until `timeout` passes, and authenticates. Throws
+// Error(Communication) naming the address. `local_host` receives this machine's address on the route to
+// the store (what this rank's transport should listen on).
+c10::intrusive_ptr<c10d::Store> connect_store(const Address& address, const Secret& secret,
+                                              std::chrono::milliseconds timeout, std::string* local_host);
 
 // The driver's side of joining: publishes the session (protocol, world size, transport name),
 // then waits until every worker rank 1..world_size-1 has joined, or throws Error(Communication)

@@ -23,10 +23,21 @@ struct OpContext : at::ObserverContext {
 // boxed call's inputs is a window of the caller's stack that need not line up with the arguments (the TorchScript
 // interpreter leaves out a trailing None and the window then starts one value early), so the weight is found as the
 // last 2-d tensor: in aten::linear(input, weight, bias) nothing after the weight is 2-d. pipe::panel_linear(input,
-// panels, bias, out_features, in_features) ends with the shape itself.
+// panels, bias, out_features, in_features) ends with the shape itself; pipe::panel_linear_group(input, panels,
+// biases, out_features, in_features) with the list of outputs and the shared input size: "[96x80+40x80]".
 std::string op_key(const at::RecordFunction& fn) {
   std::string key = fn.name();
   const auto inputs = fn.inputs();
+  if (key == "pipe::panel_linear_group") {
+    if (inputs.size() >= 2 && inputs[inputs.size() - 1].isInt() && inputs[inputs.size() - 2].isIntList()) {
+      const std::string in = std::to_string(inputs[inputs.size() - 1].toInt());
+      std::string shapes;
+      for (int64_t out : inputs[inputs.size() - 2].toIntVector())
+        shapes += (shapes.empty() ? "" : "+") + std::to_string(out) + "x" + in;
+      return key + " [" + shapes + "]";
+    }
+    return key;
+  }
   if (key == "pipe::panel_linear") {
     if (inputs.size() >= 2 && inputs[inputs.size() - 1].isInt() && inputs[inputs.size() - 2].isInt())
       return key + " [" + std::to_string(inputs[inputs.size() - 2].toInt()) + "x" +

@@ -56,7 +56,7 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
   if (dist.transport == TransportKind::Local && !dist.connected && dist.world_size != 1)
     throw Error(Status::InvalidArgument,
                 "the local transport runs every stage in this process (world size 1); "
-                "choose the Gloo or NCCL transport to spread stages over " +
+                "choose the TCP or NCCL transport to spread stages over " +
                     std::to_string(dist.world_size) + " processes");
   if (dist.comm_timeout.count() <= 0)
     throw Error(Status::InvalidArgument,

@@ -4,9 +4,11 @@
 #include <mutex>
 #include <thread>
 
-#include "runtime/comm/gloo_transport.h"
+#include "runtime/comm/auth.h"
 #include "runtime/comm/nccl_transport.h"
 #include "runtime/comm/rendezvous.h"
+#include "runtime/comm/store_server.h"
+#include "runtime/comm/tcp_transport.h"
 #include "runtime/error.h"
 #include "runtime/log.h"
 #include "runtime/schedule/assignment.h"
@@ -66,15 +68,17 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
                   "a session over several processes needs a store address (HOST:PORT) that "
                   "its workers can reach");
     // Port 0: the store picks a free port; the workers are told the one it got.
-    auto hosted = comm::host_store(comm::parse_address(o.store, "the store address", comm::PortZero::PicksAFreePort),
-                                   o.world_size, o.comm_timeout);
+    const auto address = comm::parse_address(o.store, "the store address", comm::PortZero::PicksAFreePort);
+    const comm::Secret secret = comm::Secret::from(o.token);
+    auto hosted = comm::host_store(address, secret, o.world_size, o.comm_timeout);
+    server_ = hosted.server;
     store_ = hosted.store;
-    const char* name = o.transport == TransportKind::Nccl ? "nccl" : "gloo";
+    const char* name = o.transport == TransportKind::Nccl ? "nccl" : "tcp";
     comm::announce_session(*store_, o.world_size, name);
     comm::wait_for_workers(*store_, o.world_size, comm::format_address(hosted.address), o.comm_timeout);
     if (o.transport == TransportKind::Nccl)
       transport_ = comm::make_nccl_transport(store_, 0, o.world_size, nccl_device(0), o.comm_timeout);
-    else transport_ = comm::make_gloo_transport(store_, 0, o.world_size, hosted.address.host, o.comm_timeout);
+    else transport_ = comm::make_tcp_transport(*store_, secret, 0, o.world_size, hosted.address.host, o.comm_timeout);
   }
 
   SetupDeadline deadline(*transport_, o.comm_timeout);
@@ -115,7 +119,9 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
 }
 
 WorkerGroup::~WorkerGroup() {
-  transport_.reset();  // the connections first: the store's server goes with store_
+  transport_.reset();  // the connections first, then this process's store connection, then the server
+  store_.reset();
+  server_.reset();
 }
 
 }  // namespace libpipe::schedule

@@ -15,9 +15,14 @@
 #include "runtime/graph/plan.h"
 #include "runtime/stage/weights.h"
 
+namespace libpipe::comm {
+class StoreServer;
+}  // namespace libpipe::comm
+
 namespace libpipe::schedule {
 
-enum class TransportKind { Local, Gloo, Nccl };
+// Tcp: CPU stages over processes, libpipe's authenticated connections (comm/tcp_transport.h).
+enum class TransportKind { Local, Tcp, Nccl };
 
 // The shortest comm timeout a distributed session accepts (runtime/schedule/heartbeat.h: workers
 // beat every comm_timeout/8, at least every 10 ms).
@@ -27,6 +32,7 @@ struct DistributedOptions {
   TransportKind transport = TransportKind::Local;
   int world_size = 1;  // the driver included
   std::string store;   // "HOST:PORT" the driver hosts (PORT 0: a free one)
+  std::string token;   // the session's secret (comm/auth.h); empty: LIBPIPE_TOKEN
   std::chrono::milliseconds comm_timeout{60000};
   // Tests: rank 0's end of an already connected transport (e.g. in-process ranks), and the store
   // the workers' heartbeats go to (e.g. a c10d::HashStore that serve() is given too).
@@ -58,6 +64,7 @@ class WorkerGroup {
   c10d::Store& store() { return *store_; }
 
  private:
+  std::shared_ptr<comm::StoreServer> server_;  // the store this driver hosts (none with `connected`)
   c10::intrusive_ptr<c10d::Store> store_;
   std::shared_ptr<comm::Transport> transport_;
   int world_size_ = 1;

@@ -9,7 +9,8 @@
 #include <new>
 #include <thread>
 
-#include "runtime/comm/gloo_transport.h"
+#include "runtime/comm/auth.h"
+#include "runtime/comm/tcp_transport.h"
 #include "runtime/comm/nccl_transport.h"
 #include "runtime/comm/rendezvous.h"
 #include "runtime/device/cuda_library.h"
@@ -234,13 +235,14 @@ void serve_worker(const WorkerOptions& o) {
     throw Error(Status::InvalidArgument,
                 "the comm timeout must be positive, got " + std::to_string(o.comm_timeout.count()));
   const auto address = comm::parse_address(o.store, "the store address");
+  const comm::Secret secret = comm::Secret::from(o.token);
   std::string local_host;
-  auto store = comm::connect_store(address, o.comm_timeout, &local_host);
+  auto store = comm::connect_store(address, secret, o.comm_timeout, &local_host);
   const std::string transport_name = comm::join_session(*store, o.rank, o.world_size);
   std::unique_ptr<comm::Transport> transport;
   c10::Device device(c10::kCPU);
-  if (transport_name == "gloo") {
-    transport = comm::make_gloo_transport(store, o.rank, o.world_size, local_host, o.comm_timeout);
+  if (transport_name == "tcp") {
+    transport = comm::make_tcp_transport(*store, secret, o.rank, o.world_size, local_host, o.comm_timeout);
   } else if (transport_name == "nccl") {
     device = nccl_device(o.rank);
     transport = comm::make_nccl_transport(store, o.rank, o.world_size, device, o.comm_timeout);

@@ -17,6 +17,7 @@ struct WorkerOptions {
   int rank = 0;
   int world_size = 0;
   std::string store;                              // "HOST:PORT" of the driver's store
+  std::string token;                              // the session's secret (comm/auth.h); empty: LIBPIPE_TOKEN
   std::chrono::milliseconds comm_timeout{60000};  // reaching the store, receiving the stages
   int threads_per_stage = 0;                      // 0: as the driver says
 };

@@ -78,7 +78,10 @@ def test_trace_holds_every_step_with_its_stages_and_operators(expected, tmp_path
         for e in mine:
             ops = e["args"]["operators_us"]
             assert sum(ops.values()) <= e["dur"] + 1
-            shapes |= {k.split(" [")[1].rstrip("]") for k in ops if k.split(" [")[0].endswith("linear")}
+            # A group of products of one input (q, k, v; gate, up) is one key: "[64x64+32x64+32x64]".
+            for k in ops:
+                if k.split(" [")[0].endswith(("linear", "linear_group")):
+                    shapes |= set(k.split(" [")[1].rstrip("]").split("+"))
         assert shapes == layer  # the head (128x64, stage 1) has the shape of gate and up
 
 

@@ -50,15 +50,25 @@ NOT_BOUND = {
         "pipe_request_on_done": "asyncio watches pipe_request_fd; a callback would run Python on a libpipe thread",
         "pipe_generation_on_event": "iteration polls and asyncio watches pipe_generation_fd; a callback would run "
         "Python on a libpipe thread",
+        "pipe_launch_from_environment": "the worker entry point reads torchrun's or srun's environment through pipe_worker_run (rank and world "
+        "size 0); a driver program reads its own RANK",
+        "pipe_launch_info_init": "pipe_launch_from_environment is not bound (above)",
     },
     "go": {
         "pipe_tensor_list_find": "outputs are copied into a Go TensorList at once, whose Get looks names up",
         "pipe_tensor_list_get": "outputs are taken out of the list and copied, never borrowed",
         "pipe_generation_fd": "tokens reach a Go channel through pipe_generation_on_event, read at once: "
         "a descriptor would tell a poller of nothing left to read",
+        "pipe_launch_from_environment": "the worker entry point reads torchrun's or srun's environment through pipe_worker_run (rank and world "
+        "size 0); a driver program reads its own RANK",
+        "pipe_launch_info_init": "pipe_launch_from_environment is not bound (above)",
     },
     # ---- Generation (0.8, issue 15): the rust binding already used every function when the C ABI landed.
-    "rust": {},
+    "rust": {
+        "pipe_launch_from_environment": "the worker entry point reads torchrun's or srun's environment through pipe_worker_run (rank and world "
+        "size 0); a driver program reads its own RANK",
+        "pipe_launch_info_init": "pipe_launch_from_environment is not bound (above)",
+    },
 }
 
 

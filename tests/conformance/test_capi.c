@@ -48,7 +48,7 @@ _Static_assert(sizeof(pipe_stage_options) == 32 && offsetof(pipe_stage_options, 
 _Static_assert(PIPE_DTYPE_KEEP == 0 && PIPE_DTYPE_FLOAT32 == 1 && PIPE_DTYPE_FLOAT16 == 2 && PIPE_DTYPE_BFLOAT16 == 3,
                "dtypes");
 _Static_assert(
-    sizeof(pipe_session_options) == 104 && offsetof(pipe_session_options, struct_size) == 0 &&
+    sizeof(pipe_session_options) == 112 && offsetof(pipe_session_options, struct_size) == 0 &&
         offsetof(pipe_session_options, num_microbatches) == 4 &&
         offsetof(pipe_session_options, threads_per_stage) == 8 && offsetof(pipe_session_options, max_inflight) == 12 &&
         offsetof(pipe_session_options, input_specs) == 16 && offsetof(pipe_session_options, num_input_specs) == 24 &&
@@ -56,16 +56,22 @@ _Static_assert(
         offsetof(pipe_session_options, stage_options) == 48 && offsetof(pipe_session_options, microbatching) == 56 &&
         offsetof(pipe_session_options, transport) == 60 && offsetof(pipe_session_options, world_size) == 64 &&
         offsetof(pipe_session_options, store) == 72 && offsetof(pipe_session_options, comm_timeout_ms) == 80 &&
-        offsetof(pipe_session_options, devices) == 88 && offsetof(pipe_session_options, outputs) == 96,
+        offsetof(pipe_session_options, devices) == 88 && offsetof(pipe_session_options, outputs) == 96 &&
+        offsetof(pipe_session_options, token) == 104,
     "pipe_session_options");
 _Static_assert(PIPE_OUTPUTS_ON_CPU == 0 && PIPE_OUTPUTS_ON_DEVICE == 1, "output placements");
-_Static_assert(sizeof(pipe_worker_options) == 32 && offsetof(pipe_worker_options, rank) == 4 &&
+_Static_assert(sizeof(pipe_worker_options) == 40 && offsetof(pipe_worker_options, rank) == 4 &&
                    offsetof(pipe_worker_options, world_size) == 8 && offsetof(pipe_worker_options, store) == 16 &&
                    offsetof(pipe_worker_options, comm_timeout_ms) == 24 &&
-                   offsetof(pipe_worker_options, threads_per_stage) == 28,
+                   offsetof(pipe_worker_options, threads_per_stage) == 28 && offsetof(pipe_worker_options, token) == 32,
                "pipe_worker_options");
-_Static_assert(PIPE_ERR_COMMUNICATION == 14 && PIPE_TRANSPORT_LOCAL == 0 && PIPE_TRANSPORT_GLOO == 1 &&
-                   PIPE_TRANSPORT_NCCL == 2,
+_Static_assert(sizeof(pipe_launch_info) == 324 && offsetof(pipe_launch_info, rank) == 4 &&
+                   offsetof(pipe_launch_info, world_size) == 8 && offsetof(pipe_launch_info, local_rank) == 12 &&
+                   offsetof(pipe_launch_info, local_world_size) == 16 && offsetof(pipe_launch_info, launcher) == 20 &&
+                   offsetof(pipe_launch_info, store) == 36,
+               "pipe_launch_info");
+_Static_assert(PIPE_ERR_COMMUNICATION == 14 && PIPE_TRANSPORT_LOCAL == 0 && PIPE_TRANSPORT_TCP == 1 &&
+                   PIPE_TRANSPORT_GLOO == PIPE_TRANSPORT_TCP && PIPE_TRANSPORT_NCCL == 2,
                "transports");
 _Static_assert(PIPE_MICROBATCHING_ADAPTIVE == 0 && PIPE_MICROBATCHING_FIXED == 1, "microbatching");
 _Static_assert(sizeof(pipe_run_options) == 16 && offsetof(pipe_run_options, struct_size) == 0 &&
@@ -539,8 +545,9 @@ static void distributed_options(void **state) {
 
   pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
   o.transport = 7;
-  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "PIPE_TRANSPORT_GLOO");
-  o.transport = PIPE_TRANSPORT_GLOO;
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "PIPE_TRANSPORT_TCP");
+  assert_int_equal(PIPE_TRANSPORT_GLOO, PIPE_TRANSPORT_TCP); /* the name before 0.12 */
+  o.transport = PIPE_TRANSPORT_TCP;
   ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "world_size >= 2");
   o.transport = PIPE_TRANSPORT_LOCAL;
   o.store = "127.0.0.1:29999";
@@ -549,8 +556,8 @@ static void distributed_options(void **state) {
   o.store = NULL;
   o.transport = PIPE_TRANSPORT_LOCAL;
   o.world_size = 2;
-  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "choose the Gloo or NCCL");
-  o.transport = PIPE_TRANSPORT_GLOO;
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "choose the TCP or NCCL");
+  o.transport = PIPE_TRANSPORT_TCP;
   ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "store address");
   o.store = "no-port-here";
   ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "HOST:PORT");
@@ -563,6 +570,15 @@ static void distributed_options(void **state) {
   o.comm_timeout_ms = 99; /* shorter than a few heartbeats */
   ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "at least 100 ms");
   o.comm_timeout_ms = 300;
+  /* A session over processes needs the token its processes share (this suite runs without
+   * LIBPIPE_TOKEN), long enough to guess at no better than chance. */
+  o.store = "127.0.0.1:0";
+  if (!getenv("LIBPIPE_TOKEN")) {
+    ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "LIBPIPE_TOKEN");
+  }
+  o.token = "too short";
+  ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_INVALID_ARGUMENT, "at least 16");
+  o.token = "conformance-token-5b1e9c27d04a83f6";
   o.store = "192.0.2.1:29999"; /* TEST-NET-1: never this machine's */
   ASSERT_FAILS(pipe_session_create(l.plan, &o, &session), PIPE_ERR_COMMUNICATION, "not an address of this machine");
   o.store = "nosuchhost.invalid:29999";
@@ -594,7 +610,13 @@ static void distributed_options(void **state) {
   snprintf(address, sizeof address, "127.0.0.1:%d", ntohs(bound.sin_port));
   ASSERT_FAILS(pipe_worker_run(NULL), PIPE_ERR_INVALID_ARGUMENT, "options");
   pipe_worker_options w = PIPE_WORKER_OPTIONS_INIT;
+  /* Rank and world size 0 ask for a launcher's; none started this test. */
+  ASSERT_FAILS(pipe_worker_run(&w), PIPE_ERR_INVALID_ARGUMENT, "no launcher (torchrun, srun)");
+  w.rank = 1;
+  w.world_size = 2;
   ASSERT_FAILS(pipe_worker_run(&w), PIPE_ERR_INVALID_ARGUMENT, "options->store");
+  w.rank = 0;
+  w.token = "conformance-token-5b1e9c27d04a83f6";
   w.store = address;
   w.world_size = 2;
   w.rank = 0;
@@ -604,7 +626,7 @@ static void distributed_options(void **state) {
   ASSERT_FAILS(pipe_worker_run(&w), PIPE_ERR_INVALID_ARGUMENT, "at least 2");
   w.world_size = 2;
   w.comm_timeout_ms = 300;
-  ASSERT_FAILS(pipe_worker_run(&w), PIPE_ERR_COMMUNICATION, "no rendezvous store answered at 127.0.0.1:");
+  ASSERT_FAILS(pipe_worker_run(&w), PIPE_ERR_COMMUNICATION, "nothing answered for the rendezvous store at 127.0.0.1:");
   w.struct_size = 4;
   ASSERT_FAILS(pipe_worker_run(&w), PIPE_ERR_INVALID_ARGUMENT, "PIPE_WORKER_OPTIONS_INIT");
   close(refuser);

@@ -38,12 +38,15 @@ typedef struct {
 
 static const versioned stage_options_v = {
     "pipe_stage_options", "PIPE_STAGE_OPTIONS_INIT", "pipe_stage_options_init", {32}, 24};
-static const versioned session_options_v = {
-    "pipe_session_options", "PIPE_SESSION_OPTIONS_INIT", "pipe_session_options_init", {12, 48, 56, 64, 88, 104}, 72};
+static const versioned session_options_v = {"pipe_session_options",
+                                            "PIPE_SESSION_OPTIONS_INIT",
+                                            "pipe_session_options_init",
+                                            {12, 48, 56, 64, 88, 104, 112},
+                                            72};
 static const versioned run_options_v = {"pipe_run_options", "PIPE_RUN_OPTIONS_INIT", "pipe_run_options_init", {16}, 8};
 static const versioned stage_stats_v = {"pipe_stage_stats", "PIPE_STAGE_STATS_INIT", "pipe_stage_stats_init", {48}, 40};
 static const versioned worker_options_v = {
-    "pipe_worker_options", "PIPE_WORKER_OPTIONS_INIT", "pipe_worker_options_init", {32}, 16};
+    "pipe_worker_options", "PIPE_WORKER_OPTIONS_INIT", "pipe_worker_options_init", {32, 40}, 16};
 
 static size_t num_sizes(const versioned *v) {
   size_t n = 0;
@@ -139,7 +142,8 @@ static void init_gives_the_macros_defaults(void **state) {
     FIELD_EQ(got, want, comm_timeout_ms);
     FIELD_EQ(got, want, devices);
     FIELD_EQ(got, want, outputs);
-    ASSERT_LAST_FIELD(pipe_session_options, outputs);
+    FIELD_EQ(got, want, token);
+    ASSERT_LAST_FIELD(pipe_session_options, token);
   }
   {
     pipe_run_options got, want = PIPE_RUN_OPTIONS_INIT;
@@ -171,7 +175,21 @@ static void init_gives_the_macros_defaults(void **state) {
     FIELD_EQ(got, want, store);
     FIELD_EQ(got, want, comm_timeout_ms);
     FIELD_EQ(got, want, threads_per_stage);
-    ASSERT_LAST_FIELD(pipe_worker_options, threads_per_stage);
+    FIELD_EQ(got, want, token);
+    ASSERT_LAST_FIELD(pipe_worker_options, token);
+  }
+  {
+    pipe_launch_info got, want = PIPE_LAUNCH_INFO_INIT;
+    memset(&got, GUARD, sizeof got);
+    ASSERT_OK(pipe_launch_info_init(&got, sizeof got));
+    FIELD_EQ(got, want, struct_size);
+    FIELD_EQ(got, want, rank);
+    FIELD_EQ(got, want, world_size);
+    FIELD_EQ(got, want, local_rank);
+    FIELD_EQ(got, want, local_world_size);
+    assert_int_equal(memcmp(got.launcher, want.launcher, sizeof got.launcher), 0);
+    assert_int_equal(memcmp(got.store, want.store, sizeof got.store), 0);
+    ASSERT_LAST_FIELD(pipe_launch_info, store);
   }
 }
 

@@ -336,9 +336,9 @@ def start_driver(*args, name="pipe driver", env=None):
     return tree, store
 
 
-def run_pipe(*args, timeout=RUN_TIMEOUT_S, leftovers=True):
+def run_pipe(*args, timeout=RUN_TIMEOUT_S, leftovers=True, env=None):
     """Run `pipe` to the end (killing the tree if it hangs); check it leaves no process behind."""
-    tree = pipe_tree(*args).wait(timeout)
+    tree = pipe_tree(*args, env=env).wait(timeout)
     if leftovers:
         tree.assert_no_leftovers()
     return tree

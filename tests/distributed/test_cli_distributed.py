@@ -516,14 +516,11 @@ def test_worker_with_a_different_world_size(tmp_path):
 
 
 def store_client(store):
-    """A client of the driver's store, to watch the rendezvous: libpipe marks each worker rank
-    that joined with the key libpipe/joined/<rank> (runtime/comm/rendezvous.cpp)."""
-    import datetime
+    """A client of the driver's store (with the session's token, LIBPIPE_TOKEN), to watch the rendezvous:
+    libpipe marks each worker rank that joined with the key libpipe/joined/<rank> (runtime/comm/rendezvous.cpp)."""
+    from storeclient import StoreClient
 
-    from torch.distributed import TCPStore
-
-    host, port = store.rsplit(":", 1)
-    return TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=RUN_TIMEOUT_S))
+    return StoreClient(store, timeout=RUN_TIMEOUT_S)
 
 
 def test_two_workers_with_the_same_rank(tmp_path):
@@ -537,7 +534,7 @@ def test_two_workers_with_the_same_rank(tmp_path):
         assert first.proc.poll() is None and driver.proc.poll() is None, first.stderr + driver.stderr
         assert time.monotonic() < deadline, "rank 1 never joined"
         time.sleep(0.05)
-    del rendezvous
+    rendezvous.close()
     second = start_worker(1, 3, store, comm_ms=JOIN_MS).wait(RUN_TIMEOUT_S)
     assert_one_line_error(second, "rank 1 has already joined")
     driver.wait(GIVE_UP_MS / 1000 + FAIL_WITHIN_S)

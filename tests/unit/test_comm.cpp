@@ -1,5 +1,5 @@
 // The transports and the ring through worker processes, inside one process: the wire format,
-// the local transport, Gloo between two threads over loopback, and a session whose stages are
+// the local transport, the TCP transport between two threads over loopback, and a session whose stages are
 // partly served by a worker running in a thread (serve() on the local transport). Stores listen
 // on port 0 and the tests use the port they got (no guessing a free one); the session tests hold
 // a stage with the test gate (tests/gate) to know what the worker holds when it goes away.
@@ -7,7 +7,6 @@
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -24,9 +23,11 @@
 #include <thread>
 
 #include "fixtures.h"
-#include "runtime/comm/gloo_transport.h"
+#include "runtime/comm/auth.h"
 #include "runtime/comm/local_transport.h"
 #include "runtime/comm/rendezvous.h"
+#include "runtime/comm/store_server.h"
+#include "runtime/comm/tcp_transport.h"
 #include "runtime/comm/wire.h"
 #include "runtime/graph/torchscript/model.h"
 #include "runtime/graph/plan.h"
@@ -44,6 +45,12 @@ using comm::Kind;
 using comm::Message;
 using std::chrono::milliseconds;
 using test::status_of;
+
+// The secret every test session here shares.
+const comm::Secret& secret() {
+  static const comm::Secret s = comm::Secret::from("a test token of 32 bytes, no more");
+  return s;
+}
 
 // What a receiver rebuilds from a frame: the tensors allocated from the meta, filled with the
 // sent bytes (what a transport does through its engine).
@@ -158,16 +165,16 @@ struct RefusedPort {
   uint16_t port = 0;
 };
 
-TEST(GlooTransport, TwoRanksExchangeMessagesOfChangingShapesBothWays) {
+TEST(TcpTransport, TwoRanksExchangeMessagesOfChangingShapesBothWays) {
   const auto timeout = milliseconds(20000);
-  const auto hosted =
-      comm::host_store(comm::parse_address("127.0.0.1:0", "store", comm::PortZero::PicksAFreePort), 2, timeout);
+  const auto hosted = comm::host_store(comm::parse_address("127.0.0.1:0", "store", comm::PortZero::PicksAFreePort),
+                                       secret(), 2, timeout);
   const std::string address = comm::format_address(hosted.address);
   auto rank1 = std::async(std::launch::async, [&] {
     std::string local;
-    auto store = comm::connect_store(comm::parse_address(address, "store"), timeout, &local);
+    auto store = comm::connect_store(comm::parse_address(address, "store"), secret(), timeout, &local);
     EXPECT_EQ(local, "127.0.0.1");
-    auto t = comm::make_gloo_transport(store, 1, 2, local, timeout);
+    auto t = comm::make_tcp_transport(*store, secret(), 1, 2, local, timeout);
     for (int i = 0; i < 3; ++i) {
       Message m = t->recv(0);
       m.values[0] = m.values[0].toTensor() * 2;
@@ -175,7 +182,7 @@ TEST(GlooTransport, TwoRanksExchangeMessagesOfChangingShapesBothWays) {
     }
     t->send(0, t->recv(0));  // the big one, echoed
   });
-  auto t = comm::make_gloo_transport(hosted.store, 0, 2, "127.0.0.1", timeout);
+  auto t = comm::make_tcp_transport(*hosted.store, secret(), 0, 2, "127.0.0.1", timeout);
   for (int i = 0; i < 3; ++i) {
     Message m;
     m.request = static_cast<uint64_t>(i);
@@ -187,7 +194,7 @@ TEST(GlooTransport, TwoRanksExchangeMessagesOfChangingShapesBothWays) {
     EXPECT_TRUE(at::equal(back.values[0].toTensor(), x * 2));
     EXPECT_TRUE(back.values[1].isNone());
   }
-  // Meta and structure too big for the fixed head travel in an overflow transfer.
+  // Many tensors and a long text in one message.
   std::vector<c10::IValue> many;
   for (int i = 0; i < 600; ++i) many.emplace_back(at::full({1, 2, 3}, static_cast<double>(i)));
   Message big;
@@ -214,9 +221,11 @@ TEST(Rendezvous, AddressesAreCheckedBeforeAnythingWaits) {
   EXPECT_NE(message.find("port 0, which only the driver may give"), std::string::npos) << message;
   EXPECT_EQ(comm::parse_address("127.0.0.1:0", "store", comm::PortZero::PicksAFreePort).port, 0);
   // 192.0.2.1 (TEST-NET-1) is never an address of this machine.
-  EXPECT_EQ(status_of([] { comm::host_store(comm::parse_address("192.0.2.1:29400", "store"), 2, milliseconds(1000)); },
-                      &message),
-            Status::Communication);
+  EXPECT_EQ(
+      status_of(
+          [] { comm::host_store(comm::parse_address("192.0.2.1:29400", "store"), secret(), 2, milliseconds(1000)); },
+          &message),
+      Status::Communication);
   EXPECT_NE(message.find("not an address of this machine"), std::string::npos) << message;
   const RefusedPort nobody;
   const auto start = std::chrono::steady_clock::now();
@@ -224,11 +233,12 @@ TEST(Rendezvous, AddressesAreCheckedBeforeAnythingWaits) {
                 [&] {
                   std::string local;
                   comm::connect_store(comm::parse_address("127.0.0.1:" + std::to_string(nobody.port), "store"),
-                                      milliseconds(300), &local);
+                                      secret(), milliseconds(300), &local);
                 },
                 &message),
             Status::Communication);
-  EXPECT_NE(message.find("no rendezvous store answered at 127.0.0.1:" + std::to_string(nobody.port)), std::string::npos)
+  EXPECT_NE(message.find("nothing answered for the rendezvous store at 127.0.0.1:" + std::to_string(nobody.port)),
+            std::string::npos)
       << message;
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));  // bounded, not a hang
 }
@@ -247,10 +257,10 @@ struct Logged {
 TEST(Rendezvous, AStoreOnPortZeroListensOnAFreePortAndSaysWhichBeforeAnyoneJoins) {
   Logged logged;
   log::set_sink(&Logged::sink, &logged, log::Info);
-  const auto hosted = comm::host_store(comm::parse_address("127.0.0.1:0", "store", comm::PortZero::PicksAFreePort), 2,
-                                       milliseconds(20000));
+  const auto hosted = comm::host_store(comm::parse_address("127.0.0.1:0", "store", comm::PortZero::PicksAFreePort),
+                                       secret(), 2, milliseconds(20000));
   log::set_sink(nullptr, nullptr, log::Warning);
-  const uint16_t port = dynamic_cast<c10d::TCPStore&>(*hosted.store).getPort();
+  const uint16_t port = hosted.server->address().port;
   EXPECT_NE(port, 0);
   EXPECT_EQ(hosted.address.port, port);
   EXPECT_EQ(hosted.address.host, "127.0.0.1");
@@ -259,7 +269,7 @@ TEST(Rendezvous, AStoreOnPortZeroListensOnAFreePortAndSaysWhichBeforeAnyoneJoins
   // A worker given that address reaches this store.
   hosted.store->set("key", std::vector<uint8_t>{7});
   std::string local;
-  auto client = comm::connect_store(hosted.address, milliseconds(20000), &local);
+  auto client = comm::connect_store(hosted.address, secret(), milliseconds(20000), &local);
   EXPECT_EQ(client->get("key"), std::vector<uint8_t>{7});
 }
 

@@ -94,9 +94,9 @@ void init_session_args(session_args *s) {
 }
 
 int parse_session_arg(int argc, char **argv, int *i, const char *command, session_args *s) {
-  static const char *const flags[] = {"--microbatches", "--microbatching",   "--processes",
-                                      "--world-size",   "--store",           "--transport",
-                                      "--devices",      "--comm-timeout-ms", "--replicate"};
+  static const char *const flags[] = {"--microbatches", "--microbatching", "--processes", "--world-size",
+                                      "--store",        "--transport",     "--devices",   "--comm-timeout-ms",
+                                      "--replicate",    "--token-file"};
   const char *a = argv[*i];
   size_t k = 0;
   while (k < sizeof flags / sizeof *flags && strcmp(a, flags[k]) != 0) ++k;
@@ -114,10 +114,11 @@ int parse_session_arg(int argc, char **argv, int *i, const char *command, sessio
     case 3: return parse_int(a, v, &o->world_size) ? 2 : 1;
     case 4: o->store = v; return 1;
     case 5:
-      if (strcmp(v, "gloo") == 0) o->transport = PIPE_TRANSPORT_GLOO;
+      /* gloo: the name of the TCP transport before 0.12 */
+      if (strcmp(v, "tcp") == 0 || strcmp(v, "gloo") == 0) o->transport = PIPE_TRANSPORT_TCP;
       else if (strcmp(v, "nccl") == 0) o->transport = PIPE_TRANSPORT_NCCL;
       else if (strcmp(v, "local") == 0) o->transport = PIPE_TRANSPORT_LOCAL;
-      else return usage_error("%s: --transport is gloo, nccl or local, got '%s'", command, v);
+      else return usage_error("%s: --transport is tcp, nccl or local, got '%s'", command, v);
       return 1;
     case 6: o->devices = v; return 1; /* libpipe checks the list against the plan */
     case 8:
@@ -127,6 +128,10 @@ int parse_session_arg(int argc, char **argv, int *i, const char *command, sessio
       if (s->num_replicated == MAX_REPLICATED)
         return usage_error("%s: at most %d --replicate", command, MAX_REPLICATED);
       s->replicated[s->num_replicated++] = v; /* names are checked against the model once it is loaded */
+      return 1;
+    case 9:
+      if (read_token_file(command, v, s->token, sizeof s->token)) return 2;
+      o->token = s->token;
       return 1;
     default:
       if (parse_int(a, v, &o->comm_timeout_ms)) return 2;
@@ -138,6 +143,7 @@ int parse_session_arg(int argc, char **argv, int *i, const char *command, sessio
 
 int check_session_args(const char *cmd, session_args *s) {
   pipe_session_options *o = &s->options;
+  if (apply_launcher(cmd, s)) return 2;
   if (s->processes > 0 && o->world_size != 1)
     return usage_error("%s: give either --processes N (local workers) or --world-size N (workers started elsewhere)",
                        cmd);
@@ -145,6 +151,11 @@ int check_session_args(const char *cmd, session_args *s) {
   if (o->world_size < 1) return usage_error("%s: --world-size must be at least 1, got %d", cmd, o->world_size);
   if (o->world_size > 1 && s->processes == 0 && !o->store)
     return usage_error("%s: --world-size needs --store HOST:PORT, the address its workers were given", cmd);
-  if (o->world_size > 1 && o->transport == PIPE_TRANSPORT_LOCAL) o->transport = PIPE_TRANSPORT_GLOO;
+  if (o->world_size > 1 && o->transport == PIPE_TRANSPORT_LOCAL) o->transport = PIPE_TRANSPORT_TCP;
+  /* Local workers share a token made now, unless one was given: it reaches them in their environment. */
+  if (s->processes > 1 && !o->token && !getenv("LIBPIPE_TOKEN")) {
+    if (fresh_token(s->token, sizeof s->token)) return 2;
+    o->token = s->token;
+  }
   return 0;
 }

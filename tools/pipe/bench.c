@@ -116,6 +116,7 @@ int cmd_bench(int argc, char **argv) {
   if (requests < 1) return usage_error("bench: --requests must be at least 1");
   if (concurrency < 1) return usage_error("bench: --concurrency must be at least 1");
   if (check_split_args("bench", &split) || check_session_args("bench", &sargs)) return 2;
+  if (sargs.launched && sargs.launch.rank != 0) return serve_launched_rank(&sargs);
 
   int rc = 1;
   pipeline p;

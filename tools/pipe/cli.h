@@ -54,9 +54,15 @@ int check_split_args(const char *cmd, const split_args *split);
  * spread over. */
 #define MAX_REPLICATED 64
 
+#define MAX_TOKEN_BYTES 4096
+
 typedef struct {
   pipe_session_options options;
-  int32_t processes; /* --processes: 0 when not given */
+  int32_t processes;           /* --processes: 0 when not given */
+  char token[MAX_TOKEN_BYTES]; /* --token-file's content, or the token made for --processes */
+  /* Started by a launcher (torchrun, srun) with no rank flags: this rank's place (launch.c). */
+  int launched;
+  pipe_launch_info launch;
   /* --replicate NAME[,NAME...] (run and bench): forward arguments every micro-batch gets whole, as given on the
    * command line; open_pipeline turns them into the options' input_specs. */
   const char *replicated[MAX_REPLICATED];
@@ -70,6 +76,17 @@ int parse_session_arg(int argc, char **argv, int *i, const char *command, sessio
 /* Checks the combination of process options and fills in what they imply. 2 after a usage
  * error. */
 int check_session_args(const char *cmd, session_args *s);
+
+/* ---- launchers and the session's secret (launch.c) ---- */
+/* Reads a token from `path` (a trailing newline dropped) into `out`. 0, or 1 after reporting. */
+int read_token_file(const char *command, const char *path, char *out, size_t capacity);
+/* 64 random hex digits into `out` (at least 65 bytes). 0, or 1 after reporting. */
+int fresh_token(char *out, size_t capacity);
+/* With no --processes, --world-size or --store: the launcher's environment (pipe_launch_from_environment)
+ * decides this process's rank, the world size and the store. 0, or 1 after reporting. */
+int apply_launcher(const char *command, session_args *s);
+/* A launched rank other than 0: serves its stages for rank 0's session until it ends. The exit code. */
+int serve_launched_rank(const session_args *s);
 
 /* ---- local worker processes (workers.c) ---- */
 #define MAX_PROCESSES 256

@@ -387,6 +387,10 @@ int cmd_generate(int argc, char **argv) {
     goto done;
   }
   if (check_split_args("generate", &split) || check_session_args("generate", &session)) goto done;
+  if (session.launched && session.launch.rank != 0) {
+    rc = serve_launched_rank(&session);
+    goto done;
+  }
 
   rc = 1;
   pipeline p;

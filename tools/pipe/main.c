@@ -53,9 +53,12 @@ static const char usage_text[] =
     "      stage and one of the engine's steps (launch, collect, sample, deliver);\n"
     "      --trace-operators adds each stage slice's time per operator (slower while it runs).\n"
     "  worker --rank R --world-size N --store HOST:PORT [--comm-timeout-ms T] [--threads T]\n"
+    "         [--token-file FILE]\n"
     "      Host stages for a session whose driver (a `pipe run`/`bench`/`generate` with\n"
     "      --world-size, or a program of the C ABI) listens at HOST:PORT (the port it\n"
-    "      reported, never 0); exits when that session ends.\n"
+    "      reported, never 0); exits when that session ends. Under torchrun or srun without\n"
+    "      --rank and --world-size, launched rank i serves as rank i + 1 of a driver outside\n"
+    "      the launch, whose store --store or LIBPIPE_STORE names.\n"
     "  version\n"
     "      Print the libpipe version.\n"
     "\n"
@@ -77,11 +80,19 @@ static const char usage_text[] =
     "\n"
     "run, bench and generate spread the stages over processes with:\n"
     "  --processes N                   start N-1 local workers (`pipe worker`) and use them\n"
+    "                                  (they share a token made for them; the store on 127.0.0.1)\n"
     "  --world-size N --store HOST:PORT  drive N-1 workers started elsewhere; this process\n"
-    "                                  hosts the rendezvous store at HOST:PORT (PORT 0: a free\n"
-    "                                  port) and, once it listens, prints on stderr\n"
+    "                                  hosts the rendezvous store at HOST:PORT only (PORT 0: a\n"
+    "                                  free port) and, once it listens, prints on stderr\n"
     "                                  pipe: store listening on HOST:PORT (start workers with --store HOST:PORT)\n"
-    "  --transport gloo|nccl           how stages talk (default gloo: CPU tensors over TCP)\n"
+    "  (under torchrun or srun)        without those flags, the launcher's environment decides:\n"
+    "                                  run the same command on every rank; rank 0 drives, hosts\n"
+    "                                  the store at MASTER_ADDR:MASTER_PORT+1 under torchrun\n"
+    "                                  (MASTER_PORT under srun; LIBPIPE_PORT overrides) and prints;\n"
+    "                                  the others serve their stages and exit 0 when it is done\n"
+    "  --token-file FILE               the session's secret (default: LIBPIPE_TOKEN); every\n"
+    "                                  process of a session needs the same, at least 16 bytes\n"
+    "  --transport tcp|nccl            how stages talk (default tcp: CPU tensors over TCP)\n"
     "  --comm-timeout-ms T             setup limit; a heartbeat silent this long fails (default 60000)\n";
 
 int main(int argc, char **argv) {
@@ -98,6 +109,11 @@ int main(int argc, char **argv) {
     printf("pipe %s\n", pipe_version());
     return 0;
   }
+  for (int i = 2; i < argc; ++i)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      fputs(usage_text, stdout);
+      return 0;
+    }
   if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc - 2, argv + 2);
   if (strcmp(cmd, "split") == 0) return cmd_split(argc - 2, argv + 2);
   if (strcmp(cmd, "run") == 0) return cmd_run(argc - 2, argv + 2);

@@ -34,6 +34,7 @@ int cmd_run(int argc, char **argv) {
   if (!in_path) return usage_error("run: --input IN.safetensors is required");
   if (!out_path) return usage_error("run: --output OUT.safetensors is required");
   if (check_split_args("run", &split) || check_session_args("run", &session)) return 2;
+  if (session.launched && session.launch.rank != 0) return serve_launched_rank(&session);
 
   int rc = 1;
   pipeline p;

@@ -10,7 +10,7 @@ For model authors (pure Python over torch; no compiled libpipe needed):
 For running models (the native module `libpipe._native`, a SWIG wrapper of libpipe's C ABI,
 imported on first use):
   `Model.load(path)` -> `model.split(...)` -> `plan.session(...)` -> `session.run(*inputs)`;
-  `plan.session(transport="gloo", world_size=N, store="HOST:PORT")` spreads the stages over
+  `plan.session(transport="tcp", world_size=N, store="HOST:PORT")` spreads the stages over
   processes that serve them with `run_worker(rank, N, "HOST:PORT")`;
   `Generator(decoder_path, ...)` -> `generator.generate(prompt)` generates tokens (or text, with a
   tokenizer) from a language model (libpipe.generation);

@@ -281,6 +281,7 @@ class Generator(_Closeable):
         prefill_chunk=_GENERATOR_DEFAULTS["prefill_chunk"],
         steps_in_flight=_GENERATOR_DEFAULTS["steps_in_flight"],
         max_rows_per_step=_GENERATOR_DEFAULTS["max_rows_per_step"],
+        token=None,
     ):
         session_options = _session_options(
             threads_per_stage=threads_per_stage,
@@ -293,6 +294,7 @@ class Generator(_Closeable):
             comm_timeout=comm_timeout,
             devices=devices,
             outputs=outputs,
+            token=token,
         )
         generator_options = {
             "max_queued": _int(max_queued, "max_queued"),

@@ -21,7 +21,7 @@ is created or parked per call; cancelling the awaiting task cancels the call.
         outs = await asyncio.gather(*(session.run_async(x, timeout=5.0) for x in xs))
 
 Stages may also run in other processes (libpipe >= 0.4): the driver creates the session with
-`plan.session(transport="gloo", world_size=2, store="HOST:PORT")` and hosts the rendezvous store
+`plan.session(transport="tcp", world_size=2, store="HOST:PORT")` and hosts the rendezvous store
 there; each other process calls `libpipe.run_worker(rank, 2, "HOST:PORT")`, which serves its
 stages until the driver closes the session. A worker that dies or stops answering fails the
 calls with CommunicationError, and the session stays broken (`session.check()` raises it).
@@ -80,9 +80,11 @@ _OUTPUT_TYPES = (None, "numpy", "torch", "dlpack")
 # Session(microbatching=...): how calls are cut, pipe.h's PIPE_MICROBATCHING_* by lower-case name.
 MICROBATCHING_MODES = tuple(name.lower() for name in _constants.MICROBATCHING)
 # Session(transport=...): how stages talk, pipe.h's PIPE_TRANSPORT_* by lower-case name. "local":
-# every stage in this process; "gloo": CPU stages spread over processes; "nccl": GPU stages spread
-# over processes, one GPU each.
+# every stage in this process; "tcp": CPU stages spread over processes (libpipe's authenticated
+# connections; "gloo", its name before 0.12, is taken too); "nccl": GPU stages spread over
+# processes, one GPU each.
 TRANSPORTS = tuple(name.lower() for name in _constants.TRANSPORT)
+_TRANSPORT_ALIASES = {"gloo": "tcp"}
 # Session(outputs=...): where results come back, pipe.h's PIPE_OUTPUTS_ON_* by the word after ON_.
 # "cpu": CPU memory; "device": the last stage's device (a GPU).
 OUTPUT_PLACEMENTS = {name.lower().removeprefix("on_"): name for name in _constants.OUTPUTS}
@@ -357,6 +359,15 @@ def _comm_timeout_ms(comm_timeout):
     return ms
 
 
+def _token(token):
+    """The session's secret as the native module takes it (a str; libpipe checks its length)."""
+    if isinstance(token, bytes):
+        token = token.decode()
+    if not isinstance(token, str):
+        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"token must be a str or bytes, not {type(token).__name__}")
+    return token
+
+
 def _store(store):
     """The rendezvous store's "HOST:PORT" (libpipe parses and checks it)."""
     if not isinstance(store, str):
@@ -545,6 +556,7 @@ class Plan(_Closeable):
         comm_timeout=None,
         devices=None,
         outputs=_name_of(_constants.OUTPUTS, _SESSION_DEFAULTS["outputs"]).lower().removeprefix("on_"),
+        token=None,
     ):
         """Build the stages and start one worker thread per stage. The defaults are pipe.h's
         (PIPE_SESSION_OPTIONS_INIT), as in C, the CLI and the Go and Rust bindings.
@@ -602,6 +614,7 @@ class Plan(_Closeable):
             comm_timeout=comm_timeout,
             devices=devices,
             outputs=outputs,
+            token=token,
         )
         options.update(
             {
@@ -627,7 +640,18 @@ class Plan(_Closeable):
 
 
 def _session_options(
-    *, threads_per_stage, max_inflight, dtype, weights, transport, world_size, store, comm_timeout, devices, outputs
+    *,
+    threads_per_stage,
+    max_inflight,
+    dtype,
+    weights,
+    transport,
+    world_size,
+    store,
+    comm_timeout,
+    devices,
+    outputs,
+    token=None,
 ):
     """The options of pipe_session_create that Plan.session and Generator share, checked, as the
     dict the native module takes (Plan.session adds the micro-batching ones)."""
@@ -639,6 +663,8 @@ def _session_options(
         raise InvalidArgumentError(
             Status.INVALID_ARGUMENT, f"devices must be a str such as 'cpu,cuda:0' or 'auto', not {devices!r}"
         )
+    if isinstance(transport, str):
+        transport = _TRANSPORT_ALIASES.get(transport, transport)
     if not isinstance(transport, str) or transport not in TRANSPORTS:
         raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"transport must be one of {TRANSPORTS}, not {transport!r}")
     options = {
@@ -653,6 +679,8 @@ def _session_options(
         options["devices"] = devices
     if store is not None:
         options["store"] = _store(store)
+    if token is not None:
+        options["token"] = _token(token)
     options.update(_stage_options(dtype, weights) or {})
     return options
 
@@ -994,9 +1022,17 @@ def _interruptible_by_default_sigint():
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def run_worker(rank, world_size, store, *, comm_timeout=None, threads_per_stage=_WORKER_DEFAULTS["threads_per_stage"]):
+def run_worker(
+    rank=None,
+    world_size=None,
+    store=None,
+    *,
+    comm_timeout=None,
+    threads_per_stage=_WORKER_DEFAULTS["threads_per_stage"],
+    token=None,
+):
     """Serve as worker `rank` (1 .. world_size-1) of the session whose driver (rank 0) creates it
-    with plan.session(transport="gloo" | "nccl", world_size=world_size, store=store): join it
+    with plan.session(transport="tcp" | "nccl", world_size=world_size, store=store): join it
     through the rendezvous store at `store` ("HOST:PORT"), receive this rank's stages and run
     them until the driver closes the session; then return None. Blocks (with the GIL released;
     Ctrl-C ends the process when Python's default SIGINT handler is in place); serves one
@@ -1010,14 +1046,26 @@ def run_worker(rank, world_size, store, *, comm_timeout=None, threads_per_stage=
     time (the message names the address), the rank is taken, the driver's libpipe version
     differs, or the driver goes away (killed, stopped, its host hangs, or its session broke);
     InvalidArgumentError for a rank or world_size out of range.
-    Errors in this worker's stages are reported to the driver's calls, not here."""
+    Errors in this worker's stages are reported to the driver's calls, not here.
+
+    token: the session's secret (None: the LIBPIPE_TOKEN environment variable), the driver's own.
+    rank and world_size None (libpipe >= 0.12): a launcher's environment (torchrun, srun) decides,
+    launched rank i serving as rank i + 1 of a driver outside the launch; store None: the
+    LIBPIPE_STORE environment variable."""
+    if (rank is None) != (world_size is None):
+        raise InvalidArgumentError(
+            Status.INVALID_ARGUMENT, "give both rank and world_size, or neither (to take them from torchrun or srun)"
+        )
     options = {
-        "rank": int(rank),
-        "world_size": int(world_size),
-        "store": _store(store),
+        "rank": 0 if rank is None else int(rank),
+        "world_size": 0 if world_size is None else int(world_size),
         "comm_timeout_ms": _comm_timeout_ms(comm_timeout),
         "threads_per_stage": int(threads_per_stage),
     }
+    if store is not None:
+        options["store"] = _store(store)
+    if token is not None:
+        options["token"] = _token(token)
     lib = _lib()
     with _interruptible_by_default_sigint():
         lib.pipe_worker_run(options)

@@ -307,6 +307,7 @@ typedef struct {
   PyObject *keep;
   PyObject *keep_store;
   PyObject *keep_devices;
+  PyObject *keep_token;
 } libpipe_session_options_holder;
 %}
 
@@ -519,7 +520,7 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
     static const char *const allowed[] = {"num_microbatches", "threads_per_stage", "max_inflight",
                                           "microbatching", "input_specs", "output_specs", "dtype",
                                           "weights", "transport", "world_size", "store",
-                                          "comm_timeout_ms", "devices", "outputs", NULL};
+                                          "comm_timeout_ms", "devices", "outputs", "token", NULL};
     if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "session options must be a dict or None");
     if (libpipe_check_keys($input, allowed, "session") < 0) SWIG_fail;
     if (LIBPIPE_INIT(pipe_session_options_init, &tmp.session) < 0) SWIG_fail;
@@ -532,6 +533,7 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
         libpipe_dict_int32($input, "comm_timeout_ms", &tmp.session.comm_timeout_ms) < 0 ||
         libpipe_dict_str($input, "store", &tmp.session.store, &tmp.keep_store) < 0 ||
         libpipe_dict_str($input, "devices", &tmp.session.devices, &tmp.keep_devices) < 0 ||
+        libpipe_dict_str($input, "token", &tmp.session.token, &tmp.keep_token) < 0 ||
         libpipe_dict_int32($input, "outputs", &tmp.session.outputs) < 0 ||
         libpipe_dict_specs($input, "input_specs", &tmp.input_specs, &tmp.session.num_input_specs) < 0 ||
         libpipe_dict_specs($input, "output_specs", &tmp.output_specs, &tmp.session.num_output_specs) < 0)
@@ -552,18 +554,20 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
     Py_XDECREF(holder$argnum->keep);
     Py_XDECREF(holder$argnum->keep_store);
     Py_XDECREF(holder$argnum->keep_devices);
+    Py_XDECREF(holder$argnum->keep_token);
   }
 }
 
-/* None or a dict with the fields of pipe_worker_options: "rank", "world_size", "store" (a str,
- * kept alive for the call), "comm_timeout_ms", "threads_per_stage". Absent keys keep libpipe's
- * defaults (pipe_worker_options_init; libpipe refuses rank 0 and a missing store). */
-%typemap(in) const pipe_worker_options * (pipe_worker_options tmp, PyObject *keep = NULL) {
+/* None or a dict with the fields of pipe_worker_options: "rank", "world_size", "store" and "token"
+ * (strs, kept alive for the call), "comm_timeout_ms", "threads_per_stage". Absent keys keep libpipe's
+ * defaults (pipe_worker_options_init: rank and world size 0 take a launcher's; libpipe refuses a
+ * missing store). */
+%typemap(in) const pipe_worker_options * (pipe_worker_options tmp, PyObject *keep = NULL, PyObject *keep_token = NULL) {
   if ($input == Py_None) {
     $1 = NULL;
   } else {
     static const char *const allowed[] = {"rank", "world_size", "store", "comm_timeout_ms",
-                                          "threads_per_stage", NULL};
+                                          "threads_per_stage", "token", NULL};
     if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "worker options must be a dict or None");
     if (libpipe_check_keys($input, allowed, "worker") < 0) SWIG_fail;
     if (LIBPIPE_INIT(pipe_worker_options_init, &tmp) < 0) SWIG_fail;
@@ -571,12 +575,16 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
         libpipe_dict_int32($input, "world_size", &tmp.world_size) < 0 ||
         libpipe_dict_int32($input, "comm_timeout_ms", &tmp.comm_timeout_ms) < 0 ||
         libpipe_dict_int32($input, "threads_per_stage", &tmp.threads_per_stage) < 0 ||
-        libpipe_dict_str($input, "store", &tmp.store, &keep) < 0)
+        libpipe_dict_str($input, "store", &tmp.store, &keep) < 0 ||
+        libpipe_dict_str($input, "token", &tmp.token, &keep_token) < 0)
       SWIG_fail;
     $1 = &tmp;
   }
 }
-%typemap(freearg) const pipe_worker_options * { Py_XDECREF(keep$argnum); }
+%typemap(freearg) const pipe_worker_options * {
+  Py_XDECREF(keep$argnum);
+  Py_XDECREF(keep_token$argnum);
+}
 
 /* pipe_generator_submit's prompt: a sequence of ints (the Python layer has made them ints). */
 %typemap(in) (const int64_t *prompt, size_t prompt_len) (int64_t *ids = NULL) {

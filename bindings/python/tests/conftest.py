@@ -206,7 +206,8 @@ def read_trace(path):
 def timed_linear_shapes(stage, slices):
     """Asserts that each of a stage's slices holds its time per operator ("operators_us"), no more
     in all than the slice lasted (+1 us: its bounds are whole microseconds); returns the weight
-    shapes ("out x in") its linear layers are keyed by."""
+    shapes ("out x in") its linear layers are keyed by (a group of products of one input, such as
+    q, k and v, is one key: "[64x64+32x64+32x64]")."""
     assert slices, f"{stage} has no slices"
     shapes = set()
     for e in slices:
@@ -216,8 +217,8 @@ def timed_linear_shapes(stage, slices):
         assert sum(ops.values()) <= e["dur"] + 1, f"{stage} slice {e['name']} of {e['dur']} us: {ops}"
         for key in ops:
             op, _, shape = key.partition(" [")
-            if op.endswith("linear"):
-                shapes.add(shape.removesuffix("]"))
+            if op.endswith(("linear", "linear_group")):
+                shapes |= set(shape.removesuffix("]").split("+"))
     return shapes
 
 

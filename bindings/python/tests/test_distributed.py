@@ -100,14 +100,14 @@ def finish(proc, timeout=60):
 
 
 def gloo_session(plan, worker, **options):
-    """plan.session(transport="gloo", world_size=2, store=ANY_PORT, **options), created in a thread
+    """plan.session(transport="tcp", world_size=2, store=ANY_PORT, **options), created in a thread
     of this process; once libpipe reports the address its store got, `worker` is told it. Returns
     the session and that address."""
     created = {}
 
     def create():
         try:
-            created["session"] = plan.session(transport="gloo", world_size=2, store=ANY_PORT, **options)
+            created["session"] = plan.session(transport="tcp", world_size=2, store=ANY_PORT, **options)
         except BaseException as e:  # raised below, in the test's thread
             created["error"] = e
 
@@ -163,8 +163,8 @@ def test_gloo_session_with_a_worker_process_equals_local(demo_plan, demo_x, demo
         try:
             assert store.startswith("127.0.0.1:") and store != ANY_PORT  # the port the store got
             assert session.num_stages == 2
-            assert (session.transport, session.world_size, session.store) == ("gloo", 2, ANY_PORT)  # as given
-            assert "gloo" in repr(session)
+            assert (session.transport, session.world_size, session.store) == ("tcp", 2, ANY_PORT)  # as given
+            assert "tcp" in repr(session)
             assert session.check() is None
             out = session.run(demo_x)
             assert list(out) == ["output"]
@@ -349,7 +349,7 @@ def test_ctrl_c_ends_a_waiting_worker(tmp_path):
 def test_driver_without_workers_names_the_missing_rank_and_the_port_its_store_got(demo_plan):
     started = time.monotonic()
     with StoreLog() as log, pytest.raises(libpipe.CommunicationError) as info:
-        demo_plan.session(transport="gloo", world_size=2, store=ANY_PORT, comm_timeout=1.0)
+        demo_plan.session(transport="gloo", world_size=2, store=ANY_PORT, comm_timeout=1.0)  # tcp's former name
     assert time.monotonic() - started < 1.0 + MARGIN_S
     store = wait_for_store(log.text)
     assert store != ANY_PORT
@@ -361,24 +361,24 @@ def test_bad_transport_arguments(demo_plan):
     store = ANY_PORT
     with pytest.raises(libpipe.InvalidArgumentError, match="local transport"):
         demo_plan.session(world_size=2)  # libpipe's check: "local" is one process
-    for bad in ("tcp", "Gloo", None, 1):
+    for bad in ("udp", "Gloo", "TCP", None, 1):
         with pytest.raises(libpipe.InvalidArgumentError) as info:
             demo_plan.session(transport=bad, world_size=2, store=store)
         assert info.value.status is Status.INVALID_ARGUMENT
-        assert f"transport must be one of ('local', 'gloo', 'nccl'), not {bad!r}" in info.value.message
+        assert f"transport must be one of ('local', 'tcp', 'nccl'), not {bad!r}" in info.value.message
     with pytest.raises(libpipe.InvalidArgumentError, match="store"):
-        demo_plan.session(transport="gloo", world_size=2)  # no store
+        demo_plan.session(transport="tcp", world_size=2)  # no store
     with pytest.raises(libpipe.InvalidArgumentError, match="HOST:PORT"):
-        demo_plan.session(transport="gloo", world_size=2, store="no-port")
+        demo_plan.session(transport="tcp", world_size=2, store="no-port")
     with pytest.raises(libpipe.InvalidArgumentError, match="HOST:PORT"):
-        demo_plan.session(transport="gloo", world_size=2, store=("127.0.0.1", 29500))
+        demo_plan.session(transport="tcp", world_size=2, store=("127.0.0.1", 29500))
     with pytest.raises(libpipe.InvalidArgumentError, match="world_size >= 2"):
-        demo_plan.session(transport="gloo", world_size=1, store=store)
+        demo_plan.session(transport="tcp", world_size=1, store=store)
     with pytest.raises(libpipe.InvalidArgumentError, match="3 processes"):
-        demo_plan.session(transport="gloo", world_size=3, store=store, comm_timeout=1.0)  # 2 stages
+        demo_plan.session(transport="tcp", world_size=3, store=store, comm_timeout=1.0)  # 2 stages
     for bad in (0, -1.0):
         with pytest.raises(libpipe.InvalidArgumentError, match="comm_timeout"):
-            demo_plan.session(transport="gloo", world_size=2, store=store, comm_timeout=bad)
+            demo_plan.session(transport="tcp", world_size=2, store=store, comm_timeout=bad)
 
 
 def test_bad_worker_arguments():
@@ -391,8 +391,8 @@ def test_bad_worker_arguments():
         libpipe.run_worker(1, 1, store, comm_timeout=0.5)
     with pytest.raises(libpipe.InvalidArgumentError, match="HOST:PORT"):
         libpipe.run_worker(1, 2, "no-port", comm_timeout=0.5)
-    with pytest.raises(libpipe.InvalidArgumentError, match="HOST:PORT"):
-        libpipe.run_worker(1, 2, None)
+    with pytest.raises(libpipe.InvalidArgumentError, match="store"):
+        libpipe.run_worker(1, 2, None)  # and no LIBPIPE_STORE
     # Port 0 lets a driver's store pick one; a worker needs the port the store got.
     with pytest.raises(libpipe.InvalidArgumentError, match="port 0, which only the driver may give"):
         libpipe.run_worker(1, 2, ANY_PORT, comm_timeout=0.5)
@@ -423,8 +423,8 @@ def test_native_options_reach_libpipe(demo_plan):
         _native.pipe_worker_run({"rank": 1, "world_size": 2})
     with pytest.raises(TypeError, match="unknown worker option 'bogus'"):
         _native.pipe_worker_run({"rank": 1, "bogus": 2})
-    assert (_native.PIPE_TRANSPORT_LOCAL, _native.PIPE_TRANSPORT_GLOO, _native.PIPE_TRANSPORT_NCCL) == (0, 1, 2)
-    assert libpipe.TRANSPORTS == ("local", "gloo", "nccl")
+    assert (_native.PIPE_TRANSPORT_LOCAL, _native.PIPE_TRANSPORT_TCP, _native.PIPE_TRANSPORT_NCCL) == (0, 1, 2)
+    assert libpipe.TRANSPORTS == ("local", "tcp", "nccl")
 
 
 def test_communication_error_maps_from_status_14():

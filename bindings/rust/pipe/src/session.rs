@@ -67,28 +67,31 @@ pub(crate) fn comm_timeout_ms(timeout: Option<Duration>) -> Result<i32> {
 }
 
 /// How the stages of a session talk ([`SessionOptions::transport`]; pipe.h's PIPE_TRANSPORT_*).
-/// Parsed from and displayed as "local", "gloo" and "nccl", as the pipe tool's `--transport` and
-/// Python's `transport=` spell them.
+/// Parsed from and displayed as "local", "tcp" and "nccl", as the pipe tool's `--transport` and
+/// Python's `transport=` spell them ("gloo", the TCP transport's name before libpipe 0.12, parses
+/// as [`Transport::Tcp`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Transport {
     /// Every stage runs in this process. `PIPE_TRANSPORT_LOCAL`.
     #[default]
     Local,
-    /// CPU stages spread over [`SessionOptions::world_size`] processes. `PIPE_TRANSPORT_GLOO`.
-    Gloo,
+    /// CPU stages spread over [`SessionOptions::world_size`] processes, over libpipe's own TCP
+    /// connections, each authenticated with the session's token ([`SessionOptions::token`]).
+    /// `PIPE_TRANSPORT_TCP` (`PIPE_TRANSPORT_GLOO` before 0.12).
+    Tcp,
     /// GPU stages spread over [`SessionOptions::world_size`] processes, one GPU each.
     /// `PIPE_TRANSPORT_NCCL`.
     Nccl,
 }
 
 impl Transport {
-    const ALL: [Transport; 3] = [Transport::Local, Transport::Gloo, Transport::Nccl];
+    const ALL: [Transport; 3] = [Transport::Local, Transport::Tcp, Transport::Nccl];
 
-    /// "local", "gloo" or "nccl".
+    /// "local", "tcp" or "nccl".
     pub fn name(self) -> &'static str {
         match self {
             Transport::Local => "local",
-            Transport::Gloo => "gloo",
+            Transport::Tcp => "tcp",
             Transport::Nccl => "nccl",
         }
     }
@@ -101,7 +104,7 @@ impl Transport {
     fn to_raw(self) -> i32 {
         match self {
             Transport::Local => sys::PIPE_TRANSPORT_LOCAL,
-            Transport::Gloo => sys::PIPE_TRANSPORT_GLOO,
+            Transport::Tcp => sys::PIPE_TRANSPORT_TCP,
             Transport::Nccl => sys::PIPE_TRANSPORT_NCCL,
         }
     }
@@ -116,10 +119,13 @@ impl std::fmt::Display for Transport {
 impl std::str::FromStr for Transport {
     type Err = Error;
 
-    /// [`Status::InvalidArgument`] for any other name than "local", "gloo" and "nccl".
+    /// [`Status::InvalidArgument`] for any other name than "local", "tcp" ("gloo") and "nccl".
     fn from_str(name: &str) -> Result<Transport> {
+        if name == "gloo" {
+            return Ok(Transport::Tcp);
+        }
         Transport::ALL.into_iter().find(|t| t.name() == name).ok_or_else(|| {
-            Error::new(Status::InvalidArgument, format!("transport must be one of local, gloo, nccl, not {name:?}"))
+            Error::new(Status::InvalidArgument, format!("transport must be one of local, tcp, nccl, not {name:?}"))
         })
     }
 }
@@ -206,6 +212,7 @@ pub struct SessionOptions {
     world_size: usize,
     store: Option<String>,
     comm_timeout: Option<Duration>,
+    token: Option<String>,
 }
 
 impl Default for SessionOptions {
@@ -228,6 +235,7 @@ impl Default for SessionOptions {
             world_size: count(raw.world_size),
             store: None,
             comm_timeout: None,
+            token: None,
         }
     }
 }
@@ -297,7 +305,7 @@ impl SessionOptions {
     }
 
     /// How the stages talk: [`Transport::Local`] (default) runs every stage in this process.
-    /// With [`Transport::Gloo`] or [`Transport::Nccl`] this process is rank 0 (the driver, with
+    /// With [`Transport::Tcp`] or [`Transport::Nccl`] this process is rank 0 (the driver, with
     /// the first stages), and [`SessionOptions::world_size`] - 1 worker processes, ranks 1 ..
     /// world_size - 1, each run [`crate::run_worker`] (or `pipe worker`) and get contiguous
     /// groups of the following stages. [`Session::new`] waits for them to join and load them.
@@ -306,7 +314,7 @@ impl SessionOptions {
         self
     }
 
-    /// Processes in the session, this one included (default 1; at least 2 with Gloo or NCCL).
+    /// Processes in the session, this one included (default 1; at least 2 with TCP or NCCL).
     pub fn world_size(mut self, n: usize) -> SessionOptions {
         self.world_size = n;
         self
@@ -335,6 +343,16 @@ impl SessionOptions {
         self.comm_timeout = Some(timeout);
         self
     }
+
+    /// The session's secret, the same for every process of it (default: the `LIBPIPE_TOKEN`
+    /// environment variable). Required with a world size above 1 (at least 16 bytes): every
+    /// connection to the store and between ranks proves both ends hold it without sending it, and
+    /// a process that cannot is refused while the session goes on. It authenticates; it does not
+    /// encrypt.
+    pub fn token(mut self, token: &str) -> SessionOptions {
+        self.token = Some(token.to_owned());
+        self
+    }
 }
 
 /// A pipe_session_options and everything it points into, owned together so that the pointers stay
@@ -347,6 +365,7 @@ pub(crate) struct RawSessionOptions {
     _stage: Option<Box<RawStageOptions>>,
     _devices: Option<CString>,
     _store: Option<CString>,
+    _token: Option<CString>,
 }
 
 impl SessionOptions {
@@ -361,6 +380,7 @@ impl SessionOptions {
         let output_specs: Vec<sys::pipe_chunk_spec> = self.output_specs.iter().map(|s| s.to_raw()).collect();
         let stage = self.stage_options.as_ref().map(StageOptions::to_raw).transpose()?.map(Box::new);
         let store = self.store.as_deref().map(|s| crate::cstring("store", s)).transpose()?;
+        let token = self.token.as_deref().map(|t| crate::cstring("token", t)).transpose()?;
         let mut raw = crate::defaults::session_options()?;
         raw.num_microbatches = to_i32("microbatches", self.microbatches)?;
         raw.microbatching = self.microbatching.to_raw();
@@ -380,6 +400,7 @@ impl SessionOptions {
         raw.world_size = to_i32("world_size", self.world_size)?;
         raw.store = store.as_ref().map_or(ptr::null(), |s| s.as_ptr());
         raw.comm_timeout_ms = comm_timeout_ms(self.comm_timeout)?;
+        raw.token = token.as_ref().map_or(ptr::null(), |t| t.as_ptr());
         Ok(RawSessionOptions {
             raw,
             _input_specs: input_specs,
@@ -387,6 +408,7 @@ impl SessionOptions {
             _stage: stage,
             _devices: devices,
             _store: store,
+            _token: token,
         })
     }
 }
@@ -683,7 +705,7 @@ mod tests {
     fn transports_map_to_pipe_h_and_parse_by_name() {
         for (t, raw, name) in [
             (Transport::Local, sys::PIPE_TRANSPORT_LOCAL, "local"),
-            (Transport::Gloo, sys::PIPE_TRANSPORT_GLOO, "gloo"),
+            (Transport::Tcp, sys::PIPE_TRANSPORT_TCP, "tcp"),
             (Transport::Nccl, sys::PIPE_TRANSPORT_NCCL, "nccl"),
         ] {
             assert_eq!(t.to_raw(), raw);
@@ -692,7 +714,8 @@ mod tests {
             assert_eq!(name.parse::<Transport>(), Ok(t));
         }
         assert_eq!(Transport::from_raw(7), None);
-        for bad in ["tcp", "Gloo", ""] {
+        assert_eq!("gloo".parse::<Transport>(), Ok(Transport::Tcp)); // tcp's name before libpipe 0.12
+        for bad in ["udp", "Gloo", "TCP", ""] {
             let e = bad.parse::<Transport>().unwrap_err();
             assert_eq!(e.status, Status::InvalidArgument);
             assert!(e.message.contains(&format!("{bad:?}")), "{e}");

@@ -202,7 +202,7 @@ fn gloo_session(
 ) -> (Session, String, MutexGuard<'static, ()>) {
     let (tx, events) = mpsc::channel();
     let turn = one_driver(&tx);
-    let options = options.transport(Transport::Gloo).world_size(2).store(ANY_PORT);
+    let options = options.transport(Transport::Tcp).world_size(2).store(ANY_PORT);
     let store = thread::scope(|scope| {
         scope.spawn(|| tx.send(Event::Created(Session::new(plan, &options))).unwrap());
         let store = match events.recv_timeout(WAIT_LIMIT) {
@@ -296,7 +296,7 @@ fn driver_without_workers_names_the_missing_rank() {
     let _turn = one_driver(&tx);
     let started = Instant::now();
     let options = SessionOptions::new()
-        .transport(Transport::Gloo)
+        .transport(Transport::Tcp)
         .world_size(2)
         .store(ANY_PORT)
         .comm_timeout(Duration::from_secs(1));
@@ -321,13 +321,13 @@ fn distributed_session_option_errors() {
     };
     let gloo = |world_size: usize, store: &str| {
         SessionOptions::new()
-            .transport(Transport::Gloo)
+            .transport(Transport::Tcp)
             .world_size(world_size)
             .store(store)
             .comm_timeout(Duration::from_secs(1))
     };
     refused("local over 2 processes", SessionOptions::new().world_size(2), "local transport");
-    refused("no store", SessionOptions::new().transport(Transport::Gloo).world_size(2), "store");
+    refused("no store", SessionOptions::new().transport(Transport::Tcp).world_size(2), "store");
     refused("a store without a port", gloo(2, "no-port"), "HOST:PORT");
     refused("a store with a NUL byte", gloo(2, "127.0.0.1:1\0"), "NUL");
     refused("a store with the local transport", SessionOptions::new().store(ANY_PORT), "transport is local");
@@ -338,10 +338,10 @@ fn distributed_session_option_errors() {
     refused("a zero comm timeout", gloo(2, ANY_PORT).comm_timeout(Duration::ZERO), "comm_timeout must be positive");
     refused("a huge comm timeout", gloo(2, ANY_PORT).comm_timeout(Duration::from_secs(1 << 40)), "at most");
     // An unknown transport can only come from a name.
-    let e = "tcp".parse::<Transport>().unwrap_err();
+    let e = "udp".parse::<Transport>().unwrap_err();
     assert_eq!(e.status, Status::InvalidArgument);
-    assert!(e.message.contains("\"tcp\"") && e.message.contains("gloo"), "{e}");
-    assert_eq!("gloo".parse::<Transport>(), Ok(Transport::Gloo));
+    assert!(e.message.contains("\"udp\"") && e.message.contains("tcp"), "{e}");
+    assert_eq!("gloo".parse::<Transport>(), Ok(Transport::Tcp));
 }
 
 /// A port on 127.0.0.1 where nothing listens while the returned socket is open: it is bound but
@@ -380,7 +380,7 @@ fn run_worker_errors() {
     refused("rank beyond i32", worker(usize::MAX, 2, STORE), "rank");
     refused("world size 1", worker(1, 1, STORE), "world size");
     refused("world size 0", worker(1, 0, STORE), "world size");
-    refused("no store", worker(1, 2, ""), "no store");
+    refused("no store", worker(1, 2, ""), "options->store"); // and no LIBPIPE_STORE
     refused("a store without a port", worker(1, 2, "no-port"), "HOST:PORT");
     refused("a store with a NUL byte", worker(1, 2, "127.0.0.1:1\0"), "NUL");
     // Port 0 lets a driver's store pick one; a worker needs the port the store got.

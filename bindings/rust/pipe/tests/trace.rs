@@ -46,8 +46,9 @@ fn check_operators(stage: &str, slices: &[Value], want: &[&str]) {
             assert!(us.as_f64() >= 0.0, "{stage} slice {name}: {key} took {us:?}");
             sum += us.as_f64();
             let (op, shape) = key.split_once(" [").unwrap_or((key, ""));
-            if op.ends_with("linear") {
-                shapes.insert(shape.trim_end_matches(']').to_string());
+            // A group of products of one input (q, k, v; gate, up) is one key: "[64x64+32x64+32x64]".
+            if op.ends_with("linear") || op.ends_with("linear_group") {
+                shapes.extend(shape.trim_end_matches(']').split('+').map(str::to_string));
             }
         }
         let dur = e.get("dur").as_f64();
