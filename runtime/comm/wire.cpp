@@ -139,12 +139,16 @@ std::vector<at::Tensor> allocate(const std::vector<int64_t>& meta, const at::Ten
     Header h{static_cast<c10::ScalarType>(dtype),
              std::vector<int64_t>(meta.begin() + static_cast<std::ptrdiff_t>(i + 2),
                                   meta.begin() + static_cast<std::ptrdiff_t>(i + 2 + ndim))};
-    uint64_t bytes = c10::elementSize(h.dtype);
+    uint64_t bytes = c10::elementSize(h.dtype), strided = bytes;
     for (int64_t d : h.sizes) {
       if (d < 0) malformed("negative tensor size");
-      // bytes * d, refused once it passes the limit (so it never overflows).
-      if (d > 0 && bytes > limits.max_tensor_bytes / static_cast<uint64_t>(d))
+      // bytes * d, refused once it passes the limit (so it never overflows). `strided` leaves out empty
+      // dimensions: an empty tensor's strides are still products of its other sizes, which must not overflow
+      // either (a [0, 2^62] tensor holds nothing, and its stride would not fit).
+      const uint64_t at_least_one = d > 0 ? static_cast<uint64_t>(d) : 1;
+      if (strided > limits.max_tensor_bytes / at_least_one)
         malformed("a tensor of more than " + std::to_string(limits.max_tensor_bytes) + " bytes");
+      strided *= at_least_one;
       bytes *= static_cast<uint64_t>(d);
     }
     if (bytes > limits.max_tensor_bytes - total)
@@ -156,7 +160,13 @@ std::vector<at::Tensor> allocate(const std::vector<int64_t>& meta, const at::Ten
   }
   std::vector<at::Tensor> tensors;
   tensors.reserve(headers.size());
-  for (const auto& h : headers) tensors.push_back(at::empty(h.sizes, options.dtype(h.dtype)));
+  for (const auto& h : headers) {
+    try {
+      tensors.push_back(at::empty(h.sizes, options.dtype(h.dtype)));
+    } catch (const c10::Error& e) {
+      malformed(std::string("a tensor of its sizes cannot be made: ") + e.what_without_backtrace());
+    }
+  }
   return tensors;
 }
 

@@ -5,6 +5,10 @@
 #include <cstdlib>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 #include "runtime/cpu/kernel_choice.h"
 #include "runtime/cpu/panel_gemm_kernels.h"
 
@@ -18,6 +22,14 @@ size_t element_size(WeightType type) { return type == WeightType::kFloat32 ? 4 :
 // comparisons on a CPU that has it); =none, that it lacks AVX-512 (nothing uses the panels).
 const char* isa_override() { return std::getenv("LIBPIPE_CPU_ISA"); }
 
+#if defined(__x86_64__)
+// F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c".
+bool has_f16c() {
+  unsigned int a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29)) != 0;
+}
+#endif
+
 }  // namespace
 
 bool cpu_has_panel_kernels() {
@@ -27,7 +39,7 @@ bool cpu_has_panel_kernels() {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && has_f16c() &&
            __builtin_cpu_supports("fma");
 #else
     return false;

@@ -203,6 +203,8 @@ TEST(Strangers, AFrameIsBoundedBeforeAnythingIsAllocated) {
        {std::vector<int64_t>{f32, 3, int64_t{1} << 40, int64_t{1} << 40, int64_t{1} << 40},
         std::vector<int64_t>{f32, 1, (1 << 20) / 4 + 1}, std::vector<int64_t>{f32, 1, 200000, f32, 1, 200000},
         std::vector<int64_t>{f32, 65}, std::vector<int64_t>{static_cast<int64_t>(c10::ScalarType::QInt8), 1, 4},
+        // An empty tensor whose other size would overflow its strides (a fuzzer's finding).
+        std::vector<int64_t>{f32, 3, 0, int64_t{1} << 62, 8},
         std::vector<int64_t>{f32, 2, 3}}) {
     EXPECT_EQ(status_of([&] { comm::wire::allocate(meta, at::TensorOptions(), limits); }, &message),
               Status::Communication)
