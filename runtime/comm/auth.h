@@ -48,7 +48,7 @@ std::string new_token();
 // failed (the peer does not speak libpipe, or does not hold the token) without revealing anything else.
 void authenticate_as_connector(const Socket& socket, const Secret& secret, const std::string& purpose,
                                Deadline deadline, const std::string& peer);
-void authenticate_as_listener(const Socket& socket, const Secret& secret, const std::string& purpose,
-                              Deadline deadline, const std::string& peer);
+void authenticate_as_listener(const Socket& socket, const Secret& secret, const std::string& purpose, Deadline deadline,
+                              const std::string& peer);
 
 }  // namespace libpipe::comm

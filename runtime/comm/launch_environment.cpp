@@ -23,8 +23,8 @@ int number(const char* name, const char* value, int lowest) {
   errno = 0;
   const long v = std::strtol(value, &end, 10);
   if (end == value || *end != '\0' || errno == ERANGE || v < lowest || v > INT_MAX)
-    throw Error(Status::InvalidArgument, std::string(name) + "='" + value + "' is not a number of at least " +
-                                             std::to_string(lowest));
+    throw Error(Status::InvalidArgument,
+                std::string(name) + "='" + value + "' is not a number of at least " + std::to_string(lowest));
   return static_cast<int>(v);
 }
 
@@ -44,10 +44,10 @@ void check_rank(const LaunchEnvironment& e, const char* rank_var, const char* wo
   if (e.rank >= e.world_size)
     throw Error(Status::InvalidArgument, std::string(rank_var) + "=" + std::to_string(e.rank) + " is not below " +
                                              world_var + "=" + std::to_string(e.world_size));
-  if (e.local_rank >= e.local_world_size) throw Error(Status::InvalidArgument,
-                                                      "the local rank " + std::to_string(e.local_rank) +
-                                                          " is not below the processes on this machine (" +
-                                                          std::to_string(e.local_world_size) + ")");
+  if (e.local_rank >= e.local_world_size)
+    throw Error(Status::InvalidArgument, "the local rank " + std::to_string(e.local_rank) +
+                                             " is not below the processes on this machine (" +
+                                             std::to_string(e.local_world_size) + ")");
 }
 
 }  // namespace
@@ -80,8 +80,8 @@ std::string first_host(const std::string& nodelist) {
     i = close == std::string::npos ? entry.size() : close + 1;
   }
   if (!ok || host.empty())
-    throw Error(Status::InvalidArgument, "cannot read the SLURM node list '" + nodelist +
-                                             "'; set MASTER_ADDR to rank 0's host instead");
+    throw Error(Status::InvalidArgument,
+                "cannot read the SLURM node list '" + nodelist + "'; set MASTER_ADDR to rank 0's host instead");
   return host;
 }
 
@@ -91,22 +91,25 @@ std::optional<LaunchEnvironment> launch_environment() {
   if (env("RANK") || env("WORLD_SIZE") || env("LOCAL_RANK")) {
     const std::string absent = missing({"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"});
     if (!absent.empty())
-      throw Error(Status::InvalidArgument, "a torchrun-style environment needs RANK, WORLD_SIZE, MASTER_ADDR and "
-                                           "MASTER_PORT; " + absent + (absent.find(',') == std::string::npos ? " is" : " are") +
-                                               " not set (unset them all to run without a launcher)");
+      throw Error(Status::InvalidArgument,
+                  "a torchrun-style environment needs RANK, WORLD_SIZE, MASTER_ADDR and "
+                  "MASTER_PORT; " +
+                      absent + (absent.find(',') == std::string::npos ? " is" : " are") +
+                      " not set (unset them all to run without a launcher)");
     e.launcher = "torchrun";
     e.rank = number("RANK", env("RANK"), 0);
     e.world_size = number("WORLD_SIZE", env("WORLD_SIZE"), 1);
     e.local_rank = env("LOCAL_RANK") ? number("LOCAL_RANK", env("LOCAL_RANK"), 0) : 0;
-    e.local_world_size = env("LOCAL_WORLD_SIZE") ? number("LOCAL_WORLD_SIZE", env("LOCAL_WORLD_SIZE"), 1)
-                                                  : e.local_rank + 1;
+    e.local_world_size =
+        env("LOCAL_WORLD_SIZE") ? number("LOCAL_WORLD_SIZE", env("LOCAL_WORLD_SIZE"), 1) : e.local_rank + 1;
     check_rank(e, "RANK", "WORLD_SIZE");
     int port = number("MASTER_PORT", env("MASTER_PORT"), 1);
     const char* agent = env("TORCHELASTIC_USE_AGENT_STORE");
     if (agent && std::strcmp(agent, "True") == 0) ++port;  // torchrun's own store holds MASTER_PORT
     if (env("LIBPIPE_PORT")) port = number("LIBPIPE_PORT", env("LIBPIPE_PORT"), 1);
-    if (port > 65535) throw Error(Status::InvalidArgument, "the store's port " + std::to_string(port) +
-                                                               " is not below 65536; set LIBPIPE_PORT");
+    if (port > 65535)
+      throw Error(Status::InvalidArgument,
+                  "the store's port " + std::to_string(port) + " is not below 65536; set LIBPIPE_PORT");
     e.store = store_address(env("MASTER_ADDR"), port);
     return e;
   }
@@ -116,8 +119,10 @@ std::optional<LaunchEnvironment> launch_environment() {
     if (!nodelist && !env("MASTER_ADDR"))
       absent += (absent.empty() ? "" : ", ") + std::string("SLURM_JOB_NODELIST (or MASTER_ADDR)");
     if (!absent.empty())
-      throw Error(Status::InvalidArgument, "a SLURM environment (SLURM_PROCID is set) needs SLURM_NTASKS and "
-                                           "SLURM_JOB_NODELIST; missing: " + absent);
+      throw Error(Status::InvalidArgument,
+                  "a SLURM environment (SLURM_PROCID is set) needs SLURM_NTASKS and "
+                  "SLURM_JOB_NODELIST; missing: " +
+                      absent);
     e.launcher = "slurm";
     e.rank = number("SLURM_PROCID", env("SLURM_PROCID"), 0);
     e.world_size = number("SLURM_NTASKS", env("SLURM_NTASKS"), 1);
@@ -131,8 +136,9 @@ std::optional<LaunchEnvironment> launch_environment() {
     int port = 29500;
     if (env("MASTER_PORT")) port = number("MASTER_PORT", env("MASTER_PORT"), 1);
     if (env("LIBPIPE_PORT")) port = number("LIBPIPE_PORT", env("LIBPIPE_PORT"), 1);
-    if (port > 65535) throw Error(Status::InvalidArgument, "the store's port " + std::to_string(port) +
-                                                               " is not below 65536; set LIBPIPE_PORT");
+    if (port > 65535)
+      throw Error(Status::InvalidArgument,
+                  "the store's port " + std::to_string(port) + " is not below 65536; set LIBPIPE_PORT");
     e.store = store_address(env("MASTER_ADDR") ? env("MASTER_ADDR") : first_host(nodelist), port);
     return e;
   }

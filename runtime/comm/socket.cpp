@@ -251,8 +251,8 @@ Socket connect_to(const Address& address, Deadline deadline, const std::string& 
     if (Clock::now() >= deadline)
       throw Error(Status::Communication, "nothing answered for " + role + " at " + format_address(address) + " (" +
                                              std::strerror(last) + "); is it running, and is that its address?");
-    std::this_thread::sleep_for(std::min(std::chrono::milliseconds(50),
-                                         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now())));
+    std::this_thread::sleep_for(std::min(
+        std::chrono::milliseconds(50), std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now())));
   }
 }
 

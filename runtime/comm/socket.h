@@ -64,6 +64,7 @@ Socket accept_one(const Socket& listener, Deadline deadline);
 // Connects to `address`, retrying refused connections until `deadline` (the peer may not listen yet).
 // Throws Error(Communication) naming the address after the deadline. `local_host`, when given, receives
 // the numeric address of this end (the interface on the route to the peer).
-Socket connect_to(const Address& address, Deadline deadline, const std::string& role, std::string* local_host = nullptr);
+Socket connect_to(const Address& address, Deadline deadline, const std::string& role,
+                  std::string* local_host = nullptr);
 
 }  // namespace libpipe::comm

@@ -120,8 +120,8 @@ std::vector<uint8_t> StoreClient::get(const std::string& key) {
   // In slices, so that other threads' requests on this connection go between them.
   const Deadline deadline = deadline_in(timeout_);
   for (;;) {
-    const auto slice = std::clamp(std::chrono::duration_cast<milliseconds>(deadline - Clock::now()), milliseconds(0),
-                                  kSlice);
+    const auto slice =
+        std::clamp(std::chrono::duration_cast<milliseconds>(deadline - Clock::now()), milliseconds(0), kSlice);
     Request r(store::Get);
     r.key(key).u64(static_cast<uint64_t>(slice.count()));
     std::optional<std::vector<uint8_t>> value = exchange(r.bytes, slice, [&](Deadline d) {
@@ -131,8 +131,8 @@ std::vector<uint8_t> StoreClient::get(const std::string& key) {
     });
     if (value) return std::move(*value);
     if (Clock::now() >= deadline)
-      throw Error(Status::Timeout, "'" + key + "' did not appear in " + name_ + " within " +
-                                       std::to_string(timeout_.count()) + " ms");
+      throw Error(Status::Timeout,
+                  "'" + key + "' did not appear in " + name_ + " within " + std::to_string(timeout_.count()) + " ms");
   }
 }
 
@@ -166,15 +166,15 @@ void StoreClient::wait(const std::vector<std::string>& keys) { wait(keys, timeou
 void StoreClient::wait(const std::vector<std::string>& keys, const milliseconds& timeout) {
   const Deadline deadline = deadline_in(timeout);
   for (;;) {
-    const auto slice = std::clamp(std::chrono::duration_cast<milliseconds>(deadline - Clock::now()), milliseconds(0),
-                                  kSlice);
+    const auto slice =
+        std::clamp(std::chrono::duration_cast<milliseconds>(deadline - Clock::now()), milliseconds(0), kSlice);
     Request r(store::Wait);
     r.keys(keys).u64(static_cast<uint64_t>(slice.count()));
     const bool present = exchange(r.bytes, slice, [&](Deadline d) { return read_u8(socket_, d, name_) == 0; });
     if (present) return;
     if (Clock::now() >= deadline)
-      throw Error(Status::Timeout, "keys did not appear in " + name_ + " within " + std::to_string(timeout.count()) +
-                                       " ms");
+      throw Error(Status::Timeout,
+                  "keys did not appear in " + name_ + " within " + std::to_string(timeout.count()) + " ms");
   }
 }
 

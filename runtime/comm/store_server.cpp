@@ -38,8 +38,8 @@ struct Reader {
   std::string key() {
     const uint32_t n = u32();
     if (n > store::kMaxKeyBytes)
-      throw Error(Status::InvalidArgument, "a key of " + std::to_string(n) + " bytes (at most " +
-                                               std::to_string(store::kMaxKeyBytes) + ")");
+      throw Error(Status::InvalidArgument,
+                  "a key of " + std::to_string(n) + " bytes (at most " + std::to_string(store::kMaxKeyBytes) + ")");
     std::string k(n, '\0');
     if (n) s.read_exact(k.data(), n, deadline, peer);
     return k;
@@ -47,8 +47,8 @@ struct Reader {
   std::vector<uint8_t> value() {
     const uint64_t n = u64();
     if (n > store::kMaxValueBytes)
-      throw Error(Status::InvalidArgument, "a value of " + std::to_string(n) + " bytes (at most " +
-                                               std::to_string(store::kMaxValueBytes) + ")");
+      throw Error(Status::InvalidArgument,
+                  "a value of " + std::to_string(n) + " bytes (at most " + std::to_string(store::kMaxValueBytes) + ")");
     std::vector<uint8_t> v(n);
     if (n) s.read_exact(v.data(), n, deadline, peer);
     return v;
@@ -112,8 +112,8 @@ void StoreServer::refuse(const std::string& peer, const std::string& why) {
   const uint64_t n = ++refused_;
   // A flood of strangers must not flood the log: the first ten, then one in a thousand.
   if (n <= 10 || n % 1000 == 0)
-    log::warning("the rendezvous store refused a connection from " + (peer.empty() ? "an unknown peer" : peer) +
-                 ": " + why + (n > 10 ? " (" + std::to_string(n) + " refused so far)" : ""));
+    log::warning("the rendezvous store refused a connection from " + (peer.empty() ? "an unknown peer" : peer) + ": " +
+                 why + (n > 10 ? " (" + std::to_string(n) + " refused so far)" : ""));
 }
 
 void StoreServer::reap() {

@@ -107,8 +107,8 @@ class TcpTransport final : public Transport {
     Message out;
     guard(link, [&] {
       if (timeout.count() > 0 && !link.socket.wait_readable(deadline_in(timeout)))
-        throw Error(Status::Communication, link.name + " sent nothing within " + std::to_string(timeout.count()) +
-                                               " ms");
+        throw Error(Status::Communication,
+                    link.name + " sent nothing within " + std::to_string(timeout.count()) + " ms");
       const Deadline none = no_deadline();
       wire::Preamble preamble{};
       link.socket.read_exact(preamble.data(), kPreambleBytes, none, link.name);
@@ -142,8 +142,8 @@ class TcpTransport final : public Transport {
 
   Link& link_of(int peer) {
     if (peer < 0 || peer >= world_size_ || peer == rank_ || !peers_[static_cast<size_t>(peer)])
-      throw Error(Status::Internal, "rank " + std::to_string(rank_) + " has no connection to rank " +
-                                        std::to_string(peer));
+      throw Error(Status::Internal,
+                  "rank " + std::to_string(rank_) + " has no connection to rank " + std::to_string(peer));
     std::lock_guard lock(mutex_);
     if (aborted_) throw Error(Status::Communication, why_);
     return *peers_[static_cast<size_t>(peer)];
@@ -159,7 +159,7 @@ class TcpTransport final : public Transport {
       if (aborted_) throw Error(Status::Communication, why_);
       aborted_ = true;
       why_ = e.status() == Status::Communication ? std::string(e.what())
-                                                  : "the message from or to " + link.name + " was refused: " + e.what();
+                                                 : "the message from or to " + link.name + " was refused: " + e.what();
       for (auto& l : peers_)
         if (l) l->socket.shutdown();
       throw Error(Status::Communication, why_);
@@ -176,8 +176,8 @@ class TcpTransport final : public Transport {
     const auto left = std::max(milliseconds(1), std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
     store.wait({address_key(q)}, left);
     const auto value = store.get(address_key(q));
-    const Address address = parse_address(std::string(value.begin(), value.end()), "rank " + std::to_string(q) +
-                                                                                        "'s address in the store");
+    const Address address =
+        parse_address(std::string(value.begin(), value.end()), "rank " + std::to_string(q) + "'s address in the store");
     auto link = std::make_unique<Link>();
     link->name = "rank " + std::to_string(q) + " (" + format_address(address) + ")";
     link->socket = connect_to(address, deadline, link->name);
@@ -220,8 +220,8 @@ class TcpTransport final : public Transport {
     try {
       uint8_t hello[4];
       s.read_exact(hello, sizeof hello, deadline, from);
-      const uint32_t claimed = uint32_t{hello[0]} | uint32_t{hello[1]} << 8 | uint32_t{hello[2]} << 16 |
-                               uint32_t{hello[3]} << 24;
+      const uint32_t claimed =
+          uint32_t{hello[0]} | uint32_t{hello[1]} << 8 | uint32_t{hello[2]} << 16 | uint32_t{hello[3]} << 24;
       if (claimed <= static_cast<uint32_t>(rank_) || claimed >= static_cast<uint32_t>(world_size_))
         throw Error(Status::Communication, "it claimed rank " + std::to_string(claimed) + ", not a rank above " +
                                                std::to_string(rank_) + " in this session of " +
@@ -247,7 +247,7 @@ class TcpTransport final : public Transport {
   std::mutex mutex_;
   std::condition_variable setup_done_;
   bool setup_over_ = false;
-  std::list<std::thread> handshakes_;                         // under mutex_ while setting up
+  std::list<std::thread> handshakes_;                       // under mutex_ while setting up
   std::vector<std::shared_ptr<Socket>> handshake_sockets_;  // theirs, to cut them off (under mutex_)
   std::atomic<int> in_progress_{0};
   bool aborted_ = false;

@@ -12,10 +12,21 @@
 
 #include <pipe/pipe.h>
 
-static const char *const launcher_variables[] = {
-    "RANK",        "WORLD_SIZE",    "MASTER_ADDR",        "MASTER_PORT",          "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE", "LIBPIPE_PORT", "SLURM_PROCID", "SLURM_NTASKS",
-    "SLURM_LOCALID", "SLURM_TASKS_PER_NODE", "SLURM_JOB_NODELIST", "SLURM_NODELIST", NULL};
+static const char *const launcher_variables[] = {"RANK",
+                                                 "WORLD_SIZE",
+                                                 "MASTER_ADDR",
+                                                 "MASTER_PORT",
+                                                 "LOCAL_RANK",
+                                                 "LOCAL_WORLD_SIZE",
+                                                 "TORCHELASTIC_USE_AGENT_STORE",
+                                                 "LIBPIPE_PORT",
+                                                 "SLURM_PROCID",
+                                                 "SLURM_NTASKS",
+                                                 "SLURM_LOCALID",
+                                                 "SLURM_TASKS_PER_NODE",
+                                                 "SLURM_JOB_NODELIST",
+                                                 "SLURM_NODELIST",
+                                                 NULL};
 
 static void clear_launcher(void) {
   for (const char *const *v = launcher_variables; *v; ++v) unsetenv(*v);
@@ -143,7 +154,7 @@ static void arguments(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(no_launcher), cmocka_unit_test(torchrun), cmocka_unit_test(torchrun_half_set),
+      cmocka_unit_test(no_launcher), cmocka_unit_test(torchrun),  cmocka_unit_test(torchrun_half_set),
       cmocka_unit_test(slurm),       cmocka_unit_test(arguments),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

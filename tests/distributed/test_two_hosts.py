@@ -73,7 +73,12 @@ def launch(ns, node_rank, *pipe_args, env=None):
         *map(str, pipe_args),
     ]
     return subprocess.Popen(
-        cmd, env=env or dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        env=env or dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
 
 
@@ -119,8 +124,25 @@ def test_a_launch_over_two_hosts_equals_eager(hosts, tmp_path):
 
 
 def test_a_throttled_link_gives_the_same_outputs(hosts, tmp_path):
-    sh("ip", "netns", "exec", hosts["a"], "tc", "qdisc", "add", "dev", hosts["va"], "root", "tbf", "rate", "2mbit",
-       "burst", "32kbit", "latency", "400ms")
+    sh(
+        "ip",
+        "netns",
+        "exec",
+        hosts["a"],
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        hosts["va"],
+        "root",
+        "tbf",
+        "rate",
+        "2mbit",
+        "burst",
+        "32kbit",
+        "latency",
+        "400ms",
+    )
     try:
         out = tmp_path / "out.safetensors"
         driver = launch(hosts["a"], 0, *run_args(out))

@@ -27,5 +27,8 @@ if __name__ == "__main__":
         print(f"SKIPPED: two hosts on one machine need network namespaces: {why}")
         sys.exit(77)
     here = os.path.dirname(os.path.abspath(__file__))
-    sys.exit(subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                              os.path.join(here, "test_two_hosts.py")]))
+    sys.exit(
+        subprocess.call(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(here, "test_two_hosts.py")]
+        )
+    )

@@ -37,7 +37,9 @@ const comm::Secret& secret() {
   return s;
 }
 
-comm::Address loopback_any_port() { return comm::parse_address("127.0.0.1:0", "store", comm::PortZero::PicksAFreePort); }
+comm::Address loopback_any_port() {
+  return comm::parse_address("127.0.0.1:0", "store", comm::PortZero::PicksAFreePort);
+}
 
 // The local addresses (hex, as /proc/net/tcp{,6} write them) of the sockets listening on `port`.
 std::vector<std::string> listeners_on(uint16_t port) {
@@ -85,8 +87,9 @@ TEST(Strangers, TheStoreListensOnlyOnTheAddressItWasGiven) {
 TEST(Strangers, ATransportListensOnItsRankAddressOnlyAndOnlyDuringSetup) {
   const auto timeout = milliseconds(20000);
   const auto hosted = comm::host_store(loopback_any_port(), secret(), 2, timeout);
-  auto rank0 = std::async(std::launch::async,
-                          [&] { return comm::make_tcp_transport(*hosted.store, secret(), 0, 2, "127.0.0.1", timeout); });
+  auto rank0 = std::async(std::launch::async, [&] {
+    return comm::make_tcp_transport(*hosted.store, secret(), 0, 2, "127.0.0.1", timeout);
+  });
   // Rank 0 publishes where it listens; read it as rank 1 would.
   const auto published = hosted.store->get("libpipe/tcp/0");
   const auto address = comm::parse_address(std::string(published.begin(), published.end()), "rank 0");
@@ -148,8 +151,9 @@ TEST(Strangers, AFakeHeartbeatNeedsTheToken) {
 TEST(Strangers, AStrangerAtARanksListenerDuringSetupIsRefusedAndSetupGoesOn) {
   const auto timeout = milliseconds(20000);
   const auto hosted = comm::host_store(loopback_any_port(), secret(), 2, timeout);
-  auto rank0 = std::async(std::launch::async,
-                          [&] { return comm::make_tcp_transport(*hosted.store, secret(), 0, 2, "127.0.0.1", timeout); });
+  auto rank0 = std::async(std::launch::async, [&] {
+    return comm::make_tcp_transport(*hosted.store, secret(), 0, 2, "127.0.0.1", timeout);
+  });
   const auto published = hosted.store->get("libpipe/tcp/0");
   const auto address = comm::parse_address(std::string(published.begin(), published.end()), "rank 0");
   // Claims rank 1 and answers the challenge without the token: closed.
@@ -204,8 +208,7 @@ TEST(Strangers, AFrameIsBoundedBeforeAnythingIsAllocated) {
         std::vector<int64_t>{f32, 1, (1 << 20) / 4 + 1}, std::vector<int64_t>{f32, 1, 200000, f32, 1, 200000},
         std::vector<int64_t>{f32, 65}, std::vector<int64_t>{static_cast<int64_t>(c10::ScalarType::QInt8), 1, 4},
         // An empty tensor whose other size would overflow its strides (a fuzzer's finding).
-        std::vector<int64_t>{f32, 3, 0, int64_t{1} << 62, 8},
-        std::vector<int64_t>{f32, 2, 3}}) {
+        std::vector<int64_t>{f32, 3, 0, int64_t{1} << 62, 8}, std::vector<int64_t>{f32, 2, 3}}) {
     EXPECT_EQ(status_of([&] { comm::wire::allocate(meta, at::TensorOptions(), limits); }, &message),
               Status::Communication)
         << message;
