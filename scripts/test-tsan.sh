@@ -21,5 +21,6 @@ export PIPE_TEST_MODELS=$models
 engine='Engine.SequencesJoiningMidFlight*:Engine.MoreSequencesThanSlots*:Engine.ASubmitBeyondMaxQueued*'
 engine+=':Engine.CancellingASequenceHeld*:Engine.ADeadlinePassing*:Engine.AFailingStep*:Engine.Destroying*'
 engine+=':Engine.StagesShared*'
-export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 exitcode=66"
+# LibTorch's OpenMP regions are suppressed (see the file for why).
+export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 exitcode=66 suppressions=$LIBPIPE_ROOT/tests/tsan/suppressions.txt"
 "$build/tests/unit_tests_threads" --gtest_filter="Session.*:SharedStages.*:StageSharing.*:SpareCores.*:PanelLinear.*:RequestCompletion.*:Microbatch*:LocalTransport.*:DistributedSession.*:Heartbeat.*:$engine" "$@"
