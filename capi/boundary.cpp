@@ -3,6 +3,7 @@
 #include <cstddef>
 
 #include "capi/dlpack_bridge.h"
+#include "capi/dlpack_check.h"
 #include "capi/struct_sizes.h"
 #include "runtime/device/cuda_library.h"
 
@@ -44,6 +45,13 @@ pipe_tensor_list* make_list(std::vector<libpipe::NamedTensor> tensors) {
   return handle(list.release());
 }
 
+void require_readable_dlpack(const DLManagedTensor& tensor, const char* function, const std::string& what) {
+  const std::string problem = dlpack_problem(tensor);
+  if (!problem.empty())
+    throw Error(Status::InvalidArgument,
+                std::string(function) + ": " + what + " is not a valid DLPack tensor: " + problem);
+}
+
 std::vector<c10::IValue> borrow_inputs(const DLManagedTensor* const* inputs, size_t num_inputs, const char* function) {
   if (num_inputs > 0) require(inputs, function, "inputs");
   std::vector<c10::IValue> args;
@@ -51,6 +59,7 @@ std::vector<c10::IValue> borrow_inputs(const DLManagedTensor* const* inputs, siz
   for (size_t i = 0; i < num_inputs; ++i) {
     if (!inputs[i])
       throw Error(Status::InvalidArgument, std::string(function) + ": inputs[" + std::to_string(i) + "] is NULL");
+    require_readable_dlpack(*inputs[i], function, "inputs[" + std::to_string(i) + "]");
     const DLTensor& dl = inputs[i]->dl_tensor;
     if (dl.device.device_type == kDLCUDA)
       libpipe::device::require_device_memory(

@@ -114,6 +114,9 @@ void require_index(size_t index, size_t size, const char* function, const char* 
 // A new tensor list handle owning `tensors`.
 pipe_tensor_list* make_list(std::vector<libpipe::NamedTensor> tensors);
 // The caller's DLPack inputs as tensors viewing their memory (Error(Input) for one LibTorch cannot read).
+// Throws Error(InvalidArgument), naming `what` and the field, unless `tensor` passes dlpack_check.h's checks.
+void require_readable_dlpack(const DLManagedTensor& tensor, const char* function, const std::string& what);
+
 std::vector<c10::IValue> borrow_inputs(const DLManagedTensor* const* inputs, size_t num_inputs, const char* function);
 // pipe_stage_options (NULL: defaults) as the runtime's StageOptions, within the caller's struct_size.
 libpipe::stage::StageOptions stage_options(const pipe_stage_options* o, const char* function);

@@ -64,7 +64,13 @@ pipe_status pipe_plan_options_set_example_inputs(pipe_plan_options* options, con
     for (size_t i = 0; i < num_inputs; ++i) {
       if (!inputs[i])
         throw Error(Status::InvalidArgument, std::string(fn) + ": inputs[" + std::to_string(i) + "] is NULL");
-      copies.emplace_back(libpipe::capi::tensor_from_borrowed_dlpack(inputs[i]).clone());
+      libpipe::capi::require_readable_dlpack(*inputs[i], fn, "inputs[" + std::to_string(i) + "]");
+      try {
+        copies.emplace_back(libpipe::capi::tensor_from_borrowed_dlpack(inputs[i]).clone());
+      } catch (const c10::Error& e) {
+        throw Error(Status::Input, std::string(fn) + ": inputs[" + std::to_string(i) +
+                                       "] is not a tensor LibTorch can read: " + e.what_without_backtrace());
+      }
     }
     get(options)->request.example_inputs = std::move(copies);
   });

@@ -95,6 +95,7 @@ pipe_status pipe_tensor_list_append(pipe_tensor_list* list, const char* name, co
     for (const auto& e : entries)
       if (e.name == name)
         throw Error(Status::InvalidArgument, std::string(fn) + ": the list already has an entry '" + name + "'");
+    libpipe::capi::require_readable_dlpack(*tensor, fn, std::string("'") + name + "'");
     at::Tensor copy;
     try {
       copy = libpipe::capi::tensor_from_borrowed_dlpack(tensor).clone(at::MemoryFormat::Contiguous);

@@ -10,7 +10,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 build=${LIBPIPE_FUZZ_BUILD:-$LIBPIPE_ROOT/build-fuzz}
 seconds=${LIBPIPE_FUZZ_SECONDS:-30}
 targets=("$@")
-((${#targets[@]})) || targets=(fuzz_safetensors fuzz_checkpoint_index fuzz_split_point fuzz_model_archive fuzz_wire_message)
+((${#targets[@]})) || targets=(fuzz_safetensors fuzz_checkpoint_index fuzz_split_point fuzz_model_archive fuzz_wire_message fuzz_dlpack_check)
 
 CC=clang CXX=clang++ cmake -S "$LIBPIPE_ROOT" -B "$build" -G Ninja -DLIBPIPE_PYTHON="$LIBPIPE_PYTHON" \
   -DLIBPIPE_FUZZ=ON >/dev/null

@@ -758,6 +758,74 @@ static void tensor_list_take_transfers_ownership(void **state) {
   owned->deleter(owned);
 }
 
+/* A DLPack tensor the caller hands libpipe is checked before LibTorch reads it (SECURITY.md): each malformed
+ * field is PIPE_ERR_INVALID_ARGUMENT naming it, through every entry point that takes tensors. */
+static void dlpack_tensors_are_checked(void **state) {
+  (void)state;
+  float values[6] = {1, 2, 3, 4, 5, 6};
+  int64_t shape[2] = {2, 3}, negative[2] = {2, -3}, empty[2] = {0, 3}, huge[2] = {2, 3};
+  int64_t overflowing[2] = {INT64_MAX / 2, 4}, backwards[2] = {-1, 1};
+  DLManagedTensor good;
+  memset(&good, 0, sizeof good);
+  good.dl_tensor = (DLTensor){values, {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, shape, NULL, 0};
+  struct {
+    const char *what, *words;
+    DLManagedTensor t;
+  } cases[12];
+  size_t n = 0;
+#define BAD(field_words, ...)     \
+  do {                            \
+    cases[n].t = good;            \
+    __VA_ARGS__;                  \
+    cases[n].words = field_words; \
+    cases[n].what = #__VA_ARGS__; \
+    ++n;                          \
+  } while (0)
+  BAD("ndim is -1", cases[n].t.dl_tensor.ndim = -1);
+  BAD("ndim is 65", cases[n].t.dl_tensor.ndim = 65);
+  BAD("shape is NULL but ndim is 2", cases[n].t.dl_tensor.shape = NULL);
+  BAD("data is NULL but it has 6 elements", cases[n].t.dl_tensor.data = NULL);
+  BAD("shape[1] is -3", cases[n].t.dl_tensor.shape = negative);
+  BAD("lanes", cases[n].t.dl_tensor.dtype.lanes = 4);
+  BAD("12 bits", cases[n].t.dl_tensor.dtype.bits = 12);
+  BAD("strides reach past", cases[n].t.dl_tensor.shape = huge, cases[n].t.dl_tensor.strides = overflowing);
+  BAD("negative strides", cases[n].t.dl_tensor.strides = backwards);
+  BAD("size in bytes overflows", cases[n].t.dl_tensor.shape = overflowing);
+  BAD("byte_offset", cases[n].t.dl_tensor.byte_offset = UINT64_MAX - 8);
+#undef BAD
+  pipe_tensor_list *list = NULL;
+  ASSERT_OK(pipe_tensor_list_create(&list));
+  loaded l;
+  load_fixture(&l, "example_code.traced.pt", "example_code");
+  pipe_session *session = NULL;
+  ASSERT_OK(pipe_session_create(l.plan, NULL, &session));
+  pipe_plan_options *options = NULL;
+  ASSERT_OK(pipe_plan_options_create(&options));
+  for (size_t i = 0; i < n; ++i) {
+    const DLManagedTensor *inputs[1] = {&cases[i].t};
+    pipe_tensor_list *out = NULL;
+    if (pipe_tensor_list_append(list, "x", &cases[i].t) != PIPE_ERR_INVALID_ARGUMENT ||
+        !strstr(pipe_last_error(), cases[i].words))
+      fail_msg("pipe_tensor_list_append with %s: '%s' does not say '%s'", cases[i].what, pipe_last_error(),
+               cases[i].words);
+    if (pipe_session_run(session, inputs, 1, NULL, &out) != PIPE_ERR_INVALID_ARGUMENT ||
+        !strstr(pipe_last_error(), cases[i].words) || !strstr(pipe_last_error(), "inputs[0]"))
+      fail_msg("pipe_session_run with %s: '%s'", cases[i].what, pipe_last_error());
+    if (pipe_plan_options_set_example_inputs(options, inputs, 1) != PIPE_ERR_INVALID_ARGUMENT ||
+        !strstr(pipe_last_error(), cases[i].words))
+      fail_msg("pipe_plan_options_set_example_inputs with %s: '%s'", cases[i].what, pipe_last_error());
+  }
+  /* An empty tensor may point nowhere: nothing is read. */
+  DLManagedTensor nothing = good;
+  nothing.dl_tensor.shape = empty;
+  nothing.dl_tensor.data = NULL;
+  ASSERT_OK(pipe_tensor_list_append(list, "nothing", &nothing));
+  pipe_plan_options_destroy(options);
+  pipe_session_destroy(session);
+  pipe_tensor_list_destroy(list);
+  unload(&l);
+}
+
 /* A list built from the caller's own tensors: copies (the caller's memory may change after the
  * append), written to a safetensors file and read back equal. */
 static void tensor_list_from_caller_tensors(void **state) {
@@ -1870,6 +1938,7 @@ int main(void) {
       cmocka_unit_test(batch_smaller_than_microbatches),
       cmocka_unit_test(tensor_list_take_transfers_ownership),
       cmocka_unit_test(tensor_list_from_caller_tensors),
+      cmocka_unit_test(dlpack_tensors_are_checked),
       cmocka_unit_test(malformed_safetensors),
       cmocka_unit_test(last_error_is_per_thread),
       cmocka_unit_test(plan_options_are_validated),
