@@ -81,6 +81,7 @@ const std::string kProtocol = "libpipe-distributed-3";
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 std::string str(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
 std::string joined_key(int rank) { return "libpipe/joined/" + std::to_string(rank); }
+std::string device_key(int rank) { return "libpipe/device/" + std::to_string(rank); }
 
 }  // namespace
 
@@ -111,7 +112,7 @@ void wait_for_workers(c10d::Store& store, int world_size, const std::string& add
                                          std::to_string(world_size) + " --store " + address + "` (or pipe_worker_run)");
 }
 
-std::string join_session(c10d::Store& store, int rank, int world_size) {
+std::string join_session(c10d::Store& store, int rank, int world_size, const std::string& own_device) {
   std::string protocol;
   try {
     protocol = str(store.get("libpipe/protocol"));
@@ -131,8 +132,20 @@ std::string join_session(c10d::Store& store, int rank, int world_size) {
                                            " has already joined this session; give each "
                                            "worker its own rank");
   const std::string transport = str(store.get("libpipe/transport"));
-  store.set(joined_key(rank), bytes("1"));
+  store.set(device_key(rank), bytes(own_device));
+  store.set(joined_key(rank), bytes("1"));  // last: the driver reads the device once it sees this
   return transport;
+}
+
+c10::Device joined_device(c10d::Store& store, int rank) {
+  const std::string text = str(store.get(device_key(rank)));
+  // Only "cpu" and "cuda:N", as rank_device.h writes them: c10's parser accepts more and may abort on the rest.
+  const bool cuda = text.rfind("cuda:", 0) == 0 && text.size() > 5 && text.size() <= 8 &&
+                    text.find_first_not_of("0123456789", 5) == std::string::npos && std::stoi(text.substr(5)) < 128;
+  if (text == "cpu") return c10::Device(c10::kCPU);
+  if (cuda) return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(std::stoi(text.substr(5))));
+  throw Error(Status::Communication,
+              "rank " + std::to_string(rank) + " told device '" + text.substr(0, 64) + "', which is not a device");
 }
 
 }  // namespace libpipe::comm

@@ -3,6 +3,7 @@
 // before it may read or write a key. Every step is bounded by a deadline.
 #pragma once
 
+#include <c10/core/Device.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
@@ -58,9 +59,14 @@ void announce_session(c10d::Store& store, int world_size, const std::string& tra
 void wait_for_workers(c10d::Store& store, int world_size, const std::string& address,
                       std::chrono::milliseconds timeout);
 
-// A worker's side: checks the protocol and world size, claims `rank`, and returns the transport
+// A worker's side: checks the protocol and world size, claims `rank`, tells the device its stages would
+// use when the process chooses ("cuda:N" or "cpu": schedule/rank_device.h), and returns the transport
 // name. Throws Error(Communication) for another protocol or a taken rank, Error(InvalidArgument)
 // for a world size that differs from the driver's.
-std::string join_session(c10d::Store& store, int rank, int world_size);
+std::string join_session(c10d::Store& store, int rank, int world_size, const std::string& own_device);
+
+// The driver's side, once `rank` joined: the device it told. Throws Error(Communication) for one that is
+// not a device.
+c10::Device joined_device(c10d::Store& store, int rank);
 
 }  // namespace libpipe::comm

@@ -58,6 +58,8 @@ std::vector<c10::Device> stage_devices(const std::string& raw, size_t num_stages
   return devices;
 }
 
+bool is_auto(const std::string& spec) { return trim(spec) == "auto"; }
+
 std::string describe(const std::vector<c10::Device>& devices) {
   std::string text;
   for (const auto& d : devices) text += (text.empty() ? "" : ",") + d.str();

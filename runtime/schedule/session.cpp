@@ -16,7 +16,7 @@
 #include "runtime/planner/planner.h"
 #include "runtime/schedule/assignment.h"
 #include "runtime/schedule/op_timer.h"
-#include "runtime/schedule/worker_host.h"
+#include "runtime/schedule/rank_device.h"
 #include "runtime/stage/stage.h"
 
 namespace libpipe::schedule {
@@ -81,6 +81,11 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
                       options_.devices + "')");
     for (size_t r = 0; r < ranges.size(); ++r)
       for (size_t s = ranges[r].first; s < ranges[r].second; ++s) devices_.push_back(nccl_device(static_cast<int>(r)));
+  } else if (distributed && device::is_auto(options_.devices)) {
+    // Across processes each takes its own GPU (rank_device.h): this one's for its stages; the workers
+    // tell theirs when they join (WorkerGroup), meanwhile assumed to be of the same kind.
+    const auto gpu = own_gpu(0);
+    devices_.assign(n, gpu ? *gpu : c10::Device(c10::kCPU));
   } else {
     devices_ = device::stage_devices(options_.devices, n);
   }
@@ -130,8 +135,11 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
   }
   for (size_t s = 0; s < n; ++s) stage_io_.push_back(stage_io(*plan_, s));
   std::unique_ptr<WorkerGroup> group;
-  if (distributed)
-    group = std::make_unique<WorkerGroup>(*plan_, ranges, devices_, dist, options_.stage, threads_per_stage_);
+  if (distributed) {
+    group = std::make_unique<WorkerGroup>(*plan_, ranges, devices_, dist, options_.stage, threads_per_stage_,
+                                          device::is_auto(options_.devices));
+    devices_ = group->devices();
+  }
   for (size_t s = 0; s < local; ++s) counters_.push_back(std::make_unique<StageCounters>());
   sharing_ = std::make_unique<StageSharing>(local, num_workers);
   if (sharing_->shares())

@@ -13,6 +13,7 @@
 #include "runtime/log.h"
 #include "runtime/schedule/assignment.h"
 #include "runtime/schedule/heartbeat.h"
+#include "runtime/schedule/rank_device.h"
 #include "runtime/schedule/worker_host.h"
 #include "runtime/stage/stage.h"
 
@@ -54,9 +55,9 @@ class SetupDeadline {
 }  // namespace
 
 WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<size_t, size_t>>& ranges,
-                         const std::vector<c10::Device>& devices, const DistributedOptions& o,
-                         const stage::StageOptions& stage_options, int threads_per_stage)
-    : world_size_(o.world_size) {
+                         std::vector<c10::Device> devices, const DistributedOptions& o,
+                         const stage::StageOptions& stage_options, int threads_per_stage, bool workers_choose_gpus)
+    : world_size_(o.world_size), devices_(std::move(devices)) {
   if (o.connected) {
     if (!o.connected_store)
       throw Error(Status::InvalidArgument, "a connected transport needs a store for the workers' heartbeats");
@@ -76,6 +77,11 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
     const char* name = o.transport == TransportKind::Nccl ? "nccl" : "tcp";
     comm::announce_session(*store_, o.world_size, name);
     comm::wait_for_workers(*store_, o.world_size, comm::format_address(hosted.address), o.comm_timeout);
+    if (workers_choose_gpus || o.transport == TransportKind::Nccl)
+      for (int r = 1; r < o.world_size; ++r) {
+        const c10::Device told = comm::joined_device(*store_, r);
+        for (size_t s = ranges[r].first; s < ranges[r].second; ++s) devices_[s] = told;
+      }
     if (o.transport == TransportKind::Nccl)
       transport_ = comm::make_nccl_transport(store_, 0, o.world_size, nccl_device(0), o.comm_timeout);
     else transport_ = comm::make_tcp_transport(*store_, secret, 0, o.world_size, hosted.address.host, o.comm_timeout);
@@ -94,10 +100,10 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
     a.dtype = stage_options.dtype;
     for (size_t s = ranges[r].first; s < ranges[r].second; ++s) {
       a.stages.push_back(stage_io(plan, s));
-      a.devices.push_back(devices.at(s));
-      // Built for the device the stage will use on the worker's machine (the same GPU numbering on
-      // every machine is assumed), without the tensors the worker reads from the checkpoint itself.
-      auto shipped = stage::ship_stage(plan, s, devices.at(s), stage_options, checkpoint.get());
+      a.devices.push_back(devices_.at(s));
+      // Built for the device the stage will use on the worker's machine, without the tensors the
+      // worker reads from the checkpoint itself.
+      auto shipped = stage::ship_stage(plan, s, devices_.at(s), stage_options, checkpoint.get());
       a.modules.push_back(std::move(shipped.bytes));
       a.aliases.push_back(std::move(shipped.aliases));
     }

@@ -44,12 +44,14 @@ class WorkerGroup {
  public:
   // Hosts the store and waits for the workers (unless options.connected), sends rank r the
   // stages ranges[r] to run on devices[s] (of the worker's machine), waits until every worker
-  // has loaded them and warms up the ring, all within options.comm_timeout. Throws Error:
+  // has loaded them and warms up the ring, all within options.comm_timeout. With NCCL, or with
+  // `workers_choose_gpus` (devices "auto"), rank r's stages go instead where the worker said it would
+  // run them when it joined (rank_device.h), and are built for that device. Throws Error:
   // Communication for a worker that does not come, cannot be reached or fails to load (with its
   // own status when it reported one, e.g. Unsupported for a device it does not have).
   WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<size_t, size_t>>& ranges,
-              const std::vector<c10::Device>& devices, const DistributedOptions& options,
-              const stage::StageOptions& stage_options, int threads_per_stage);
+              std::vector<c10::Device> devices, const DistributedOptions& options,
+              const stage::StageOptions& stage_options, int threads_per_stage, bool workers_choose_gpus = false);
   ~WorkerGroup();
 
   // The ring: micro-batches go to rank 1 and come back from the last rank. Both throw
@@ -60,6 +62,8 @@ class WorkerGroup {
   void abort(const std::string& why) { transport_->abort(why); }
 
   int world_size() const { return world_size_; }
+  // Where every stage runs, the workers' choices included.
+  const std::vector<c10::Device>& devices() const { return devices_; }
   // Where the workers' heartbeats arrive (heartbeat.h).
   c10d::Store& store() { return *store_; }
 
@@ -68,6 +72,7 @@ class WorkerGroup {
   c10::intrusive_ptr<c10d::Store> store_;
   std::shared_ptr<comm::Transport> transport_;
   int world_size_ = 1;
+  std::vector<c10::Device> devices_;
 };
 
 }  // namespace libpipe::schedule

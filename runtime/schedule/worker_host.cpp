@@ -19,6 +19,7 @@
 #include "runtime/schedule/assignment.h"
 #include "runtime/schedule/bounded_queue.h"
 #include "runtime/schedule/heartbeat.h"
+#include "runtime/schedule/rank_device.h"
 #include "runtime/stage/stage.h"
 
 namespace libpipe::schedule {
@@ -70,13 +71,6 @@ struct Envelope {
 };
 
 }  // namespace
-
-c10::Device nccl_device(int rank) {
-  std::string why;
-  const int count = device::cuda_device_count(&why);
-  if (count < 1) throw Error(Status::Unsupported, "the NCCL transport needs a CUDA device, but " + why);
-  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(rank % count));
-}
 
 void serve(comm::Transport& transport, const c10::Device& device, std::chrono::milliseconds comm_timeout,
            int threads_per_stage, c10::intrusive_ptr<c10d::Store> store) {
@@ -238,7 +232,9 @@ void serve_worker(const WorkerOptions& o) {
   const comm::Secret secret = comm::Secret::from(o.token);
   std::string local_host;
   auto store = comm::connect_store(address, secret, o.comm_timeout, &local_host);
-  const std::string transport_name = comm::join_session(*store, o.rank, o.world_size);
+  // The driver builds this rank's stages for the GPU it tells (NCCL's, or devices "auto").
+  const auto gpu = own_gpu(o.rank);
+  const std::string transport_name = comm::join_session(*store, o.rank, o.world_size, gpu ? gpu->str() : "cpu");
   std::unique_ptr<comm::Transport> transport;
   c10::Device device(c10::kCPU);
   if (transport_name == "tcp") {

@@ -34,7 +34,4 @@ void serve_worker(const WorkerOptions& options);
 void serve(comm::Transport& transport, const c10::Device& device, std::chrono::milliseconds comm_timeout,
            int threads_per_stage, c10::intrusive_ptr<c10d::Store> store);
 
-// The GPU a rank's stages use with NCCL: one per rank, round robin over this machine's GPUs.
-c10::Device nccl_device(int rank);
-
 }  // namespace libpipe::schedule

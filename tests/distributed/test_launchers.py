@@ -101,6 +101,25 @@ def test_torchrun_runs_pipe_run_on_every_rank(tmp_path):
     assert r.stdout.count("pipe: ran") == 1, r.stdout  # rank 0 alone reports and writes
 
 
+def test_devices_auto_under_torchrun_lets_each_rank_place_its_own_stages(tmp_path):
+    """--devices auto over processes: each rank takes its own GPU (cuda:LOCAL_RANK) and tells the driver when it
+    joins; a rank that sees none, as here without a GPU, runs its stages on the CPU. Outputs equal eager."""
+    out = tmp_path / "out.safetensors"
+    r = torchrun(
+        2,
+        "run",
+        seed("multi_mlp.traced.pt"),
+        "--input",
+        seed("multi_mlp.inputs.safetensors"),
+        "--output",
+        out,
+        "--devices",
+        "auto",
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert_outputs_equal(out, seed("multi_mlp.expected.safetensors"))
+
+
 def test_torchrun_runs_pipe_bench_on_every_rank():
     r = torchrun(
         2,

@@ -65,7 +65,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (end > buffer.size() || elements * (t.dl_tensor.dtype.bits / 8) > (uint64_t{1} << 26)) return 0;
   try {
     libpipe::capi::tensor_from_borrowed_dlpack(&t).clone();
-  } catch (const c10::Error&) {
-  }
+  } catch (const c10::Error&) {}
   return 0;
 }

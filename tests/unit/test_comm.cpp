@@ -29,11 +29,13 @@
 #include "runtime/comm/store_server.h"
 #include "runtime/comm/tcp_transport.h"
 #include "runtime/comm/wire.h"
+#include "runtime/device/cuda_library.h"
 #include "runtime/graph/torchscript/model.h"
 #include "runtime/graph/plan.h"
 #include "runtime/log.h"
 #include "runtime/schedule/assignment.h"
 #include "runtime/schedule/heartbeat.h"
+#include "runtime/schedule/rank_device.h"
 #include "runtime/schedule/session.h"
 #include "runtime/schedule/worker_host.h"
 #include "tests/gate/gate.h"
@@ -271,6 +273,40 @@ TEST(Rendezvous, AStoreOnPortZeroListensOnAFreePortAndSaysWhichBeforeAnyoneJoins
   std::string local;
   auto client = comm::connect_store(hosted.address, secret(), milliseconds(20000), &local);
   EXPECT_EQ(client->get("key"), std::vector<uint8_t>{7});
+}
+
+// A worker tells the driver, when it joins, the device it would run its stages on (NCCL, devices "auto"); the
+// driver reads only "cpu" and "cuda:N" back, whatever else a peer writes there.
+TEST(Rendezvous, AJoiningWorkerTellsItsOwnDeviceAndTheDriverReadsOnlyDevices) {
+  c10d::HashStore store;
+  comm::announce_session(store, 3, "tcp");
+  EXPECT_EQ(comm::join_session(store, 1, 3, "cuda:3"), "tcp");
+  EXPECT_EQ(comm::join_session(store, 2, 3, "cpu"), "tcp");
+  EXPECT_EQ(comm::joined_device(store, 1), c10::Device(c10::kCUDA, 3));
+  EXPECT_EQ(comm::joined_device(store, 2), c10::Device(c10::kCPU));
+  for (const std::string told : {"cuda:128", "cuda:", "cuda:1x", "mps", "cuda:-1", "", "cuda:0:0"}) {
+    store.set("libpipe/device/2", std::vector<uint8_t>(told.begin(), told.end()));
+    std::string message;
+    EXPECT_EQ(status_of([&] { comm::joined_device(store, 2); }, &message), Status::Communication) << told;
+    EXPECT_NE(message.find("rank 2 told device"), std::string::npos) << message;
+  }
+}
+
+// The GPU a process takes for its own stages: LOCAL_RANK under a launcher, else its rank, over the GPUs it sees.
+TEST(RankDevice, TheLocalIndexPicksAGpuRoundRobin) {
+  EXPECT_EQ(schedule::gpu_for(0, 8), c10::Device(c10::kCUDA, 0));
+  EXPECT_EQ(schedule::gpu_for(5, 8), c10::Device(c10::kCUDA, 5));
+  EXPECT_EQ(schedule::gpu_for(9, 8), c10::Device(c10::kCUDA, 1));
+  EXPECT_EQ(schedule::gpu_for(3, 1), c10::Device(c10::kCUDA, 0));
+}
+
+TEST(RankDevice, AProcessThatSeesNoGpuTakesNoneAndNcclSaysWhy) {
+  std::string why;
+  if (device::cuda_device_count(&why) > 0) GTEST_SKIP() << "this machine has a GPU; the CPU-only case is not seen";
+  EXPECT_FALSE(schedule::own_gpu(1).has_value());
+  std::string message;
+  EXPECT_EQ(status_of([] { schedule::nccl_device(1); }, &message), Status::Unsupported);
+  EXPECT_NE(message.find("needs a CUDA device"), std::string::npos) << message;
 }
 
 TEST(Placement, StagesSpreadInContiguousGroupsLargerFirst) {
