@@ -18,7 +18,7 @@ const (
 	// opened.
 	StatusNotFound Status = Status(capi.PIPE_ERR_NOT_FOUND)
 	// StatusInvalidFormat is PIPE_ERR_INVALID_FORMAT: A file exists but is not in the expected
-	// format (not TorchScript, corrupt safetensors, ...).
+	// format (neither TorchScript nor an exported program, corrupt safetensors, ...).
 	StatusInvalidFormat Status = Status(capi.PIPE_ERR_INVALID_FORMAT)
 	// StatusSplit is PIPE_ERR_SPLIT: The model cannot be split as asked (no markers where required,
 	// marker inside a block, ...).
@@ -107,8 +107,8 @@ func (s Status) Description() string {
 	case StatusNotFound:
 		return "A file named by the caller does not exist or cannot be opened."
 	case StatusInvalidFormat:
-		return "A file exists but is not in the expected format (not TorchScript, corrupt safetensors, " +
-			"...)."
+		return "A file exists but is not in the expected format (neither TorchScript nor an exported " +
+			"program, corrupt safetensors, ...)."
 	case StatusSplit:
 		return "The model cannot be split as asked (no markers where required, marker inside a block, " +
 			"...)."
