@@ -161,6 +161,7 @@ MARKER_STAGES = {
     "tuple_output": 2,
     "device_constant": 2,
     "crossing_values": 2,
+    "multi_mlp_grad": 4,  # exported in grad mode, as users call torch.export.export
 }
 
 
@@ -192,6 +193,19 @@ PATH_SPLITS = [
     ("gpt2", ["--split-at", "transformer.h.0:end", "--split-at", "transformer.h.1:end"], 3),
     ("hf_llama", ["--split-at", "model.layers.0:end"], 2),
     ("hf_qwen2", ["--split-at", "model.layers.1:begin"], 2),
+    ("hf_mistral", ["--split-at", "model.layers.1:begin"], 2),
+    # Exported in grad mode: their no_grad methods are wrap_with_set_grad_enabled regions, inlined at load
+    # (HF's rotary embeddings; nograd_layers' scaler, cut at its own boundaries).
+    ("hf_llama_grad", ["--split-at", "model.layers.0:end"], 2),
+    ("hf_qwen2_grad", ["--split-at", "model.layers.1:begin"], 2),
+    ("hf_mistral_grad", ["--split-at", "model.layers.1:begin"], 2),
+    ("gpt2_grad", ["--split-at", "transformer.h.0:end", "--split-at", "transformer.h.1:end"], 3),
+    ("nograd_layers_grad", ["--split-at", "layers.0:end"], 2),
+    ("nograd_layers_grad", ["--split-at", "scaler:begin"], 3),
+    ("nograd_layers_grad", ["--split-at", "scaler@0:end"], 2),
+    # A disabled autocast region, inlined: cut before it and inside it.
+    ("inside_autocast", ["--split-at", "lin0:end"], 2),
+    ("inside_autocast", ["--split-at", "lin1:end"], 2),
 ]
 
 
@@ -229,6 +243,12 @@ MOST_STAGES = {
     "hf_llama": (2, 4),
     "hf_qwen2": (2, 4),
     "hf_llama_dyn": (2, 4),
+    "hf_mistral": (2, 4),
+    "hf_llama_grad": (2, 4),
+    "hf_qwen2_grad": (2, 4),
+    "hf_mistral_grad": (2, 4),
+    "gpt2_grad": (3, 4),
+    "inside_autocast": (3, 3),
 }
 
 
@@ -274,6 +294,7 @@ PROCESS_RUNS = [
     ("hf_llama", ["--split-at", "model.layers.0:end"], 2, ".b3", 2),
     ("gpt2", ["--split-at", "transformer.h.0:end", "--split-at", "transformer.h.1:end"], 3, ".b3", 2),
     ("multi_mlp", [], 4, ".b3", 4),
+    ("hf_llama_grad", ["--split-at", "model.layers.0:end"], 2, ".b3", 2),
 ]
 
 
@@ -352,19 +373,32 @@ def test_state_written_in_place_carries_over_micro_batches(tmp_path):
         torch.testing.assert_close(load_file(out)["output"], want, rtol=TOL, atol=TOL)
 
 
-def test_inside_autocast_is_refused_when_the_session_is_created(tmp_path):
-    # The program loads and splits (one stage); nativert refuses its autocast node when the stage is built.
-    plan = plan_of(fixture("inside_autocast.pt2"))
-    assert plan["num_stages"] == 1
-    result, out = run(tmp_path, fixture("inside_autocast.pt2"), inputs=inputs_of("inside_autocast"), microbatches=1)
-    assert_one_line_error(
-        result,
-        "cannot create session",
-        "stage 0",
-        "Unknown higher order op: wrap_with_autocast",
-        "PIPE_ERR_INVALID_FORMAT",
-    )
-    assert not out.exists()
+def test_an_autocast_region_that_is_on_is_refused_when_the_program_loads(tmp_path):
+    # nativert cannot run wrap_with_autocast; a disabled one is inlined (inside_autocast runs above), one that
+    # casts is refused by split and run alike, before any session, naming the region and what to do.
+    for result in (
+        pipe("split", fixture("bf16_autocast.pt2"), "--stages", 2),
+        run(tmp_path, fixture("bf16_autocast.pt2"), inputs=inputs_of("bf16_autocast"), microbatches=1)[0],
+    ):
+        assert_one_line_error(
+            result, "cannot load model", "autocast region", "exported_models.py", "model.to(", "PIPE_ERR_UNSUPPORTED"
+        )
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_the_regions_are_gone_from_the_saved_stages(tmp_path):
+    # The saved stages of a grad-mode export are programs without higher-order operators (they run like eager
+    # chained by their plan: SAVED below).
+    def hops(path):
+        with zipfile.ZipFile(path) as z:
+            name = next(n for n in z.namelist() if n.endswith("models/model.json"))
+            return re.findall(r'"torch\.ops\.higher_order\.(\w+)"', z.read(name).decode())
+
+    assert hops(fixture("hf_llama_grad.pt2")) == ["wrap_with_set_grad_enabled"]
+    result = pipe("split", fixture("hf_llama_grad.pt2"), *SPLIT, "--save-stages", tmp_path)
+    assert result.returncode == 0, result.stderr
+    stages = sorted(tmp_path.glob("*.pt2"))
+    assert len(stages) == 2 and all(hops(s) == [] for s in stages), stages
 
 
 # ---- 2. the same plan as the TorchScript twin ----
@@ -642,6 +676,38 @@ def test_program_json_of_another_shape_is_refused(tmp_path, change, needle):
     assert_one_line_error(pipe("split", bad), "models/model.json", needle, "PIPE_ERR_INVALID_FORMAT")
 
 
+def _region(p):
+    """hf_llama_grad's set_grad_enabled call (its rotary embedding)."""
+    return next(n for n in p["graph_module"]["graph"]["nodes"] if n["target"].endswith("wrap_with_set_grad_enabled"))
+
+
+def _another_higher_order_op(p):
+    _region(p)["target"] = "torch.ops.higher_order.invoke_subgraph"
+
+
+def _an_operand_too_few(p):
+    _region(p)["inputs"].pop()
+
+
+def _a_result_too_few(p):
+    _region(p)["inputs"][1]["arg"]["as_graph"]["graph"]["outputs"].pop()
+
+
+@pytest.mark.parametrize(
+    "change,needles",
+    [
+        (_another_higher_order_op, ["higher-order operator invoke_subgraph", "cannot run", "PIPE_ERR_UNSUPPORTED"]),
+        (_an_operand_too_few, ["wrap_with_set_grad_enabled region", "passes 1 operands", "PIPE_ERR_INVALID_FORMAT"]),
+        (_a_result_too_few, ["wrap_with_set_grad_enabled region", "has 2 outputs", "PIPE_ERR_INVALID_FORMAT"]),
+    ],
+    ids=["another_op", "operand_missing", "result_missing"],
+)
+def test_a_region_that_cannot_be_inlined_is_refused_at_load(tmp_path, change, needles):
+    # Before any stage is built, naming the region and the model code it came from.
+    bad = rewrite_archive(fixture("hf_llama_grad.pt2"), tmp_path / "bad.pt2", edit=edit_program(change))
+    assert_one_line_error(pipe("split", bad), "cannot load model", "modeling_llama.py", *needles)
+
+
 def _weights_config_edit(fqn, change):
     def edit(data):
         config = json.loads(data)
@@ -867,6 +933,7 @@ SAVED = [
     ("crossing_values", []),  # a dict output
     ("gpt2", ["--split-at", "transformer.h.0:end", "--split-at", "transformer.h.1:end"]),  # a tied head
     ("hf_llama", ["--split-at", "model.layers.0:end"]),  # a non-persistent buffer
+    ("hf_llama_grad", ["--split-at", "model.layers.0:end"]),  # a set_grad_enabled region, inlined
 ]
 
 

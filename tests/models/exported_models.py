@@ -31,9 +31,11 @@ so they become constants. Not here, and why (torch.export 2.11 fails on them):
 - split_models' nograd_scripted: exports, but is nograd_layers again for an exported program
   (its `with torch.no_grad()` blocks vanish under export_program's own no_grad).
 
-inside_autocast exports with its autocast block as a `higher_order.wrap_with_autocast` node
-(a subgraph), which LibTorch 2.11's nativert refuses to load: "Unknown higher order op:
-wrap_with_autocast". It is kept for the refusal test.
+inside_autocast exports with its autocast block (disabled) as a `higher_order.wrap_with_autocast`
+node around a subgraph, which LibTorch 2.11's nativert cannot run; libpipe inlines it when the program
+loads. bf16_autocast's block is on: libpipe refuses it at load. The *_grad fixtures are exported in
+grad mode, as users call torch.export.export, with HF's rotary embeddings as wrap_with_set_grad_enabled
+regions.
 
 state_across_cut writes a buffer of 4 rows through a view of the batch's size, so its program's
 batch dimension has max 4 (the model's own limit), not just min 1.
@@ -66,6 +68,26 @@ def hf_qwen2():
     return tiny_causal_lm(Qwen2Config, Qwen2ForCausalLM)
 
 
+def hf_mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return tiny_causal_lm(MistralConfig, MistralForCausalLM)
+
+
+class Bf16Autocast(torch.nn.Module):
+    """An autocast region that is on: its linear runs in bfloat16. libpipe refuses it when the program loads."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        self.lin0, self.lin1 = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        x = self.lin0(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = self.lin1(x)
+        return x.float()
+
+
 def pair(batch, width=seed_models.D):
     return {"x": torch.randn(batch, width), "y": torch.randn(batch, width)}
 
@@ -86,6 +108,10 @@ class Fixture:
     # Arguments of the .b3 files (default: `inputs(OTHER_BATCH)`).
     other_inputs: Optional[Callable[[], Dict[str, torch.Tensor]]] = None
     dynamic_shapes: dict = field(default_factory=dict)  # export_program's, besides the batch
+    # Exported as most users call torch.export.export: in grad mode, where a `@torch.no_grad()` method (HF's
+    # rotary embeddings) becomes a wrap_with_set_grad_enabled region. Otherwise libpipe.export_program,
+    # which exports under no_grad.
+    grad_mode: bool = False
 
 
 MODELS = {
@@ -110,6 +136,15 @@ MODELS = {
     "gpt2": Fixture(hf_gpt2, tokens),
     "hf_llama": Fixture(hf_llama, tokens),
     "hf_qwen2": Fixture(hf_qwen2, tokens),
+    "hf_mistral": Fixture(hf_mistral, tokens),
+    # The same, exported in grad mode.
+    "hf_llama_grad": Fixture(hf_llama, tokens, grad_mode=True),
+    "hf_qwen2_grad": Fixture(hf_qwen2, tokens, grad_mode=True),
+    "hf_mistral_grad": Fixture(hf_mistral, tokens, grad_mode=True),
+    "gpt2_grad": Fixture(hf_gpt2, tokens, grad_mode=True),
+    "nograd_layers_grad": Fixture(split_models.NoGradLayers, features(64), batch=8, grad_mode=True),
+    "multi_mlp_grad": Fixture(seed_models.MultiMLP, pair, batch=seed_models.BATCH, grad_mode=True),
+    "bf16_autocast": Fixture(Bf16Autocast, features(32)),
     "hf_llama_dyn": Fixture(
         hf_llama,
         tokens,
@@ -136,6 +171,17 @@ def eager(model, inputs):
         return flatten(copy.deepcopy(model)(**inputs))
 
 
+def export_in_grad_mode(model, inputs, dynamic_shapes, path):
+    """torch.export.export and torch.export.save as a user calls them, grad mode on; the batch dynamic."""
+    batch = Dim("batch", min=1)
+    shapes = {name: {0: batch, **dynamic_shapes.get(name, {})} for name in inputs}
+    assert torch.is_grad_enabled()
+    program = torch.export.export(model, tuple(inputs.values()), dynamic_shapes=shapes)
+    tmp = f"{path[: -len('.pt2')]}.{os.getpid()}.tmp.pt2"  # torch.export.save wants the suffix
+    torch.export.save(program, tmp)
+    os.replace(tmp, path)
+
+
 def generate(out_dir, only=()):
     unknown = set(only) - set(MODELS)
     if unknown:
@@ -151,7 +197,10 @@ def generate(out_dir, only=()):
         inputs = fx.inputs(fx.batch)
         other = fx.other_inputs() if fx.other_inputs else fx.inputs(OTHER_BATCH)
         out = os.path.join(out_dir, name)
-        export_program(model, tuple(inputs.values()), dynamic_shapes=fx.dynamic_shapes, path=f"{out}.pt2")
+        if fx.grad_mode:
+            export_in_grad_mode(model, inputs, fx.dynamic_shapes, f"{out}.pt2")
+        else:
+            export_program(model, tuple(inputs.values()), dynamic_shapes=fx.dynamic_shapes, path=f"{out}.pt2")
         save_atomically(inputs, f"{out}.inputs.safetensors")
         save_atomically(eager(pristine, inputs), f"{out}.expected.safetensors")
         save_atomically(other, f"{out}.b3.inputs.safetensors")

@@ -12,8 +12,8 @@ always runnable there; `export_program` makes one that is, or says why it cannot
 
 What it does, and why:
 - eval mode and `torch.no_grad()`: inference only. Under grad mode, a `@torch.no_grad()` method
-  (Hugging Face Llama's rotary embedding) becomes a `wrap_with_set_grad_enabled` higher-order node
-  that nativert 2.11 refuses; under no_grad it is inlined as plain ATen nodes.
+  (Hugging Face Llama's rotary embedding) becomes a `wrap_with_set_grad_enabled` higher-order node,
+  which libpipe inlines when it loads the program; under no_grad it is plain ATen nodes already.
 - No `run_decompositions()`: the graph stays at the level torch.export records, so in-place
   writes (a cache written with `copy_`) stay in place, pipe_split() markers survive, and the nodes
   keep the module paths the split points name.

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "runtime/error.h"
+#include "runtime/graph/exported/inline_regions.h"
 
 namespace libpipe::graph::exported {
 
@@ -226,6 +227,8 @@ std::shared_ptr<const ExportedModel> ExportedModel::from_archive(std::shared_ptr
                                            "PyTorch libpipe was built against");
   check_structure(program, "'" + path + "': models/" + name + ".json");
   try {
+    // Mode regions (no_grad, a disabled autocast) become plain nodes before anything reads the graph.
+    inline_regions(model->program_["graph_module"]["graph"], path);
     model->describe();
   } catch (const Json::exception& e) {  // a field of another JSON type than the schema's
     throw Error(Status::InvalidFormat, "'" + path + "': models/" + name +

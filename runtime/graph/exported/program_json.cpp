@@ -8,43 +8,57 @@ namespace libpipe::graph::exported {
 
 namespace {
 
-void tensor_ref(const Json& t, const std::function<void(const std::string&, RefKind)>& f) {
-  if (t.is_object() && t.contains("name") && t["name"].is_string()) f(t["name"].get<std::string>(), RefKind::Tensor);
-}
-
-void optional_tensor(const Json& o, const std::function<void(const std::string&, RefKind)>& f) {
-  if (o.is_object() && o.contains("as_tensor")) tensor_ref(o["as_tensor"], f);
-}
-
-void symbol_ref(const Json& s, const std::function<void(const std::string&, RefKind)>& f) {
-  if (s.is_object() && s.contains("as_name") && s["as_name"].is_string())
-    f(s["as_name"].get<std::string>(), RefKind::Symbol);
+// Visits every name `argument` refers to, as `Json&` (renamable) or `const Json&`: one walk for reading and
+// renaming, so that both know the same kinds of reference.
+template <typename J, typename F>
+void visit_refs(J& argument, F& f) {
+  if (!argument.is_object()) return;
+  auto tensor = [&](J& t) {
+    if (t.is_object() && t.contains("name") && t["name"].is_string()) f(t["name"], RefKind::Tensor);
+  };
+  auto optional_tensor = [&](J& o) {
+    if (o.is_object() && o.contains("as_tensor")) tensor(o["as_tensor"]);
+  };
+  auto symbol = [&](J& s) {
+    if (s.is_object() && s.contains("as_name") && s["as_name"].is_string()) f(s["as_name"], RefKind::Symbol);
+  };
+  for (auto&& [kind, payload] : argument.items()) {
+    if (kind == "as_tensor") {
+      tensor(payload);
+    } else if (kind == "as_tensors") {
+      for (auto& t : payload) tensor(t);
+    } else if (kind == "as_optional_tensor") {
+      optional_tensor(payload);
+    } else if (kind == "as_optional_tensors") {
+      for (auto& o : payload) optional_tensor(o);
+    } else if (kind == "as_sym_int" || kind == "as_sym_bool" || kind == "as_sym_float") {
+      symbol(payload);
+    } else if (kind == "as_sym_ints" || kind == "as_sym_bools" || kind == "as_sym_floats") {
+      for (auto& s : payload) symbol(s);
+    } else if (kind == "as_custom_obj") {
+      if (payload.is_object() && payload.contains("name") && payload["name"].is_string())
+        f(payload["name"], RefKind::CustomObj);
+    } else if (kind == "as_string_to_argument") {
+      if (payload.is_object())
+        for (auto&& [key, inner] : payload.items()) visit_refs(inner, f);
+    }
+  }
 }
 
 }  // namespace
 
 void for_each_ref(const Json& argument, const std::function<void(const std::string&, RefKind)>& f) {
-  if (!argument.is_object()) return;
-  for (const auto& [kind, payload] : argument.items()) {
-    if (kind == "as_tensor") {
-      tensor_ref(payload, f);
-    } else if (kind == "as_tensors") {
-      for (const auto& t : payload) tensor_ref(t, f);
-    } else if (kind == "as_optional_tensor") {
-      optional_tensor(payload, f);
-    } else if (kind == "as_optional_tensors") {
-      for (const auto& o : payload) optional_tensor(o, f);
-    } else if (kind == "as_sym_int" || kind == "as_sym_bool" || kind == "as_sym_float") {
-      symbol_ref(payload, f);
-    } else if (kind == "as_sym_ints" || kind == "as_sym_bools" || kind == "as_sym_floats") {
-      for (const auto& s : payload) symbol_ref(s, f);
-    } else if (kind == "as_custom_obj") {
-      if (payload.is_object() && payload.contains("name")) f(payload["name"].get<std::string>(), RefKind::CustomObj);
-    } else if (kind == "as_string_to_argument") {
-      if (payload.is_object())
-        for (const auto& [key, inner] : payload.items()) for_each_ref(inner, f);
-    }
-  }
+  auto read = [&](const Json& name, RefKind kind) { f(name.get<std::string>(), kind); };
+  visit_refs(argument, read);
+}
+
+void rename_refs(Json& argument, const std::function<void(std::string&, RefKind)>& f) {
+  auto rename = [&](Json& name, RefKind kind) {
+    std::string text = name.get<std::string>();
+    f(text, kind);
+    name = text;
+  };
+  visit_refs(argument, rename);
 }
 
 void for_each_input_ref(const Json& node, const std::function<void(const std::string&, RefKind)>& f) {

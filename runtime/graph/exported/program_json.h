@@ -29,6 +29,9 @@ enum class RefKind {
 // (as_graph, a higher-order operator's body) is not looked into: its values are its own.
 void for_each_ref(const Json& argument, const std::function<void(const std::string&, RefKind)>& f);
 
+// The same walk, letting `f` rename each reference in place.
+void rename_refs(Json& argument, const std::function<void(std::string&, RefKind)>& f);
+
 // The values a node reads (its inputs' refs) and defines (its outputs' refs).
 void for_each_input_ref(const Json& node, const std::function<void(const std::string&, RefKind)>& f);
 void for_each_output_ref(const Json& node, const std::function<void(const std::string&, RefKind)>& f);
