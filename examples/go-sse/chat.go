@@ -142,7 +142,7 @@ func messageContent(i int, raw json.RawMessage) (string, *badRequest) {
 func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 	s.requests.Add(1)
 	var req chatRequest
-	if berr := decodeRequest(r, &req); berr != nil {
+	if berr := decodeRequest(w, r, &req); berr != nil {
 		s.refuse(w, berr)
 		return
 	}
@@ -211,14 +211,14 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	c.Object = "chat.completion.chunk"
-	events := startEvents(w, gen)
+	events := s.startEvents(w, gen.gen)
 	if includeUsage {
 		c.Usage = jsonNull
 	}
 	empty := ""
 	c.Choices = []chatChoice{{Delta: &chatDelta{Role: "assistant", Content: &empty}}}
 	if events.send(c) != nil {
-		gen.Cancel()
+		gen.gen.Cancel()
 	}
 	end := s.follow(ctx, gen, stops, func(piece string) error {
 		c.Choices = []chatChoice{{Delta: &chatDelta{Content: &piece}}}

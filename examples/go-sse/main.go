@@ -5,7 +5,9 @@
 // server.go and chat.go).
 //
 //	go-sse -decoder DECODER.pt -model-dir HF_DIR [-split POINT,... | -stages N] [-addr HOST:PORT]
-//	       [-max-queued N] [-name NAME]
+//	       [-max-queued N] [-name NAME] [-api-key KEY | -api-key-file FILE] [-metrics-public]
+//	       [-read-header-timeout D] [-read-timeout D] [-write-timeout D] [-idle-timeout D]
+//	       [-queue-timeout D] [-max-conns N]
 //
 // DECODER.pt follows libpipe's decoder contract (`python -m libpipe.export_llm HF_DIR
 // DECODER.pt` writes one for Llama, Qwen2, Mistral and GPT-2 checkpoints). HF_DIR is the Hugging
@@ -13,7 +15,9 @@
 // weights, when DECODER.pt holds none), generation_config.json (its eos_token_id ends a
 // completion), chat_template.jinja or tokenizer_config.json (the chat template and its special
 // tokens, for /v1/chat/completions). Once listening it prints "go-sse: listening on
-// http://HOST:PORT" on stdout; -addr 127.0.0.1:0 picks a free port.
+// http://HOST:PORT" on stdout; -addr 127.0.0.1:0 picks a free port. It listens on the loopback
+// unless told otherwise; the timeouts, the connection limit and the API key (limits.go, auth.go)
+// are what make it safe to expose further.
 package main
 
 import (
@@ -23,7 +27,6 @@ import (
 	"flag"
 	"fmt"
 	"log"
-	"net"
 	"net/http"
 	"os"
 	"os/signal"
@@ -35,64 +38,100 @@ import (
 	pipe "github.com/libpipe/libpipe/bindings/go"
 )
 
+// config is what the flags say.
+type config struct {
+	decoder, modelDir, split, addr, name string
+	stages, maxQueued                    int
+	limits                               limits
+	queueTimeout                         time.Duration
+	apiKey                               string
+	metricsPublic                        bool
+}
+
 func main() {
-	decoder := flag.String("decoder", "", "the decoder (TorchScript, libpipe's decoder contract)")
-	modelDir := flag.String("model-dir", "", "the Hugging Face folder: tokenizer.json, weights, generation_config.json")
-	split := flag.String("split", "", "split points, comma-separated (e.g. model.layers.15:begin); default: -stages")
-	stages := flag.Int("stages", 2, "stages, balanced by parameters, when -split is not given")
-	addr := flag.String("addr", "127.0.0.1:8080", "where to listen (port 0: a free one)")
-	maxQueued := flag.Int("max-queued", 0, "requests that may wait for a cache slot before 503 (0: 4 x slots)")
-	name := flag.String("name", "", "the model's name in the API (default: the folder's name)")
+	var c config
+	flag.StringVar(&c.decoder, "decoder", "", "the decoder (TorchScript, libpipe's decoder contract)")
+	flag.StringVar(&c.modelDir, "model-dir", "", "the Hugging Face folder: tokenizer.json, weights, generation_config.json")
+	flag.StringVar(&c.split, "split", "", "split points, comma-separated (e.g. model.layers.15:begin); default: -stages")
+	flag.IntVar(&c.stages, "stages", 2, "stages, balanced by parameters, when -split is not given")
+	flag.StringVar(&c.addr, "addr", "127.0.0.1:8080", "where to listen (port 0: a free one)")
+	flag.IntVar(&c.maxQueued, "max-queued", 0, "requests that may wait for a cache slot before 503 (default 0: 4 x slots)")
+	flag.StringVar(&c.name, "name", "", "the model's name in the API (default: the folder's name)")
+	apiKey := flag.String("api-key", "", "the API key clients must send as \"Authorization: Bearer KEY\" "+
+		"(default: none, no key asked; -api-key-file keeps it out of the process list)")
+	apiKeyFile := flag.String("api-key-file", "", "a file holding the API key (default: none)")
+	flag.BoolVar(&c.metricsPublic, "metrics-public", false, "serve /metrics without the API key (default false; "+
+		"this version has no /metrics yet)")
+	flag.DurationVar(&c.limits.readHeader, "read-header-timeout", 10*time.Second,
+		"the longest a request's headers may take to arrive (0: no limit)")
+	flag.DurationVar(&c.limits.read, "read-timeout", 30*time.Second,
+		"the longest a request's body may take to arrive after its headers (0: no limit)")
+	flag.DurationVar(&c.limits.write, "write-timeout", 30*time.Second,
+		"the longest a client may take to accept one write (an event of a stream, a response); past it the "+
+			"request is cut off and its sequence cancelled (0: no limit)")
+	flag.DurationVar(&c.limits.idle, "idle-timeout", 60*time.Second,
+		"the longest a kept-alive connection may wait for its next request (0: no limit)")
+	flag.DurationVar(&c.queueTimeout, "queue-timeout", 30*time.Second,
+		"the longest a request may wait for a cache slot before 503 with Retry-After (0: no limit)")
+	flag.IntVar(&c.limits.maxConns, "max-conns", 256, "connections served at once; more wait to be accepted (0: no limit)")
 	flag.Parse()
-	if *decoder == "" || *modelDir == "" || flag.NArg() != 0 {
+	if c.decoder == "" || c.modelDir == "" || flag.NArg() != 0 {
 		fmt.Fprintln(os.Stderr, "usage: go-sse -decoder DECODER.pt -model-dir HF_DIR [flags]; -h lists the flags")
 		os.Exit(2)
 	}
-	if *name == "" {
-		*name = filepath.Base(filepath.Clean(*modelDir))
+	if c.name == "" {
+		c.name = filepath.Base(filepath.Clean(c.modelDir))
 	}
-	if err := run(*decoder, *modelDir, *split, *stages, *addr, *maxQueued, *name); err != nil {
+	var err error
+	if c.apiKey, err = loadAPIKey(*apiKey, *apiKeyFile); err != nil {
+		fmt.Fprintln(os.Stderr, "go-sse:", err)
+		os.Exit(2)
+	}
+	if err := run(c); err != nil {
 		fmt.Fprintln(os.Stderr, "go-sse:", err)
 		os.Exit(1)
 	}
 }
 
-func run(decoder, modelDir, split string, stages int, addr string, maxQueued int, name string) error {
-	text, err := loadTokenizer(filepath.Join(modelDir, "tokenizer.json"))
+func run(c config) error {
+	text, err := loadTokenizer(filepath.Join(c.modelDir, "tokenizer.json"))
 	if err != nil {
 		return err
 	}
-	stopIDs, err := eosIDs(modelDir)
+	stopIDs, err := eosIDs(c.modelDir)
 	if err != nil {
 		return err
 	}
-	chat, err := loadChatTemplate(modelDir)
+	chat, err := loadChatTemplate(c.modelDir)
 	if err != nil {
 		return err
 	}
 	if chat == nil {
-		log.Printf("%s has no chat template: /v1/chat/completions answers 400", modelDir)
+		log.Printf("%s has no chat template: /v1/chat/completions answers 400", c.modelDir)
 	}
-	gen, err := newGenerator(decoder, modelDir, split, stages, maxQueued)
+	gen, err := newGenerator(c.decoder, c.modelDir, c.split, c.stages, c.maxQueued)
 	if err != nil {
 		return err
 	}
 	defer gen.Close()
 	info := gen.Info()
 	log.Printf("%s: %d stages, %d slots of %d tokens (%.1f MiB of cache each), vocabulary %d",
-		name, gen.NumStages(), info.Slots, info.MaxLen, float64(info.CacheBytesPerSlot)/(1<<20), info.Vocab)
+		c.name, gen.NumStages(), info.Slots, info.MaxLen, float64(info.CacheBytesPerSlot)/(1<<20), info.Vocab)
 
-	s := &server{gen: gen, text: text, model: name, stopIDs: stopIDs, chat: chat,
-		chatStopIDs: endOfTurnIDs(text, chat, stopIDs)}
+	s := &server{gen: gen, text: text, model: c.name, stopIDs: stopIDs, chat: chat,
+		chatStopIDs: endOfTurnIDs(text, chat, stopIDs), queueTimeout: c.queueTimeout}
+	if c.apiKey == "" {
+		log.Printf("no API key (-api-key, -api-key-file): anyone who can reach %s may use the service", c.addr)
+	}
 	// Signals are caught before the service says it listens: a SIGTERM right after the first
 	// request must stop it gracefully, not kill it.
 	signals := make(chan os.Signal, 1)
 	signal.Notify(signals, os.Interrupt, syscall.SIGTERM)
-	listener, err := net.Listen("tcp", addr)
+	listener, err := c.limits.listen(c.addr)
 	if err != nil {
 		return err
 	}
-	httpServer := &http.Server{Handler: s.routes(), ReadHeaderTimeout: 10 * time.Second}
+	httpServer := c.limits.httpServer(newAPIKey(c.apiKey, c.metricsPublic).guard(s.routes()))
 	fmt.Printf("go-sse: listening on http://%s\n", listener.Addr())
 
 	done := make(chan error, 1)

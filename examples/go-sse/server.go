@@ -14,12 +14,15 @@ package main
 //	GET /v1/models        the one model served
 //	GET /health           {"status": "ok", slots, queue, counters}
 //
-// Bad requests get 400 with an OpenAI-style error object naming the field; a full queue (every
-// cache slot taken and GeneratorOptions.MaxQueued sequences waiting) gets 503 with Retry-After. A
-// client that disconnects cancels its sequence, which frees its slot at once or when its step
-// returns.
+// Bad requests get 400 with an OpenAI-style error object naming the field (errors.go has the other
+// statuses); a full queue (every cache slot taken and GeneratorOptions.MaxQueued sequences
+// waiting), or a request that waited past -queue-timeout for a slot, gets 503 with Retry-After
+// (admission.go). A client that disconnects, or stops reading for -write-timeout, cancels its
+// sequence, which frees its slot at once or when its step returns. limits.go bounds what a client
+// may hold, auth.go asks for the API key.
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/binary"
@@ -36,9 +39,6 @@ import (
 	pipe "github.com/libpipe/libpipe/bindings/go"
 )
 
-// maxBody bounds a request's body: a prompt longer than any model's context fits easily.
-const maxBody = 4 << 20
-
 type server struct {
 	gen     *pipe.Generator
 	text    *textCodec
@@ -48,11 +48,15 @@ type server struct {
 	chat        *chatTemplate // the model's chat template; nil: the chat endpoint answers 400
 	chatStopIDs []int64       // stopIDs and the template's end of turn: a chat reply ends there
 
+	queueTimeout time.Duration // the longest a request waits for a cache slot (admission.go); 0: no limit
+
 	// Counters for /health: what operators want to see, and what the test observes.
 	requests      atomic.Uint64
 	rejectedBusy  atomic.Uint64
 	badRequests   atomic.Uint64
 	disconnects   atomic.Uint64 // clients that left before their completion ended
+	writeFailures atomic.Uint64 // responses cut off: the client stopped reading (-write-timeout) or left
+	queueTimeouts atomic.Uint64 // requests that waited past -queue-timeout for a slot
 	finished      [pipe.FinishError + 1]atomic.Uint64
 	finishedOther atomic.Uint64
 }
@@ -64,30 +68,6 @@ func (s *server) routes() *http.ServeMux {
 	mux.HandleFunc("GET /v1/models", s.models)
 	mux.HandleFunc("GET /health", s.health)
 	return mux
-}
-
-// apiError is OpenAI's error object.
-type apiError struct {
-	Message string  `json:"message"`
-	Type    string  `json:"type"`
-	Param   *string `json:"param"`
-	Code    *string `json:"code"`
-}
-
-func writeJSON(w http.ResponseWriter, status int, v any) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	if err := json.NewEncoder(w).Encode(v); err != nil {
-		log.Printf("writing a response: %v", err)
-	}
-}
-
-func writeError(w http.ResponseWriter, status int, typ, param, format string, args ...any) {
-	e := apiError{Message: fmt.Sprintf(format, args...), Type: typ}
-	if param != "" {
-		e.Param = &param
-	}
-	writeJSON(w, status, map[string]apiError{"error": e})
 }
 
 // generationFields are the request fields both endpoints read; other fields are ignored, as
@@ -110,29 +90,27 @@ type completionRequest struct {
 	Prompt json.RawMessage `json:"prompt"`
 }
 
-// badRequest is a request the service refuses: which field, and why.
-type badRequest struct{ param, message string }
-
-func (b *badRequest) Error() string { return b.message }
-
-func bad(param, format string, args ...any) *badRequest {
-	return &badRequest{param, fmt.Sprintf(format, args...)}
-}
-
-// refuse answers a bad request with 400 and OpenAI's error object.
-func (s *server) refuse(w http.ResponseWriter, b *badRequest) {
-	s.badRequests.Add(1)
-	writeError(w, http.StatusBadRequest, "invalid_request_error", b.param, "%s", b.message)
-}
-
 // decodeRequest reads the body, one JSON object, into v.
-func decodeRequest(r *http.Request, v any) *badRequest {
-	dec := json.NewDecoder(http.MaxBytesReader(nil, r.Body, maxBody))
+func decodeRequest(w http.ResponseWriter, r *http.Request, v any) *badRequest {
+	// The whole body is read first, under the read deadline (limits.go), which is lifted only
+	// once it is all in: what is left of a body is otherwise read by the server after the
+	// handler, with no deadline. With the ResponseWriter, MaxBytesReader also has the connection
+	// closed after the response rather than the rest of a body over the limit read.
+	data, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBody))
+	var tooBig *http.MaxBytesError
+	switch {
+	case errors.As(err, &tooBig):
+		return &badRequest{message: fmt.Sprintf("the request body is over %d bytes", maxBody),
+			status: http.StatusRequestEntityTooLarge, code: "request_too_large"}
+	case timedOut(err):
+		return &badRequest{message: "the request body did not arrive within the service's read timeout",
+			status: http.StatusRequestTimeout}
+	case err != nil:
+		return bad("", "the request body could not be read: %v", err)
+	}
+	bodyRead(w)
+	dec := json.NewDecoder(bytes.NewReader(data))
 	if err := dec.Decode(v); err != nil {
-		var tooBig *http.MaxBytesError
-		if errors.As(err, &tooBig) {
-			return bad("", "the request body is over %d bytes", maxBody)
-		}
 		return bad("", "the body is not a JSON request of this endpoint: %v", err)
 	}
 	if dec.More() {
@@ -180,7 +158,8 @@ func (s *server) options(f *generationFields, maxParam string, defaultMax int) (
 		return nil, nil, berr
 	}
 	if f.Model != "" && f.Model != s.model {
-		return nil, nil, bad("model", "model %q is not served here; this service serves %q", f.Model, s.model)
+		return nil, nil, &badRequest{param: "model", status: http.StatusNotFound, code: "model_not_found",
+			message: fmt.Sprintf("model %q does not exist here; this service serves %q", f.Model, s.model)}
 	}
 	return opts, stops, nil
 }
@@ -217,16 +196,16 @@ func (s *server) prompt(raw json.RawMessage) ([]int64, *badRequest) {
 
 // encode is the token ids of a prompt's text; param names the field it came from.
 func (s *server) encode(text, param string) ([]int64, *badRequest) {
-	ids, err := s.text.Encode(text)
-	if err != nil {
+	max := s.gen.Info().MaxLen - 1 // room for one token of completion
+	ids, err := s.text.EncodeAtMost(text, max)
+	switch {
+	case errors.Is(err, errTooManyTokens):
+		return nil, bad(param, "the prompt is over %d tokens, the most this model takes with room for the completion",
+			max)
+	case err != nil:
 		return nil, bad(param, "the tokenizer cannot encode the prompt: %v", err)
-	}
-	if len(ids) == 0 {
+	case len(ids) == 0:
 		return nil, bad(param, "the prompt encodes to no token")
-	}
-	if max := s.gen.Info().MaxLen; len(ids) >= max {
-		return nil, bad(param, "the prompt is %d tokens; this model takes at most %d, and needs room for the completion",
-			len(ids), max-1)
 	}
 	return ids, nil
 }
@@ -287,7 +266,7 @@ func (f *generationFields) streamUsage() (bool, *badRequest) {
 func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 	s.requests.Add(1)
 	var req completionRequest
-	if berr := decodeRequest(r, &req); berr != nil {
+	if berr := decodeRequest(w, r, &req); berr != nil {
 		s.refuse(w, berr)
 		return
 	}
@@ -310,7 +289,7 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	gen := s.start(ctx, w, prompt, opts, "prompt")
 	if gen == nil {
-		return
+		return // answered
 	}
 	c := completion{
 		ID:      fmt.Sprintf("cmpl-%x", time.Now().UnixNano()),
@@ -332,7 +311,7 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusOK, c)
 		return
 	}
-	events := startEvents(w, gen)
+	events := s.startEvents(w, gen.gen)
 	if includeUsage {
 		c.Usage = jsonNull
 	}
@@ -352,38 +331,6 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 	events.done()
 }
 
-// start submits a prompt to the generator; when it cannot, it answers the request (503 when the
-// queue is full, 400 for what libpipe finds wrong with the prompt, named param) and returns nil.
-func (s *server) start(ctx context.Context, w http.ResponseWriter, prompt []int64, opts *pipe.GenerationOptions,
-	param string) *pipe.Generation {
-	gen, err := s.gen.Generate(ctx, prompt, opts)
-	switch {
-	case errors.Is(err, pipe.ErrBusy):
-		s.rejectedBusy.Add(1)
-		w.Header().Set("Retry-After", "1")
-		writeError(w, http.StatusServiceUnavailable, "server_busy", "", "%s", message(err))
-		return nil
-	case errors.Is(err, pipe.ErrInvalidArgument):
-		// What libpipe checks itself: token ids outside the vocabulary, a prompt without room.
-		s.refuse(w, bad(param, "%s", message(err)))
-		return nil
-	case err != nil:
-		writeError(w, http.StatusInternalServerError, "server_error", "", "%v", err)
-		return nil
-	}
-	return gen
-}
-
-// message is libpipe's message for a client: what was wrong and what to do, without the Go
-// binding's decoration (the C function and the status name).
-func message(err error) string {
-	var pe *pipe.Error
-	if errors.As(err, &pe) && pe.Message != "" {
-		return pe.Message
-	}
-	return err.Error()
-}
-
 // ending is how a completion ended: OpenAI's finish reason ("stop": the model's end token or a
 // stop string; "length"), the tokens it took, or the error that ended it.
 type ending struct {
@@ -392,18 +339,20 @@ type ending struct {
 	err    error
 }
 
-// follow receives gen's tokens as text, calling emit for each piece, until the sequence ends, a
-// stop string appears (the sequence is cancelled; the text before it is emitted, not the rest), or
-// ctx ends (the client left: the sequence is cancelled before this returns, so that its slot is
-// freed however the consumer behaves).
-func (s *server) follow(ctx context.Context, gen *pipe.Generation, stops []string, emit func(string) error) ending {
+// follow receives the sequence's tokens as text, calling emit for each piece, until the sequence
+// ends, a stop string appears (the sequence is cancelled; the text before it is emitted, not the
+// rest), a write fails (the client stopped reading or left: the sequence is cancelled) or ctx
+// ends (the client left: the sequence is cancelled before this returns, so that its slot is freed
+// however the consumer behaves).
+func (s *server) follow(ctx context.Context, a *admitted, stops []string, emit func(string) error) ending {
+	gen := a.gen
 	text := &textStream{codec: s.text}
 	scan := &stopScanner{stops: stops}
 	left, stopped, tokens := false, false, 0
 	send := func(piece string, hit bool) {
 		if piece != "" && !left {
 			if err := emit(piece); err != nil {
-				left = true // a write failed: the client is gone
+				left = true // the client is gone, or stopped reading
 				gen.Cancel()
 			}
 		}
@@ -412,6 +361,15 @@ func (s *server) follow(ctx context.Context, gen *pipe.Generation, stops []strin
 			gen.Cancel() // the rest is not wanted
 		}
 	}
+	take := func(id int64) {
+		if !stopped {
+			tokens++
+			send(scan.Push(text.Add(id)))
+		}
+	}
+	for _, id := range a.head {
+		take(id)
+	}
 	for ch := gen.Tokens(); ch != nil; {
 		select {
 		case id, open := <-ch:
@@ -419,10 +377,7 @@ func (s *server) follow(ctx context.Context, gen *pipe.Generation, stops []strin
 				ch = nil
 				break
 			}
-			if !stopped {
-				tokens++
-				send(scan.Push(text.Add(id)))
-			}
+			take(id)
 		case <-ctx.Done():
 			if !left {
 				left = true
@@ -431,6 +386,12 @@ func (s *server) follow(ctx context.Context, gen *pipe.Generation, stops []strin
 			}
 			ctx = context.Background() // seen once; now wait for the channel to close
 		}
+	}
+	if !left && ctx.Err() != nil {
+		// The binding cancels the sequence on the context too, so its channel may close before
+		// this loop saw the context end: the client left all the same.
+		left = true
+		s.disconnects.Add(1)
 	}
 	if !stopped {
 		send(scan.Push(text.Flush()))
@@ -468,29 +429,31 @@ func (s *server) failed(w http.ResponseWriter, end ending) bool {
 	if end.err == nil {
 		return false
 	}
-	status := http.StatusInternalServerError
 	if errors.Is(end.err, pipe.ErrDeadlineExceeded) {
-		status = http.StatusGatewayTimeout
+		internalError(w, http.StatusGatewayTimeout, "the generation passed its deadline", end.err)
+	} else {
+		internalError(w, http.StatusInternalServerError, "the generation failed", end.err)
 	}
-	writeError(w, status, "server_error", "", "%s", message(end.err))
 	return true
 }
 
 // events is a response of server-sent events, each flushed as it is written.
 type events struct {
-	w  http.ResponseWriter
-	rc *http.ResponseController
+	w   http.ResponseWriter
+	rc  *http.ResponseController
+	s   *server
+	err error // the first write that failed: nothing more is written after it
 }
 
 // startEvents sends the headers of an event stream (cancelling gen if the client is already gone).
-func startEvents(w http.ResponseWriter, gen *pipe.Generation) *events {
+func (s *server) startEvents(w http.ResponseWriter, gen *pipe.Generation) *events {
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no") // a proxy in front must not hold events back
 	w.WriteHeader(http.StatusOK)
-	e := &events{w: w, rc: http.NewResponseController(w)}
-	if err := e.rc.Flush(); err != nil {
+	e := &events{w: w, rc: http.NewResponseController(w), s: s}
+	if err := e.flush(); err != nil {
 		gen.Cancel()
 	}
 	return e
@@ -502,10 +465,34 @@ func (e *events) send(v any) error {
 	if err != nil {
 		return err
 	}
-	if _, err := fmt.Fprintf(e.w, "data: %s\n\n", data); err != nil {
-		return err
+	return e.write("data: " + string(data) + "\n\n")
+}
+
+func (e *events) write(text string) error {
+	if e.err == nil {
+		if _, err := io.WriteString(e.w, text); err != nil {
+			e.fail(err)
+		}
 	}
-	return e.rc.Flush()
+	return e.flush()
+}
+
+func (e *events) flush() error {
+	if e.err == nil {
+		if err := e.rc.Flush(); err != nil {
+			e.fail(err)
+		}
+	}
+	return e.err
+}
+
+// fail records the first failed write (past -write-timeout, or to a client that left).
+func (e *events) fail(err error) {
+	e.err = err
+	e.s.writeFailures.Add(1)
+	if timedOut(err) {
+		log.Printf("a client took no event for the write timeout: its stream is cut off")
+	}
 }
 
 // failed ends the stream with an error event when the completion ended with an error.
@@ -513,15 +500,18 @@ func (e *events) failed(end ending) bool {
 	if end.err == nil {
 		return false
 	}
-	e.send(map[string]apiError{"error": {Message: message(end.err), Type: "server_error"}})
+	if errors.Is(end.err, pipe.ErrDeadlineExceeded) {
+		log.Printf("the generation passed its deadline: %v", end.err)
+		e.send(errorBody("server_error", "", "", "the generation passed its deadline"))
+	} else {
+		log.Printf("the generation failed: %v", end.err)
+		e.send(errorBody("server_error", "", "", "the generation failed; the service's log says why"))
+	}
 	return true
 }
 
 // done ends the stream as OpenAI's does.
-func (e *events) done() {
-	io.WriteString(e.w, "data: [DONE]\n\n")
-	e.rc.Flush()
-}
+func (e *events) done() { e.write("data: [DONE]\n\n") }
 
 func (s *server) models(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]any{
@@ -531,13 +521,15 @@ func (s *server) models(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *server) health(w http.ResponseWriter, r *http.Request) {
+	// /health is open without the API key: it says whether the service works, not why not.
 	status, code := "ok", http.StatusOK
 	if err := s.gen.Check(); err != nil {
-		status, code = err.Error(), http.StatusServiceUnavailable
+		log.Printf("health: %v", err)
+		status, code = "unavailable", http.StatusServiceUnavailable
 	}
 	st, err := s.gen.Stats()
 	if err != nil {
-		writeError(w, http.StatusServiceUnavailable, "server_error", "", "%v", err)
+		internalError(w, http.StatusServiceUnavailable, "the generator's statistics cannot be read", err)
 		return
 	}
 	finished := map[string]uint64{"other": s.finishedOther.Load()}
@@ -555,6 +547,8 @@ func (s *server) health(w http.ResponseWriter, r *http.Request) {
 		"rejected_busy":      s.rejectedBusy.Load(),
 		"bad_requests":       s.badRequests.Load(),
 		"client_disconnects": s.disconnects.Load(),
+		"write_failures":     s.writeFailures.Load(),
+		"queue_timeouts":     s.queueTimeouts.Load(),
 		"finished":           finished,
 	})
 }

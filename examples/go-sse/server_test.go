@@ -335,13 +335,16 @@ func (s *service) openGate(t *testing.T, key int64) {
 }
 
 type health struct {
-	Status       string            `json:"status"`
-	SlotsInUse   int               `json:"slots_in_use"`
-	Queued       int               `json:"queued"`
-	Requests     uint64            `json:"requests"`
-	RejectedBusy uint64            `json:"rejected_busy"`
-	Disconnects  uint64            `json:"client_disconnects"`
-	Finished     map[string]uint64 `json:"finished"`
+	Status       string `json:"status"`
+	SlotsInUse   int    `json:"slots_in_use"`
+	Queued       int    `json:"queued"`
+	Requests     uint64 `json:"requests"`
+	RejectedBusy uint64 `json:"rejected_busy"`
+	Disconnects  uint64 `json:"client_disconnects"`
+	// Writes that failed (a client that stopped reading, or left), requests past the queue deadline.
+	WriteFailures uint64            `json:"write_failures"`
+	QueueTimeouts uint64            `json:"queue_timeouts"`
+	Finished      map[string]uint64 `json:"finished"`
 }
 
 func (s *service) health(t *testing.T) health {
@@ -568,6 +571,8 @@ func TestCompletionMatchesTheReference(t *testing.T) {
 	t.Run("Curl", func(t *testing.T) { checkCurl(t, s, c, codec) })
 	t.Run("StreamUsage", func(t *testing.T) { checkStreamUsage(t, s, c, codec) })
 	t.Run("BadRequests", func(t *testing.T) { checkBadRequests(t, s, c) })
+	t.Run("OtherRefusals", func(t *testing.T) { checkOtherRefusals(t, s, c) })
+	t.Run("SpecialTokenFlood", func(t *testing.T) { checkSpecialTokenFlood(t, s, c) })
 }
 
 // Bad requests get 400 with an OpenAI-style error object naming the field, and the service goes
@@ -591,9 +596,12 @@ func checkBadRequests(t *testing.T, s *service, c completionCase) {
 		{"top_p 0", fmt.Sprintf(`{"prompt": %q, "top_p": 0}`, c.prompt), "top_p"},
 		{"n 2", fmt.Sprintf(`{"prompt": %q, "n": 2}`, c.prompt), "n"},
 		{"five stop strings", fmt.Sprintf(`{"prompt": %q, "stop": ["a", "b", "c", "d", "e"]}`, c.prompt), "stop"},
+		{"a stop string too long", fmt.Sprintf(`{"prompt": %q, "stop": %q}`, c.prompt, strings.Repeat("x", maxStopBytes+1)),
+			"stop"},
+		{"a stop string in a list too long", fmt.Sprintf(`{"prompt": %q, "stop": ["a", %q]}`, c.prompt,
+			strings.Repeat("é", maxStopBytes/2+1)), "stop"},
 		{"an empty stop string", fmt.Sprintf(`{"prompt": %q, "stop": ""}`, c.prompt), "stop"},
 		{"a stop number", fmt.Sprintf(`{"prompt": %q, "stop": 5}`, c.prompt), "stop"},
-		{"another model", fmt.Sprintf(`{"prompt": %q, "model": "gpt-nothing"}`, c.prompt), "model"},
 		{"stream_options without stream", fmt.Sprintf(`{"prompt": %q, "stream_options": {"include_usage": true}}`,
 			c.prompt), "stream_options"},
 		{"stream_options with stream false", fmt.Sprintf(`{"prompt": %q, "stream": false, "stream_options": {}}`,
@@ -636,7 +644,7 @@ func checkBadRequests(t *testing.T, s *service, c completionCase) {
 		{"temperature -1", chat(`"temperature": -1`), "temperature"},
 		{"n 3", chat(`"n": 3`), "n"},
 		{"five stop strings", chat(`"stop": ["a", "b", "c", "d", "e"]`), "stop"},
-		{"another model", chat(`"model": "gpt-nothing"`), "model"},
+		{"a stop string too long", chat(fmt.Sprintf(`"stop": [%q]`, strings.Repeat("x", maxStopBytes+1))), "stop"},
 		{"stream_options without stream", chat(`"stream_options": {"include_usage": true}`), "stream_options"},
 		{"stream_options a list", chat(`"stream": true, "stream_options": [true]`), "stream_options"},
 		{"include_usage a string", chat(`"stream": true, "stream_options": {"include_usage": "yes"}`),
@@ -661,30 +669,42 @@ func checkBadRequests(t *testing.T, s *service, c completionCase) {
 // it returns the error's message.
 func expectBadRequest(t *testing.T, s *service, path, what, body, param string) string {
 	t.Helper()
+	return expectRefusal(t, s, path, what, body, http.StatusBadRequest, param, "")
+}
+
+// expectRefusal posts body to path and expects status with an invalid_request_error object on
+// param with code (when not ""); it returns the error's message.
+func expectRefusal(t *testing.T, s *service, path, what, body string, status int, param, code string) string {
+	t.Helper()
 	resp, err := http.Post(s.base+path, "application/json", strings.NewReader(body))
 	if err != nil {
 		t.Fatal(err)
 	}
+	e, err := readAPIError(resp)
+	if resp.StatusCode != status || err != nil || e.Message == "" || e.Type != "invalid_request_error" ||
+		deref(e.Param) != param || code != "" && deref(e.Code) != code {
+		t.Fatalf("%s: %s, %+v (%v); want %d, an invalid_request_error on %q (code %q) with a message",
+			what, resp.Status, e, err, status, param, code)
+	}
+	t.Logf("%s: %s", what, e.Message)
+	return e.Message
+}
+
+// readAPIError reads (and closes) a response holding OpenAI's error object.
+func readAPIError(resp *http.Response) (apiError, error) {
+	defer resp.Body.Close()
 	var e struct {
-		Error struct {
-			Message string  `json:"message"`
-			Type    string  `json:"type"`
-			Param   *string `json:"param"`
-		} `json:"error"`
+		Error apiError `json:"error"`
 	}
-	err = json.NewDecoder(resp.Body).Decode(&e)
-	resp.Body.Close()
-	got := ""
-	if e.Error.Param != nil {
-		got = *e.Error.Param
+	err := json.NewDecoder(resp.Body).Decode(&e)
+	return e.Error, err
+}
+
+func deref(p *string) string {
+	if p == nil {
+		return ""
 	}
-	if resp.StatusCode != http.StatusBadRequest || err != nil || e.Error.Message == "" ||
-		e.Error.Type != "invalid_request_error" || got != param {
-		t.Fatalf("%s: %s, %+v (%v); want 400, an invalid_request_error on %q with a message",
-			what, resp.Status, e.Error, err, param)
-	}
-	t.Logf("%s: %s", what, e.Error.Message)
-	return e.Error.Message
+	return *p
 }
 
 // A model folder without a chat template: the chat endpoint answers 400 saying so.

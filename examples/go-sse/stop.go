@@ -12,11 +12,16 @@ import (
 	"strings"
 )
 
-// maxStops is how many stop strings a request may give (OpenAI's limit).
-const maxStops = 4
+// maxStops is how many stop strings a request may give (OpenAI's limit), and maxStopBytes how
+// long each may be: every piece of a completion is searched for each of them, and its end
+// compared with each of their beginnings, so their sizes bound the work per token.
+const (
+	maxStops     = 4
+	maxStopBytes = 256
+)
 
 // parseStop reads `stop`: absent or null (none), a string, or an array of up to maxStops strings,
-// none of them empty.
+// none of them empty or over maxStopBytes.
 func parseStop(raw json.RawMessage) ([]string, *badRequest) {
 	if len(raw) == 0 || string(raw) == "null" {
 		return nil, nil
@@ -25,6 +30,9 @@ func parseStop(raw json.RawMessage) ([]string, *badRequest) {
 	if json.Unmarshal(raw, &one) == nil {
 		if one == "" {
 			return nil, bad("stop", "stop is an empty string; give the text that ends a completion")
+		}
+		if len(one) > maxStopBytes {
+			return nil, bad("stop", "stop is %d bytes long; give at most %d", len(one), maxStopBytes)
 		}
 		return []string{one}, nil
 	}
@@ -38,6 +46,9 @@ func parseStop(raw json.RawMessage) ([]string, *badRequest) {
 	for i, s := range many {
 		if s == "" {
 			return nil, bad("stop", "stop[%d] is an empty string; give the text that ends a completion", i)
+		}
+		if len(s) > maxStopBytes {
+			return nil, bad("stop", "stop[%d] is %d bytes long; give at most %d", i, len(s), maxStopBytes)
 		}
 	}
 	return many, nil

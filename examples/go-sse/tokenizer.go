@@ -4,44 +4,58 @@ package main
 // Go: Hugging Face's `tokenizers` format, BPE with byte-level pre-tokenization as Llama-family
 // models use, WordPiece, Unigram).
 //
-// Two things that library does not do are done here:
-//   - Special tokens written in the prompt ("<|im_start|>" of a chat template) are dropped by its
-//     encoder; Hugging Face's matches them in the raw text first. So the prompt is cut at every
-//     special token of tokenizer.json's added_tokens, each becomes its id, and only the text
-//     between them goes through the library.
-//   - Streaming: one token may be part of a character (byte-level BPE splits UTF-8 sequences), so
-//     text goes out only up to where the decoded ids form whole characters.
+// Three things that library does not do, or does in a way a public service cannot afford, are
+// done here:
+//   - Added tokens written in the prompt ("<|im_start|>" of a chat template) are dropped by its
+//     encoder when special; Hugging Face's matches them in the raw text first. Its own search for
+//     added tokens is also quadratic in their number (it sorts the rest of the matches at each
+//     one). So the prompt is cut here at every added token of tokenizer.json, in one pass of a
+//     regular expression (Go's regexp runs in time linear in the text), each becomes its id, and
+//     only the text between them goes through the library.
+//   - Its BPE model caches every distinct word it has merged, of any length, up to 10,000 of
+//     them: clients sending long, distinct words would grow the service's memory by hundreds of
+//     megabytes. The cache is turned off; merging a prompt's words again costs little.
+//   - Streaming text token by token is detokenize.go.
+//
+// Nothing here takes a lock: the library's Tokenizer only reads its vocabulary, merges and
+// decoders while encoding and decoding (its BPE cache, the one thing it writes, has its own
+// mutex and is off), so encodes and decodes of any number of requests run at once, and a long
+// prompt being encoded never holds up the streams of others.
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
+	"regexp"
 	"sort"
 	"strings"
-	"sync"
-	"unicode/utf8"
 
 	"github.com/sugarme/tokenizer"
+	"github.com/sugarme/tokenizer/model/bpe"
 	"github.com/sugarme/tokenizer/pretrained"
 )
 
-// textCodec turns text into token ids and back.
+// textCodec turns text into token ids and back. It is safe for concurrent use.
 type textCodec struct {
-	mu      sync.Mutex // the library does not say that a Tokenizer may be used concurrently
-	tk      *tokenizer.Tokenizer
-	special []specialToken // longest first, so that a longer one wins where two start together
+	tk *tokenizer.Tokenizer
+	// added matches the text of every added token, longest first, so that the longer of two that
+	// start at the same place wins (Go's regexp prefers the earlier alternative); nil: none.
+	added   *regexp.Regexp
+	addedID map[string]int64
 }
 
-type specialToken struct {
-	content string
-	id      int64
-}
+// errTooManyTokens is EncodeAtMost's answer for a text of more tokens than it was allowed.
+var errTooManyTokens = errors.New("more tokens than allowed")
 
 // loadTokenizer reads a tokenizer.json (Hugging Face's `tokenizers` format).
 func loadTokenizer(path string) (*textCodec, error) {
 	tk, err := pretrained.FromFile(path)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if m, ok := tk.GetModel().(*bpe.BPE); ok && m.Cache != nil {
+		m.Cache.Capacity = 0 // nothing is stored once the cache is "full" (see above)
 	}
 	data, err := os.ReadFile(path)
 	if err != nil {
@@ -51,27 +65,40 @@ func loadTokenizer(path string) (*textCodec, error) {
 		AddedTokens []struct {
 			ID      int64  `json:"id"`
 			Content string `json:"content"`
-			Special bool   `json:"special"`
 		} `json:"added_tokens"`
 	}
 	if err := json.Unmarshal(data, &file); err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	c := &textCodec{tk: tk}
+	c := &textCodec{tk: tk, addedID: map[string]int64{}}
+	var contents []string
 	for _, a := range file.AddedTokens {
-		if a.Special && a.Content != "" {
-			c.special = append(c.special, specialToken{a.Content, a.ID})
+		if _, seen := c.addedID[a.Content]; a.Content != "" && !seen {
+			c.addedID[a.Content] = a.ID
+			contents = append(contents, a.Content)
 		}
 	}
-	sort.SliceStable(c.special, func(i, j int) bool { return len(c.special[i].content) > len(c.special[j].content) })
+	if len(contents) > 0 {
+		sort.SliceStable(contents, func(i, j int) bool { return len(contents[i]) > len(contents[j]) })
+		quoted := make([]string, len(contents))
+		for i, s := range contents {
+			quoted[i] = regexp.QuoteMeta(s)
+		}
+		if c.added, err = regexp.Compile(strings.Join(quoted, "|")); err != nil {
+			return nil, fmt.Errorf("%s: added tokens: %w", path, err)
+		}
+	}
 	return c, nil
 }
 
-// Encode is the prompt's token ids, without special tokens added around it (as OpenAI's
-// completions take the prompt as it is); special tokens written in it become their ids.
-func (c *textCodec) Encode(text string) (ids []int64, err error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
+// Encode is the token ids of text, without special tokens added around it (as OpenAI's
+// completions take the prompt as it is); added tokens written in it become their ids.
+func (c *textCodec) Encode(text string) ([]int64, error) { return c.EncodeAtMost(text, 0) }
+
+// EncodeAtMost is Encode, except that it gives up with errTooManyTokens once the text is known
+// to have more than limit tokens (limit 0: no limit): a prompt that cannot fit the model is not
+// worth encoding to its end. The time it takes is linear in the length of the text.
+func (c *textCodec) EncodeAtMost(text string, limit int) (ids []int64, err error) {
 	defer func() {
 		// The library panics on text its vocabulary cannot cover (a BPE model without an unknown
 		// token): for a server that is a bad prompt, not a crash.
@@ -80,7 +107,12 @@ func (c *textCodec) Encode(text string) (ids []int64, err error) {
 		}
 	}()
 	for text != "" {
-		at, tok := c.nextSpecial(text)
+		at, end := len(text), len(text)
+		if c.added != nil {
+			if loc := c.added.FindStringIndex(text); loc != nil {
+				at, end = loc[0], loc[1]
+			}
+		}
 		if at > 0 {
 			enc, err := c.tk.EncodeSingle(text[:at], false)
 			if err != nil {
@@ -90,67 +122,30 @@ func (c *textCodec) Encode(text string) (ids []int64, err error) {
 				ids = append(ids, int64(id))
 			}
 		}
-		if tok == nil {
-			break
+		if end > at {
+			ids = append(ids, c.addedID[text[at:end]])
 		}
-		ids = append(ids, tok.id)
-		text = text[at+len(tok.content):]
+		if limit > 0 && len(ids) > limit {
+			return nil, errTooManyTokens
+		}
+		text = text[end:]
 	}
 	return ids, nil
 }
 
-// nextSpecial is where the first special token in text starts (len(text) and nil if none).
-func (c *textCodec) nextSpecial(text string) (int, *specialToken) {
-	best, found := len(text), (*specialToken)(nil)
-	for i := range c.special {
-		if at := strings.Index(text, c.special[i].content); at >= 0 && at < best {
-			best, found = at, &c.special[i]
-		}
-	}
-	return best, found
-}
-
 // Decode is the text of ids, special tokens left out.
-func (c *textCodec) Decode(ids []int64) string {
+func (c *textCodec) Decode(ids []int64) (text string) {
+	defer func() {
+		// Some of the library's decoders panic on no text at all (its Strip indexes the first
+		// character of the empty string that Fuse makes of no token): ids that are all special
+		// tokens. Their text is "".
+		if r := recover(); r != nil {
+			text = ""
+		}
+	}()
 	ints := make([]int, len(ids))
 	for i, id := range ids {
 		ints[i] = int(id)
 	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
 	return c.tk.Decode(ints, true)
-}
-
-// textStream turns a sequence's tokens, one at a time, into pieces of text whose concatenation is
-// the text of all the tokens.
-type textStream struct {
-	codec *textCodec
-	ids   []int64
-	sent  string // the text given out so far
-}
-
-// Add takes the next token and returns the text it completes ("" while it ends inside a
-// character). The whole sequence is decoded each time: how a token reads can depend on the ones
-// before it (a leading space, a byte of a character), so decoding it alone is not enough.
-func (s *textStream) Add(id int64) string {
-	s.ids = append(s.ids, id)
-	text := s.codec.Decode(s.ids)
-	if !utf8.ValidString(text) || !strings.HasPrefix(text, s.sent) {
-		return ""
-	}
-	piece := text[len(s.sent):]
-	s.sent = text
-	return piece
-}
-
-// Flush returns what Add held back at the end of the sequence (a character left incomplete shows
-// as U+FFFD).
-func (s *textStream) Flush() string {
-	text := s.codec.Decode(s.ids)
-	if !strings.HasPrefix(text, s.sent) {
-		return ""
-	}
-	piece := strings.ToValidUTF8(text[len(s.sent):], "\uFFFD")
-	s.sent = text
-	return piece
 }

@@ -1,0 +1,147 @@
+package main
+
+// The tokenizer wrapper (tokenizer.go) against prompts made to be slow: encoding takes time linear
+// in the text however many added tokens it holds, and holds no lock that decoding (every stream's
+// detokenization) needs.
+
+import (
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+const imEnd = "<|im_end|>"
+
+func floodCodec(t *testing.T) *textCodec {
+	t.Helper()
+	codec, err := loadTokenizer(writeByteLevelTokenizer(t, t.TempDir(), straddlingMerges,
+		[]string{"<|im_start|>", imEnd, "<|im"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return codec
+}
+
+// Added tokens become their ids, the longest one where several start at the same place; the text
+// between them goes through the library.
+func TestEncodeAddedTokens(t *testing.T) {
+	codec := floodCodec(t)
+	end, short := codec.addedID[imEnd], codec.addedID["<|im"]
+	ids, err := codec.Encode("a" + imEnd + "<|im" + "b" + imEnd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []int64{'a', end, short, 'b', end}; !slices.Equal(ids, want) {
+		t.Fatalf("encoded as %v, want %v", ids, want)
+	}
+	if got := codec.Decode(ids); got != "ab" {
+		t.Fatalf("decoded as %q, want the text without its special tokens", got)
+	}
+}
+
+// Encoding N copies of a special token, alone or between words, takes time linear in N: twice the
+// copies take well under four times as long (the wrapper once rescanned the rest of the text at
+// every match: 8,000 copies took 3.9 s, 32,000 took 61 s). Text between special tokens costs the
+// library about 0.1 ms a piece (it compiles its pre-tokenizer's regular expression each time), so
+// those cases use fewer copies.
+func TestEncodeIsLinear(t *testing.T) {
+	codec := floodCodec(t)
+	for _, c := range []struct {
+		unit string
+		n    int
+	}{{imEnd, 200_000}, {"hi 中😀" + imEnd, 2_000}} {
+		unit, n := c.unit, c.n
+		took := func(copies int) time.Duration {
+			text := strings.Repeat(unit, copies)
+			best := time.Duration(1 << 62)
+			for range 3 { // the fastest of three: a loaded machine only ever adds time
+				runtime.GC() // nor should the garbage of the run before
+				start := time.Now()
+				ids, err := codec.Encode(text)
+				elapsed := time.Since(start)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got := countID(ids, codec.addedID[imEnd]); got != copies {
+					t.Fatalf("%d copies of %q encode to %d %s", copies, unit, got, imEnd)
+				}
+				best = min(best, elapsed)
+			}
+			return best
+		}
+		took(n / 10) // warm up
+		one, two := took(n), took(2*n)
+		ratio := float64(two) / float64(one)
+		t.Logf("%q: %d copies in %v, %d in %v: ratio %.2f", unit, n, one, 2*n, two, ratio)
+		if ratio >= 3 {
+			t.Fatalf("%q: twice the copies took %.2f times as long: encoding is not linear", unit, ratio)
+		}
+	}
+}
+
+func countID(ids []int64, id int64) int {
+	n := 0
+	for _, x := range ids {
+		if x == id {
+			n++
+		}
+	}
+	return n
+}
+
+// While a long prompt is being encoded, decoding (what every stream does for each token) goes on:
+// decodes complete between the encode's start and its end. The encode of 4 MB of special tokens
+// takes long enough that a decode that had to wait for it could not complete twice meanwhile.
+func TestEncodeHoldsNoLock(t *testing.T) {
+	codec := floodCodec(t)
+	text := strings.Repeat(imEnd, 400_000) // about the body limit's worth
+	var decodes atomic.Int64
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		ids := []int64{'a', 0xE4, 0xB8, 0xAD}
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			codec.Decode(ids)
+			decodes.Add(1)
+		}
+	}()
+	defer func() { close(stop); wg.Wait() }()
+	until(t, "the decoding goroutine to run", func() bool { return decodes.Load() > 0 })
+	for try := 1; ; try++ {
+		before := decodes.Load()
+		if _, err := codec.Encode(text); err != nil {
+			t.Fatal(err)
+		}
+		during := decodes.Load() - before
+		t.Logf("try %d: %d decodes completed during the encode", try, during)
+		if during >= 2 {
+			return
+		}
+		if try == 5 {
+			t.Fatalf("no decode completed during any of %d encodes: decoding waits for encoding", try)
+		}
+	}
+}
+
+// EncodeAtMost stops at the limit: a flood of special tokens in a prompt that cannot fit the model
+// is refused after the limit's worth of them.
+func TestEncodeAtMostStops(t *testing.T) {
+	codec := floodCodec(t)
+	if _, err := codec.EncodeAtMost(strings.Repeat(imEnd, 100), 50); err != errTooManyTokens {
+		t.Fatalf("100 tokens at most 50: %v", err)
+	}
+	if ids, err := codec.EncodeAtMost(strings.Repeat(imEnd, 50), 50); err != nil || len(ids) != 50 {
+		t.Fatalf("50 tokens at most 50: %d, %v", len(ids), err)
+	}
+}
