@@ -1,4 +1,4 @@
-"""The decoder contract (libpipe.decoder) and `python -m libpipe.export_llm`, against transformers.
+"""The decoder contract (libpipe.decoders) and `python -m libpipe.export_llm`, against transformers.
 
 The random-weight Llama, Qwen2, Mistral and GPT-2 models of llm_models.py, exported (conftest.py's
 `exported` fixture), must generate token for token what transformers' greedy `generate` does:
@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 import libpipe
-from libpipe.decoder import build_decoder
+from libpipe.decoders import build_decoder
 from llm_models import (
     CHUNK,
     MAX_LEN,

@@ -1,5 +1,5 @@
 """Generates the decoder fixtures of the generation engine's tests: a tiny Llama-architecture decoder under the
-decoder contract (libpipe.decoder.build_decoder) with random weights inside, the greedy tokens that transformers'
+decoder contract (libpipe.decoders.build_decoder) with random weights inside, the greedy tokens that transformers'
 LlamaForCausalLM.generate(do_sample=False) gives with the same weights (the independent reference), and gated
 variants whose steps a test can hold (tests/gate).
 
@@ -47,17 +47,21 @@ GATE_FAIL_ID = 119  # a prefill row starting with it fails; with 120..127 it hol
 MIN_MARGIN = 0.01  # top-1 minus top-2 logit at every greedy choice (batching noise is ~1e-5)
 
 
-def load_decoder_module():
-    """libpipe/decoder.py by path: it needs only torch, not the native module `import libpipe` would look for."""
+def load_decoders_package():
+    """The package libpipe/decoders by path: it needs only torch, not the native module `import libpipe` would look
+    for. Registered in sys.modules before it runs, so that its files' relative imports of each other resolve."""
     here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "..", "..", "bindings", "python", "libpipe", "decoder.py")
-    spec = importlib.util.spec_from_file_location("libpipe_decoder", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    folder = os.path.join(here, "..", "..", "bindings", "python", "libpipe", "decoders")
+    spec = importlib.util.spec_from_file_location(
+        "libpipe_decoders", os.path.join(folder, "__init__.py"), submodule_search_locations=[folder]
+    )
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = package
+    spec.loader.exec_module(package)
+    return package
 
 
-decoder = load_decoder_module()
+decoders = load_decoders_package()
 
 
 class GatedLayer(torch.nn.Module):
@@ -109,7 +113,7 @@ class GatedDecoderLM(torch.nn.Module):
         self.max_len = base.max_len
 
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
-        valid, positions, end = decoder.check_call(
+        valid, positions, end = decoders.check_call(
             tokens, start, lengths, slots, self.max_len, self.num_slots, self.vocab
         )
         first = tokens[:, 0]
@@ -117,7 +121,7 @@ class GatedDecoderLM(torch.nn.Module):
         if bool((prefill & (first == 119)).any()):
             raise RuntimeError("gated_decoder: a prompt starting with token 119 fails its step (test fixture)")
         key = torch.where(prefill & (first >= 120), first - 119, torch.zeros_like(first)).max()
-        flat, at, where, single, single_at, multi, multi_flat, multi_src = decoder.pack_call(
+        flat, at, where, single, single_at, multi, multi_flat, multi_src = decoders.pack_call(
             valid, positions, lengths, slots
         )
         h = self.model.embed_tokens(tokens.flatten().index_select(0, flat))
@@ -200,7 +204,7 @@ def reference(seed):
 
 def decoder_with(hf, slots, placeholder_caches):
     """The contract's decoder with hf's weights, copied by name (the names are Hugging Face's)."""
-    dec = decoder.build_decoder(hf.config.to_dict(), MAX_LEN, slots, placeholder_caches=placeholder_caches)
+    dec = decoders.build_decoder(hf.config.to_dict(), MAX_LEN, slots, placeholder_caches=placeholder_caches)
     dec.load_state_dict(hf.state_dict(), strict=True)
     return dec
 

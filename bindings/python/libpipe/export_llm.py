@@ -1,5 +1,5 @@
 """Export a Hugging Face causal LM as a libpipe decoder skeleton (the decoder contract: see
-libpipe.decoder).
+libpipe.decoders).
 
     python -m libpipe.export_llm HF_MODEL_DIR OUT.pt [--max-seq-len L] [--max-batch S] [--dtype fp32|bf16|fp16]
                                  [--cache-dtype fp32|bf16|fp16]
@@ -16,7 +16,7 @@ caches as zero-stride placeholders (a few bytes each), which libpipe allocates i
 owns each layer: 2 x layers x S x kv_heads x L x head_dim x dtype size bytes in all (printed).
 
 OUT ending in .pt2 writes the decoder as a torch.export program instead (libpipe's exported-program
-front-end, run by LibTorch's nativert; libpipe.decoder.export_decoder: B and T dynamic from 1, the
+front-end, run by LibTorch's nativert; libpipe.decoders.export_decoder: B and T dynamic from 1, the
 contract's checks as aten._assert_async nodes), traced with fake tensors (nothing of the model's
 size is allocated) and saved with an empty (0-byte) record for every parameter and cache: libpipe
 loads the parameters from --weights (a tied head is one record under both names) and allocates
@@ -42,7 +42,8 @@ import warnings
 
 import torch
 
-from .decoder import _DTYPES, build_decoder, config_dtype
+from .decoders import build_decoder, config_dtype
+from .decoders.make import _DTYPES
 from .export import save_skeleton
 
 DEFAULT_MAX_BATCH = 8
@@ -136,7 +137,7 @@ def _placeholder(t):
 
 def save_exported_skeleton(decoder, out):
     """Writes the decoder (meta weights, placeholder caches: as build_decoder makes them for a
-    skeleton) as a torch.export program (libpipe.decoder.export_decoder) to `out`, a .pt2 archive
+    skeleton) as a torch.export program (libpipe.decoders.export_decoder) to `out`, a .pt2 archive
     whose records for the parameters and the caches are empty (0 bytes), so that its size does not
     grow with the model's: libpipe loads the weights from the checkpoint (--weights; a tied head
     is one record under both names, which the checkpoint's one tensor fills) and allocates zeros
@@ -145,7 +146,7 @@ def save_exported_skeleton(decoder, out):
     traced with fake tensors standing for the weights and caches."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .decoder import export_decoder
+    from .decoders import export_decoder
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
