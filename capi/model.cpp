@@ -1,11 +1,14 @@
 // The C ABI: loading a model and reading its inputs and module tree.
 #include "capi/boundary.h"
-#include "runtime/graph/exported/model.h"
 #include "runtime/graph/load.h"
 
 using namespace libpipe::capi;
 using libpipe::Error;
 using libpipe::Status;
+
+// The format's code is the front-end's own value (io::ModelFormat follows the C constants).
+static_assert(static_cast<int32_t>(libpipe::io::ModelFormat::TorchScript) == PIPE_MODEL_TORCHSCRIPT);
+static_assert(static_cast<int32_t>(libpipe::io::ModelFormat::Exported) == PIPE_MODEL_EXPORTED);
 
 extern "C" {
 
@@ -23,8 +26,7 @@ pipe_status pipe_model_format(const pipe_model* model, int32_t* format) {
   return guarded(__func__, [&](const char* fn) {
     require(model, fn, "model");
     require(format, fn, "format");
-    const bool exported = dynamic_cast<const libpipe::graph::exported::ExportedModel*>(get(model)->impl.get());
-    *format = exported ? PIPE_MODEL_EXPORTED : PIPE_MODEL_TORCHSCRIPT;
+    *format = static_cast<int32_t>(get(model)->impl->format());
   });
 }
 

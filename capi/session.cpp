@@ -6,7 +6,6 @@
 
 #include "capi/boundary.h"
 #include "capi/struct_sizes.h"
-#include "runtime/comm/nccl_transport.h"
 
 using namespace libpipe::capi;
 using libpipe::Error;
@@ -118,9 +117,9 @@ libpipe::schedule::SessionOptions session_options(const pipe_session_options* op
   auto& dist = opts.distributed;
   if (PIPE_HAS(transport)) {
     switch (o->transport) {
-      case PIPE_TRANSPORT_LOCAL: dist.transport = libpipe::schedule::TransportKind::Local; break;
-      case PIPE_TRANSPORT_TCP: dist.transport = libpipe::schedule::TransportKind::Tcp; break;
-      case PIPE_TRANSPORT_NCCL: dist.transport = libpipe::schedule::TransportKind::Nccl; break;
+      case PIPE_TRANSPORT_LOCAL: dist.transport = libpipe::processes::TransportKind::Local; break;
+      case PIPE_TRANSPORT_TCP: dist.transport = libpipe::processes::TransportKind::Tcp; break;
+      case PIPE_TRANSPORT_NCCL: dist.transport = libpipe::processes::TransportKind::Nccl; break;
       default:
         throw Error(Status::InvalidArgument,
                     fn + ": " + field("transport") + " is " + std::to_string(o->transport) +
@@ -144,18 +143,8 @@ libpipe::schedule::SessionOptions session_options(const pipe_session_options* op
     opts.outputs_on_device = o->outputs == PIPE_OUTPUTS_ON_DEVICE;
   }
 #undef PIPE_HAS
-  if (dist.transport == libpipe::schedule::TransportKind::Local && !dist.store.empty())
-    throw Error(Status::InvalidArgument, fn + ": " + field("store") +
-                                             " is set but the transport is local; "
-                                             "choose PIPE_TRANSPORT_TCP or NCCL, or leave store NULL");
-  if (dist.transport != libpipe::schedule::TransportKind::Local && dist.world_size < 2)
-    throw Error(Status::InvalidArgument, fn + ": a TCP or NCCL session needs " + field("world_size") +
-                                             " >= 2 (this process and at least one worker), got " +
-                                             std::to_string(dist.world_size));
-  if (dist.transport == libpipe::schedule::TransportKind::Nccl) {
-    std::string why;
-    if (!libpipe::comm::nccl_available(&why)) throw Error(Status::Unsupported, fn + ": " + why);
-  }
+  // The rules among the options (a transport and its world size, a store, NCCL's presence) are the
+  // session's (Session's constructor), for every way a session is made.
   return opts;
 }
 

@@ -5,7 +5,7 @@
 #include "capi/boundary.h"
 #include "capi/struct_sizes.h"
 #include "runtime/comm/launch_environment.h"
-#include "runtime/schedule/worker_host.h"
+#include "runtime/processes/worker_host.h"
 
 using namespace libpipe::capi;
 using libpipe::Error;
@@ -18,7 +18,7 @@ pipe_status pipe_worker_run(const pipe_worker_options* options) {
     require(options, fn, "options");
     require_struct_size(options->struct_size, kWorkerOptions, fn, "options->struct_size");
 #define PIPE_HAS(field) (options->struct_size >= offsetof(pipe_worker_options, field) + sizeof(options->field))
-    libpipe::schedule::WorkerOptions w;
+    libpipe::processes::WorkerOptions w;
     w.rank = options->rank;
     w.world_size = options->world_size;
     if (options->store) w.store = options->store;
@@ -59,7 +59,7 @@ pipe_status pipe_worker_run(const pipe_worker_options* options) {
       w.threads_per_stage = options->threads_per_stage;
     }
 #undef PIPE_HAS
-    libpipe::schedule::serve_worker(w);
+    libpipe::processes::serve_worker(w);
   });
 }
 

@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -102,17 +101,14 @@ std::unique_ptr<Transport> make_nccl_transport(c10::intrusive_ptr<c10d::Store>, 
 // the communicator is gone after). The destructor aborts the communicators too (ncclCommDestroy
 // could wait for peers).
 //
-// Liveness. NCCL notices neither a peer that died nor one that hangs (its kernels wait for ever on
-// one machine), so each rank runs a heartbeat thread: it adds 1 to its counter in the store every
-// peer_timeout/10 and reads its peers' counters; a counter that stops for peer_timeout aborts the
-// transport. A rank that aborts adds kFailed (its peers abort at once); one that is destroyed
-// normally adds kLeft (its peers stop watching it, and a receive from it that has waited
-// peer_timeout since then fails). If the store itself goes away, the transport aborts.
+// Liveness. NCCL notices neither a peer that died nor one that hangs (its kernels wait for ever on one
+// machine). The transport does not judge that itself: the process's heartbeat does
+// (runtime/processes/heartbeat.h, one per process whatever its transport), watching every other rank's
+// counter in the store and calling abort() when one stops or marks itself failed, and peer_left() when
+// one ends normally (a receive from it that has waited peer_timeout since then fails).
 
 namespace {
 
-constexpr int64_t kLeft = int64_t{1} << 40;
-constexpr int64_t kFailed = int64_t{1} << 50;
 constexpr size_t kPreambleBytes = wire::kPreambleWords * sizeof(int64_t);
 
 using Clock = std::chrono::steady_clock;
@@ -164,7 +160,6 @@ class NcclTransport final : public Transport {
       shutdown(false);
       throw;
     }
-    heartbeat_ = std::thread([this] { heartbeat_loop(); });
   }
 
   ~NcclTransport() override { shutdown(!aborted_.load()); }
@@ -271,7 +266,11 @@ class NcclTransport final : public Transport {
     }
     log::warning("NCCL transport (rank " + std::to_string(rank_) + ") aborted: " + why);
     abort_comms();
-    hb_cv_.notify_all();
+  }
+
+  void peer_left(int peer) override {
+    if (peer >= 0 && peer < world_size_ && peer != rank_)
+      left_at_[static_cast<size_t>(peer)].store(Clock::now().time_since_epoch().count());
   }
 
  private:
@@ -369,7 +368,6 @@ class NcclTransport final : public Transport {
   std::string id_key(int from, int to) const {
     return prefix_ + "id/" + std::to_string(from) + "-" + std::to_string(to);
   }
-  std::string heartbeat_key(int rank) const { return prefix_ + "heartbeat/" + std::to_string(rank); }
 
   static std::chrono::milliseconds remaining(Clock::time_point deadline) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
@@ -530,65 +528,7 @@ class NcclTransport final : public Transport {
     }
   }
 
-  // --- liveness ---
-
-  void heartbeat_loop() {
-    const auto interval =
-        std::clamp(peer_timeout_ / 10, std::chrono::milliseconds(20), std::chrono::milliseconds(1000));
-    std::vector<int64_t> last(static_cast<size_t>(world_size_), -1);
-    std::vector<Clock::time_point> seen(static_cast<size_t>(world_size_), Clock::now());
-    std::vector<bool> gone(static_cast<size_t>(world_size_), false);
-    std::unique_lock<std::mutex> lock(hb_mu_);
-    for (;;) {
-      const bool stop = hb_stop_, failed = aborted_.load();
-      lock.unlock();
-      try {
-        if (failed) {
-          store_->add(heartbeat_key(rank_), kFailed);
-          return;
-        }
-        if (stop) {
-          store_->add(heartbeat_key(rank_), kLeft);
-          return;
-        }
-        store_->add(heartbeat_key(rank_), 1);
-        for (int p = 0; p < world_size_; ++p) {
-          const auto i = static_cast<size_t>(p);
-          if (p == rank_ || gone[i]) continue;
-          const int64_t v = store_->add(heartbeat_key(p), 0);
-          const auto now = Clock::now();
-          if (v >= kFailed) {
-            abort("rank " + std::to_string(p) + " aborted its NCCL transport (see its log for why)");
-          } else if (v >= kLeft) {
-            gone[i] = true;
-            left_at_[i].store(now.time_since_epoch().count());
-          } else if (v != last[i]) {
-            last[i] = v;
-            seen[i] = now;
-          } else if (now - seen[i] > peer_timeout_) {
-            abort("rank " + std::to_string(p) + " stopped responding: no heartbeat for " + ms_text(peer_timeout_) +
-                  " (it died or hangs)");
-          }
-        }
-      } catch (const std::exception& e) {
-        if (stop || failed) return;
-        abort(std::string("lost the rendezvous store: ") + e.what());
-        return;
-      }
-      lock.lock();
-      hb_cv_.wait_for(lock, interval, [&] { return hb_stop_ || aborted_.load(); });
-    }
-  }
-
   void shutdown(bool normally) {
-    if (heartbeat_.joinable()) {
-      {
-        const std::lock_guard<std::mutex> lock(hb_mu_);
-        hb_stop_ = true;
-      }
-      hb_cv_.notify_all();
-      heartbeat_.join();  // its last store operation is bounded by the store's timeout
-    }
     if (!aborted_.load()) {
       const std::lock_guard<std::mutex> lock(why_mu_);
       why_ = "the NCCL transport was destroyed";
@@ -620,11 +560,6 @@ class NcclTransport final : public Transport {
   std::atomic<bool> aborted_{false};
   mutable std::mutex why_mu_;
   std::string why_;
-
-  std::mutex hb_mu_;
-  std::condition_variable hb_cv_;
-  bool hb_stop_ = false;
-  std::thread heartbeat_;
 };
 
 }  // namespace

@@ -11,9 +11,9 @@
 //  - the communicators are non-blocking (ncclConfig_t::blocking = 0); every wait polls
 //    (ncclCommGetAsyncError, cudaStreamQuery, the abort flag), so abort() unblocks it;
 //  - connections are set up at creation: a 1-byte send/recv on every channel;
-//  - liveness: every rank bumps a heartbeat counter in the store; a peer whose counter stops for
-//    `peer_timeout` aborts the transport (NCCL alone does not notice a dead peer on one machine: its
-//    kernels would wait for ever).
+//  - liveness is the process's heartbeat's (runtime/processes/heartbeat.h), which aborts the transport
+//    when a peer's counter stops or marks a failure (NCCL alone does not notice a dead peer on one
+//    machine: its kernels would wait for ever), and tells it of a peer that ended normally (peer_left).
 #pragma once
 
 #include <c10/core/Device.h>
@@ -36,9 +36,9 @@ bool nccl_available(std::string* why);
 // create their NCCL transports on one store in the same order). `device` is this rank's GPU (one
 // GPU per rank; two ranks may not share one). Returns once every channel is connected and warmed
 // up, or throws Error(Communication) after `timeout`. `peer_timeout` (zero: `timeout`) is how long a
-// peer may stay silent (its heartbeat in the store stopped: it died or hangs) before this transport
-// aborts and its blocked send()/recv() throw Error(Communication). Throws Error(Unsupported) when
-// NCCL was not built in, Error(InvalidArgument) for a bad rank, world size or device.
+// receive from a peer that ended normally (peer_left) may still wait before it throws
+// Error(Communication); a peer that died is the watching heartbeat's to report (abort()). Throws Error(Unsupported)
+// when NCCL was not built in, Error(InvalidArgument) for a bad rank, world size or device.
 std::unique_ptr<Transport> make_nccl_transport(
     c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, c10::Device device,
     std::chrono::milliseconds timeout, std::chrono::milliseconds peer_timeout = std::chrono::milliseconds::zero());

@@ -60,6 +60,9 @@ class Transport {
   // Makes every blocked and later send()/recv() throw Error(Communication) with `why`. Thread-safe;
   // the transport can then only be destroyed. Destroying it never waits for a peer.
   virtual void abort(const std::string& why) = 0;
+  // `peer` ended normally (its process's heartbeat said so: runtime/processes/heartbeat.h): a transport that
+  // cannot see that by itself (NCCL) stops waiting for it once a receive from it has waited its peer timeout.
+  virtual void peer_left(int peer) { (void)peer; }
 };
 
 }  // namespace libpipe::comm

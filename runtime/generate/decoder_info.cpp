@@ -3,8 +3,6 @@
 #include <c10/core/ScalarType.h>
 
 #include "runtime/error.h"
-#include "runtime/graph/exported/model.h"
-#include "runtime/graph/torchscript/model.h"
 
 namespace libpipe::generate {
 
@@ -35,30 +33,8 @@ DecoderInfo read_decoder_info(const graph::Plan& plan, std::optional<c10::Scalar
     refuse("its forward takes " + std::to_string(names.size()) + " argument" + (names.size() == 1 ? "" : "s") + " (" +
            list + "), not 4");
   }
-  // The model's buffers, with their shapes and dtypes, whichever front-end read it.
-  struct Buffer {
-    std::string name;
-    std::vector<int64_t> sizes;
-    at::ScalarType dtype;
-  };
-  std::vector<Buffer> buffers;
-  bool skips_padding = false;
-  if (const auto* model = dynamic_cast<const graph::Model*>(&plan.model())) {
-    for (const auto& item : model->module().named_buffers(/*recurse=*/true))
-      buffers.push_back({item.name, item.value.sizes().vec(), item.value.scalar_type()});
-    const auto& module = model->module();
-    skips_padding = module.hasattr("skips_padding") && module.attr("skips_padding").isBool() &&
-                    module.attr("skips_padding").toBool();
-  } else if (const auto* program = dynamic_cast<const graph::exported::ExportedModel*>(&plan.model())) {
-    for (const auto& w : program->weights()) {
-      if (w.spec_kind != "buffer") continue;
-      std::vector<int64_t> sizes;
-      for (const auto& d : w.meta.sizes) sizes.push_back(d.size);
-      buffers.push_back({w.fqn, std::move(sizes), w.meta.dtype});
-    }
-  } else {
-    refuse("its format has no decoder support");
-  }
+  const std::vector<graph::BufferInfo> buffers = plan.model().buffers();
+  const bool skips_padding = plan.model().root_flag("skips_padding");
 
   DecoderInfo info;
   std::string first;  // the cache that fixed slots and max_len, for messages

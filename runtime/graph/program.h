@@ -7,12 +7,22 @@
 // attributes are not nodes here: each stage that needs one recreates it. A node reads values
 // (forward inputs or other nodes' outputs) and attributes (parameters, buffers, submodules), and
 // remembers the module calls it was inlined from.
+//
+// The rest of libpipe asks a Program, never its concrete type, what differs between formats: the
+// format's name, the checks a call's inputs need, and the model's buffers (the decoder contract's
+// caches). Building stages is the other per-format concern; it lives in runtime/stage, which picks
+// a builder by format().
 #pragma once
+
+#include <ATen/core/ivalue.h>
+#include <c10/core/ScalarType.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "runtime/io/archive_check.h"
 
 namespace libpipe::graph {
 
@@ -72,15 +82,40 @@ struct AttributeRead {
   uint64_t tensor_bytes = 0;         // the attribute's own bytes when it is a tensor of any kind, else 0
   std::vector<TensorEntry> tensors;  // the parameters and buffers it stands for (all of a submodule's)
   // Nodes that update the tensor in place (directly or through a view of it), and the first such
-  // write for messages ("aten::index_put_ at decoder.py:123"). Such a tensor is state: the plan
+  // write for messages ("aten::index_put_ at cache.py:123"). Such a tensor is state: the plan
   // keeps it, its writers and its readers in one stage.
   std::vector<size_t> writers;
   std::string written_by;
 };
 
+// A buffer of the model (any module's), as the decoder contract reads it.
+struct BufferInfo {
+  std::string name;  // dotted, as in a state_dict
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype = at::kFloat;
+};
+
 class Program {
  public:
   virtual ~Program() = default;
+
+  // The format the model was read in (its values are the C ABI's PIPE_MODEL_* codes).
+  virtual io::ModelFormat format() const = 0;
+  // Checks a call's inputs, or one micro-batch's, before any stage runs them, for formats whose
+  // stages check nothing themselves (an exported program). Throws Error(Input) naming the input and
+  // what the model takes; `what` says what is checked ("micro-batch 2 of 4"; empty for a whole call).
+  virtual void check_inputs(const std::vector<c10::IValue>& inputs, const std::string& what) const {
+    (void)inputs;
+    (void)what;
+  }
+  // Every buffer of the model, recursively, with its shape and dtype (no data is read).
+  virtual std::vector<BufferInfo> buffers() const = 0;
+  // The root module's bool attribute `name` (the decoder contract's optional `skips_padding`); false
+  // where it has none, or the format keeps no such attributes.
+  virtual bool root_flag(const std::string& name) const {
+    (void)name;
+    return false;
+  }
 
   const std::string& path() const { return path_; }
   // Names of forward's arguments, as written in the model code.

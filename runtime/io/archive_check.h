@@ -6,13 +6,15 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace libpipe::io {
 
-enum class ModelFormat {
-  TorchScript,  // torch.jit.save: <root>/data.pkl and <root>/code/
-  Exported,     // torch.export.save: <root>/archive_format and <root>/models/<name>.json
+// The values are the C ABI's PIPE_MODEL_* codes (capi/model.cpp checks it), so a format is named in one place.
+enum class ModelFormat : int32_t {
+  TorchScript = 0,  // torch.jit.save: <root>/data.pkl and <root>/code/
+  Exported = 1,     // torch.export.save: <root>/archive_format and <root>/models/<name>.json
 };
 
 // Returns the archive's format. Throws Error(InvalidFormat) naming `name` and what is wrong: not a

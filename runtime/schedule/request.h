@@ -20,6 +20,10 @@
 #include "runtime/named_tensor.h"
 #include "runtime/schedule/stage_sharing.h"
 
+namespace libpipe::processes {
+class Ring;
+}  // namespace libpipe::processes
+
 namespace libpipe::schedule {
 
 using Clock = std::chrono::steady_clock;
@@ -81,7 +85,7 @@ class Request {
 
  private:
   friend class Session;
-  friend class Ring;
+  friend class processes::Ring;
   void fail(Status status, const std::string& why);
   void finish_one();
   bool finished_locked() const { return failed_ || remaining_ == 0; }

@@ -9,17 +9,22 @@
 #include <cstdlib>
 #include <optional>
 
+#include "runtime/comm/nccl_transport.h"
 #include "runtime/device/cuda_library.h"
 #include "runtime/device/placement.h"
-#include "runtime/graph/exported/input_check.h"
 #include "runtime/log.h"
 #include "runtime/planner/planner.h"
-#include "runtime/schedule/assignment.h"
+#include "runtime/processes/assignment.h"
 #include "runtime/schedule/op_timer.h"
-#include "runtime/schedule/rank_device.h"
+#include "runtime/processes/rank_device.h"
 #include "runtime/stage/stage.h"
 
 namespace libpipe::schedule {
+
+using processes::kMinDistributedCommTimeout;
+using processes::own_gpu;
+using processes::place_stages;
+using processes::TransportKind;
 
 namespace {
 
@@ -51,8 +56,20 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
   total_stages_ = n;
 
   const auto& dist = options_.distributed;
+  if (dist.transport != TransportKind::Local && dist.world_size < 2)
+    throw Error(Status::InvalidArgument,
+                "a TCP or NCCL session needs world_size >= 2 (this process and at least one worker), got " +
+                    std::to_string(dist.world_size));
   if (dist.world_size < 1)
     throw Error(Status::InvalidArgument, "the world size must be at least 1, got " + std::to_string(dist.world_size));
+  if (dist.transport == TransportKind::Local && !dist.connected && !dist.store.empty())
+    throw Error(Status::InvalidArgument,
+                "the store is set but the transport is local; choose the TCP or NCCL transport, or leave the "
+                "store empty");
+  if (dist.transport == TransportKind::Nccl) {
+    std::string why;
+    if (!comm::nccl_available(&why)) throw Error(Status::Unsupported, why);
+  }
   if (dist.transport == TransportKind::Local && !dist.connected && dist.world_size != 1)
     throw Error(Status::InvalidArgument,
                 "the local transport runs every stage in this process (world size 1); "
@@ -80,7 +97,8 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
                   "the device list empty (it was '" +
                       options_.devices + "')");
     for (size_t r = 0; r < ranges.size(); ++r)
-      for (size_t s = ranges[r].first; s < ranges[r].second; ++s) devices_.push_back(nccl_device(static_cast<int>(r)));
+      for (size_t s = ranges[r].first; s < ranges[r].second; ++s)
+        devices_.push_back(processes::nccl_device(static_cast<int>(r)));
   } else if (distributed && device::is_auto(options_.devices)) {
     // Across processes each takes its own GPU (rank_device.h): this one's for its stages; the workers
     // tell theirs when they join (WorkerGroup), meanwhile assumed to be of the same kind.
@@ -134,10 +152,10 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
                            : device::Place::with_own_stream(devices_[s]));
   }
   for (size_t s = 0; s < n; ++s) stage_io_.push_back(stage_io(*plan_, s));
-  std::unique_ptr<WorkerGroup> group;
+  std::unique_ptr<processes::WorkerGroup> group;
   if (distributed) {
-    group = std::make_unique<WorkerGroup>(*plan_, ranges, devices_, dist, options_.stage, threads_per_stage_,
-                                          device::is_auto(options_.devices));
+    group = std::make_unique<processes::WorkerGroup>(*plan_, ranges, devices_, dist, options_.stage, threads_per_stage_,
+                                                     device::is_auto(options_.devices));
     devices_ = group->devices();
   }
   for (size_t s = 0; s < local; ++s) counters_.push_back(std::make_unique<StageCounters>());
@@ -153,7 +171,7 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
   }
   for (size_t w = 0; w < num_workers; ++w) workers_[w]->thread = std::thread([this, w] { worker_loop(w); });
   if (group)
-    ring_ = std::make_unique<Ring>(
+    ring_ = std::make_unique<processes::Ring>(
         std::move(group), static_cast<size_t>(options_.max_inflight), dist.comm_timeout, shutting_down_,
         // What travels must be where the transport carries it from.
         nccl ? device::Place::with_default_stream(devices_[local]) : device::Place(),
@@ -384,14 +402,13 @@ std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs,
     ~Unpromise() { session.unpromise(left); }
   } promised{*this, promise_microbatches()};
   auto microbatches = chunk::split_inputs(cast.empty() ? inputs : cast, names, promised.left, options_.input_specs);
-  // An exported program's stages check nothing they are given: each micro-batch (what the first
-  // stages see; a batch dimension may have a range) is checked against the program here.
-  if (const auto* exported = dynamic_cast<const graph::exported::ExportedModel*>(&plan_->model()))
-    for (size_t m = 0; m < microbatches.size(); ++m)
-      graph::exported::check_inputs(
-          *exported, microbatches[m],
-          microbatches.size() == 1 ? std::string()
-                                   : "micro-batch " + std::to_string(m) + " of " + std::to_string(microbatches.size()));
+  // Each micro-batch (what the first stages see; a batch dimension may have a range) is checked as the
+  // model's format needs: an exported program's stages check nothing they are given.
+  for (size_t m = 0; m < microbatches.size(); ++m)
+    plan_->model().check_inputs(
+        microbatches[m], microbatches.size() == 1
+                             ? std::string()
+                             : "micro-batch " + std::to_string(m) + " of " + std::to_string(microbatches.size()));
   auto request =
       std::make_shared<Request>(next_request_id_++, microbatches.size(), options.deadline, options_.outputs_on_device);
   for (size_t m = 0; m < microbatches.size(); ++m) {

@@ -31,11 +31,11 @@
 #include "runtime/schedule/bounded_queue.h"
 #include "runtime/schedule/deadline_timer.h"
 #include "runtime/schedule/request.h"
-#include "runtime/schedule/ring.h"
+#include "runtime/processes/ring.h"
 #include "runtime/schedule/stage_step.h"
-#include "runtime/schedule/worker_group.h"
+#include "runtime/processes/worker_group.h"
 #include "runtime/stage/spare_cores.h"
-#include "runtime/stage/weights.h"
+#include "runtime/stage/stage.h"
 
 namespace libpipe::schedule {
 
@@ -63,7 +63,7 @@ struct SessionOptions {
   // Results stay on the last stage's device (a GPU) instead of coming to the CPU.
   bool outputs_on_device = false;
   // Stages spread over worker processes (rank 0, this process, keeps the first ones).
-  DistributedOptions distributed;
+  processes::DistributedOptions distributed;
 };
 
 struct RunOptions {
@@ -201,7 +201,7 @@ class Session {
   std::mutex other_trace_mutex_;
   std::vector<OtherTraceEvent> other_trace_;
 
-  std::unique_ptr<Ring> ring_;  // only with worker processes
+  std::unique_ptr<processes::Ring> ring_;  // only with worker processes
 
   std::mutex timer_mutex_;
   std::unique_ptr<DeadlineTimer> timer_;  // from the first call with a deadline on

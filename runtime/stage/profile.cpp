@@ -9,7 +9,6 @@
 #include <thread>
 
 #include "runtime/error.h"
-#include "runtime/graph/exported/input_check.h"
 #include "runtime/stage/stage.h"
 
 namespace libpipe::stage {
@@ -20,8 +19,7 @@ std::vector<double> time_stages(const graph::Plan& plan, const std::vector<c10::
   if (inputs.size() != names.size())
     throw Error(Status::Input, "the example inputs hold " + std::to_string(inputs.size()) +
                                    " tensors but the model takes " + std::to_string(names.size()));
-  if (const auto* exported = dynamic_cast<const graph::exported::ExportedModel*>(&plan.model()))
-    graph::exported::check_inputs(*exported, inputs, "the example inputs");
+  plan.model().check_inputs(inputs, "the example inputs");
   std::vector<std::unique_ptr<Stage>> stages;
   const StageOptions options;
   BuildOptions build;

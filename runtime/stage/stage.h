@@ -1,19 +1,21 @@
 // Stage: one stage of a plan, built and ready to run, whatever format its model came in. A
-// TorchScript model's stages are TorchScript modules (stage_module.h); an exported program's are
-// exported programs run by LibTorch's nativert (exported_stage.h). The session, the worker
-// processes and the profiler run stages through this interface only, and build, save and ship
-// them through the functions below, which pick the implementation from the plan's model.
+// TorchScript model's stages are TorchScript modules (torchscript/); an exported program's are
+// exported programs run by LibTorch's nativert (exported/). The session, the worker processes and
+// the profiler run stages through this interface only, and build, save and ship them through the
+// functions below, which pick the format's builder (stage_format.h) from the plan's model.
 #pragma once
 
 #include <ATen/core/ivalue.h>
 #include <c10/core/Device.h>
 
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "runtime/graph/plan.h"
-#include "runtime/stage/weights.h"
+#include "runtime/stage/checkpoint.h"
 
 namespace libpipe::stage {
 
@@ -26,11 +28,26 @@ class Stage {
   virtual c10::IValue forward(std::vector<c10::IValue> inputs) = 0;
 };
 
+// How a CPU stage stores the weights of its linear layers: in the stage's dtype, or as 8-bit codes with a scale
+// per output feature (panel_linear.h), computed in float32.
+enum class WeightQuantization { None, Int8 };
+
+// What a stage's tensors are: from the model or a checkpoint, and in which dtype.
+struct StageOptions {
+  std::string weights;                  // checkpoint file or index; empty: keep the model's tensors
+  std::optional<at::ScalarType> dtype;  // cast floating parameters and buffers (and inputs) to this
+  // Linear layers' weights of CPU stages with the CPU rewrites (BuildOptions::cpu_rewrites); activations stay
+  // in `dtype`.
+  WeightQuantization quantize = WeightQuantization::None;
+  // Called as each tensor is loaded: (stage, bytes loaded so far, bytes the stage needs).
+  std::function<void(size_t, uint64_t, uint64_t)> progress;
+};
+
 // How a stage is built for running: its weights (from the model, or the checkpoint in
 // `options.weights`, open as `checkpoint`), its dtype and its device. `cpu_rewrites` applies the
 // CPU rewrites (linear layers on panels, both formats; for TorchScript stages also attention from the
-// KV cache; see panel_linear.h, cache_attention.h); false leaves the stage's code as the model wrote
-// it.
+// KV cache and fused element-wise chains; see panel_linear.h, torchscript/cache_attention.h); false leaves the stage's
+// code as the model wrote it.
 struct BuildOptions {
   const StageOptions* options = nullptr;  // required
   Checkpoint* checkpoint = nullptr;

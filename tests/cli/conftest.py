@@ -6,6 +6,10 @@ import subprocess
 
 PIPE = os.environ["PIPE_CLI"]
 MODELS = os.environ["PIPE_TEST_MODELS"]
+# Under the sanitizers (tests/CMakeLists.txt sets LIBPIPE_SANITIZED for these suites) every pipe process is
+# instrumented and several times slower: the model matrices run a representative few there (each suite says
+# which), and the plain suite runs them all.
+SANITIZED = os.environ.get("LIBPIPE_SANITIZED") == "1"
 
 
 def run_pipe(*args, timeout=300):

@@ -18,7 +18,7 @@ largest within the scale) leave room for a kernel that rounds a few logits one s
 
 import pytest
 import torch
-from conftest import assert_one_line_error
+from conftest import SANITIZED, assert_one_line_error
 from conftest import run_pipe as pipe
 from safetensors.torch import load_file, save_file
 
@@ -59,16 +59,20 @@ def eager(model, ids):
         return torch.cat([model(part) for part in ids.tensor_split(MICROBATCHES)])
 
 
+DTYPE_CASES = [
+    ("llama", "bf16", 1),
+    ("qwen2", "bf16", 1),
+    ("mistral", "bf16", 1),
+    ("llama", "fp16", 1),
+    # Stage 1 is built on the driver and its weights converted in the worker.
+    ("llama", "bf16", 2),
+]
+
+
+# Under the sanitizers (conftest.SANITIZED): one model in one process and over two.
 @pytest.mark.parametrize(
     "kind,dtype,processes",
-    [
-        ("llama", "bf16", 1),
-        ("qwen2", "bf16", 1),
-        ("mistral", "bf16", 1),
-        ("llama", "fp16", 1),
-        # Stage 1 is built on the driver and its weights converted in the worker.
-        ("llama", "bf16", 2),
-    ],
+    [c for c in DTYPE_CASES if c[0] == "llama" and c[1] == "bf16"] if SANITIZED else DTYPE_CASES,
 )
 def test_float32_trace_runs_as_eager_code_in_the_dtype(tmp_path, kind, dtype, processes):
     make = decoder(kind)

@@ -36,7 +36,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import MODELS, PIPE, assert_one_line_error
+from conftest import MODELS, PIPE, SANITIZED, assert_one_line_error
 from conftest import run_pipe as pipe
 from safetensors.torch import load_file, save_file
 
@@ -140,11 +140,8 @@ def assert_all_run_like_eager(tmp_path, name, cases, tol=TOL):
     assert not failures, "\n".join(failures)
 
 
-# Under the sanitizers (scripts/test-sanitizers.sh sets LIBPIPE_SANITIZED for this suite) every pipe
-# process is instrumented and several times slower: the model matrices below run on a few models that
-# reach every code path (markers, module paths, each policy, tuples and dicts, HF decoders, processes);
-# the plain suite runs them all.
-SANITIZED = os.environ.get("LIBPIPE_SANITIZED") == "1"
+# Under the sanitizers (conftest.SANITIZED) the model matrices below run on a few models that reach every
+# code path (markers, module paths, each policy, tuples and dicts, HF decoders, processes).
 UNDER_SANITIZERS = {"example_code", "tuple_output", "hf_llama"}
 
 
@@ -373,17 +370,40 @@ def test_state_written_in_place_carries_over_micro_batches(tmp_path):
         torch.testing.assert_close(load_file(out)["output"], want, rtol=TOL, atol=TOL)
 
 
-def test_an_autocast_region_that_is_on_is_refused_when_the_program_loads(tmp_path):
-    # nativert cannot run wrap_with_autocast; a disabled one is inlined (inside_autocast runs above), one that
-    # casts is refused by split and run alike, before any session, naming the region and what to do.
-    for result in (
-        pipe("split", fixture("bf16_autocast.pt2"), "--stages", 2),
-        run(tmp_path, fixture("bf16_autocast.pt2"), inputs=inputs_of("bf16_autocast"), microbatches=1)[0],
-    ):
-        assert_one_line_error(
-            result, "cannot load model", "autocast region", "exported_models.py", "model.to(", "PIPE_ERR_UNSUPPORTED"
-        )
-    assert not (tmp_path / "out.safetensors").exists()
+def test_an_autocast_region_that_is_on_computes_in_its_dtypes(tmp_path):
+    # nativert cannot run wrap_with_autocast: libpipe inlines the region with autocast's casts made explicit
+    # (bf16_autocast: its linear in bfloat16, the cat after it promoted to float32). Every split computes what
+    # eager code under torch.autocast computes: close to it within bfloat16's rounding (eager ran in another
+    # process, under other threads), and, on average, much closer to it than the same model without autocast is,
+    # which a region run without the casts would equal.
+    name = "bf16_autocast"
+    runs = [
+        ["--split-at", "lin0:end"],
+        ["--split-at", "lin1:end"],
+        ["--stages", 2, "--policy", "uniform"],
+        ["--stages", 2, "--policy", "params"],
+        ["--stages", 2, "--policy", "time"],
+        ["--split-at", "lin0:end", "--processes", 2],
+    ]
+    program = torch.export.load(fixture(f"{name}.pt2"))
+    weights = {k: v.float() for k, v in program.state_dict.items()}
+    for variant in ("",) if SANITIZED else ("", ".b3"):
+        x = load_file(inputs_of(name, variant))["x"]
+        want = expected_of(name, variant)["output"]
+        with torch.no_grad():
+            h = torch.nn.functional.linear(x, weights["lin0.weight"], weights["lin0.bias"])
+            without = torch.cat([torch.nn.functional.linear(h, weights["lin1.weight"], weights["lin1.bias"]), h], -1)
+        assert (without - want).abs().mean() > 0, "the fixture's autocast changes nothing"
+        for split in runs:
+            for microbatches in (2,) if SANITIZED else (1, 2):
+                result, out = run(
+                    tmp_path, fixture(f"{name}.pt2"), *split, inputs=inputs_of(name, variant), microbatches=microbatches
+                )
+                assert result.returncode == 0, result.stderr
+                assert stages_word(2) in result.stdout, result.stdout
+                got = load_file(out)["output"]
+                torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+                assert (got - want).abs().mean() < 0.25 * (without - want).abs().mean(), (split, microbatches)
 
 
 def test_the_regions_are_gone_from_the_saved_stages(tmp_path):

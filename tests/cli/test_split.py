@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import MODELS, assert_one_line_error
+from conftest import MODELS, SANITIZED, assert_one_line_error
 from conftest import run_pipe as pipe
 from safetensors.torch import load_file
 
@@ -75,7 +75,8 @@ def test_split_runs_like_eager_with_original_names(tmp_path, name, split, stages
     keys = state_dict_keys(name)
     for stage in plan["stages"]:
         assert set(stage["parameters"]) | set(stage["buffers"]) <= keys
-    for mb in (1, 2, 4):
+    # Under the sanitizers one micro-batch count per case (the cases already cover every path); all three here.
+    for mb in (2,) if SANITIZED else (1, 2, 4):
         assert_runs_like_eager(tmp_path, name, *split, microbatches=mb, tol=tol)
 
 

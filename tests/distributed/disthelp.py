@@ -31,6 +31,9 @@ JOIN_MS = int(os.environ.get("PIPE_DIST_JOIN_TIMEOUT_MS", "60000"))
 MARGIN_S = float(os.environ.get("PIPE_DIST_MARGIN_S", "30"))
 FAIL_WITHIN_S = COMM_MS / 1000 + MARGIN_S  # a failure must be reported within this
 RUN_TIMEOUT_S = 300  # a normal command must finish within this (else it hung)
+# Under the sanitizers (tests/distributed/CMakeLists.txt sets LIBPIPE_SANITIZED) every process is several times
+# slower: the fault and shape matrices run a representative few there (each suite says which).
+SANITIZED = os.environ.get("LIBPIPE_SANITIZED") == "1"
 
 
 def seed(name):

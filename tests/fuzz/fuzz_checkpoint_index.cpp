@@ -6,7 +6,7 @@
 #include <string>
 
 #include "runtime/error.h"
-#include "runtime/stage/weights.h"
+#include "runtime/stage/checkpoint.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);

@@ -33,7 +33,8 @@ so they become constants. Not here, and why (torch.export 2.11 fails on them):
 
 inside_autocast exports with its autocast block (disabled) as a `higher_order.wrap_with_autocast`
 node around a subgraph, which LibTorch 2.11's nativert cannot run; libpipe inlines it when the program
-loads. bf16_autocast's block is on: libpipe refuses it at load. The *_grad fixtures are exported in
+loads. bf16_autocast's block is on: libpipe inlines it with autocast's casts as explicit nodes. The *_grad
+fixtures are exported in
 grad mode, as users call torch.export.export, with HF's rotary embeddings as wrap_with_set_grad_enabled
 regions.
 
@@ -75,7 +76,9 @@ def hf_mistral():
 
 
 class Bf16Autocast(torch.nn.Module):
-    """An autocast region that is on: its linear runs in bfloat16. libpipe refuses it when the program loads."""
+    """An autocast region that is on: its linear runs in bfloat16 (autocast's lower-precision list) and its cat
+    of that bfloat16 result with a float32 tensor in float32 (the promote list). libpipe makes the casts explicit
+    when the program loads."""
 
     def __init__(self, width=32):
         super().__init__()
@@ -84,8 +87,9 @@ class Bf16Autocast(torch.nn.Module):
     def forward(self, x):
         x = self.lin0(x)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            x = self.lin1(x)
-        return x.float()
+            h = self.lin1(x)
+            y = torch.cat([h, x], dim=-1)
+        return y.float()
 
 
 def pair(batch, width=seed_models.D):

@@ -7,7 +7,7 @@
 #include <limits>
 
 #include "runtime/cpu/panel_gemm.h"
-#include "runtime/stage/cache_attention.h"
+#include "runtime/stage/torchscript/cache_attention.h"
 #include "graph_nodes.h"
 
 namespace libpipe {
@@ -23,7 +23,7 @@ at::Tensor reference(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   return at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, scale, gqa);
 }
 
-// The decoder's mask (libpipe.decoder.attend_cache): row b's query t at position start[b] + t sees
+// The decoder's mask (libpipe.decoders.cache.attend_cache): row b's query t at position start[b] + t sees
 // positions up to its own (within `window` when > 0); rows past their length (padding) see all.
 at::Tensor decoder_mask(const at::Tensor& start, const at::Tensor& lengths, int64_t t, int64_t context,
                         int64_t window) {
@@ -171,7 +171,7 @@ TEST(CacheAttention, WhatItDoesNotComputeItselfIsSdpasAnswerOrError) {
   EXPECT_THROW(stage::cache_attention(q, k_cache, v_cache, slots, 6, mask, std::nullopt, false), c10::Error);
 }
 
-// attend_cache of libpipe.decoder, reduced to the pattern: caches as buffers, the slots' context gathered.
+// attend_cache of libpipe.decoders.cache, reduced to the pattern: caches as buffers, the slots' context gathered.
 torch::jit::Module attending_module(int64_t narrow_dim) {
   at::manual_seed(5);
   torch::jit::Module m("CacheAttentionTest");

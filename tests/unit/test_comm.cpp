@@ -33,11 +33,11 @@
 #include "runtime/graph/torchscript/model.h"
 #include "runtime/graph/plan.h"
 #include "runtime/log.h"
-#include "runtime/schedule/assignment.h"
-#include "runtime/schedule/heartbeat.h"
-#include "runtime/schedule/rank_device.h"
+#include "runtime/processes/assignment.h"
+#include "runtime/processes/heartbeat.h"
+#include "runtime/processes/rank_device.h"
 #include "runtime/schedule/session.h"
-#include "runtime/schedule/worker_host.h"
+#include "runtime/processes/worker_host.h"
 #include "tests/gate/gate.h"
 
 namespace libpipe {
@@ -294,26 +294,26 @@ TEST(Rendezvous, AJoiningWorkerTellsItsOwnDeviceAndTheDriverReadsOnlyDevices) {
 
 // The GPU a process takes for its own stages: LOCAL_RANK under a launcher, else its rank, over the GPUs it sees.
 TEST(RankDevice, TheLocalIndexPicksAGpuRoundRobin) {
-  EXPECT_EQ(schedule::gpu_for(0, 8), c10::Device(c10::kCUDA, 0));
-  EXPECT_EQ(schedule::gpu_for(5, 8), c10::Device(c10::kCUDA, 5));
-  EXPECT_EQ(schedule::gpu_for(9, 8), c10::Device(c10::kCUDA, 1));
-  EXPECT_EQ(schedule::gpu_for(3, 1), c10::Device(c10::kCUDA, 0));
+  EXPECT_EQ(processes::gpu_for(0, 8), c10::Device(c10::kCUDA, 0));
+  EXPECT_EQ(processes::gpu_for(5, 8), c10::Device(c10::kCUDA, 5));
+  EXPECT_EQ(processes::gpu_for(9, 8), c10::Device(c10::kCUDA, 1));
+  EXPECT_EQ(processes::gpu_for(3, 1), c10::Device(c10::kCUDA, 0));
 }
 
 TEST(RankDevice, AProcessThatSeesNoGpuTakesNoneAndNcclSaysWhy) {
   std::string why;
   if (device::cuda_device_count(&why) > 0) GTEST_SKIP() << "this machine has a GPU; the CPU-only case is not seen";
-  EXPECT_FALSE(schedule::own_gpu(1).has_value());
+  EXPECT_FALSE(processes::own_gpu(1).has_value());
   std::string message;
-  EXPECT_EQ(status_of([] { schedule::nccl_device(1); }, &message), Status::Unsupported);
+  EXPECT_EQ(status_of([] { processes::nccl_device(1); }, &message), Status::Unsupported);
   EXPECT_NE(message.find("needs a CUDA device"), std::string::npos) << message;
 }
 
 TEST(Placement, StagesSpreadInContiguousGroupsLargerFirst) {
   using Ranges = std::vector<std::pair<size_t, size_t>>;
-  EXPECT_EQ(schedule::place_stages(5, 2), (Ranges{{0, 3}, {3, 5}}));
-  EXPECT_EQ(schedule::place_stages(4, 3), (Ranges{{0, 2}, {2, 3}, {3, 4}}));
-  EXPECT_EQ(status_of([] { schedule::place_stages(2, 3); }), Status::InvalidArgument);
+  EXPECT_EQ(processes::place_stages(5, 2), (Ranges{{0, 3}, {3, 5}}));
+  EXPECT_EQ(processes::place_stages(4, 3), (Ranges{{0, 2}, {2, 3}, {3, 4}}));
+  EXPECT_EQ(status_of([] { processes::place_stages(2, 3); }), Status::InvalidArgument);
 }
 
 at::Tensor eager(const graph::Model& model, const std::vector<c10::IValue>& inputs) {
@@ -332,7 +332,7 @@ struct TwoRanks {
     worker_end = std::move(ends[1]);
     if (worker_timeout.count() == 0) worker_timeout = timeout;
     worker = std::async(std::launch::async, [this, worker_timeout] {
-      return status_of([&] { schedule::serve(*worker_end, c10::Device(c10::kCPU), worker_timeout, 1, store); },
+      return status_of([&] { processes::serve(*worker_end, c10::Device(c10::kCPU), worker_timeout, 1, store); },
                        &worker_message);
     });
     schedule::SessionOptions o;
@@ -530,17 +530,23 @@ struct Lost {
     std::unique_lock lock(mutex);
     return cv.wait_for(lock, std::chrono::seconds(60), [&] { return !why.empty(); });
   }
+  std::vector<std::string> told() {
+    std::lock_guard lock(mutex);
+    return why;
+  }
 };
 
 TEST(Heartbeat, BeatsAtItsOwnPaceAndTheMonitorSeesTheCountMove) {
   auto store = c10::make_intrusive<FailingStore>();
   Lost lost;
   const milliseconds timeout(200);
-  schedule::HeartbeatMonitor monitor(*store, 3, timeout);
+  processes::HeartbeatMonitor monitor(*store, 3, timeout);
+  // Rank 3 never beats: a second monitor, of 4 ranks, names it once the timeout has passed.
+  processes::HeartbeatMonitor with_a_silent_rank(*store, 4, timeout);
   {
-    schedule::HeartbeatSender first(store, 1, schedule::heartbeat_interval(timeout), timeout, lost.callback());
-    schedule::HeartbeatSender second(store, 2, schedule::heartbeat_interval(timeout), timeout, lost.callback());
-    const auto count = [&](int rank) { return store->add(schedule::heartbeat_key(rank), 0); };
+    processes::Heartbeat first(store, 1, processes::heartbeat_interval(timeout), timeout, lost.callback());
+    processes::Heartbeat second(store, 2, processes::heartbeat_interval(timeout), timeout, lost.callback());
+    const auto count = [&](int rank) { return store->add(processes::heartbeat_key(rank), 0); };
     const int64_t one = count(1), two = count(2);
     const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(60);  // only fails a hung test
     while ((count(1) < one + 3 || count(2) < two + 3) && std::chrono::steady_clock::now() < limit)
@@ -550,23 +556,97 @@ TEST(Heartbeat, BeatsAtItsOwnPaceAndTheMonitorSeesTheCountMove) {
     EXPECT_EQ(monitor.check(), "");
   }
   EXPECT_TRUE(lost.why.empty());  // stopped by its owner: nothing was lost
-  // With no beats, the monitor names a rank once the timeout has passed since it saw a change. Both senders stopped
-  // a moment apart (their last beats fall wherever the clock put them), so either rank may be the first named.
+  // Both ended normally (their counters say so): however long the monitor then looks, it blames neither.
+  std::this_thread::sleep_for(timeout * 2);
+  EXPECT_EQ(monitor.check(), "");
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   std::string why;
-  while ((why = monitor.check()).empty() && std::chrono::steady_clock::now() < until)
+  while ((why = with_a_silent_rank.check()).empty() && std::chrono::steady_clock::now() < until)
     std::this_thread::sleep_for(milliseconds(20));
-  const auto names = [&](int rank) {
-    return why.rfind("worker rank " + std::to_string(rank) + " sent no heartbeat for 200 ms (the comm timeout)", 0) ==
-           0;
-  };
-  EXPECT_TRUE(names(1) || names(2)) << why;
+  EXPECT_EQ(why.rfind("worker rank 3 sent no heartbeat for 200 ms (the comm timeout)", 0), 0u) << why;
+}
+
+// A transport that cannot see its peers die (NCCL) has the process's heartbeat watch them.
+TEST(Heartbeat, AWatchedPeerThatFailsIsReportedAtOnce) {
+  auto store = c10::make_intrusive<FailingStore>();
+  Lost lost, peer_failed;
+  const milliseconds timeout(60000);  // a verdict here never waits for it
+  processes::Heartbeat first(store, 1, milliseconds(10), timeout, lost.callback());
+  processes::Heartbeat second(store, 2, milliseconds(10), timeout, lost.callback());
+  second.watch_peers({1}, {}, peer_failed.callback(), [](int) { ADD_FAILURE() << "no peer left"; });
+  first.mark_failed();
+  ASSERT_TRUE(peer_failed.wait());
+  EXPECT_EQ(peer_failed.told()[0].rfind("rank 1 failed", 0), 0u) << peer_failed.told()[0];
+  EXPECT_TRUE(lost.told().empty());
+}
+
+TEST(Heartbeat, AWatchedPeerWhoseCounterStopsIsReportedAfterTheTimeout) {
+  auto store = c10::make_intrusive<FailingStore>();
+  Lost lost, peer_failed;
+  const milliseconds timeout(200);
+  processes::Heartbeat watcher(store, 2, milliseconds(10), timeout, lost.callback());
+  // Rank 1 beats twice (by hand), then stops as a killed process would, with no mark.
+  store->add(processes::heartbeat_key(1), 1);
+  watcher.watch_peers({1}, {}, peer_failed.callback(), [](int) { ADD_FAILURE() << "no peer left"; });
+  std::this_thread::sleep_for(milliseconds(50));
+  store->add(processes::heartbeat_key(1), 1);
+  ASSERT_TRUE(peer_failed.wait());
+  EXPECT_NE(peer_failed.told()[0].find("rank 1 stopped responding: no heartbeat for 200 ms"), std::string::npos)
+      << peer_failed.told()[0];
+}
+
+TEST(Heartbeat, TheDriverIsJudgedByItsMarksAlone) {
+  // The driver does not beat (its store is its liveness): silence from it is no failure, its failed mark is.
+  auto store = c10::make_intrusive<FailingStore>();
+  Lost lost, peer_failed;
+  const milliseconds timeout(100);
+  processes::Heartbeat watcher(store, 1, milliseconds(10), timeout, lost.callback());
+  watcher.watch_peers({}, {0}, peer_failed.callback(), [](int) { ADD_FAILURE() << "no peer left"; });
+  std::this_thread::sleep_for(timeout * 4);
+  EXPECT_TRUE(peer_failed.told().empty());
+  processes::mark_failed_in_store(*store, 0);
+  ASSERT_TRUE(peer_failed.wait());
+  EXPECT_EQ(peer_failed.told()[0].rfind("rank 0 failed", 0), 0u) << peer_failed.told()[0];
+}
+
+TEST(Heartbeat, AWatchedPeerThatEndsNormallyIsToldAsLeftAndNeverAsFailed) {
+  auto store = c10::make_intrusive<FailingStore>();
+  Lost lost, peer_failed;
+  const milliseconds timeout(2000);  // a peer's beats are never this late, even on a loaded machine
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::vector<int> left;
+  processes::Heartbeat watcher(store, 2, milliseconds(10), timeout, lost.callback());
+  watcher.watch_peers({1}, {}, peer_failed.callback(), [&](int peer) {
+    std::lock_guard lock(mutex);
+    left.push_back(peer);
+    cv.notify_all();
+  });
+  { processes::Heartbeat peer(store, 1, milliseconds(10), timeout, lost.callback()); }
+  {
+    std::unique_lock lock(mutex);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return !left.empty(); }));
+    EXPECT_EQ(left, std::vector<int>{1});
+  }
+  std::this_thread::sleep_for(timeout + milliseconds(500));  // past its timeout: still not reported
+  EXPECT_TRUE(peer_failed.told().empty());
+  EXPECT_TRUE(lost.told().empty());
+}
+
+TEST(HeartbeatMonitor, AFailedMarkIsFatalOnlyWhereTheTransportCannotTell) {
+  auto store = c10::make_intrusive<FailingStore>();
+  const milliseconds timeout(60000);
+  processes::HeartbeatMonitor over_tcp(*store, 2, timeout);
+  processes::HeartbeatMonitor over_nccl(*store, 2, timeout, /*failed_marks_are_fatal=*/true);
+  processes::mark_failed_in_store(*store, 1);
+  EXPECT_EQ(over_tcp.check(), "");  // the count moved; the TCP connection tells why
+  EXPECT_EQ(over_nccl.check().rfind("worker rank 1 failed", 0), 0u);
 }
 
 TEST(Heartbeat, AStoreThatFailsTellsTheWorkerItsDriverIsGone) {
   auto store = c10::make_intrusive<FailingStore>();
   Lost lost;
-  schedule::HeartbeatSender beat(store, 1, milliseconds(25), milliseconds(200), lost.callback());
+  processes::Heartbeat beat(store, 1, milliseconds(25), milliseconds(200), lost.callback());
   ASSERT_TRUE(store->wait_calls(1));
   store->set_mode(FailingStore::Mode::Throws);
   ASSERT_TRUE(lost.wait());
@@ -578,7 +658,7 @@ TEST(Heartbeat, AStoreThatStopsAnsweringTellsTheWorkerAfterTheTimeout) {
   auto store = c10::make_intrusive<FailingStore>();
   Lost lost;
   {
-    schedule::HeartbeatSender beat(store, 1, milliseconds(25), milliseconds(200), lost.callback());
+    processes::Heartbeat beat(store, 1, milliseconds(25), milliseconds(200), lost.callback());
     ASSERT_TRUE(store->wait_calls(1));
     store->set_mode(FailingStore::Mode::Hangs);
     ASSERT_TRUE(lost.wait());

@@ -14,8 +14,8 @@
 #include "runtime/error.h"
 #include "runtime/graph/plan.h"
 #include "runtime/graph/torchscript/model.h"
-#include "runtime/stage/stage_module.h"
-#include "runtime/stage/weights.h"
+#include "runtime/stage/torchscript/stage_module.h"
+#include "runtime/stage/torchscript/weights.h"
 
 namespace libpipe {
 namespace {

@@ -1,5 +1,5 @@
-// The fused element-wise operators (runtime/stage/fused_elementwise.h, runtime/cpu/elementwise.h) against the
-// eager operators they replace, in every dtype, on odd sizes and one row; and the rewrite of a decoder layer's
+// The fused element-wise operators (runtime/stage/torchscript/fused_elementwise.h, runtime/cpu/elementwise.h) against
+// the eager operators they replace, in every dtype, on odd sizes and one row; and the rewrite of a decoder layer's
 // patterns.
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
@@ -14,7 +14,7 @@
 #include "fixtures.h"
 #include "graph_nodes.h"
 #include "runtime/cpu/panel_gemm.h"
-#include "runtime/stage/fused_elementwise.h"
+#include "runtime/stage/torchscript/fused_elementwise.h"
 
 namespace libpipe {
 namespace {
@@ -103,7 +103,7 @@ TEST(FusedElementwise, SiluMulEqualsEager) {
   EXPECT_TRUE(at::equal(stage::silu_mul(g, u), at::silu(g) * u));
 }
 
-// A decoder layer's element-wise chains, written as libpipe.decoder writes them.
+// A decoder layer's element-wise chains, written as libpipe.decoders.llama writes them.
 torch::jit::Module layer(at::ScalarType dtype) {
   at::manual_seed(4);
   torch::jit::Module m("FusedElementwiseTest");
@@ -155,7 +155,7 @@ TEST(FusedElementwise, TheDecodersPatternsAreRewrittenAndComputeTheSame) {
   }
 }
 
-// libpipe.decoder's own layers (the tiny Llama of tests/models/decoder_models.py, 2 layers): every norm, rotary
+// libpipe.decoders' own layers (the tiny Llama of tests/models/decoder_models.py, 2 layers): every norm, rotary
 // embedding and SwiGLU of the inlined forward is fused.
 TEST(FusedElementwise, EveryChainOfTheDecoderIsFused) {
   SKIP_WITHOUT_KERNELS();

@@ -573,7 +573,7 @@ TEST(Engine, AModelThatIsNoDecoderIsRefusedNamingTheContract) {
 }
 
 TEST(Engine, TheDecoderSaysWhetherItSkipsPaddingAndSoWhetherStepsMix) {
-  // libpipe.decoder's modules set skips_padding (they compute the valid tokens only): the engine mixes decode rows
+  // libpipe.decoders' modules set skips_padding (they compute the valid tokens only): the engine mixes decode rows
   // and prompt chunks in their steps. The gated fixture leaves it out (its steps keep one kind of row), and a
   // decoder that says nothing is taken to compute its padding.
   EXPECT_TRUE(read_decoder_info(*decoder_plan("tiny_decoder.pt", 2), std::nullopt).skips_padding);

@@ -10,7 +10,7 @@
 #include "runtime/graph/torchscript/model.h"
 #include "runtime/graph/plan.h"
 #include "runtime/io/safetensors.h"
-#include "runtime/stage/stage_module.h"
+#include "runtime/stage/torchscript/stage_module.h"
 
 namespace libpipe {
 namespace {

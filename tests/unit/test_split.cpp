@@ -10,8 +10,8 @@
 #include "runtime/graph/partition.h"
 #include "runtime/graph/split_spec.h"
 #include "runtime/planner/planner.h"
-#include "runtime/stage/stage_module.h"
-#include "runtime/stage/weights.h"
+#include "runtime/stage/torchscript/stage_module.h"
+#include "runtime/stage/torchscript/weights.h"
 
 namespace libpipe {
 namespace {

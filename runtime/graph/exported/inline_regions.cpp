@@ -1,6 +1,9 @@
 #include "runtime/graph/exported/inline_regions.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <map>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -45,10 +48,13 @@ std::string region_where(const Json& node) {
 struct Region {
   size_t graph_input = 0;  // the index of the subgraph among the node's inputs; its operands follow
   bool inline_it = false;
+  // An autocast region that is on: the dispatch key of its device's autocast kernels (AutocastCPU for
+  // "cpu"), whose operators get their inputs cast as autocast casts them.
+  std::optional<c10::DispatchKey> autocast;
 };
 
 // What to do with a node whose target is a higher-order operator; throws for one nativert cannot run.
-Region classify(const Json& node, const std::string& op, const std::string& path) {
+Region classify(const Json& node, const std::string& op, const std::string& path, bool inside_autocast) {
   Region r;
   const Json& inputs = node.at("inputs");
   for (; r.graph_input < inputs.size(); ++r.graph_input)
@@ -59,11 +65,22 @@ Region classify(const Json& node, const std::string& op, const std::string& path
   } else if (op == "wrap_with_autocast") {
     // (device_type, dtype, enabled, cache_enabled, subgraph, operands...)
     const bool enabled = inputs.size() > 2 && inputs[2].at("arg").value("as_bool", true);
-    if (enabled)
-      throw Error(Status::Unsupported,
-                  "'" + path + "': the program has an autocast region (" + at +
-                      "), which LibTorch's runtime for exported programs cannot run; export the model in the dtype "
-                      "it should run in (model.to(torch.bfloat16)), without torch.autocast");
+    if (enabled) {
+      const std::string device = inputs.empty() ? "" : inputs[0].at("arg").value("as_string", std::string());
+      if (device == "cpu") r.autocast = c10::DispatchKey::AutocastCPU;
+      else if (device == "cuda") r.autocast = c10::DispatchKey::AutocastCUDA;
+      else
+        throw Error(Status::Unsupported, "'" + path + "': the program has an autocast region for device type '" +
+                                             device + "' (" + at +
+                                             "), which libpipe cannot apply (it applies cpu's and cuda's); export "
+                                             "the model in the dtype it should run in, without torch.autocast");
+    } else if (inside_autocast) {
+      // Its operators would have to be kept from the casts of the region around it, which are made explicit
+      // after it is inlined.
+      throw Error(Status::Unsupported, "'" + path + "': the program turns autocast off (" + at +
+                                           ") inside an autocast region that is on, which libpipe cannot apply; "
+                                           "export the model in the dtypes it should run in, without torch.autocast");
+    }
     r.inline_it = true;
   } else if (!kRunnable.count(op)) {
     throw Error(Status::Unsupported, "'" + path + "': the program calls the higher-order operator " + op + " (" + at +
@@ -77,7 +94,8 @@ Region classify(const Json& node, const std::string& op, const std::string& path
 
 class Inliner {
  public:
-  Inliner(Json& graph, std::string path) : graph_(graph), path_(std::move(path)) {
+  Inliner(Json& graph, std::string path, bool inside_autocast)
+      : graph_(graph), path_(std::move(path)), inside_autocast_(inside_autocast) {
     for (const char* table : kValueTables)
       if (graph_.contains(table) && graph_[table].is_object())
         for (const auto& [name, value] : graph_[table].items()) taken_.insert(name);
@@ -96,10 +114,11 @@ class Inliner {
         nodes.push_back(std::move(node));
         continue;
       }
-      const Region region = classify(node, target.substr(kHigherOrder.size()), path_);
+      const Region region = classify(node, target.substr(kHigherOrder.size()), path_, inside_autocast_);
       // Regions nested in this one's subgraphs first (a disabled autocast inside a no_grad method).
       for (auto& input : node["inputs"])
-        if (input.at("arg").contains("as_graph")) inline_regions(input["arg"]["as_graph"]["graph"], path_);
+        if (input.at("arg").contains("as_graph") && input["arg"]["as_graph"].value("graph", Json()).is_object())
+          Inliner(input["arg"]["as_graph"]["graph"], path_, inside_autocast_ || region.autocast.has_value()).run();
       if (region.inline_it) inline_region(node, region, nodes);
       else nodes.push_back(std::move(node));
     }
@@ -161,11 +180,12 @@ class Inliner {
     auto rename = [&](std::string& name, RefKind) {
       if (auto it = renamed.find(name); it != renamed.end()) name = it->second;
     };
+    Json inlined = Json::array();
     for (auto& node : sub["nodes"]) {
       for (auto& input : node["inputs"])
         if (input.contains("arg")) rename_refs(input["arg"], rename);
       for (auto& output : node["outputs"]) rename_refs(output, rename);
-      nodes.push_back(std::move(node));
+      inlined.push_back(std::move(node));
     }
     // The region's values join this graph's tables; the call's outputs keep the entries they have.
     for (const char* table : kValueTables) {
@@ -176,6 +196,15 @@ class Inliner {
         if (it == renamed.end() || !defined_inside.count(name) || graph_[table].contains(it->second)) continue;
         graph_[table][it->second] = std::move(value);
       }
+    }
+    // Casts are shared within the region only, and never across a write in place (an operator named with a
+    // trailing underscore, copy_ or index_put_ into a cache), which would leave a cast of the old value.
+    std::map<std::pair<std::string, int64_t>, std::string> casts;
+    for (auto& node : inlined) {
+      if (region.autocast) cast_as_autocast(node, *region.autocast, casts, nodes);
+      const std::string name = operator_name(node.value("target", std::string())).name;
+      if (!name.empty() && name.back() == '_') casts.clear();
+      nodes.push_back(std::move(node));
     }
     for (const auto& [outer, inner] : aliases) {
       const auto it = renamed.find(inner);
@@ -191,8 +220,56 @@ class Inliner {
     }
   }
 
+  // Autocast, applied where the region runs without it: an operator that has a kernel for `key` (autocast's
+  // lists for that device: lower precision, float32, promote) computes in the dtype its result was recorded in
+  // when the program was exported under autocast, so each floating input of another dtype (float64 excepted,
+  // as autocast leaves it) is cast to that dtype first, by a node inserted before it. Operators autocast leaves
+  // alone run as recorded. LibTorch's own dispatcher says which operators autocast handles, so the lists are
+  // PyTorch's, not a copy.
+  void cast_as_autocast(Json& node, c10::DispatchKey key, std::map<std::pair<std::string, int64_t>, std::string>& casts,
+                        Json& nodes) {
+    const OperatorName op = operator_name(node.value("target", std::string()));
+    if (op.name.empty()) return;
+    const auto handle = c10::Dispatcher::singleton().findOp({op.name, op.overload});
+    if (!handle || !handle->hasKernelForDispatchKey(key)) return;
+    Json& tensors = graph_["tensor_values"];
+    std::optional<int64_t> dtype;  // the first result's, when it is a tensor
+    for_each_output_ref(node, [&](const std::string& name, RefKind kind) {
+      if (dtype || kind != RefKind::Tensor || !tensors.contains(name)) return;
+      dtype = tensors[name].value("dtype", int64_t{-1});
+    });
+    if (!dtype) return;
+    const auto target = scalar_type_of(*dtype);
+    if (!target || !at::isFloatingType(*target)) return;
+    for (auto& input : node["inputs"]) {
+      if (!input.contains("arg")) continue;
+      rename_refs(input["arg"], [&](std::string& name, RefKind kind) {
+        if (kind != RefKind::Tensor || !tensors.contains(name)) return;
+        const auto from = scalar_type_of(tensors[name].value("dtype", int64_t{-1}));
+        if (!from || !at::isFloatingType(*from) || *from == at::kDouble || *from == *target) return;
+        const auto key_of_cast = std::make_pair(name, *dtype);
+        auto it = casts.find(key_of_cast);
+        if (it == casts.end()) {
+          const std::string cast = fresh(name + "_autocast");
+          Json meta = tensors[name];
+          meta["dtype"] = *dtype;
+          tensors[cast] = std::move(meta);
+          Json self = {{"name", "self"}, {"arg", {{"as_tensor", {{"name", name}}}}}, {"kind", 1}};
+          Json to = {{"name", "dtype"}, {"arg", {{"as_scalar_type", *dtype}}}, {"kind", 1}};
+          nodes.push_back({{"target", "torch.ops.aten.to.dtype"},
+                           {"inputs", Json::array({self, to})},
+                           {"outputs", Json::array({Json{{"as_tensor", {{"name", cast}}}}})},
+                           {"metadata", node.value("metadata", Json::object())}});
+          it = casts.emplace(key_of_cast, cast).first;
+        }
+        name = it->second;
+      });
+    }
+  }
+
   Json& graph_;
   std::string path_;
+  const bool inside_autocast_;   // this graph is the body of an autocast region that is on
   std::set<std::string> taken_;  // every value name of this graph, the inlined ones included
 };
 
@@ -200,7 +277,7 @@ class Inliner {
 
 void inline_regions(Json& graph, const std::string& path) {
   if (!graph.is_object()) return;
-  Inliner(graph, path).run();
+  Inliner(graph, path, /*inside_autocast=*/false).run();
 }
 
 }  // namespace libpipe::graph::exported

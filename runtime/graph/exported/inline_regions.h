@@ -6,8 +6,10 @@
 // becomes wrap_with_set_grad_enabled, `with torch.autocast(...)` wrap_with_autocast. LibTorch's runtime for
 // exported programs (nativert) runs only cond, while_loop and run_const_graph, and refuses the rest when a
 // stage is created. A stage runs under inference mode, where grad mode has no effect, so a set_grad_enabled
-// region is inlined into its graph, as is an autocast region that is disabled; any other higher-order operator
-// nativert cannot run is refused here, at load, naming it and where it came from.
+// region is inlined into its graph, as is an autocast region: a disabled one as it is, one that is on (for the
+// cpu or cuda device type) with autocast's casts made explicit, so its stages compute what the model computes
+// under autocast. Any other higher-order operator nativert cannot run is refused here, at load, naming it and
+// where it came from.
 #pragma once
 
 #include <string>

@@ -9,6 +9,7 @@
 
 #include "runtime/error.h"
 #include "runtime/graph/exported/inline_regions.h"
+#include "runtime/graph/exported/input_check.h"
 
 namespace libpipe::graph::exported {
 
@@ -187,6 +188,28 @@ void check_structure(const Json& program, const std::string& what) {
 }
 
 }  // namespace
+
+const ExportedModel& exported_model(const Plan& plan) {
+  const auto* model = dynamic_cast<const ExportedModel*>(&plan.model());
+  if (!model)
+    throw Error(Status::Internal, "an exported-program stage was asked of a plan made from another format's model");
+  return *model;
+}
+
+void ExportedModel::check_inputs(const std::vector<c10::IValue>& inputs, const std::string& what) const {
+  exported::check_inputs(*this, inputs, what);
+}
+
+std::vector<BufferInfo> ExportedModel::buffers() const {
+  std::vector<BufferInfo> out;
+  for (const auto& w : weights_) {
+    if (w.spec_kind != "buffer") continue;
+    std::vector<int64_t> sizes;
+    for (const auto& d : w.meta.sizes) sizes.push_back(d.size);
+    out.push_back({w.fqn, std::move(sizes), w.meta.dtype});
+  }
+  return out;
+}
 
 std::shared_ptr<const ExportedModel> ExportedModel::load(const std::string& path) {
   return from_archive(Pt2Archive::open(path));

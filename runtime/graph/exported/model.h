@@ -17,6 +17,7 @@
 
 #include "runtime/graph/exported/archive.h"
 #include "runtime/graph/exported/program_json.h"
+#include "runtime/graph/plan.h"
 #include "runtime/graph/program.h"
 
 namespace libpipe::graph::exported {
@@ -47,6 +48,11 @@ class ExportedModel : public Program {
   // The same from an archive already open (a stage program a worker process received).
   static std::shared_ptr<const ExportedModel> from_archive(std::shared_ptr<Pt2Archive> archive);
 
+  io::ModelFormat format() const override { return io::ModelFormat::Exported; }
+  // nativert validates nothing a call gives it: input_check.h checks against the program's record.
+  void check_inputs(const std::vector<c10::IValue>& inputs, const std::string& what) const override;
+  std::vector<BufferInfo> buffers() const override;
+
   const Pt2Archive& archive() const { return *archive_; }
   // The program, as parsed (graph_module, range_constraints, schema_version, ...).
   const Json& program() const { return program_; }
@@ -76,5 +82,9 @@ class ExportedModel : public Program {
   std::vector<TensorMeta> input_metas_;
   std::unordered_map<std::string, std::pair<int64_t, int64_t>> ranges_;
 };
+
+// The exported program behind a plan (for the exported-program stage builder, which stage.cpp picks by the
+// model's format()); Error(Internal) when the plan was made from another front-end's program.
+const ExportedModel& exported_model(const Plan& plan);
 
 }  // namespace libpipe::graph::exported

@@ -364,10 +364,7 @@ std::vector<InPlaceWrite> in_place_writes(const torch::jit::Graph& graph) {
 
 const Model& torchscript_model(const Plan& plan) {
   const auto* model = dynamic_cast<const Model*>(&plan.model());
-  if (!model)
-    throw Error(Status::Unsupported,
-                "this plan was not made from a TorchScript model, and only TorchScript "
-                "stages can be built so far");
+  if (!model) throw Error(Status::Internal, "a TorchScript stage was asked of a plan made from another format's model");
   return *model;
 }
 
@@ -395,6 +392,17 @@ std::shared_ptr<Plan> Plan::from_groups(std::shared_ptr<const Model> model,
     for (const Node* n : group) ids.back().push_back(model->node_id(n));
   }
   return from_groups(std::shared_ptr<const Program>(std::move(model)), std::move(ids));
+}
+
+std::vector<BufferInfo> Model::buffers() const {
+  std::vector<BufferInfo> out;
+  for (const auto& item : module_.named_buffers(/*recurse=*/true))
+    out.push_back({item.name, item.value.sizes().vec(), item.value.scalar_type()});
+  return out;
+}
+
+bool Model::root_flag(const std::string& name) const {
+  return module_.hasattr(name) && module_.attr(name).isBool() && module_.attr(name).toBool();
 }
 
 std::shared_ptr<const Model> Model::load(const std::string& path) {

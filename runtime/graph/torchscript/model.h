@@ -24,6 +24,10 @@ class Model : public Program {
   // Error(InvalidFormat) for anything that is not a TorchScript module with a forward method.
   static std::shared_ptr<const Model> load(const std::string& path);
 
+  io::ModelFormat format() const override { return io::ModelFormat::TorchScript; }
+  std::vector<BufferInfo> buffers() const override;
+  bool root_flag(const std::string& name) const override;
+
   // The module that owns the parameters and buffers (eval mode).
   const torch::jit::Module& module() const { return module_; }
   // forward with every method and function call inlined and grad-mode context managers removed
@@ -52,8 +56,8 @@ class Model : public Program {
   std::unordered_map<const torch::jit::Node*, size_t> node_id_;
 };
 
-// The TorchScript model behind a plan; Error(Unsupported) when the plan was made from another
-// front-end's program.
+// The TorchScript model behind a plan (for the TorchScript stage builder, which stage.cpp picks by the
+// model's format()); Error(Internal) when the plan was made from another front-end's program.
 const Model& torchscript_model(const Plan& plan);
 
 // True for top-level nodes that belong to no stage: constants and reads of attributes of self
@@ -70,7 +74,7 @@ std::vector<std::string> attribute_path(const torch::jit::Value* value, const to
 struct InPlaceWrite {
   std::vector<std::string> path;          // the attribute written ({"layers","0","attn","k_cache"})
   const torch::jit::Node* top = nullptr;  // the top-level node of `graph` that holds the write
-  std::string what;                       // "aten::index_put_ at decoder.py:123", for messages
+  std::string what;                       // "aten::index_put_ at cache.py:123", for messages
 };
 
 // Every write in place into an attribute of self (`graph`'s input 0) in `graph`, its if/loop

@@ -6,11 +6,13 @@
 //      nested tuple/dict values, None, text only, 64 MiB) arrive equal and in order, both ways,
 //      then both ranks send a large message to each other at the same time;
 //   2. abort() from another thread unblocks rank 0's pending recv with Error(Communication), and
-//      rank 1's pending recv fails too (rank 0 announced its abort through the store);
+//      rank 1's pending recv fails too (rank 0 marked its failure in its heartbeat's counter);
 //   3. a new transport; rank 1 kills itself; rank 0's recv fails with Error(Communication) within
 //      a few seconds (the heartbeat in the store stopped).
+// Each rank watches the other through a processes::Heartbeat, wired as a worker process wires it.
 #include <ATen/ATen.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <signal.h>
@@ -26,6 +28,7 @@
 
 #include "runtime/comm/nccl_transport.h"
 #include "runtime/error.h"
+#include "runtime/processes/heartbeat.h"
 
 using libpipe::Error;
 using libpipe::Status;
@@ -169,10 +172,20 @@ int run(int rank, uint16_t port, pid_t child) {
   c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", options);
   const auto timeout = std::chrono::seconds(60);
   const auto peer_timeout = std::chrono::seconds(3);
+  // The process's liveness, as serve() wires it: the peer's counter stopping or marked failed aborts the
+  // transport. Each phase counts under its own prefix (a failed mark stays in its counter).
+  auto watch = [&](libpipe::comm::Transport& t, const std::string& phase) {
+    auto beat = std::make_unique<libpipe::processes::Heartbeat>(
+        c10::make_intrusive<c10d::PrefixStore>(phase, store), rank, std::chrono::milliseconds(250), peer_timeout,
+        [&t](const std::string& why) { t.abort("the store was lost: " + why); });
+    beat->watch_peers({peer}, {}, [&t](const std::string& why) { t.abort(why); }, [&t](int p) { t.peer_left(p); });
+    return beat;
+  };
 
   // 1. messages, both ways, in order; then both at once.
   {
     auto t = libpipe::comm::make_nccl_transport(store, rank, 2, device, timeout, peer_timeout);
+    auto beat = watch(*t, "phase1");
     expect(t->rank() == rank && t->world_size() == 2, "rank/world size");
     const auto ms = messages(device);
     if (rank == 0) {
@@ -191,7 +204,10 @@ int run(int rank, uint16_t port, pid_t child) {
     //    begun (the outcome is the same either way, so nothing here waits for one or the other);
     //    the peer's recv fails too. A recv that abort() did not end would hang: ctest's timeout.
     if (rank == 0) {
-      std::thread aborter([&] { t->abort("aborted by the test"); });
+      std::thread aborter([&] {
+        beat->mark_failed();
+        t->abort("aborted by the test");
+      });
       expect_communication_error([&] { t->recv(peer); }, "aborted by the test", "abort");
       aborter.join();
       expect_communication_error([&] { t->send(peer, ms[1]); }, "aborted by the test", "send after abort");
@@ -204,7 +220,11 @@ int run(int rank, uint16_t port, pid_t child) {
 
   // 3. a killed peer.
   auto t = libpipe::comm::make_nccl_transport(store, rank, 2, device, timeout, peer_timeout);
+  auto beat = watch(*t, "phase3");
   if (rank == 1) {
+    // Killed once it has beaten: rank 0 judges it from when it started watching either way.
+    while (store->add("phase3/" + libpipe::processes::heartbeat_key(1), 0) < 1)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     store->set("test/child", std::string("ok"));
     std::fflush(stdout);
     ::kill(::getpid(), SIGKILL);
@@ -212,6 +232,7 @@ int run(int rank, uint16_t port, pid_t child) {
   }
   const double s = expect_communication_error([&] { t->recv(peer); }, "rank 1", "killed peer");
   std::printf("rank 0: killed peer noticed after %.1f s\n", s);
+  beat.reset();
   t.reset();
   int status = 0;
   expect(::waitpid(child, &status, 0) == child, "waitpid");

@@ -1,4 +1,4 @@
-#include "runtime/schedule/assignment.h"
+#include "runtime/processes/assignment.h"
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -7,7 +7,9 @@
 
 #include "runtime/error.h"
 
-namespace libpipe::schedule {
+namespace libpipe::processes {
+
+using schedule::StageIO;
 
 using Json = nlohmann::json;
 
@@ -48,6 +50,7 @@ comm::Message encode_assignment(const WorkerAssignment& a) {
             {"threads_per_stage", a.threads_per_stage},
             {"weights", a.weights},
             {"dtype", a.dtype ? static_cast<int>(*a.dtype) : -1},
+            {"quantize", a.quantize == stage::WeightQuantization::Int8 ? "int8" : "none"},
             {"heartbeat_interval_ms", a.heartbeat_interval.count()}};
   comm::Message m;
   m.kind = comm::Kind::Setup;
@@ -86,6 +89,11 @@ WorkerAssignment decode_assignment(const comm::Message& m) {
     a.weights = j.at("weights").get<std::string>();
     const int dtype = j.at("dtype").get<int>();
     if (dtype >= 0) a.dtype = static_cast<at::ScalarType>(dtype);
+    const std::string quantize = j.at("quantize").get<std::string>();
+    if (quantize != "none" && quantize != "int8")
+      throw Error(Status::Communication, "the driver's stage assignment asks for weight quantization '" + quantize +
+                                             "', which this worker does not know");
+    a.quantize = quantize == "int8" ? stage::WeightQuantization::Int8 : stage::WeightQuantization::None;
   } catch (const Json::exception& e) {
     throw Error(Status::Communication, std::string("the driver's stage assignment is malformed: ") + e.what());
   } catch (const c10::Error& e) {  // a device name this LibTorch does not know
@@ -102,4 +110,4 @@ WorkerAssignment decode_assignment(const comm::Message& m) {
   return a;
 }
 
-}  // namespace libpipe::schedule
+}  // namespace libpipe::processes

@@ -1,6 +1,6 @@
 // Attention straight from a KV cache, without gathering it.
 //
-// A decoder that follows the decoder contract (pipe.h, "Generation"; libpipe.decoder) attends over
+// A decoder that follows the decoder contract (pipe.h, "Generation"; libpipe.decoders) attends over
 // each row's cache slot by gathering the slots first:
 //   keys = k_cache.narrow(2, 0, context).index_select(0, slots)      (and the same for values)
 //   out  = scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=s, enable_gqa=...)

@@ -19,14 +19,14 @@
 #include "runtime/device/place.h"
 #include "runtime/schedule/bounded_queue.h"
 #include "runtime/schedule/request.h"
-#include "runtime/schedule/worker_group.h"
+#include "runtime/processes/worker_group.h"
 
-namespace libpipe::schedule {
+namespace libpipe::processes {
 
 class Ring {
  public:
   // Finishes one micro-batch of a request that left the pipeline (status Ok: it did not fail).
-  using Retire = std::function<void(const std::shared_ptr<Request>&, Status, const std::string&)>;
+  using Retire = std::function<void(const std::shared_ptr<schedule::Request>&, Status, const std::string&)>;
 
   // Starts the sender, receiver and watchdog over `group`, whose workers are connected and loaded.
   // `capacity` bounds the micro-batches waiting to be sent; once the owner sets `shutting_down`,
@@ -40,7 +40,7 @@ class Ring {
   ~Ring();
 
   // Hands a micro-batch that left the last local stage to the workers; false once the ring stops.
-  bool push(MicroBatch mb) { return outbound_.push(std::move(mb)); }
+  bool push(schedule::MicroBatch mb) { return outbound_.push(std::move(mb)); }
   // Empty while the ring works; why it broke once it did.
   std::string broken() const;
   // Once the local stages have stopped: ends the workers (a Shutdown that each worker passes on
@@ -60,15 +60,15 @@ class Ring {
   const std::atomic<bool>& shutting_down_;
   device::Place transport_place_;  // used by the sender thread only
   const Retire retire_;
-  BoundedQueue<MicroBatch> outbound_;
+  schedule::BoundedQueue<schedule::MicroBatch> outbound_;
   std::thread sender_, receiver_, watchdog_;
   mutable std::mutex mutex_;  // guards everything below
   std::condition_variable cv_;
-  std::map<std::pair<uint64_t, size_t>, std::shared_ptr<Request>> remote_;  // with the workers
+  std::map<std::pair<uint64_t, size_t>, std::shared_ptr<schedule::Request>> remote_;  // with the workers
   std::string broken_;
   bool closed_ = false;  // the Shutdown came back: every worker has finished
   bool stop_watchdog_ = false;
   bool stopped_ = false;
 };
 
-}  // namespace libpipe::schedule
+}  // namespace libpipe::processes

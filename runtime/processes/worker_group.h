@@ -13,18 +13,18 @@
 
 #include "runtime/comm/transport.h"
 #include "runtime/graph/plan.h"
-#include "runtime/stage/weights.h"
+#include "runtime/stage/stage.h"
 
 namespace libpipe::comm {
 class StoreServer;
 }  // namespace libpipe::comm
 
-namespace libpipe::schedule {
+namespace libpipe::processes {
 
 // Tcp: CPU stages over processes, libpipe's authenticated connections (comm/tcp_transport.h).
 enum class TransportKind { Local, Tcp, Nccl };
 
-// The shortest comm timeout a distributed session accepts (runtime/schedule/heartbeat.h: workers
+// The shortest comm timeout a distributed session accepts (runtime/processes/heartbeat.h: workers
 // beat every comm_timeout/8, at least every 10 ms).
 inline constexpr std::chrono::milliseconds kMinDistributedCommTimeout{100};
 
@@ -60,6 +60,11 @@ class WorkerGroup {
   comm::Message receive() { return transport_->recv(world_size_ - 1); }
   // Makes every blocked send/receive fail; the group can only be destroyed afterwards.
   void abort(const std::string& why) { transport_->abort(why); }
+  // The same when the session broke: with NCCL, this rank's counter in the store is marked failed first, since the
+  // workers' transports would otherwise wait on this side for ever (their heartbeats watch the mark).
+  void fail(const std::string& why);
+  // Whether the ring runs over NCCL (whose transports cannot see a peer fail: heartbeat.h).
+  bool nccl() const { return nccl_; }
 
   int world_size() const { return world_size_; }
   // Where every stage runs, the workers' choices included.
@@ -72,7 +77,8 @@ class WorkerGroup {
   c10::intrusive_ptr<c10d::Store> store_;
   std::shared_ptr<comm::Transport> transport_;
   int world_size_ = 1;
+  bool nccl_ = false;
   std::vector<c10::Device> devices_;
 };
 
-}  // namespace libpipe::schedule
+}  // namespace libpipe::processes

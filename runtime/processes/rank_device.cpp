@@ -1,10 +1,10 @@
-#include "runtime/schedule/rank_device.h"
+#include "runtime/processes/rank_device.h"
 
 #include "runtime/comm/launch_environment.h"
 #include "runtime/device/cuda_library.h"
 #include "runtime/error.h"
 
-namespace libpipe::schedule {
+namespace libpipe::processes {
 
 c10::Device gpu_for(int local_index, int gpu_count) {
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_index % gpu_count));
@@ -24,4 +24,4 @@ c10::Device nccl_device(int rank) {
   return *gpu;
 }
 
-}  // namespace libpipe::schedule
+}  // namespace libpipe::processes

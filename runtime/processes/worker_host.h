@@ -11,7 +11,7 @@
 
 #include "runtime/comm/transport.h"
 
-namespace libpipe::schedule {
+namespace libpipe::processes {
 
 struct WorkerOptions {
   int rank = 0;
@@ -34,4 +34,4 @@ void serve_worker(const WorkerOptions& options);
 void serve(comm::Transport& transport, const c10::Device& device, std::chrono::milliseconds comm_timeout,
            int threads_per_stage, c10::intrusive_ptr<c10d::Store> store);
 
-}  // namespace libpipe::schedule
+}  // namespace libpipe::processes

@@ -8,7 +8,7 @@
 #include <optional>
 #include <string>
 
-namespace libpipe::schedule {
+namespace libpipe::processes {
 
 // The rule: the process numbered `local_index` among those of its host takes GPU local_index % gpu_count.
 c10::Device gpu_for(int local_index, int gpu_count);
@@ -21,4 +21,4 @@ std::optional<c10::Device> own_gpu(int rank, std::string* why = nullptr);
 // own_gpu for the NCCL transport, which needs one: throws Error(Unsupported) saying why there is none.
 c10::Device nccl_device(int rank);
 
-}  // namespace libpipe::schedule
+}  // namespace libpipe::processes

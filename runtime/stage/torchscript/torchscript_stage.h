@@ -1,9 +1,11 @@
-// The TorchScript side of stage.h: a stage built by build_stage_module (stage_module.h), its weights
-// loaded (weights.h), and on the CPU its linear layers packed and its attention read from the KV cache.
+// The TorchScript side of stage.h (torchscript_stages() in stage_format.h): a stage built by
+// build_stage_module (stage_module.h), its weights loaded (weights.h), and on the CPU its linear layers
+// packed (panel_rewrite.h), its attention read from the KV cache and its element-wise chains fused.
 #pragma once
 
 #include <torch/csrc/jit/api/module.h>
 
+#include "runtime/stage/checkpoint.h"
 #include "runtime/stage/stage.h"
 
 namespace libpipe::stage {

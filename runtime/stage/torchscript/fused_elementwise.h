@@ -1,6 +1,6 @@
 // A CPU stage's element-wise chains as one operator each (runtime/cpu/elementwise.h).
 //
-// fuse_elementwise rewrites, in a stage's forward, the patterns libpipe.decoder's layers (and Hugging Face's Llama
+// fuse_elementwise rewrites, in a stage's forward, the patterns libpipe.decoders' layers (and Hugging Face's Llama
 // code, which they follow) compile to:
 //   RMSNorm   x.to(float32); h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps); weight * h.to(x.dtype)
 //             -> pipe::rms_norm(x, weight, eps)

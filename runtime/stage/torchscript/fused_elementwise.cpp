@@ -1,4 +1,4 @@
-#include "runtime/stage/fused_elementwise.h"
+#include "runtime/stage/torchscript/fused_elementwise.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/jit/ir/ir.h>
@@ -117,7 +117,7 @@ bool constant_is(const torch::jit::Match& match, const std::unordered_map<std::s
   return false;
 }
 
-// LlamaRMSNorm, as libpipe.decoder.RMSNorm compiles. Every constant is an input of its own (the graph may hold
+// LlamaRMSNorm, as libpipe.decoders.llama.RMSNorm compiles. Every constant is an input of its own (the graph may hold
 // one constant node per use), checked by the match's filter.
 const char* const kRmsNorm = R"IR(
 graph(%x, %eps, %weight, %f32, %nb1, %cp1, %mf1, %two, %neg1, %keep, %dt, %alpha, %nb2, %cp2, %mf2):

@@ -1,4 +1,4 @@
-#include "runtime/schedule/worker_host.h"
+#include "runtime/processes/worker_host.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -16,13 +16,19 @@
 #include "runtime/device/cuda_library.h"
 #include "runtime/error.h"
 #include "runtime/log.h"
-#include "runtime/schedule/assignment.h"
+#include "runtime/processes/assignment.h"
 #include "runtime/schedule/bounded_queue.h"
-#include "runtime/schedule/heartbeat.h"
-#include "runtime/schedule/rank_device.h"
+#include "runtime/processes/heartbeat.h"
+#include "runtime/processes/rank_device.h"
 #include "runtime/stage/stage.h"
 
-namespace libpipe::schedule {
+namespace libpipe::processes {
+
+using schedule::BoundedQueue;
+using schedule::run_stage_step;
+using schedule::stage_error;
+using schedule::StageError;
+using schedule::StageIO;
 
 namespace {
 
@@ -51,6 +57,7 @@ std::vector<std::unique_ptr<stage::Stage>> load_stages(WorkerAssignment& a, int 
   stage::StageOptions options;
   options.weights = a.weights;
   options.dtype = a.dtype;
+  options.quantize = a.quantize;
   for (size_t i = 0; i < a.stages.size(); ++i) {
     stage::BuildOptions build;
     build.options = &options;
@@ -87,7 +94,8 @@ void serve(comm::Transport& transport, const c10::Device& device, std::chrono::m
   std::mutex failure_mutex;
   std::string failure;     // guarded by failure_mutex
   bool passed_on = false;  // this worker sent the Shutdown on; guarded by failure_mutex
-  auto fail = [&](const std::string& why) {
+  // Ends this worker's part: the first reason is kept, the transport and the queues stop.
+  auto stop_here = [&](const std::string& why) {
     {
       std::lock_guard lock(failure_mutex);
       if (failure.empty()) failure = why;
@@ -95,16 +103,43 @@ void serve(comm::Transport& transport, const c10::Device& device, std::chrono::m
     transport.abort(why);
     for (auto& q : queues) q->close();
   };
-  // From here until it returns, this worker tells the driver it is alive, whatever its stages do,
-  // and learns that the driver is gone when the driver's store stops answering. Once it has sent
-  // the Shutdown on, the driver may end and take its store along: that is no failure.
-  HeartbeatSender heartbeat(std::move(store), rank, a.heartbeat_interval, comm_timeout, [&](const std::string& why) {
-    {
-      std::lock_guard lock(failure_mutex);
-      if (passed_on) return;
-    }
-    fail(why);
-  });
+  // Once it has sent the Shutdown on, the driver may end and take its store along, and its peers may end:
+  // neither is a failure then.
+  const auto after_passing_on = [&] {
+    std::lock_guard lock(failure_mutex);
+    return passed_on;
+  };
+  // From here until it returns, this worker tells the driver it is alive, whatever its stages do, and learns
+  // that the driver is gone when the driver's store stops answering (then there is no store to mark anything in).
+  std::unique_ptr<Heartbeat> heartbeat = std::make_unique<Heartbeat>(std::move(store), rank, a.heartbeat_interval,
+                                                                     comm_timeout, [&](const std::string& why) {
+                                                                       if (!after_passing_on()) stop_here(why);
+                                                                     });
+  // A failure of this worker's own: the peers that watch this rank (NCCL's) fail at once; its counter never
+  // says "left".
+  auto fail = [&](const std::string& why) {
+    heartbeat->mark_failed();
+    stop_here(why);
+  };
+  // The heartbeat's threads call the lambdas above: it goes first, whichever way this function ends.
+  struct EndHeartbeat {
+    std::unique_ptr<Heartbeat>& heartbeat;
+    ~EndHeartbeat() { heartbeat.reset(); }
+  } end_heartbeat{heartbeat};
+  // NCCL never notices a dead peer (its kernels wait for ever): the heartbeat watches every other worker for it,
+  // and the driver's counter for its failed mark; a peer that ended normally is one the transport stops waiting
+  // for. A TCP connection fails by itself when its peer's process ends.
+  if (nccl) {
+    std::vector<int> peers;
+    for (int r = 1; r < world; ++r)
+      if (r != rank) peers.push_back(r);
+    heartbeat->watch_peers(
+        peers, {0},
+        [&](const std::string& why) {
+          if (!after_passing_on()) fail(why);
+        },
+        [&transport](int peer) { transport.peer_left(peer); });
+  }
 
   std::vector<std::unique_ptr<stage::Stage>> stages;
   std::vector<device::Place> places;
@@ -122,6 +157,7 @@ void serve(comm::Transport& transport, const c10::Device& device, std::chrono::m
     ready.status = static_cast<int32_t>(own ? own->status() : out_of_memory ? Status::OutOfMemory : Status::Internal);
     ready.text = "rank " + std::to_string(rank) + ": " +
                  (c10_error ? c10_error->what_without_backtrace() : std::string(e.what()));
+    heartbeat->mark_failed();  // a worker that could not load failed: never "left"
     transport.send(0, ready);
     throw;
   }
@@ -241,7 +277,7 @@ void serve_worker(const WorkerOptions& o) {
     transport = comm::make_tcp_transport(*store, secret, o.rank, o.world_size, local_host, o.comm_timeout);
   } else if (transport_name == "nccl") {
     device = nccl_device(o.rank);
-    transport = comm::make_nccl_transport(store, o.rank, o.world_size, device, o.comm_timeout);
+    transport = comm::make_nccl_transport(store, o.rank, o.world_size, device, o.comm_timeout);  // watched by serve()
   } else {
     throw Error(Status::Communication,
                 "the driver asked for transport '" + transport_name + "', which this worker does not know");
@@ -249,4 +285,4 @@ void serve_worker(const WorkerOptions& o) {
   serve(*transport, device, o.comm_timeout, o.threads_per_stage, store);
 }
 
-}  // namespace libpipe::schedule
+}  // namespace libpipe::processes

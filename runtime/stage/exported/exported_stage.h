@@ -1,5 +1,5 @@
-// The exported-program stage builder: one stage of a plan made from a torch.export program, as an
-// exported program itself (a .pt2 holding one program named "model", loadable by
+// The exported-program stage builder (exported_stages() in stage_format.h): one stage of a plan made from a
+// torch.export program, as an exported program itself (a .pt2 holding one program named "model", loadable by
 // torch.export.load), run by LibTorch's nativert (torch::nativert::ModelRunnerHandle).
 //
 // A stage program is the original program's JSON cut down to the stage's nodes (and the nodes that
@@ -12,6 +12,7 @@
 #pragma once
 
 #include "runtime/graph/exported/model.h"
+#include "runtime/stage/checkpoint.h"
 #include "runtime/stage/stage.h"
 
 namespace libpipe::stage {

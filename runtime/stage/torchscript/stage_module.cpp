@@ -1,4 +1,4 @@
-#include "runtime/stage/stage_module.h"
+#include "runtime/stage/torchscript/stage_module.h"
 
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
 #include <torch/csrc/jit/passes/shape_analysis.h>
@@ -10,7 +10,7 @@
 #include "runtime/error.h"
 #include "runtime/graph/torchscript/model.h"
 #include "runtime/log.h"
-#include "runtime/stage/dtype_casts.h"
+#include "runtime/stage/torchscript/dtype_casts.h"
 
 namespace libpipe::stage {
 

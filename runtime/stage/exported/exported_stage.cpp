@@ -1,4 +1,4 @@
-#include "runtime/stage/exported_stage.h"
+#include "runtime/stage/exported/exported_stage.h"
 
 #include <c10/util/Exception.h>
 #include <sys/mman.h>
@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <set>
@@ -15,6 +16,7 @@
 #include "runtime/graph/exported/archive.h"
 #include "runtime/libtorch_log.h"
 #include "runtime/stage/panel_linear.h"
+#include "runtime/stage/stage_format.h"
 
 namespace libpipe::stage {
 
@@ -220,14 +222,29 @@ std::pair<Json, Json> write_weights(Pt2Writer& writer, const ExportedModel& sour
 
 // On a CPU stage, each aten.linear of a float32, bfloat16 or float16 parameter calls
 // pipe::linear_packed_on_demand (same arguments), which multiplies by the weight's panels, as TorchScript
-// stages' linear layers do (panel_linear.h); the stage packs on its first run. Returns the number of
-// layers rewritten.
-size_t pack_linear_layers(Json& program, const ExportedModel& source, const std::vector<size_t>& weight_ids) {
+// stages' linear layers do (panel_linear.h); the stage packs on its first run. With int8 weights, a parameter
+// only linear layers read calls pipe::linear_int8_on_demand, which quantizes it on first use. Returns the number
+// of layers rewritten.
+size_t pack_linear_layers(Json& program, const ExportedModel& source, const std::vector<size_t>& weight_ids,
+                          WeightQuantization quantize) {
   if (!register_linear_packed_on_demand()) return 0;
   std::map<std::string, const Weight*> by_placeholder;
   for (size_t id : weight_ids)
     if (source.attributes().at(id).writers.empty())
       by_placeholder[source.weights()[id].placeholder] = &source.weights()[id];
+  // With int8 weights, those only linear layers read (as the weight) are quantized; a weight read otherwise (a
+  // tied embedding) keeps its dtype, as in TorchScript stages.
+  std::map<std::string, bool> linear_only;
+  for (const Json& node : program["graph_module"]["graph"]["nodes"]) {
+    const bool linear = node.value("target", std::string()) == "torch.ops.aten.linear.default";
+    for (const auto& input : node.value("inputs", Json::array())) {
+      const bool as_weight = linear && input.value("name", std::string()) == "weight";
+      graph::exported::for_each_ref(input.value("arg", Json::object()), [&](const std::string& name, RefKind) {
+        auto [it, fresh] = linear_only.try_emplace(name, as_weight);
+        if (!fresh) it->second = it->second && as_weight;
+      });
+    }
+  }
   size_t rewritten = 0;
   for (Json& node : program["graph_module"]["graph"]["nodes"]) {
     if (node.value("target", std::string()) != "torch.ops.aten.linear.default" || !node.contains("inputs")) continue;
@@ -239,7 +256,9 @@ size_t pack_linear_layers(Json& program, const ExportedModel& source, const std:
            w->second->meta.dtype != at::kHalf) ||
           w->second->meta.sizes.size() != 2)
         break;
-      node["target"] = "torch.ops.pipe.linear_packed_on_demand.default";
+      const bool int8 = quantize == WeightQuantization::Int8 && linear_only[w->first];
+      node["target"] =
+          int8 ? "torch.ops.pipe.linear_int8_on_demand.default" : "torch.ops.pipe.linear_packed_on_demand.default";
       ++rewritten;
     }
   }
@@ -253,7 +272,7 @@ void write_archive(Pt2Writer& writer, Json program, const ExportedModel& source,
   place_devices(program["graph_module"]["graph"], where);
   auto [weights, constants] =
       write_weights(writer, source, weight_ids, stage, options, checkpoint, leave_out, where, tied);
-  if (cpu_rewrites && device.is_cpu()) pack_linear_layers(program, source, weight_ids);
+  if (cpu_rewrites && device.is_cpu()) pack_linear_layers(program, source, weight_ids, options.quantize);
   writer.add("models/model.json", program.dump());
   writer.add("data/weights/model_weights_config.json", weights.dump());
   writer.add("data/constants/model_constants_config.json", constants.dump());
@@ -521,6 +540,54 @@ AliasGroups exported_stage_aliases(const ExportedModel& model, const graph::Plan
     if (!names.empty()) out[model.weights().at(id).fqn] = std::move(names);
   }
   return out;
+}
+
+namespace {
+
+// 8-bit weights are the CPU panels' (pack_linear_layers).
+void refuse_quantization(const BuildOptions& build) {
+  if (build.options->quantize != WeightQuantization::None &&
+      (!build.cpu_rewrites || !build.device.is_cpu() || !register_linear_packed_on_demand()))
+    throw Error(Status::Unsupported, "8-bit weights are for CPU stages on a CPU with AVX-512 (this stage runs on " +
+                                         build.device.str() + "); leave the weights unquantized");
+}
+
+class ExportedStages final : public StageFormat {
+ public:
+  std::unique_ptr<Stage> build(const graph::Plan& plan, size_t index, const BuildOptions& build) const override {
+    refuse_quantization(build);
+    return build_exported_stage(graph::exported::exported_model(plan), plan, index, build);
+  }
+  void save(const graph::Plan& plan, size_t index, const StageOptions& options, Checkpoint* checkpoint,
+            const std::string& path) const override {
+    const std::string bytes = exported_stage_archive(graph::exported::exported_model(plan), plan, index,
+                                                     c10::Device(c10::kCPU), options, checkpoint);
+    FILE* f = std::fopen(path.c_str(), "wb");
+    const bool ok = f && std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+    if (f && std::fclose(f) != 0) throw Error(Status::Io, "cannot write '" + path + "'");
+    if (!ok) throw Error(Status::Io, "cannot write '" + path + "'");
+  }
+  ShippedStage ship(const graph::Plan& plan, size_t index, const c10::Device& device, const StageOptions& options,
+                    Checkpoint* checkpoint) const override {
+    const ExportedModel& model = graph::exported::exported_model(plan);
+    return {exported_stage_archive(model, plan, index, device, options, checkpoint, /*leave_out=*/true),
+            exported_stage_aliases(model, plan, index)};
+  }
+  std::unique_ptr<Stage> receive(ShippedStage shipped, size_t /*index*/, const BuildOptions& build,
+                                 const std::string& what) const override {
+    refuse_quantization(build);
+    const AliasGroups tied = std::move(shipped.aliases);
+    auto received =
+        ExportedModel::from_archive(graph::exported::Pt2Archive::from_bytes(std::move(shipped.bytes), what));
+    return receive_exported_stage(*received, build, tied, what);
+  }
+};
+
+}  // namespace
+
+const StageFormat& exported_stages() {
+  static const ExportedStages stages;
+  return stages;
 }
 
 }  // namespace libpipe::stage

@@ -1,4 +1,4 @@
-#include "runtime/schedule/worker_group.h"
+#include "runtime/processes/worker_group.h"
 
 #include <condition_variable>
 #include <mutex>
@@ -11,13 +11,15 @@
 #include "runtime/comm/tcp_transport.h"
 #include "runtime/error.h"
 #include "runtime/log.h"
-#include "runtime/schedule/assignment.h"
-#include "runtime/schedule/heartbeat.h"
-#include "runtime/schedule/rank_device.h"
-#include "runtime/schedule/worker_host.h"
+#include "runtime/processes/assignment.h"
+#include "runtime/processes/heartbeat.h"
+#include "runtime/processes/rank_device.h"
+#include "runtime/processes/worker_host.h"
 #include "runtime/stage/stage.h"
 
-namespace libpipe::schedule {
+namespace libpipe::processes {
+
+using schedule::stage_io;
 
 namespace {
 
@@ -57,7 +59,7 @@ class SetupDeadline {
 WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<size_t, size_t>>& ranges,
                          std::vector<c10::Device> devices, const DistributedOptions& o,
                          const stage::StageOptions& stage_options, int threads_per_stage, bool workers_choose_gpus)
-    : world_size_(o.world_size), devices_(std::move(devices)) {
+    : world_size_(o.world_size), nccl_(o.transport == TransportKind::Nccl), devices_(std::move(devices)) {
   if (o.connected) {
     if (!o.connected_store)
       throw Error(Status::InvalidArgument, "a connected transport needs a store for the workers' heartbeats");
@@ -98,6 +100,7 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
     a.heartbeat_interval = heartbeat_interval(o.comm_timeout);  // this side judges the beats
     a.weights = stage_options.weights;
     a.dtype = stage_options.dtype;
+    a.quantize = stage_options.quantize;
     for (size_t s = ranges[r].first; s < ranges[r].second; ++s) {
       a.stages.push_back(stage_io(plan, s));
       a.devices.push_back(devices_.at(s));
@@ -124,10 +127,21 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
   log::info("session spread over " + std::to_string(world_size_) + " processes; every worker is ready");
 }
 
+void WorkerGroup::fail(const std::string& why) {
+  if (nccl_) mark_failed_in_store(*store_, 0);
+  transport_->abort(why);
+}
+
 WorkerGroup::~WorkerGroup() {
+  // With NCCL the workers' heartbeats watch this rank's counter: it ended normally unless it was marked failed.
+  if (nccl_) {
+    try {
+      store_->add(heartbeat_key(0), kHeartbeatLeft);
+    } catch (const std::exception&) {}
+  }
   transport_.reset();  // the connections first, then this process's store connection, then the server
   store_.reset();
   server_.reset();
 }
 
-}  // namespace libpipe::schedule
+}  // namespace libpipe::processes

@@ -1,4 +1,4 @@
-#include "runtime/stage/cache_attention.h"
+#include "runtime/stage/torchscript/cache_attention.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/jit/ir/ir.h>

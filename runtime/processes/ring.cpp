@@ -1,11 +1,14 @@
-#include "runtime/schedule/ring.h"
+#include "runtime/processes/ring.h"
 
 #include <algorithm>
 
 #include "runtime/log.h"
-#include "runtime/schedule/heartbeat.h"
+#include "runtime/processes/heartbeat.h"
 
-namespace libpipe::schedule {
+namespace libpipe::processes {
+
+using schedule::MicroBatch;
+using schedule::Request;
 
 Ring::Ring(std::unique_ptr<WorkerGroup> group, size_t capacity, std::chrono::milliseconds comm_timeout,
            const std::atomic<bool>& shutting_down, device::Place transport_place, Retire retire)
@@ -125,7 +128,9 @@ void Ring::watchdog_loop() {
     lock.unlock();
     std::string why;
     try {
-      if (!monitor) monitor = std::make_unique<HeartbeatMonitor>(group_->store(), group_->world_size(), comm_timeout_);
+      if (!monitor)
+        monitor = std::make_unique<HeartbeatMonitor>(group_->store(), group_->world_size(), comm_timeout_,
+                                                     /*failed_marks_are_fatal=*/group_->nccl());
       else why = monitor->check();
     } catch (const c10::Error& e) {
       why = std::string("the workers' heartbeats could not be read from the store: ") + e.what_without_backtrace();
@@ -148,7 +153,7 @@ void Ring::break_ring(const std::string& why) {
   }
   // Info, not error: every call it fails says why, and a caller's one-line error report stays one line.
   log::info("the session is broken: " + why);
-  group_->abort(why);
+  group_->fail(why);
   for (auto& [key, request] : held) retire_(request, Status::Communication, why);
 }
 
@@ -183,4 +188,4 @@ void Ring::stop() {
   group_.reset();
 }
 
-}  // namespace libpipe::schedule
+}  // namespace libpipe::processes

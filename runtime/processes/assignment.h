@@ -15,9 +15,9 @@
 
 #include "runtime/comm/transport.h"
 #include "runtime/schedule/stage_step.h"
-#include "runtime/stage/weights.h"
+#include "runtime/stage/stage.h"
 
-namespace libpipe::schedule {
+namespace libpipe::processes {
 
 // The stages of each rank, [first, end), in order: contiguous groups as equal in count as
 // possible, the larger ones first. Throws Error(InvalidArgument) for fewer stages than ranks.
@@ -26,13 +26,14 @@ std::vector<std::pair<size_t, size_t>> place_stages(size_t num_stages, int world
 struct WorkerAssignment {
   int world_size = 0;
   size_t num_values = 0;                    // size of a micro-batch's environment
-  std::vector<StageIO> stages;              // this rank's, in order
+  std::vector<schedule::StageIO> stages;    // this rank's, in order
   std::vector<c10::Device> devices;         // where each of them runs (on the worker's machine)
   std::vector<std::string> modules;         // serialized stage modules, one per stage
   std::vector<stage::AliasGroups> aliases;  // tied-weight names per stage (checkpoint lookups)
   int threads_per_stage = 1;
   std::string weights;  // checkpoint each worker reads; empty: inside the modules
   std::optional<at::ScalarType> dtype;
+  stage::WeightQuantization quantize = stage::WeightQuantization::None;
   // How often the worker sends its heartbeat: set from the driver's comm timeout, which judges it.
   std::chrono::milliseconds heartbeat_interval{1000};
 };
@@ -41,4 +42,4 @@ comm::Message encode_assignment(const WorkerAssignment& assignment);
 // Throws Error(Communication) for a message that is not an assignment from this libpipe version.
 WorkerAssignment decode_assignment(const comm::Message& message);
 
-}  // namespace libpipe::schedule
+}  // namespace libpipe::processes

@@ -1,4 +1,4 @@
-#include "runtime/stage/dtype_casts.h"
+#include "runtime/stage/torchscript/dtype_casts.h"
 
 #include <ATen/core/jit_type.h>
 #include <c10/util/BFloat16.h>

@@ -1,4 +1,4 @@
-#include "runtime/stage/torchscript_stage.h"
+#include "runtime/stage/torchscript/torchscript_stage.h"
 
 #include <torch/csrc/jit/serialization/import.h>
 
@@ -6,18 +6,28 @@
 
 #include "runtime/error.h"
 #include "runtime/graph/torchscript/model.h"
-#include "runtime/stage/cache_attention.h"
-#include "runtime/stage/fused_elementwise.h"
 #include "runtime/stage/panel_linear.h"
-#include "runtime/stage/stage_module.h"
+#include "runtime/stage/stage_format.h"
+#include "runtime/stage/torchscript/cache_attention.h"
+#include "runtime/stage/torchscript/fused_elementwise.h"
+#include "runtime/stage/torchscript/panel_rewrite.h"
+#include "runtime/stage/torchscript/stage_module.h"
+#include "runtime/stage/torchscript/weights.h"
 
 namespace libpipe::stage {
 
 namespace {
 
 std::unique_ptr<Stage> finish(torch::jit::Module module, const BuildOptions& build) {
+  const WeightQuantization quantize = build.options->quantize;
+  if (quantize != WeightQuantization::None &&
+      (!build.cpu_rewrites || !build.device.is_cpu() || !panel_linear_available()))
+    throw Error(Status::Unsupported,
+                "8-bit weights are for CPU stages on a CPU with AVX-512 (this stage runs on " + build.device.str() +
+                    (build.device.is_cpu() ? ", without AVX-512 or with LIBPIPE_PACKED_LINEAR=0" : "") +
+                    "); leave the weights unquantized");
   if (build.cpu_rewrites && build.device.is_cpu()) {
-    panel_linear_weights(module);
+    panel_linear_weights(module, quantize);
     fuse_cache_attention(module);
     fuse_elementwise(module);
   }
@@ -75,6 +85,34 @@ std::unique_ptr<Stage> receive_torchscript_stage(const ShippedStage& shipped, si
   }
   load_stage_weights(module, shipped.aliases, index, *build.options, build.checkpoint, build.device);
   return finish(std::move(module), build);
+}
+
+namespace {
+
+class TorchScriptStages final : public StageFormat {
+ public:
+  std::unique_ptr<Stage> build(const graph::Plan& plan, size_t index, const BuildOptions& build) const override {
+    return build_torchscript_stage(plan, index, build);
+  }
+  void save(const graph::Plan& plan, size_t index, const StageOptions& options, Checkpoint* checkpoint,
+            const std::string& path) const override {
+    save_torchscript_stage(plan, index, options, checkpoint, path);
+  }
+  ShippedStage ship(const graph::Plan& plan, size_t index, const c10::Device& device, const StageOptions& options,
+                    Checkpoint* checkpoint) const override {
+    return ship_torchscript_stage(plan, index, device, options, checkpoint);
+  }
+  std::unique_ptr<Stage> receive(ShippedStage shipped, size_t index, const BuildOptions& build,
+                                 const std::string& what) const override {
+    return receive_torchscript_stage(shipped, index, build, what);
+  }
+};
+
+}  // namespace
+
+const StageFormat& torchscript_stages() {
+  static const TorchScriptStages stages;
+  return stages;
 }
 
 }  // namespace libpipe::stage

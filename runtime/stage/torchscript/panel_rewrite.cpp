@@ -1,0 +1,272 @@
+#include "runtime/stage/torchscript/panel_rewrite.h"
+
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/passes/dead_code_elimination.h>
+
+#include <malloc.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "runtime/graph/torchscript/model.h"
+#include "runtime/stage/panel_linear.h"
+
+namespace libpipe::stage {
+
+namespace {
+
+void collect(torch::jit::Block* block, std::vector<torch::jit::Node*>& linears,
+             std::vector<torch::jit::Node*>& getattrs) {
+  for (torch::jit::Node* n : block->nodes()) {
+    if (n->kind() == torch::jit::aten::linear && n->inputs().size() == 3) linears.push_back(n);
+    if (n->kind() == torch::jit::prim::GetAttr) getattrs.push_back(n);
+    for (torch::jit::Block* b : n->blocks()) collect(b, linears, getattrs);
+  }
+}
+
+c10::IValue attribute(torch::jit::Module stage, const std::vector<std::string>& path, torch::jit::Module* owner) {
+  for (size_t i = 0; i + 1 < path.size(); ++i) stage = stage.attr(path[i]).toModule();
+  if (owner) *owner = stage;
+  return stage.attr(path.back());
+}
+
+// `path` read from `self` by a chain of prim::GetAttr at the graph's insertion point.
+torch::jit::Value* get_attr_path(torch::jit::Graph& graph, torch::jit::Value* self,
+                                 const std::vector<std::string>& path) {
+  torch::jit::Value* v = self;
+  for (const auto& name : path) v = graph.insertGetAttr(v, name);
+  return v;
+}
+
+bool grouping_enabled() {
+  const char* env = std::getenv("LIBPIPE_GROUPED_LINEAR");
+  return !(env && std::strcmp(env, "0") == 0);
+}
+
+// Products of one input in one block (a layer's q, k and v; gate and up) become one pipe::panel_linear_group at the
+// first of them, each output as before. Their panels and biases must be attributes (read again there) or no bias.
+size_t group_linears(torch::jit::Graph& graph, torch::jit::Value* self) {
+  const auto kind = c10::Symbol::fromQualString("pipe::panel_linear");
+  std::map<std::pair<torch::jit::Block*, torch::jit::Value*>, std::vector<torch::jit::Node*>> by_input;
+  std::vector<std::pair<torch::jit::Block*, torch::jit::Value*>> order;
+  std::function<void(torch::jit::Block*)> collect_products = [&](torch::jit::Block* block) {
+    for (torch::jit::Node* n : block->nodes()) {
+      for (torch::jit::Block* b : n->blocks()) collect_products(b);
+      if (n->kind() != kind) continue;
+      const bool bias_ok =
+          n->input(2)->type()->kind() == c10::TypeKind::NoneType || !graph::attribute_path(n->input(2), self).empty();
+      if (!bias_ok || graph::attribute_path(n->input(1), self).empty() || !torch::jit::toIValue(n->input(3)) ||
+          !torch::jit::toIValue(n->input(4)))
+        continue;
+      auto key = std::make_pair(block, n->input(0));
+      auto [it, fresh] = by_input.try_emplace(key);
+      if (fresh) order.push_back(key);
+      it->second.push_back(n);
+    }
+  };
+  collect_products(graph.block());
+  size_t grouped = 0;
+  for (const auto& key : order) {
+    std::vector<torch::jit::Node*>& nodes = by_input[key];
+    const int64_t in_features = torch::jit::toIValue(nodes[0]->input(4))->toInt();
+    std::vector<torch::jit::Node*> group;
+    for (torch::jit::Node* n : nodes)
+      if (torch::jit::toIValue(n->input(4))->toInt() == in_features) group.push_back(n);
+    if (group.size() < 2) continue;
+    // In block order (collect visits them so), the first is where every input of the group exists: the shared
+    // input, and the attributes read again from `self`.
+    torch::jit::WithInsertPoint here(group.front());
+    std::vector<torch::jit::Value*> panels, biases;
+    std::vector<int64_t> out_features;
+    for (torch::jit::Node* n : group) {
+      panels.push_back(get_attr_path(graph, self, graph::attribute_path(n->input(1), self)));
+      biases.push_back(n->input(2)->type()->kind() == c10::TypeKind::NoneType
+                           ? graph.insertConstant(c10::IValue())
+                           : get_attr_path(graph, self, graph::attribute_path(n->input(2), self)));
+      out_features.push_back(torch::jit::toIValue(n->input(3))->toInt());
+    }
+    torch::jit::Value* panel_list = graph.insertNode(graph.createList(c10::TensorType::get(), panels))->output();
+    torch::jit::Value* bias_list =
+        graph.insertNode(graph.createList(c10::OptionalType::create(c10::TensorType::get()), biases))->output();
+    torch::jit::Value* outs = graph.insert(c10::Symbol::fromQualString("pipe::panel_linear_group"),
+                                           {key.second, panel_list, bias_list, out_features, in_features});
+    torch::jit::Node* unpack = graph.insertNode(graph.createListUnpack(outs, group.size()));
+    for (size_t i = 0; i < group.size(); ++i) {
+      unpack->output(i)->setType(group[i]->output()->type());
+      group[i]->output()->replaceAllUsesWith(unpack->output(i));
+      group[i]->destroy();
+    }
+    ++grouped;
+  }
+  if (grouped) torch::jit::EliminateDeadCode(graph.block());
+  return grouped;
+}
+
+}  // namespace
+
+size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quantize) {
+  if (!panel_linear_available()) return 0;
+  auto forward = stage.find_method("forward");
+  if (!forward) return 0;
+  std::shared_ptr<torch::jit::Graph> graph = forward->graph();
+  const torch::jit::Value* self = graph->inputs()[0];
+  std::set<std::vector<std::string>> written;
+  for (const auto& w : graph::in_place_writes(*graph)) written.insert(w.path);
+
+  std::vector<torch::jit::Node*> linears, getattrs;
+  collect(graph->block(), linears, getattrs);
+
+  // The weights to pack, by tensor (a tied weight is one), with the layers that multiply by it.
+  struct Weight {
+    at::Tensor tensor;
+    std::vector<torch::jit::Node*> linears;
+    std::vector<torch::jit::Node*> embeddings;
+    bool other_reads = false;  // read by anything but those: the original must stay
+    at::Tensor panels;
+    at::Tensor scales;  // int8 panels: each output feature's scale; undefined otherwise
+  };
+  std::map<const c10::TensorImpl*, Weight> weights;
+  std::vector<const c10::TensorImpl*> order;  // first use first: packing order does not depend on pointers
+  for (torch::jit::Node* node : linears) {
+    const std::vector<std::string> path = graph::attribute_path(node->input(1), self);
+    if (path.empty() || written.count(path)) continue;  // computed, or changing: not a constant weight
+    const c10::IValue value = attribute(stage, path, nullptr);
+    if (!value.isTensor() || !can_pack(value.toTensor())) continue;
+    auto [it, fresh] = weights.try_emplace(value.toTensor().unsafeGetTensorImpl());
+    if (fresh) {
+      it->second.tensor = value.toTensor();
+      order.push_back(it->first);
+    }
+    it->second.linears.push_back(node);
+  }
+  if (weights.empty()) return 0;
+  // Every other read of those tensors: an embedding lookup can read the panels; anything else keeps the original.
+  std::set<const torch::jit::Node*> rewritable(linears.begin(), linears.end());
+  for (torch::jit::Node* get : getattrs) {
+    if (!get->output()->type()->isSubtypeOf(*c10::TensorType::get())) continue;
+    const std::vector<std::string> path = graph::attribute_path(get->output(), self);
+    if (path.empty()) continue;
+    const c10::IValue value = attribute(stage, path, nullptr);
+    if (!value.isTensor()) continue;
+    auto it = weights.find(value.toTensor().unsafeGetTensorImpl());
+    if (it == weights.end()) continue;
+    for (const torch::jit::Use& use : get->output()->uses()) {
+      const bool as_weight = use.offset == (use.user->kind() == torch::jit::aten::linear ? 1u : 0u);
+      if (use.user->kind() == torch::jit::aten::linear && as_weight &&
+          std::find(it->second.linears.begin(), it->second.linears.end(), use.user) != it->second.linears.end())
+        continue;
+      if (use.user->kind() == torch::jit::aten::embedding && as_weight) {
+        it->second.embeddings.push_back(use.user);
+        continue;
+      }
+      it->second.other_reads = true;
+    }
+  }
+
+  register_panel_ops();
+  // Paths that read each weight, so that an original nothing else reads can go as soon as its panels exist:
+  // converted one by one, a load never holds every weight twice (runtime/stage/checkpoint.cpp drops a checkpoint
+  // view's pages with it).
+  std::map<const c10::TensorImpl*, std::set<std::vector<std::string>>> paths;
+  for (torch::jit::Node* get : getattrs) {
+    if (!get->output()->type()->isSubtypeOf(*c10::TensorType::get())) continue;
+    const std::vector<std::string> path = graph::attribute_path(get->output(), self);
+    if (path.empty()) continue;
+    const c10::IValue value = attribute(stage, path, nullptr);
+    if (value.isTensor() && weights.count(value.toTensor().unsafeGetTensorImpl()))
+      paths[value.toTensor().unsafeGetTensorImpl()].insert(path);
+  }
+  std::vector<at::Tensor> tensors;
+  for (const auto* impl : order) tensors.push_back(weights.at(impl).tensor);
+  // int8: the weights only linear layers read become codes and scales (a tied embedding, or a weight read
+  // otherwise, keeps its dtype). The arena is sized from the codes' shape alone, and each weight is quantized
+  // just before it is packed: a load never holds more than one weight's codes beside the panels.
+  std::vector<bool> to_int8(order.size(), false);
+  std::vector<at::Tensor> layouts = tensors;
+  if (quantize == WeightQuantization::Int8)
+    for (size_t i = 0; i < order.size(); ++i) {
+      const Weight& w = weights.at(order[i]);
+      if (w.other_reads || !w.embeddings.empty()) continue;
+      to_int8[i] = true;
+      layouts[i] = at::empty(tensors[i].sizes(), at::TensorOptions().dtype(at::kChar).device(at::kMeta));
+    }
+  PanelArena arena(layouts);
+  layouts.clear();
+  std::vector<int64_t> shapes;
+  for (size_t i = 0; i < order.size(); ++i) {
+    Weight& w = weights.at(order[i]);
+    if (to_int8[i]) {
+      Int8Weight q = quantize_int8(tensors[i]);
+      w.panels = arena.pack(i, q.codes);
+      w.scales = std::move(q.scales);
+    } else {
+      w.panels = arena.pack(i, tensors[i]);
+    }
+    shapes.push_back(w.tensor.size(0));
+    shapes.push_back(w.tensor.size(1));
+    tensors[i] = at::Tensor();
+    if (w.other_reads) continue;
+    for (const auto& path : paths[order[i]]) {
+      torch::jit::Module owner;
+      attribute(stage, path, &owner);
+      owner._ivalue()->setAttr(path.back(), at::empty({0}, w.tensor.options()));
+    }
+    w.tensor = at::Tensor();
+  }
+
+  size_t rewritten = 0;
+  for (size_t i = 0; i < order.size(); ++i) {
+    Weight& w = weights.at(order[i]);
+    const int64_t n = shapes[2 * i], k = shapes[2 * i + 1];
+    // The panels as a buffer beside the weight, in the module that holds it.
+    auto buffer_of = [&](torch::jit::Node* user, size_t weight_input, const std::string& suffix,
+                         const at::Tensor& tensor) {
+      torch::jit::Value* weight = user->input(weight_input);
+      torch::jit::Module owner;
+      const std::vector<std::string> path = graph::attribute_path(weight, self);
+      attribute(stage, path, &owner);
+      const std::string name = path.back() + suffix;
+      if (!owner.hasattr(name)) owner.register_buffer(name, tensor);
+      return graph->insertGetAttr(weight->node()->input(0), name);
+    };
+    auto panels_of = [&](torch::jit::Node* user, size_t weight_input) {
+      return buffer_of(user, weight_input, "_panels", w.panels);
+    };
+    for (torch::jit::Node* node : w.linears) {
+      torch::jit::WithInsertPoint here(node);
+      torch::jit::Value* panels = panels_of(node, 1);
+      torch::jit::Value* out =
+          w.scales.defined()
+              ? graph->insert(c10::Symbol::fromQualString("pipe::panel_linear_int8"),
+                              {node->input(0), panels, buffer_of(node, 1, "_scales", w.scales), node->input(2), n, k})
+              : graph->insert(c10::Symbol::fromQualString("pipe::panel_linear"),
+                              {node->input(0), panels, node->input(2), n, k});
+      node->output()->replaceAllUsesWith(out);
+      node->destroy();
+      ++rewritten;
+    }
+    if (w.other_reads) continue;
+    for (torch::jit::Node* node : w.embeddings) {
+      torch::jit::WithInsertPoint here(node);
+      torch::jit::Value* panels = panels_of(node, 0);
+      torch::jit::Value* out =
+          graph->insert(c10::Symbol::fromQualString("pipe::panel_embedding"), {panels, node->input(1), n, k});
+      node->output()->replaceAllUsesWith(out);
+      node->destroy();
+    }
+  }
+  if (grouping_enabled()) group_linears(*graph, graph->inputs()[0]);
+  // The originals (and, for int8, each weight's quantization temporaries) were freed one by one, several
+  // megabytes each: glibc keeps such blocks in its heap for reuse, which a stage that is done loading never
+  // does. Hand them back to the system.
+  malloc_trim(0);
+  return rewritten;
+}
+
+}  // namespace libpipe::stage

@@ -1,0 +1,21 @@
+// Linear layers of a TorchScript CPU stage on panels (panel_linear.h): each aten::linear whose weight is a
+// constant attribute of the stage becomes pipe::panel_linear on that weight's panels, an embedding reading
+// the same tensor pipe::panel_embedding, and the products of one input (q, k, v; gate, up) one
+// pipe::panel_linear_group; the originals are freed as their panels are made.
+#pragma once
+
+#include <torch/csrc/jit/api/module.h>
+
+#include <cstddef>
+
+#include "runtime/stage/stage.h"
+
+namespace libpipe::stage {
+
+// Rewrites the stage's forward as above. Call after its weights are loaded and placed, before its first
+// run. With `quantize` Int8, the weights that only linear layers read become int8 panels with a scale per
+// output feature (quantize_int8), multiplied by pipe::panel_linear_int8; those are not grouped. Returns the
+// number of linear layers rewritten; never throws for a layer it leaves alone.
+size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quantize = WeightQuantization::None);
+
+}  // namespace libpipe::stage
