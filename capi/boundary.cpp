@@ -97,6 +97,16 @@ libpipe::stage::StageOptions stage_options(const pipe_stage_options* o, const ch
     void* user = o->progress_user_data;
     opts.progress = [fn, user](size_t stage, uint64_t done, uint64_t total) { fn(user, stage, done, total); };
   }
+  if (PIPE_HAS(quantize)) {
+    switch (o->quantize) {
+      case PIPE_QUANTIZE_NONE: break;
+      case PIPE_QUANTIZE_INT8: opts.quantize = libpipe::stage::WeightQuantization::Int8; break;
+      default:
+        throw Error(Status::InvalidArgument, std::string(function) + ": stage options quantize " +
+                                                 std::to_string(o->quantize) +
+                                                 " is not PIPE_QUANTIZE_NONE or PIPE_QUANTIZE_INT8");
+    }
+  }
 #undef PIPE_HAS
   return opts;
 }

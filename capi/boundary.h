@@ -17,7 +17,7 @@
 #include "runtime/named_tensor.h"
 #include "runtime/planner/planner.h"
 #include "runtime/schedule/session.h"
-#include "runtime/stage/weights.h"
+#include "runtime/stage/stage.h"
 
 // The opaque handles of pipe.h are never defined: each is the address of one of these objects,
 // cast at the boundary. So the public types stay incomplete everywhere, and the ABI check

@@ -27,8 +27,10 @@ constexpr uint32_t layout_size(size_t end, size_t align) {
 // Every layout below but the first of pipe_session_options holds a pointer, size_t, int64_t or
 // double, the strictest members today's structs have, so it is aligned as today's struct is.
 inline constexpr uint32_t kStageOptionsSizes[] = {
-    // 0.2.0 (32): struct_size, dtype, weights, progress, progress_user_data. Unchanged since.
+    // 0.2.0 (32): struct_size, dtype, weights, progress, progress_user_data.
     layout_size(PIPE_FIELD_END(pipe_stage_options, progress_user_data), alignof(pipe_stage_options)),
+    // 0.13.0 (40): + quantize.
+    layout_size(PIPE_FIELD_END(pipe_stage_options, quantize), alignof(pipe_stage_options)),
 };
 
 inline constexpr uint32_t kSessionOptionsSizes[] = {
@@ -125,7 +127,7 @@ static_assert(last(kLaunchInfoSizes) == sizeof(pipe_launch_info), "list pipe_lau
 
 #if UINTPTR_MAX == UINT64_MAX && defined(__LP64__)
 // The sizes each version's header gave on LP64, as recorded above.
-static_assert(kStageOptionsSizes[0] == 32);
+static_assert(kStageOptionsSizes[0] == 32 && kStageOptionsSizes[1] == 40);
 static_assert(kSessionOptionsSizes[0] == 12 && kSessionOptionsSizes[1] == 48 && kSessionOptionsSizes[2] == 56 &&
               kSessionOptionsSizes[3] == 64 && kSessionOptionsSizes[4] == 88 && kSessionOptionsSizes[5] == 104 &&
               kSessionOptionsSizes[6] == 112);

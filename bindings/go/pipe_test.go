@@ -290,6 +290,24 @@ func TestStageOptions(t *testing.T) {
 	}
 	_, err = d.plan.NewSession(&pipe.SessionOptions{Stage: &pipe.StageOptions{DType: pipe.Int8}})
 	asError(t, err, pipe.StatusInvalidArgument)
+
+	// 8-bit linear weights: the same result to int8's precision, in float32. (CPUs without AVX-512 refuse them.)
+	int8 := &pipe.StageOptions{Quantize: pipe.QuantizeInt8}
+	quantized, err := d.plan.NewSession(&pipe.SessionOptions{Microbatches: 2, Stage: int8})
+	if err != nil {
+		asError(t, err, pipe.StatusUnsupported)
+	} else {
+		defer quantized.Close()
+		out := must(quantized.Run(context.Background(), d.x))(t).Get("output")
+		if out == nil || out.DType() != pipe.Float32 {
+			t.Fatalf("int8 run gave %v", out)
+		}
+		if diff := maxAbsDiff(t, out, d.expected); diff > 0.1 || diff == 0 {
+			t.Fatalf("int8 run: max |diff| = %g, want small but non-zero", diff)
+		}
+	}
+	_, err = d.plan.NewSession(&pipe.SessionOptions{Stage: &pipe.StageOptions{Quantize: 7}})
+	asError(t, err, pipe.StatusInvalidArgument)
 }
 
 func TestErrors(t *testing.T) {

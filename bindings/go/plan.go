@@ -30,7 +30,20 @@ type StageOptions struct {
 	// Weights is a safetensors checkpoint (a .safetensors file or a *.safetensors.index.json);
 	// "" keeps the model's own weights.
 	Weights string
+	// Quantize stores CPU stages' linear layers' weights as 8-bit codes (QuantizeInt8, libpipe >= 0.13);
+	// the zero value keeps them as they are.
+	Quantize Quantization
 }
+
+// Quantization is how CPU stages store their linear layers' weights (pipe.h's PIPE_QUANTIZE_*).
+type Quantization int32
+
+const (
+	// QuantizeNone keeps the weights in the stage's dtype.
+	QuantizeNone Quantization = Quantization(capi.PIPE_QUANTIZE_NONE)
+	// QuantizeInt8 keeps 8-bit codes with a float32 scale per output feature; activations stay in the dtype.
+	QuantizeInt8 Quantization = Quantization(capi.PIPE_QUANTIZE_INT8)
+)
 
 // Plan is a model cut into stages.
 type Plan struct {
@@ -241,11 +254,15 @@ func newStageOptions(op string, opts *StageOptions) (capi.Pipe_stage_options, er
 	default:
 		return nil, errorf(op, StatusInvalidArgument, "stage dtype must be Float32, Float16 or BFloat16, not %v", opts.DType)
 	}
+	if opts.Quantize != QuantizeNone && opts.Quantize != QuantizeInt8 {
+		return nil, errorf(op, StatusInvalidArgument, "stage quantization must be QuantizeNone or QuantizeInt8, not %d", opts.Quantize)
+	}
 	so := capi.NewPipe_stage_options()
 	if so.Swigcptr() == 0 {
 		return nil, errorf(op, StatusOutOfMemory, "cannot allocate stage options")
 	}
 	so.SetDtype(dtype)
+	so.SetQuantize(int(opts.Quantize))
 	so.Set_weights_path(opts.Weights)
 	return so, nil
 }

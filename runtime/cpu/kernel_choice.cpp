@@ -13,7 +13,7 @@ namespace libpipe::cpu {
 
 namespace {
 
-constexpr int kTypes = 3;
+constexpr int kTypes = 4;
 constexpr int kMaxVariants = 4;
 
 // -1: measured; 0 or 1: fixed by the environment variable.
@@ -45,6 +45,7 @@ const char* type_name(WeightType type) {
     case WeightType::kFloat32: return "float32";
     case WeightType::kBFloat16: return "bfloat16";
     case WeightType::kFloat16: return "float16";
+    case WeightType::kInt8: return "int8";
   }
   return "?";
 }

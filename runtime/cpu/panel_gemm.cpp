@@ -16,7 +16,13 @@ namespace libpipe::cpu {
 
 namespace {
 
-size_t element_size(WeightType type) { return type == WeightType::kFloat32 ? 4 : 2; }
+size_t element_size(WeightType type) {
+  switch (type) {
+    case WeightType::kFloat32: return 4;
+    case WeightType::kInt8: return 1;
+    default: return 2;
+  }
+}
 
 // LIBPIPE_CPU_ISA=avx512 pretends the CPU lacks AVX-512 BF16 (the converting kernel, for tests and
 // comparisons on a CPU that has it); =none, that it lacks AVX-512 (nothing uses the panels).
@@ -98,6 +104,12 @@ void unpack_row(WeightType type, const void* panels, int64_t /*n*/, int64_t k, i
   const int64_t panel = row / kPanelWidth, c = row % kPanelWidth;
   const char* in = static_cast<const char*>(panels) + static_cast<size_t>(panel * depth * kPanelWidth) * es;
   char* out = static_cast<char*>(dst);
+  if (type == WeightType::kInt8) {  // the codes as stored; the caller applies the row's scale
+    const int8_t* q = reinterpret_cast<const int8_t*>(in);
+    int8_t* o = reinterpret_cast<int8_t*>(out);
+    for (int64_t i = 0; i < k; ++i) o[i] = q[i * kPanelWidth + c];
+    return;
+  }
   if (type == WeightType::kFloat32) {
     const float* f = reinterpret_cast<const float*>(in);
     float* o = reinterpret_cast<float*>(out);

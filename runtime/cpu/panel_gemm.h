@@ -9,6 +9,10 @@
 //   float32 / float16:  panel b holds outputs 64b .. 64b+63, as [K][64]   (k major, 64 outputs per k)
 //   bfloat16:           panel b as [K/2][64][2]: each output's k and k+1 side by side, the operand
 //                       layout of AVX-512 BF16's VDPBF16PS (a pair of products per lane)
+//   int8:               panel b as [K][64] of signed 8-bit weights, one float32 scale per output feature
+//                       beside them (weight = scale * q, symmetric): a quarter of float32's bytes to stream.
+//                       The rows are float32 (a bfloat16 caller converts its few rows first); each int8
+//                       weight is widened to float32 in registers, so accumulation is float32 as for the others.
 //
 // A tail panel (N not a multiple of 64) is zero-padded, and K is padded to even for bfloat16. The
 // micro-kernel broadcasts one input element per row and multiplies it into four 16-wide output vectors,
@@ -27,7 +31,7 @@
 
 namespace libpipe::cpu {
 
-enum class WeightType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+enum class WeightType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3 };
 
 constexpr int64_t kPanelWidth = 64;  // output features per panel
 constexpr int64_t kUnitWidth = 16;   // output features per unit of work (one 512-bit vector of float32)
@@ -62,11 +66,12 @@ void unpack_row(WeightType type, const void* panels, int64_t n, int64_t k, int64
 
 struct PanelProduct {
   WeightType type = WeightType::kFloat32;
-  const void* x = nullptr;  // [m, k] rows, `type`'s element type, row stride ldx elements
+  const void* x = nullptr;  // [m, k] rows, `type`'s element type (float32 for int8), row stride ldx elements
   int64_t ldx = 0;
-  const void* panels = nullptr;  // pack_panels' output for [n, k]
-  const void* bias = nullptr;    // [n] of `type`, or null
-  void* out = nullptr;           // [m, n] of `type`, row stride ldo elements
+  const void* panels = nullptr;   // pack_panels' output for [n, k]
+  const float* scales = nullptr;  // int8: [n], each output feature's scale
+  const void* bias = nullptr;     // [n] of `type` (float32 for int8), or null
+  void* out = nullptr;            // [m, n] of `type` (float32 for int8), row stride ldo elements
   int64_t ldo = 0;
   int64_t m = 0, n = 0, k = 0;
 };

@@ -7,7 +7,9 @@
 // constant attribute becomes pipe::panel_linear(input, panels, bias, out_features, in_features): the
 // weight repacked once into panels in memory on huge pages, the original freed, so the stage holds one
 // copy in the layout it computes with. An embedding that reads the same tensor (a head tied to the
-// token embedding) becomes pipe::panel_embedding, which reads its rows back from the panels.
+// token embedding) becomes pipe::panel_embedding, which reads its rows back from the panels. This file
+// holds the operators and the panels, for both formats' stages; the rewrite of a TorchScript stage is
+// torchscript/panel_rewrite.h, an exported program's is pipe::linear_packed_on_demand below.
 //
 // float32, bfloat16 and float16 weights; activations in the weight's dtype; float32 accumulation. The
 // product is cut in units of 16 output features, shared by the cores a stage may borrow (SpareCores, in
@@ -18,20 +20,55 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <torch/csrc/jit/api/module.h>
 
 #include <map>
+#include <memory>
 #include <optional>
 #include <vector>
+
+namespace libpipe::cpu {
+class HugePageBuffer;
+}  // namespace libpipe::cpu
 
 namespace libpipe::stage {
 
 // Whether linear layers are rewritten in this process (CPU and LIBPIPE_PACKED_LINEAR).
 bool panel_linear_available();
 
-// Rewrites the stage's forward as above. Call after its weights are loaded and placed, before its first
-// run. Returns the number of linear layers rewritten; never throws for a layer it leaves alone.
-size_t panel_linear_weights(torch::jit::Module& stage);
+// A weight as 8-bit codes: weight ~= scales[:, None] * codes, symmetric per output feature (the largest magnitude
+// of a row maps to 127). `codes` [n, k] int8 packs with PanelArena into int8 panels (panel_gemm.h).
+struct Int8Weight {
+  at::Tensor codes;   // [n, k] int8
+  at::Tensor scales;  // [n] float32
+};
+Int8Weight quantize_int8(const at::Tensor& weight);
+
+// out = input @ (scales[:, None] * codes)^T + bias for `panels` the int8 panels of `codes`: input float32, bfloat16
+// or float16 (computed in float32, returned in the input's dtype), the operator pipe::panel_linear_int8.
+at::Tensor panel_linear_int8(const at::Tensor& input, const at::Tensor& panels, const at::Tensor& scales,
+                             const std::optional<at::Tensor>& bias, int64_t out_features, int64_t in_features);
+
+// Whether to_panels can pack `weight` (2-d, non-empty, a supported dtype, on the CPU).
+bool can_pack(const at::Tensor& weight);
+
+// Registers pipe::panel_linear, pipe::panel_linear_int8, pipe::panel_embedding and pipe::panel_linear_group (once
+// per process).
+void register_panel_ops();
+
+// Panels of several weights in one buffer on huge pages, each a tensor that keeps the buffer alive; the
+// weights are packed one by one, so their originals can go as their panels are made.
+class PanelArena {
+ public:
+  // Room for the panels of `weights` (each can_pack, or int8 codes), each at a 4 KiB boundary.
+  explicit PanelArena(const std::vector<at::Tensor>& weights);
+  // The panels of weights[i], packed (on the intra-op threads of the calling thread).
+  at::Tensor pack(size_t i, const at::Tensor& weight);
+
+ private:
+  static size_t bytes_of(const at::Tensor& w);
+  std::vector<size_t> offsets_;
+  std::shared_ptr<cpu::HugePageBuffer> buffer_;
+};
 
 // One weight [N, K] (float32, bfloat16 or float16, CPU) as panels: a 1-d tensor of its dtype, on huge
 // pages when large. Undefined if it cannot be (another dtype or device, not 2-d, empty).
@@ -68,13 +105,20 @@ class PanelWeights {
   };
   // The panels of `weight` (undefined: it cannot be packed), made on first use.
   const at::Tensor& panels(const at::Tensor& weight);
+  // The same as int8 panels with their scales (quantize_int8), for pipe::linear_int8_on_demand.
+  struct Int8Panels {
+    at::Tensor panels, scales;
+  };
+  const Int8Panels& int8_panels(const at::Tensor& weight);
 
  private:
   std::map<const void*, at::Tensor> panels_;  // by the weight's data: the runtime keeps it in place
+  std::map<const void*, Int8Panels> int8_;
 };
 
-// Registers pipe::linear_packed_on_demand (once per process); false where panels are unavailable
-// (panel_linear_available), and then no program should call it.
+// Registers pipe::linear_packed_on_demand and pipe::linear_int8_on_demand (its int8 twin, where a stage's
+// weights are quantized) once per process; false where panels are unavailable (panel_linear_available), and
+// then no program should call them.
 bool register_linear_packed_on_demand();
 
 }  // namespace libpipe::stage

@@ -14,6 +14,7 @@
 #include "runtime/cpu/panel_gemm.h"
 #include "runtime/cpu/panel_gemm_kernels.h"
 #include "runtime/stage/panel_linear.h"
+#include "runtime/stage/torchscript/panel_rewrite.h"
 #include "runtime/stage/spare_cores.h"
 
 namespace libpipe {
@@ -254,6 +255,100 @@ TEST(PanelLinear, AStageHoldsOneCopyOfEachWeightAndEqualsTheModel) {
         expect_close(
             got[i].toTensor(), want[i].toTensor(),
             std::string(c10::toString(dtype)) + " output " + std::to_string(i) + ", " + std::to_string(rows) + " rows");
+    }
+  }
+}
+
+// int8 weights: the codes and scales of quantize_int8, the product by their panels against float32 arithmetic on
+// the dequantized weight (scales[:, None] * codes), on odd shapes, every row count class, float32 and bfloat16
+// rows, with and without a bias.
+at::Tensor int8_panels(const at::Tensor& codes) {
+  stage::PanelArena arena({codes});
+  return arena.pack(0, codes);
+}
+
+TEST(PanelLinearInt8, QuantizationIsWithinHalfAStepOfEachWeight) {
+  const at::Tensor w = at::randn({37, 71});
+  const auto q = stage::quantize_int8(w);
+  ASSERT_EQ(q.codes.scalar_type(), at::kChar);
+  EXPECT_LE(q.codes.abs().max().item<int>(), 127);
+  const at::Tensor dequantized = q.scales.unsqueeze(1) * q.codes.to(at::kFloat);
+  EXPECT_TRUE(((dequantized - w).abs() <= q.scales.unsqueeze(1) * 0.5001).all().item<bool>());
+  // Each row's largest magnitude is a code of 127.
+  EXPECT_TRUE((q.codes.abs().amax(1) == 127).all().item<bool>());
+  const auto zeros = stage::quantize_int8(at::zeros({2, 5}));  // an all-zero row keeps a usable scale
+  EXPECT_TRUE((zeros.scales == 1).all().item<bool>());
+}
+
+TEST(PanelLinearInt8, ProductsEqualTheDequantizedWeightOnOddShapes) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  for (int64_t n : {1, 17, 64, 100}) {
+    for (int64_t k : {1, 5, 64, 131}) {
+      const at::Tensor w = at::randn({n, k});
+      const auto q = stage::quantize_int8(w);
+      const at::Tensor panels = int8_panels(q.codes);
+      const at::Tensor dequantized = q.scales.unsqueeze(1) * q.codes.to(at::kFloat);
+      const at::Tensor bias = at::randn({n});
+      for (int64_t m : {1, 3, 6, 7, 13, 50}) {
+        for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+          const at::Tensor x = at::randn({m, k}).to(dtype);
+          for (bool with_bias : {false, true}) {
+            const std::optional<at::Tensor> b = with_bias ? std::optional<at::Tensor>(bias.to(dtype)) : std::nullopt;
+            const at::Tensor got = stage::panel_linear_int8(x, panels, q.scales, b, n, k);
+            ASSERT_EQ(got.scalar_type(), dtype);
+            const at::Tensor want = reference_linear(x.to(at::kFloat), dequantized,
+                                                     with_bias ? bias.to(dtype).to(at::kFloat) : at::Tensor())
+                                        .to(dtype);
+            expect_close(got, want,
+                         std::to_string(m) + " x " + std::to_string(k) + " by " + std::to_string(n) + ", " +
+                             c10::toString(dtype) + (with_bias ? ", bias" : ""));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(PanelLinearInt8, WrongInputsAreRefusedWithWhatWasWrong) {
+  SKIP_WITHOUT_PANELS();
+  const auto q = stage::quantize_int8(at::randn({12, 8}));
+  const at::Tensor panels = int8_panels(q.codes);
+  EXPECT_THROW(stage::panel_linear_int8(at::randn({3, 9}), panels, q.scales, std::nullopt, 12, 8), std::exception);
+  EXPECT_THROW(stage::panel_linear_int8(at::randn({3, 8}), panels, q.scales.slice(0, 0, 11), std::nullopt, 12, 8),
+               std::exception);
+  EXPECT_THROW(stage::panel_linear_int8(at::randn({3, 8}), panels, q.scales, std::nullopt, 13, 8), std::exception);
+  EXPECT_THROW(stage::panel_linear_int8(at::ones({3, 8}, at::kLong), panels, q.scales, std::nullopt, 12, 8),
+               std::exception);
+  EXPECT_THROW(stage::panel_linear_int8(at::randn({3, 8}), panels, q.scales, at::randn({5}), 12, 8), std::exception);
+}
+
+// A stage rewritten with int8 weights: the weights only linear layers read become int8 panels and their
+// products pipe::panel_linear_int8; a tied embedding and a weight read otherwise keep their dtype; the stage
+// equals the model whose quantized weights are replaced by their dequantized values.
+TEST(PanelLinearInt8, AStageWithInt8WeightsEqualsTheDequantizedModel) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  const int64_t k = 96, n = 160;
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    torch::jit::Module rewritten = layers(k, n, dtype), reference = layers(k, n, dtype);
+    EXPECT_EQ(stage::panel_linear_weights(rewritten, stage::WeightQuantization::Int8), 4u);
+    const auto& graph = *rewritten.get_method("forward").graph();
+    EXPECT_EQ(count_nodes(graph, "pipe::panel_linear_int8"), 1u);  // w2: w1 and shared are read otherwise
+    EXPECT_EQ(count_nodes(graph, "pipe::panel_embedding"), 1u);    // tied keeps its dtype
+    EXPECT_EQ(rewritten.attr("w2_scales").toTensor().numel(), k);  // w2 is [k, n]: k outputs
+    // The reference: w2 replaced by its dequantized values, in the model's dtype.
+    const auto q = stage::quantize_int8(reference.attr("w2").toTensor());
+    reference.register_parameter("w2", (q.scales.unsqueeze(1) * q.codes.to(at::kFloat)).to(dtype), false);
+    for (int64_t rows : {1, 7, 65}) {
+      const at::Tensor x = at::randn({rows, k}).to(dtype);
+      const at::Tensor ids = at::randint(0, 50, {rows}, at::kLong);
+      const auto want = reference.forward({x, ids}).toTuple()->elements();
+      const auto got = rewritten.forward({x, ids}).toTuple()->elements();
+      for (size_t i = 0; i < want.size(); ++i)
+        expect_close(got[i].toTensor(), want[i].toTensor(),
+                     std::string("int8, ") + c10::toString(dtype) + " output " + std::to_string(i) + ", " +
+                         std::to_string(rows) + " rows");
     }
   }
 }

@@ -51,7 +51,7 @@ static void show_progress(void *user_data, size_t stage, uint64_t done, uint64_t
 int parse_split_arg(int argc, char **argv, int *i, split_args *s) {
   const char *a = argv[*i];
   if (strcmp(a, "--split-at") != 0 && strcmp(a, "--stages") != 0 && strcmp(a, "--policy") != 0 &&
-      strcmp(a, "--weights") != 0 && strcmp(a, "--dtype") != 0)
+      strcmp(a, "--weights") != 0 && strcmp(a, "--dtype") != 0 && strcmp(a, "--quantize") != 0)
     return 0;
   if (*i + 1 >= argc) return usage_error("%s needs a value", a);
   const char *v = argv[++*i];
@@ -63,6 +63,10 @@ int parse_split_arg(int argc, char **argv, int *i, split_args *s) {
     else if (strcmp(v, "fp16") == 0 || strcmp(v, "float16") == 0) s->weights.dtype = PIPE_DTYPE_FLOAT16;
     else if (strcmp(v, "bf16") == 0 || strcmp(v, "bfloat16") == 0) s->weights.dtype = PIPE_DTYPE_BFLOAT16;
     else return usage_error("--dtype takes fp32, fp16 or bf16, not '%s'", v);
+  } else if (strcmp(a, "--quantize") == 0) {
+    if (strcmp(v, "int8") == 0) s->weights.quantize = PIPE_QUANTIZE_INT8;
+    else if (strcmp(v, "none") == 0) s->weights.quantize = PIPE_QUANTIZE_NONE;
+    else return usage_error("--quantize takes int8 or none, not '%s'", v);
   } else if (strcmp(a, "--split-at") == 0) {
     if (s->num_points == MAX_SPLIT_POINTS) return usage_error("at most %d --split-at", MAX_SPLIT_POINTS);
     s->points[s->num_points++] = v;

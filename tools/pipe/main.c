@@ -72,6 +72,8 @@ static const char usage_text[] =
     "  --weights FILE_OR_INDEX         load each stage's weights from a .safetensors file or a\n"
     "                                  *.safetensors.index.json (needed for skeleton models)\n"
     "  --dtype fp32|fp16|bf16          convert floating weights (and inputs) to this dtype\n"
+    "  --quantize int8|none            CPU stages: linear layers' weights as 8-bit codes (a scale per\n"
+    "                                  output feature); activations stay in the dtype (default none)\n"
     "\n"
     "run, bench and generate place the stages with:\n"
     "  --devices D0,D1,...|D|auto      one device per stage (cpu, cuda, cuda:N), one device for\n"

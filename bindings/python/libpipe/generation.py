@@ -246,7 +246,7 @@ class Generator(_Closeable):
 
     model: a Plan, a Model (cut with split_at / stages / policy, as Model.split cuts it) or the
     path of a decoder's TorchScript file (loaded, then cut likewise). The session options are
-    Plan.session's (threads_per_stage, max_inflight, dtype, weights, transport, world_size, store,
+    Plan.session's (threads_per_stage, max_inflight, dtype, weights, quantize, transport, world_size, store,
     comm_timeout, devices, outputs; the defaults are pipe.h's); the generator has no micro-batching
     options (a step is one micro-batch). Generator options, 0 meaning libpipe's default:
     max_queued (sequences that may wait for a free cache slot; one more raises BusyError; 0: 4 x
@@ -271,6 +271,7 @@ class Generator(_Closeable):
         max_inflight=_SESSION_DEFAULTS["max_inflight"],
         dtype=None,
         weights=None,
+        quantize=None,
         transport=_name_of(_constants.TRANSPORT, _SESSION_DEFAULTS["transport"]).lower(),
         world_size=_SESSION_DEFAULTS["world_size"],
         store=None,
@@ -288,6 +289,7 @@ class Generator(_Closeable):
             max_inflight=max_inflight,
             dtype=dtype,
             weights=weights,
+            quantize=quantize,
             transport=transport,
             world_size=world_size,
             store=store,

@@ -550,6 +550,7 @@ class Plan(_Closeable):
         microbatching=_name_of(_constants.MICROBATCHING, _SESSION_DEFAULTS["microbatching"]).lower(),
         dtype=None,
         weights=None,
+        quantize=None,
         transport=_name_of(_constants.TRANSPORT, _SESSION_DEFAULTS["transport"]).lower(),
         world_size=_SESSION_DEFAULTS["world_size"],
         store=None,
@@ -572,6 +573,8 @@ class Plan(_Closeable):
         dict by name) "default" | "split" | ("split", dim) | "replicate"; output_specs: per
         output "concat" | ("concat", dim) | "sum" | "equal". dtype: "float32" | "float16" |
         "bfloat16" for floating weights and inputs. weights: a safetensors checkpoint or index.
+        quantize (libpipe >= 0.13): "int8" stores CPU stages' linear layers' weights as 8-bit codes with
+        a scale per output feature (activations stay in dtype); None: as they are.
 
         Devices (libpipe >= 0.5): devices places the stages: "cpu,cuda:0" (one per stage), "cuda:0"
         (every stage), "auto" (the visible GPUs in order, else the CPU), or None (every stage on
@@ -608,6 +611,7 @@ class Plan(_Closeable):
             max_inflight=max_inflight,
             dtype=dtype,
             weights=weights,
+            quantize=quantize,
             transport=transport,
             world_size=world_size,
             store=store,
@@ -652,6 +656,7 @@ def _session_options(
     devices,
     outputs,
     token=None,
+    quantize=None,
 ):
     """The options of pipe_session_create that Plan.session and Generator share, checked, as the
     dict the native module takes (Plan.session adds the micro-batching ones)."""
@@ -681,18 +686,27 @@ def _session_options(
         options["store"] = _store(store)
     if token is not None:
         options["token"] = _token(token)
-    options.update(_stage_options(dtype, weights) or {})
+    options.update(_stage_options(dtype, weights, quantize) or {})
     return options
 
 
-def _stage_options(dtype, weights):
-    if dtype is None and weights is None:
+# quantize=: pipe.h's PIPE_QUANTIZE_* by lower-case name ("int8"); None: "none".
+_QUANTIZATIONS = {None: _constants.QUANTIZE["NONE"], **{n.lower(): v for n, v in _constants.QUANTIZE.items()}}
+
+
+def _stage_options(dtype, weights, quantize=None):
+    if dtype is None and weights is None and quantize is None:
         return None
     if dtype not in _DTYPES:
         raise InvalidArgumentError(
             Status.INVALID_ARGUMENT, f"dtype must be one of {sorted(k for k in _DTYPES if k)}, not {dtype!r}"
         )
-    options = {"dtype": _DTYPES[dtype]}
+    if quantize not in _QUANTIZATIONS:
+        raise InvalidArgumentError(
+            Status.INVALID_ARGUMENT,
+            f"quantize must be one of {sorted(k for k in _QUANTIZATIONS if k)} or None, not {quantize!r}",
+        )
+    options = {"dtype": _DTYPES[dtype], "quantize": _QUANTIZATIONS[quantize]}
     if weights is not None:
         options["weights"] = os.fsdecode(os.fspath(weights))
     return options

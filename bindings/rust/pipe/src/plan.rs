@@ -123,12 +123,23 @@ pub enum WeightDType {
     BF16,
 }
 
+/// How CPU stages store their linear layers' weights (pipe.h's `PIPE_QUANTIZE_*`; libpipe >= 0.13).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Quantization {
+    /// The weights stay in the stage's dtype.
+    #[default]
+    None,
+    /// 8-bit codes with a float32 scale per output feature; activations stay in the stage's dtype.
+    Int8,
+}
+
 /// How each stage gets its weights.
 #[derive(Clone, Debug, Default)]
 pub struct StageOptions {
     pub dtype: WeightDType,
     /// A .safetensors file or a *.safetensors.index.json; None keeps the model's own weights.
     pub weights: Option<PathBuf>,
+    pub quantize: Quantization,
 }
 
 /// A pipe_stage_options and the C string it points into.
@@ -145,6 +156,10 @@ impl StageOptions {
             WeightDType::F32 => sys::PIPE_DTYPE_FLOAT32,
             WeightDType::F16 => sys::PIPE_DTYPE_FLOAT16,
             WeightDType::BF16 => sys::PIPE_DTYPE_BFLOAT16,
+        };
+        raw.quantize = match self.quantize {
+            Quantization::None => sys::PIPE_QUANTIZE_NONE,
+            Quantization::Int8 => sys::PIPE_QUANTIZE_INT8,
         };
         let weights = self.weights.as_deref().map(crate::path_cstring).transpose()?;
         // The CString's heap buffer does not move when the CString does.

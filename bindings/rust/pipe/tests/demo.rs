@@ -130,3 +130,22 @@ fn batch_with_fewer_rows_than_microbatches_still_runs() {
     let want = pipe::Tensor::new(vec![2, 10], want.as_slice::<f32>().unwrap()[..20].to_vec()).unwrap();
     assert!(max_abs_diff(&out, &want) <= 1e-4);
 }
+
+// 8-bit linear weights (libpipe >= 0.13): the demo's result to int8's precision, in float32; a CPU without AVX-512
+// refuses them with Unsupported.
+#[test]
+fn int8_weights_give_the_result_to_their_precision() {
+    let model = Model::load(fixture("demo.pt")).unwrap();
+    let plan = Plan::new(&model, &PlanOptions::new().split_point("blocks.2:begin")).unwrap();
+    let stage = pipe::StageOptions { quantize: pipe::Quantization::Int8, ..Default::default() };
+    match Session::new(&plan, &SessionOptions::new().microbatches(2).stage_options(stage)) {
+        Err(e) => assert_eq!(e.status, Status::Unsupported, "{e}"),
+        Ok(session) => {
+            let outputs = session.run(&[demo_input()]).unwrap();
+            let got = &outputs[0].1;
+            assert_eq!(got.dtype(), DType::F32);
+            let diff = max_abs_diff(got, &demo_reference());
+            assert!(diff > 0.0 && diff <= 0.1, "max |diff| = {diff}");
+        }
+    }
+}

@@ -1,0 +1,104 @@
+"""8-bit weights (`--quantize int8`), end to end through `pipe`: a model split in stages, in float32 and
+bfloat16, in one process and over two, computes what eager PyTorch computes with each linear layer's weight
+replaced by its dequantized int8 value (a float32 scale per output feature, the largest magnitude at 127, codes
+rounded to the nearest), TorchScript models and exported programs alike; a weight that something besides linear
+layers reads keeps its dtype; an unknown quantization is refused."""
+
+import pytest
+import torch
+from conftest import SANITIZED, assert_one_line_error
+from conftest import run_pipe as pipe
+from safetensors.torch import load_file, save_file
+
+WIDTH = 96
+
+
+class Layers(torch.nn.Module):
+    """Three linear layers and a weight also read by another operator (which must keep its dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = torch.nn.Linear(2 * WIDTH, WIDTH, bias=False)
+        self.out = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        h = self.down(h)
+        return self.out(h) + self.out.weight.sum(0)
+
+
+def dequantized(weight):
+    """What libpipe's int8 weights hold, in float32: symmetric per row, scale = max |w| / 127."""
+    w = weight.float()
+    scale = w.abs().amax(1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale).clamp(-127, 127) * scale
+
+
+def model_and_reference(tmp_path, dtype):
+    torch.manual_seed(0)
+    model = Layers().eval()
+    x = torch.randn(5, WIDTH)
+    with torch.no_grad():
+        traced = torch.jit.trace(model, (x,))
+    traced.save(str(tmp_path / "model.pt"))
+    save_file({"x": x}, str(tmp_path / "in.safetensors"))
+    reference = Layers().eval()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        reference = reference.to(dtype)
+        # up and down are read by linear layers only; out's weight is read by sum() too: it stays as it is.
+        for layer in (reference.up, reference.down):
+            layer.weight.copy_(dequantized(layer.weight.to(dtype)).to(dtype))
+        want = reference(x.to(dtype)).float()
+        plain = model.to(dtype)(x.to(dtype)).float()
+    return want, plain
+
+
+@pytest.mark.parametrize(
+    "dtype,split,processes",
+    [(torch.float32, ["--split-at", "down:begin"], 1), (torch.bfloat16, ["--split-at", "down:begin"], 1)]
+    + ([] if SANITIZED else [(torch.float32, ["--split-at", "down:begin"], 2), (torch.float32, [], 1)]),
+)
+def test_int8_weights_compute_the_dequantized_model(tmp_path, dtype, split, processes):
+    want, plain = model_and_reference(tmp_path, dtype)
+    out = tmp_path / "out.safetensors"
+    args = ["run", tmp_path / "model.pt", *split, "--input", tmp_path / "in.safetensors", "--output", out]
+    args += ["--dtype", "bf16" if dtype == torch.bfloat16 else "fp32", "--quantize", "int8"]
+    if processes > 1:
+        args += ["--processes", processes]
+    result = pipe(*args)
+    assert result.returncode == 0, result.stderr
+    got = load_file(out)["output"].float()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    if dtype == torch.float32:
+        # And not the unquantized model: the codes are what ran (int8 rounding moves results by about 1e-2 here;
+        # in bfloat16 the dtype's own rounding is as large, so only the tolerance above tells).
+        assert (got - want).abs().mean() < 0.25 * (plain - want).abs().mean()
+
+
+def test_an_exported_program_with_int8_weights_computes_the_dequantized_model(tmp_path):
+    # The program's linear layers quantize their weights on first use (nativert keeps the originals).
+    want, plain = model_and_reference(tmp_path, torch.float32)
+    torch.manual_seed(0)
+    model = Layers().eval()
+    x = load_file(tmp_path / "in.safetensors")["x"]
+    with torch.no_grad():
+        torch.export.save(torch.export.export(model, (x,)), str(tmp_path / "model.pt2"))
+    out = tmp_path / "out.safetensors"
+    result = pipe(
+        "run", tmp_path / "model.pt2", "--split-at", "down:begin", "--input", tmp_path / "in.safetensors",
+        "--output", out, "--quantize", "int8",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    got = load_file(out)["output"]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (got - want).abs().mean() < 0.25 * (plain - want).abs().mean()
+
+
+def test_what_cannot_be_quantized_is_refused(tmp_path):
+    model_and_reference(tmp_path, torch.float32)
+    args = ["--input", tmp_path / "in.safetensors", "--output", tmp_path / "out.safetensors"]
+    assert_one_line_error(pipe("run", tmp_path / "model.pt", *args, "--quantize", "int4"), "--quantize", "int4")
