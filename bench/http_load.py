@@ -1,7 +1,7 @@
 """Load over HTTP: libpipe's go-sse service against llama.cpp's llama-server, on SmolLM2-135M-Instruct.
 
 Both servers speak OpenAI's /v1/chat/completions with streaming (server-sent events) and run the
-same float32 weights: go-sse (examples/go-sse) serves the Hugging Face folder of
+same float32 weights: go-sse (pipe-serve, serve/) serves the Hugging Face folder of
 tests/models/smollm2.py through a decoder skeleton that libpipe.export_llm writes with N cache
 slots; llama-server (bench/llamacpp.py builds it) serves the F32 GGUF dequantized from the same
 GGUF, with -np N slots, -c N times a slot's context, -t/-tb --llamacpp-threads threads, no web UI
@@ -40,8 +40,8 @@ Figures per server and N (wall = from the first request sent to the last one's e
                               [--prefix build/stage | --go-sse BIN] [--work DIR] [--out FILE]
 
 Run with the project's virtualenv python (scripts/env.sh: LIBPIPE_PYTHON) after scripts/build.sh;
-go-sse is built as examples/go-sse/run.sh builds it, against the libpipe installed at --prefix
-(default build/stage, which ctest's bindings_stage fills; or `cmake --install build --prefix DIR`).
+go-sse (pipe-serve, serve/) is built against the libpipe installed at --prefix (default build/stage,
+which ctest's bindings_stage fills; or `cmake --install build --prefix DIR`).
 The client runs in this process on the same cores as the servers (threads, the standard library).
 Exit status 1 when some request did not complete.
 """
@@ -85,7 +85,7 @@ def free_port():
 
 
 def build_go_sse(prefix, work):
-    """Builds examples/go-sse against the libpipe installed at `prefix`, as its run.sh does."""
+    """Builds pipe-serve (serve/) against the libpipe installed at `prefix`."""
     if not (prefix / "lib" / "pkgconfig" / "libpipe.pc").is_file():
         raise LoadError(
             f"no libpipe installed at {prefix} (no lib/pkgconfig/libpipe.pc): run ctest -R bindings_stage, "
@@ -94,7 +94,7 @@ def build_go_sse(prefix, work):
     out = work / "go-sse"
     script = (
         'set -euo pipefail; proxy=$(go env GOPROXY); . "$ROOT/bindings/go/build-env.sh"; export GOPROXY="$proxy"; '
-        'cd "$ROOT/examples/go-sse"; go build -ldflags "-r $PREFIX/lib" -o "$OUT" .'
+        'cd "$ROOT/serve"; go build -ldflags "-r $PREFIX/lib" -o "$OUT" .'
     )
     env = dict(os.environ, ROOT=str(ROOT), PREFIX=str(prefix), WORKDIR=str(work), OUT=str(out))
     r = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True)
@@ -163,7 +163,7 @@ def start_go_sse(binary, decoder, folder, split, prefix, log):
     server = Server("go-sse", cmd, log, env)
     deadline = time.monotonic() + START_LIMIT_S
     try:
-        marker = "go-sse: listening on http://"
+        marker = "pipe-serve: listening on http://"
         while server.port is None:
             server.check_alive()
             for line in Path(log).read_text(errors="replace").splitlines():

@@ -16,7 +16,7 @@ apt_packages=(
   clang libclang-dev                             # bindgen (the Rust binding's -sys crate)
   libclang-rt-dev                                # clang's fuzzer and sanitizer runtimes (scripts/fuzz.sh links them)
   libssl-dev                                     # libcrypto: HMAC-SHA256 for authenticating connections between processes
-  curl                                           # examples/go-sse's test drives the service with curl
+  curl                                           # pipe-serve's test (serve/) drives the service with curl
   iproute2                                       # ip netns and tc: two hosts on one machine (tests/distributed)
 )
 missing=()
@@ -31,9 +31,10 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
-# The Go and Rust bindings build with the machine's own toolchains (Go >= 1.24, Rust >= 1.80);
-# Debian's packages are too old for them, so say where they come from rather than fail later.
-command -v go >/dev/null || echo "install-deps: warning: no 'go' on PATH; the Go binding's tests will fail (https://go.dev/dl)" >&2
+# The Go and Rust bindings build with the machine's own toolchains (Go >= 1.24, and 1.26 for
+# pipe-serve, serve/; Rust >= 1.80); Debian's packages are too old for them, so say where they come
+# from rather than fail later.
+command -v go >/dev/null || echo "install-deps: warning: no 'go' on PATH; pipe-serve is not built and the Go binding's tests will fail (https://go.dev/dl)" >&2
 command -v cargo >/dev/null || echo "install-deps: warning: no 'cargo' on PATH; the Rust binding's tests will fail (https://rustup.rs)" >&2
 
 requirements=$LIBPIPE_ROOT/scripts/requirements.txt

@@ -13,6 +13,7 @@ package main
 //	POST /v1/chat/completions  the same over a conversation (chat.go)
 //	GET /v1/models        the one model served
 //	GET /health           {"status": "ok", slots, queue, counters}
+//	GET /metrics          Prometheus' text format (metrics.go)
 //
 // Bad requests get 400 with an OpenAI-style error object naming the field (errors.go has the other
 // statuses); a full queue (every cache slot taken and GeneratorOptions.MaxQueued sequences
@@ -50,7 +51,9 @@ type server struct {
 
 	queueTimeout time.Duration // the longest a request waits for a cache slot (admission.go); 0: no limit
 
-	// Counters for /health: what operators want to see, and what the test observes.
+	metrics *metrics // /metrics; set by handler
+
+	// Counters for /health (and /metrics): what operators want to see, and what the test observes.
 	requests      atomic.Uint64
 	rejectedBusy  atomic.Uint64
 	badRequests   atomic.Uint64
@@ -61,13 +64,17 @@ type server struct {
 	finishedOther atomic.Uint64
 }
 
-func (s *server) routes() *http.ServeMux {
+// handler is the whole service: the routes behind the API key (auth.go), every request counted
+// and timed for /metrics.
+func (s *server) handler(key *apiKey) http.Handler {
+	s.metrics = newMetrics(s)
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/completions", s.completions)
 	mux.HandleFunc("POST /v1/chat/completions", s.chatCompletions)
 	mux.HandleFunc("GET /v1/models", s.models)
 	mux.HandleFunc("GET /health", s.health)
-	return mux
+	mux.Handle("GET /metrics", s.metrics.handler())
+	return s.metrics.instrument(mux, key.guard(mux))
 }
 
 // generationFields are the request fields both endpoints read; other fields are ignored, as
@@ -233,9 +240,9 @@ type usage struct {
 	TotalTokens      int `json:"total_tokens"`
 }
 
-// tokenUsage is the usage of a completion of prompt that ended as end says.
-func tokenUsage(prompt []int64, end ending) *usage {
-	return &usage{PromptTokens: len(prompt), CompletionTokens: end.tokens, TotalTokens: len(prompt) + end.tokens}
+// tokenUsage is the usage of a completion of a prompt of promptTokens that ended as end says.
+func tokenUsage(promptTokens int, end ending) *usage {
+	return &usage{PromptTokens: promptTokens, CompletionTokens: end.tokens, TotalTokens: promptTokens + end.tokens}
 }
 
 // jsonNull is a response's "usage": null, which omitempty keeps (a nil usage is left out).
@@ -264,6 +271,7 @@ func (f *generationFields) streamUsage() (bool, *badRequest) {
 }
 
 func (s *server) completions(w http.ResponseWriter, r *http.Request) {
+	began := time.Now()
 	s.requests.Add(1)
 	var req completionRequest
 	if berr := decodeRequest(w, r, &req); berr != nil {
@@ -287,7 +295,7 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 	}
 	// The request's context: when the client disconnects, the sequence is cancelled.
 	ctx := r.Context()
-	gen := s.start(ctx, w, prompt, opts, "prompt")
+	gen := s.start(ctx, w, prompt, opts, "prompt", began)
 	if gen == nil {
 		return // answered
 	}
@@ -307,7 +315,7 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		c.Choices = []choice{{Text: text.String(), Index: 0, FinishReason: &end.finish}}
-		c.Usage = tokenUsage(prompt, end)
+		c.Usage = tokenUsage(len(prompt), end)
 		writeJSON(w, http.StatusOK, c)
 		return
 	}
@@ -325,7 +333,7 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 	c.Choices = []choice{{Text: "", Index: 0, FinishReason: &end.finish}}
 	events.send(c)
 	if includeUsage {
-		c.Choices, c.Usage = []choice{}, tokenUsage(prompt, end)
+		c.Choices, c.Usage = []choice{}, tokenUsage(len(prompt), end)
 		events.send(c)
 	}
 	events.done()
@@ -343,8 +351,14 @@ type ending struct {
 // ends, a stop string appears (the sequence is cancelled; the text before it is emitted, not the
 // rest), a write fails (the client stopped reading or left: the sequence is cancelled) or ctx
 // ends (the client left: the sequence is cancelled before this returns, so that its slot is freed
-// however the consumer behaves).
+// however the consumer behaves). Its tokens are timed, and its usage counted, for /metrics.
 func (s *server) follow(ctx context.Context, a *admitted, stops []string, emit func(string) error) ending {
+	end := s.followTokens(ctx, a, stops, emit)
+	s.metrics.usage(a.promptTokens, end.tokens)
+	return end
+}
+
+func (s *server) followTokens(ctx context.Context, a *admitted, stops []string, emit func(string) error) ending {
 	gen := a.gen
 	text := &textStream{codec: s.text}
 	scan := &stopScanner{stops: stops}
@@ -361,14 +375,16 @@ func (s *server) follow(ctx context.Context, a *admitted, stops []string, emit f
 			gen.Cancel() // the rest is not wanted
 		}
 	}
-	take := func(id int64) {
+	clock := s.metrics.clock(a.began)
+	take := func(id int64, at time.Time) {
 		if !stopped {
 			tokens++
+			clock.token(at)
 			send(scan.Push(text.Add(id)))
 		}
 	}
 	for _, id := range a.head {
-		take(id)
+		take(id, a.headAt)
 	}
 	for ch := gen.Tokens(); ch != nil; {
 		select {
@@ -377,7 +393,7 @@ func (s *server) follow(ctx context.Context, a *admitted, stops []string, emit f
 				ch = nil
 				break
 			}
-			take(id)
+			take(id, time.Now())
 		case <-ctx.Done():
 			if !left {
 				left = true

@@ -234,6 +234,19 @@ func TestLimits(t *testing.T) {
 		if h := s.health(t); h.Status != "ok" { // no key
 			t.Fatalf("/health without the key: %+v", h)
 		}
+		// /metrics is behind the key (no -metrics-public), and counts the refusals.
+		resp, err = http.Get(s.base + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusUnauthorized {
+			t.Fatalf("/metrics without the key: %s, want 401", resp.Status)
+		}
+		m := scrape(t, s, testAPIKey)
+		if n := m.value("pipe_serve_requests_total", "endpoint", "/v1/models", "code", "401"); n != 5 {
+			t.Fatalf("/metrics counts %g requests for /v1/models refused with 401, want 5", n)
+		}
 	})
 
 	t.Run("SlowHeaders", func(t *testing.T) {

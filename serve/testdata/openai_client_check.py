@@ -1,4 +1,4 @@
-"""Drives the go-sse service with OpenAI's official Python client (the `openai` package).
+"""Drives pipe-serve with OpenAI's official Python client (the `openai` package).
 
     python openai_client_check.py BASE_URL CASES.json
 

@@ -3,8 +3,9 @@ package main
 // The API key: with -api-key or -api-key-file, every request must carry
 // `Authorization: Bearer <key>`, as OpenAI's clients send their api_key; one without it, or with
 // another key, gets 401 with OpenAI's error object and `WWW-Authenticate: Bearer` (RFC 6750).
-// GET /health stays open, for load balancers and orchestrators that probe without credentials; a
-// /metrics endpoint, when the service has one, is behind the key unless -metrics-public.
+// GET /health stays open, for load balancers and orchestrators that probe without credentials;
+// GET /metrics is behind the key unless -metrics-public (a scraper that cannot send a key, on a
+// network that is trusted).
 //
 // The key is compared in constant time (crypto/subtle), and the SHA-256 sums of both keys are
 // what is compared, so that neither a key's content nor its length shows in the time a refusal

@@ -1,20 +1,22 @@
-// Command go-sse serves text completions from a language model over HTTP, with libpipe's
+// Command pipe-serve serves text completions from a language model over HTTP, with libpipe's
 // generator underneath: the model is cut into pipeline stages, and the sequences of concurrent
 // requests are batched into shared steps that stream through them. The API has the shape of
 // OpenAI's /v1/completions and /v1/chat/completions, streaming with server-sent events (see
-// server.go and chat.go).
+// server.go and chat.go); /metrics is Prometheus' (metrics.go).
 //
-//	go-sse -decoder DECODER.pt -model-dir HF_DIR [-split POINT,... | -stages N] [-addr HOST:PORT]
-//	       [-max-queued N] [-name NAME] [-api-key KEY | -api-key-file FILE] [-metrics-public]
-//	       [-read-header-timeout D] [-read-timeout D] [-write-timeout D] [-idle-timeout D]
-//	       [-queue-timeout D] [-max-conns N]
+//	pipe-serve -decoder DECODER.pt -model-dir HF_DIR [-split POINT,... | -stages N] [-addr HOST:PORT]
+//	           [-max-queued N] [-name NAME] [-api-key KEY | -api-key-file FILE] [-metrics-public]
+//	           [-read-header-timeout D] [-read-timeout D] [-write-timeout D] [-idle-timeout D]
+//	           [-queue-timeout D] [-max-conns N]
+//
+// (-flag and --flag are the same; --help lists the flags, one line each, on stdout.)
 //
 // DECODER.pt follows libpipe's decoder contract (`python -m libpipe.export_llm HF_DIR
 // DECODER.pt` writes one for Llama, Qwen2, Mistral and GPT-2 checkpoints). HF_DIR is the Hugging
 // Face folder: tokenizer.json (required), model.safetensors or model.safetensors.index.json (the
 // weights, when DECODER.pt holds none), generation_config.json (its eos_token_id ends a
 // completion), chat_template.jinja or tokenizer_config.json (the chat template and its special
-// tokens, for /v1/chat/completions). Once listening it prints "go-sse: listening on
+// tokens, for /v1/chat/completions). Once listening it prints "pipe-serve: listening on
 // http://HOST:PORT" on stdout; -addr 127.0.0.1:0 picks a free port. It listens on the loopback
 // unless told otherwise; the timeouts, the connection limit and the API key (limits.go, auth.go)
 // are what make it safe to expose further.
@@ -26,6 +28,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"log"
 	"net/http"
 	"os"
@@ -33,6 +36,7 @@ import (
 	"path/filepath"
 	"strings"
 	"syscall"
+	"text/tabwriter"
 	"time"
 
 	pipe "github.com/libpipe/libpipe/bindings/go"
@@ -50,33 +54,40 @@ type config struct {
 
 func main() {
 	var c config
-	flag.StringVar(&c.decoder, "decoder", "", "the decoder (TorchScript, libpipe's decoder contract)")
-	flag.StringVar(&c.modelDir, "model-dir", "", "the Hugging Face folder: tokenizer.json, weights, generation_config.json")
-	flag.StringVar(&c.split, "split", "", "split points, comma-separated (e.g. model.layers.15:begin); default: -stages")
-	flag.IntVar(&c.stages, "stages", 2, "stages, balanced by parameters, when -split is not given")
-	flag.StringVar(&c.addr, "addr", "127.0.0.1:8080", "where to listen (port 0: a free one)")
-	flag.IntVar(&c.maxQueued, "max-queued", 0, "requests that may wait for a cache slot before 503 (default 0: 4 x slots)")
-	flag.StringVar(&c.name, "name", "", "the model's name in the API (default: the folder's name)")
-	apiKey := flag.String("api-key", "", "the API key clients must send as \"Authorization: Bearer KEY\" "+
-		"(default: none, no key asked; -api-key-file keeps it out of the process list)")
-	apiKeyFile := flag.String("api-key-file", "", "a file holding the API key (default: none)")
-	flag.BoolVar(&c.metricsPublic, "metrics-public", false, "serve /metrics without the API key (default false; "+
-		"this version has no /metrics yet)")
-	flag.DurationVar(&c.limits.readHeader, "read-header-timeout", 10*time.Second,
-		"the longest a request's headers may take to arrive (0: no limit)")
-	flag.DurationVar(&c.limits.read, "read-timeout", 30*time.Second,
-		"the longest a request's body may take to arrive after its headers (0: no limit)")
-	flag.DurationVar(&c.limits.write, "write-timeout", 30*time.Second,
-		"the longest a client may take to accept one write (an event of a stream, a response); past it the "+
-			"request is cut off and its sequence cancelled (0: no limit)")
-	flag.DurationVar(&c.limits.idle, "idle-timeout", 60*time.Second,
-		"the longest a kept-alive connection may wait for its next request (0: no limit)")
-	flag.DurationVar(&c.queueTimeout, "queue-timeout", 30*time.Second,
-		"the longest a request may wait for a cache slot before 503 with Retry-After (0: no limit)")
-	flag.IntVar(&c.limits.maxConns, "max-conns", 256, "connections served at once; more wait to be accepted (0: no limit)")
-	flag.Parse()
-	if c.decoder == "" || c.modelDir == "" || flag.NArg() != 0 {
-		fmt.Fprintln(os.Stderr, "usage: go-sse -decoder DECODER.pt -model-dir HF_DIR [flags]; -h lists the flags")
+	flags := flag.NewFlagSet("pipe-serve", flag.ContinueOnError)
+	// One line each in --help (printUsage): a backquoted word names the value.
+	flags.StringVar(&c.decoder, "decoder", "", "the decoder, `DECODER.pt` (libpipe's decoder contract); required")
+	flags.StringVar(&c.modelDir, "model-dir", "", "the Hugging Face folder, `HF_DIR` (tokenizer, weights); required")
+	flags.StringVar(&c.split, "split", "", "split `POINTS`, comma-separated (e.g. model.layers.15:begin)")
+	flags.IntVar(&c.stages, "stages", 2, "stages of equal parameter size, without -split")
+	flags.StringVar(&c.addr, "addr", "127.0.0.1:8080", "where to listen, `HOST:PORT`; port 0: a free one")
+	flags.IntVar(&c.maxQueued, "max-queued", 0, "requests that may wait for a cache slot, more get 503; 0: 4 x slots")
+	flags.StringVar(&c.name, "name", "", "the model's `NAME` in the API (default: the folder's name)")
+	apiKey := flags.String("api-key", "", "the `KEY` clients send as \"Authorization: Bearer KEY\"; default none")
+	apiKeyFile := flags.String("api-key-file", "", "a `FILE` holding the key (unlike -api-key, not shown by ps)")
+	flags.BoolVar(&c.metricsPublic, "metrics-public", false, "serve /metrics without the API key")
+	flags.DurationVar(&c.limits.readHeader, "read-header-timeout", 10*time.Second,
+		"the most a request's headers may take; 0: no limit")
+	flags.DurationVar(&c.limits.read, "read-timeout", 30*time.Second,
+		"the most a request's body may take after its headers, else 408; 0: no limit")
+	flags.DurationVar(&c.limits.write, "write-timeout", 30*time.Second,
+		"the most a client may take to accept a write, else cut off; 0: no limit")
+	flags.DurationVar(&c.limits.idle, "idle-timeout", 60*time.Second,
+		"the most a kept-alive connection idles between requests; 0: no limit")
+	flags.DurationVar(&c.queueTimeout, "queue-timeout", 30*time.Second,
+		"the most a request waits for a cache slot, else 503; 0: no limit")
+	flags.IntVar(&c.limits.maxConns, "max-conns", 256, "connections served at once, more wait; 0: no limit")
+	flags.SetOutput(io.Discard) // the errors are printed below, with a hint rather than the whole list
+	switch err := flags.Parse(os.Args[1:]); {
+	case errors.Is(err, flag.ErrHelp):
+		printUsage(os.Stdout, flags)
+		os.Exit(0)
+	case err != nil:
+		fmt.Fprintf(os.Stderr, "pipe-serve: %v; --help lists the flags\n", err)
+		os.Exit(2)
+	}
+	if c.decoder == "" || c.modelDir == "" || flags.NArg() != 0 {
+		fmt.Fprintln(os.Stderr, "usage: pipe-serve -decoder DECODER.pt -model-dir HF_DIR [flags]; --help lists the flags")
 		os.Exit(2)
 	}
 	if c.name == "" {
@@ -84,13 +95,35 @@ func main() {
 	}
 	var err error
 	if c.apiKey, err = loadAPIKey(*apiKey, *apiKeyFile); err != nil {
-		fmt.Fprintln(os.Stderr, "go-sse:", err)
+		fmt.Fprintln(os.Stderr, "pipe-serve:", err)
 		os.Exit(2)
 	}
 	if err := run(c); err != nil {
-		fmt.Fprintln(os.Stderr, "go-sse:", err)
+		fmt.Fprintln(os.Stderr, "pipe-serve:", err)
 		os.Exit(1)
 	}
+}
+
+// printUsage lists the flags, one line each (flag.PrintDefaults takes two), with their defaults.
+func printUsage(out io.Writer, flags *flag.FlagSet) {
+	fmt.Fprint(out, `pipe-serve: serves a language model over HTTP through libpipe's generator, with OpenAI's
+completions and chat completions API (streaming as server-sent events) and Prometheus' /metrics.
+
+usage: pipe-serve -decoder DECODER.pt -model-dir HF_DIR [flags]
+
+flags (-flag and --flag alike):
+`)
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	flags.VisitAll(func(f *flag.Flag) {
+		name, help := flag.UnquoteUsage(f)
+		switch f.DefValue {
+		case "", "0", "false", "0s":
+		default:
+			help += fmt.Sprintf(" (default %s)", f.DefValue)
+		}
+		fmt.Fprintf(tw, "  -%s %s\t%s\n", f.Name, name, help)
+	})
+	tw.Flush()
 }
 
 func run(c config) error {
@@ -131,8 +164,8 @@ func run(c config) error {
 	if err != nil {
 		return err
 	}
-	httpServer := c.limits.httpServer(newAPIKey(c.apiKey, c.metricsPublic).guard(s.routes()))
-	fmt.Printf("go-sse: listening on http://%s\n", listener.Addr())
+	httpServer := c.limits.httpServer(s.handler(newAPIKey(c.apiKey, c.metricsPublic)))
+	fmt.Printf("pipe-serve: listening on http://%s\n", listener.Addr())
 
 	done := make(chan error, 1)
 	go func() { done <- httpServer.Serve(listener) }()

@@ -129,11 +129,11 @@ func TestIncrementalDetokenizationEqualsFullDecoding(t *testing.T) {
 	t.Run("ModelTokenizer", func(t *testing.T) {
 		// SmolLM2's tokenizer.json, when this machine has it (server_test.go's referenceCase).
 		dir := ""
-		if c := os.Getenv("GO_SSE_SMOLLM2"); c != "" && fileExists(c) {
+		if c := os.Getenv("PIPE_SERVE_SMOLLM2"); c != "" && fileExists(c) {
 			dir = referenceCase(t).modelDir
 		}
 		if dir == "" {
-			t.Skip("no SmolLM2 on this machine (GO_SSE_SMOLLM2)")
+			t.Skip("no SmolLM2 on this machine (PIPE_SERVE_SMOLLM2)")
 		}
 		codec, err := loadTokenizer(filepath.Join(dir, "tokenizer.json"))
 		if err != nil {

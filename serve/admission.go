@@ -22,8 +22,11 @@ import (
 // admitted is a sequence that has its slot (or has ended, or whose client left): the handler
 // follows it from here.
 type admitted struct {
-	gen  *pipe.Generation
-	head []int64 // tokens received while waiting for admission, not followed yet
+	gen          *pipe.Generation
+	head         []int64   // tokens received while waiting for admission, not followed yet
+	headAt       time.Time // when they came
+	began        time.Time // the request's start, for the time to its first token
+	promptTokens int
 }
 
 // retryAfter is what a 503 tells a client to wait before trying again, in seconds.
@@ -41,9 +44,10 @@ func hasSlot(gen *pipe.Generation) bool {
 
 // start submits a prompt to the generator and waits for it to be admitted. When it cannot be, it
 // answers the request (503 when the queue is full or the queue deadline passed, 400 for what
-// libpipe finds wrong with the prompt, named param, 500 otherwise) and returns nil.
+// libpipe finds wrong with the prompt, named param, 500 otherwise) and returns nil. began is when
+// the request started.
 func (s *server) start(ctx context.Context, w http.ResponseWriter, prompt []int64, opts *pipe.GenerationOptions,
-	param string) *admitted {
+	param string, began time.Time) *admitted {
 	gen, err := s.gen.Generate(ctx, prompt, opts)
 	switch {
 	case errors.Is(err, pipe.ErrBusy):
@@ -60,7 +64,7 @@ func (s *server) start(ctx context.Context, w http.ResponseWriter, prompt []int6
 		internalError(w, http.StatusInternalServerError, "the service could not start a generation", err)
 		return nil
 	}
-	a := &admitted{gen: gen}
+	a := &admitted{gen: gen, began: began, promptTokens: len(prompt)}
 	var expired <-chan time.Time
 	if s.queueTimeout > 0 {
 		timer := time.NewTimer(s.queueTimeout)
@@ -75,7 +79,7 @@ func (s *server) start(ctx context.Context, w http.ResponseWriter, prompt []int6
 		select {
 		case id, open := <-gen.Tokens():
 			if open {
-				a.head = append(a.head, id)
+				a.head, a.headAt = append(a.head, id), time.Now()
 			}
 			return a // a closed channel stays closed: follow sees the end
 		case <-ctx.Done():

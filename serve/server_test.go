@@ -1,15 +1,15 @@
 package main
 
-// The service as a client sees it: the go-sse binary (GO_SSE_BIN, built by run.sh) is started on a
-// free port and queried with net/http.
+// The service as a client sees it: the pipe-serve binary (PIPE_SERVE_BIN, the one installed at
+// run.sh's PREFIX) is started on a free port and queried with net/http.
 //
-// The completion test serves SmolLM2-135M-Instruct when this machine has it (GO_SSE_SMOLLM2 names
-// the description testdata/smollm2.py wrote: the exported decoder and transformers' greedy
-// continuation of a prompt), else the tiny decoder fixture with a tokenizer.json written here (one
-// character per token id), whose greedy continuations transformers computed
-// (tiny_decoder.expected.json). Either way the streamed text must be the reference's tokens
-// decoded by the same tokenizer. The same service answers the chat, stop-string and client checks
-// (chat_test.go, clients_test.go): SmolLM2's chat reference is transformers' greedy reply to a
+// The completion test serves SmolLM2-135M-Instruct (PIPE_SERVE_SMOLLM2 names the description
+// testdata/smollm2.py wrote: the exported decoder and transformers' greedy continuation of a
+// prompt). Where there is none (run.sh then reports the test SKIPPED, whatever passed), it serves
+// the tiny decoder fixture with a tokenizer.json written here (one character per token id), whose
+// greedy continuations transformers computed (tiny_decoder.expected.json). Either way the streamed
+// text must be the reference's tokens decoded by the same tokenizer. The same service answers the
+// chat, stop-string, client and metrics checks (chat_test.go, clients_test.go, metrics_test.go): SmolLM2's chat reference is transformers' greedy reply to a
 // conversation rendered by apply_chat_template; the tiny model's folder gets a chat template
 // (tinyChatModelDir) under which a conversation renders as one of the fixture's prompts.
 //
@@ -248,9 +248,9 @@ func (s *syncBuffer) String() string {
 // test ends (after the cleanups registered later, such as opening gates, have run).
 func startService(t *testing.T, env []string, args ...string) *service {
 	t.Helper()
-	bin := os.Getenv("GO_SSE_BIN")
+	bin := os.Getenv("PIPE_SERVE_BIN")
 	if bin == "" {
-		t.Fatal("GO_SSE_BIN is not set: run.sh builds the service and sets it")
+		t.Fatal("PIPE_SERVE_BIN is not set: run.sh sets it to the installed pipe-serve")
 	}
 	cmd := exec.Command(bin, append([]string{"-addr", "127.0.0.1:0"}, args...)...)
 	cmd.Env = append(os.Environ(), env...)
@@ -281,7 +281,7 @@ func startService(t *testing.T, env []string, args ...string) *service {
 	go func() {
 		scanner := bufio.NewScanner(stdout)
 		for scanner.Scan() {
-			if after, ok := strings.CutPrefix(scanner.Text(), "go-sse: listening on "); ok {
+			if after, ok := strings.CutPrefix(scanner.Text(), "pipe-serve: listening on "); ok {
 				lines <- after
 			}
 		}
@@ -467,7 +467,7 @@ type chatCase struct {
 // referenceCase is SmolLM2 when testdata/smollm2.py described it, else the tiny decoder.
 func referenceCase(t *testing.T) completionCase {
 	t.Helper()
-	if path := os.Getenv("GO_SSE_SMOLLM2"); path != "" && fileExists(path) {
+	if path := os.Getenv("PIPE_SERVE_SMOLLM2"); path != "" && fileExists(path) {
 		var d struct {
 			ModelDir     string  `json:"model_dir"`
 			Decoder      string  `json:"decoder"`
@@ -492,7 +492,6 @@ func referenceCase(t *testing.T) completionCase {
 		if err != nil {
 			t.Fatalf("%s: %v", path, err)
 		}
-		t.Logf("serving SmolLM2 from %s", d.ModelDir)
 		if len(d.Chat.Messages) == 0 {
 			t.Fatalf("%s has no chat reference: testdata/smollm2.py did not write it", path)
 		}
@@ -501,7 +500,7 @@ func referenceCase(t *testing.T) completionCase {
 			d.ExpectedIDs, d.ExpectedText, chatCase{d.Chat.Messages, d.Chat.PromptIDs, d.Chat.MaxTokens,
 				d.Chat.ExpectedIDs, d.Chat.ExpectedText}}
 	}
-	t.Log("no SmolLM2 description (GO_SSE_SMOLLM2): serving the tiny decoder")
+	t.Log("no SmolLM2 description (PIPE_SERVE_SMOLLM2): serving the tiny decoder; run.sh reports SKIPPED")
 	e := readTinyExpected(t)
 	return completionCase{"tiny", tinyChatModelDir(t), fixture(t, "tiny_decoder.pt"), "model.layers.1:begin",
 		tinyText(e.Prompts[0]), len(e.Prompts[0]), e.MaxNewTokens, e.Greedy[0], "", tinyChat(t, e)}
@@ -570,6 +569,7 @@ func TestCompletionMatchesTheReference(t *testing.T) {
 	t.Run("OpenAIClient", func(t *testing.T) { checkOpenAIClient(t, s, c, codec) })
 	t.Run("Curl", func(t *testing.T) { checkCurl(t, s, c, codec) })
 	t.Run("StreamUsage", func(t *testing.T) { checkStreamUsage(t, s, c, codec) })
+	t.Run("Metrics", func(t *testing.T) { checkMetrics(t, s, c) })
 	t.Run("BadRequests", func(t *testing.T) { checkBadRequests(t, s, c) })
 	t.Run("OtherRefusals", func(t *testing.T) { checkOtherRefusals(t, s, c) })
 	t.Run("SpecialTokenFlood", func(t *testing.T) { checkSpecialTokenFlood(t, s, c) })

@@ -140,6 +140,7 @@ func messageContent(i int, raw json.RawMessage) (string, *badRequest) {
 }
 
 func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
+	began := time.Now()
 	s.requests.Add(1)
 	var req chatRequest
 	if berr := decodeRequest(w, r, &req); berr != nil {
@@ -185,7 +186,7 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 	}
 	opts.StopIDs = s.chatStopIDs
 	ctx := r.Context() // when the client disconnects, the sequence is cancelled
-	gen := s.start(ctx, w, prompt, opts, "messages")
+	gen := s.start(ctx, w, prompt, opts, "messages", began)
 	if gen == nil {
 		return
 	}
@@ -206,7 +207,7 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		}
 		content := reply.String()
 		c.Choices = []chatChoice{{Message: &chatDelta{Role: "assistant", Content: &content}, FinishReason: &end.finish}}
-		c.Usage = tokenUsage(prompt, end)
+		c.Usage = tokenUsage(len(prompt), end)
 		writeJSON(w, http.StatusOK, c)
 		return
 	}
@@ -230,7 +231,7 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 	c.Choices = []chatChoice{{Delta: &chatDelta{}, FinishReason: &end.finish}}
 	events.send(c)
 	if includeUsage {
-		c.Choices, c.Usage = []chatChoice{}, tokenUsage(prompt, end)
+		c.Choices, c.Usage = []chatChoice{}, tokenUsage(len(prompt), end)
 		events.send(c)
 	}
 	events.done()
