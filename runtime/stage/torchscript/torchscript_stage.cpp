@@ -9,6 +9,7 @@
 #include "runtime/stage/panel_linear.h"
 #include "runtime/stage/stage_format.h"
 #include "runtime/stage/torchscript/cache_attention.h"
+#include "runtime/stage/torchscript/cache_write.h"
 #include "runtime/stage/torchscript/fused_elementwise.h"
 #include "runtime/stage/torchscript/panel_rewrite.h"
 #include "runtime/stage/torchscript/stage_module.h"
@@ -29,6 +30,7 @@ std::unique_ptr<Stage> finish(torch::jit::Module module, const BuildOptions& bui
   if (build.cpu_rewrites && build.device.is_cpu()) {
     panel_linear_weights(module, quantize);
     fuse_cache_attention(module);
+    fuse_cache_writes(module);
     fuse_elementwise(module);
   }
   module.eval();
