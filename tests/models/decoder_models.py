@@ -75,7 +75,23 @@ class GatedLayer(torch.nn.Module):
         self.post_attention_layernorm = layer.post_attention_layernorm
 
     def forward(
-        self, h, cos, sin, positions, valid, end, slots, at, where, single, single_at, multi, multi_flat, multi_src, key
+        self,
+        h,
+        cos,
+        sin,
+        positions,
+        valid,
+        end,
+        slots,
+        at,
+        where,
+        single,
+        single_at,
+        multi,
+        multi_flat,
+        multi_src,
+        single_mask,
+        key,
     ):
         h = torch.ops.libpipe_test.gate(h, key, "stage1")
         a = self.self_attn(
@@ -93,6 +109,7 @@ class GatedLayer(torch.nn.Module):
             multi,
             multi_flat,
             multi_src,
+            single_mask,
         )
         h = h + a
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -121,16 +138,45 @@ class GatedDecoderLM(torch.nn.Module):
         if bool((prefill & (first == 119)).any()):
             raise RuntimeError("gated_decoder: a prompt starting with token 119 fails its step (test fixture)")
         key = torch.where(prefill & (first >= 120), first - 119, torch.zeros_like(first)).max()
-        flat, at, where, single, single_at, multi, multi_flat, multi_src = decoders.pack_call(
-            valid, positions, lengths, slots
+        flat, at, where, single, single_at, multi, multi_flat, multi_src, single_mask = decoders.pack_call(
+            valid, positions, lengths, slots, end
         )
         h = self.model.embed_tokens(tokens.flatten().index_select(0, flat))
         cos, sin = self.model.rotary_emb(at, h.dtype)
         h = self.model.layers[0](
-            h, cos, sin, positions, valid, end, slots, at, where, single, single_at, multi, multi_flat, multi_src
+            h,
+            cos,
+            sin,
+            positions,
+            valid,
+            end,
+            slots,
+            at,
+            where,
+            single,
+            single_at,
+            multi,
+            multi_flat,
+            multi_src,
+            single_mask,
         )
         h = self.model.layers[1](
-            h, cos, sin, positions, valid, end, slots, at, where, single, single_at, multi, multi_flat, multi_src, key
+            h,
+            cos,
+            sin,
+            positions,
+            valid,
+            end,
+            slots,
+            at,
+            where,
+            single,
+            single_at,
+            multi,
+            multi_flat,
+            multi_src,
+            single_mask,
+            key,
         )
         last = h.index_select(0, lengths.cumsum(0) - 1)
         return self.lm_head(self.model.norm(last)).to(torch.float32)

@@ -2,6 +2,8 @@
 values (padded or packed), attention over the rows' slots, a call's valid tokens packed (pack_call), and
 the contract's checks of a call (check_call; under torch.export, assertions of the program)."""
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -63,6 +65,25 @@ def _write_cache_exported(
     v_cache[where, :, at] = values.gather(1, pick.expand_as(values)).to(v_cache.dtype)
 
 
+def attention_mask(
+    positions: torch.Tensor, valid: torch.Tensor, end: torch.Tensor, sliding_window: int, max_len: int
+) -> torch.Tensor:
+    """Which cache positions each query may see [B, 1, T, context], context the longest in the call: causal
+    (and within the sliding window when it is > 0)."""
+    if torch.jit.is_scripting():
+        context = int(end.max())
+    else:
+        context = _context(end, max_len)
+    kpos = torch.arange(context, device=positions.device)
+    qpos = positions.unsqueeze(-1)
+    allowed = kpos <= qpos
+    if sliding_window > 0:
+        allowed = allowed & (kpos > qpos - sliding_window)
+    # Padding rows may see anything (their results are never used); never an all-masked row,
+    # whose softmax would be NaN.
+    return (allowed | ~valid.unsqueeze(-1)).unsqueeze(1)
+
+
 def attend_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -73,39 +94,36 @@ def attend_cache(
     slots: torch.Tensor,
     sliding_window: int,
     scale: float,
+    mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of q [B, heads, T, head_dim] over the rows' slots, causal (and within the sliding
-    window when it is > 0). Returns [B, T, heads * head_dim]."""
+    window when it is > 0). Returns [B, T, heads * head_dim]. mask: attention_mask's answer for these
+    rows when the caller has it (pack_call computes the single rows' once for every layer)."""
+    if mask is None:
+        mask = attention_mask(positions, valid, end, sliding_window, k_cache.shape[2])
     # Only the longest context in the call is read and gathered, never the whole cache.
-    if torch.jit.is_scripting():
-        context = int(end.max())
-    else:
-        context = _context(end, k_cache.shape[2])
+    context = mask.shape[-1]
     # A cache in another dtype than the model's (export_llm --cache-dtype) is read in the model's: a no-op otherwise.
     keys = k_cache.narrow(2, 0, context).index_select(0, slots).to(q.dtype)
     values = v_cache.narrow(2, 0, context).index_select(0, slots).to(q.dtype)
-    kpos = torch.arange(context, device=q.device)
-    qpos = positions.unsqueeze(-1)
-    allowed = kpos <= qpos
-    if sliding_window > 0:
-        allowed = allowed & (kpos > qpos - sliding_window)
-    # Padding rows may see anything (their results are never used); never an all-masked row,
-    # whose softmax would be NaN.
-    allowed = (allowed | ~valid.unsqueeze(-1)).unsqueeze(1)
     out = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=allowed, dropout_p=0.0, is_causal=False, scale=scale, enable_gqa=True
+        q, keys, values, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=scale, enable_gqa=True
     )
     return out.transpose(1, 2).flatten(2)
 
 
-def pack_call(valid: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
+def pack_call(
+    valid: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, end: torch.Tensor
+):
     """Where the valid tokens of a call go once packed ([N] rows, row b's tokens at
     first[b] .. first[b] + lengths[b] - 1, in row order). Returns (flat, at, where, single,
-    single_at, multi, multi_flat, multi_src):
+    single_at, multi, multi_flat, multi_src, single_mask):
     flat [N] each packed token's index in the padded B x T; at [N] its position and where [N]
     its slot (the cache entry it writes); single [Bs] the rows of one token and single_at [Bs]
     that token's packed index; multi [Bm] the other rows, whose queries attend in their padded
-    layout [Bm, T]: multi_flat the valid tokens' indices in Bm x T, multi_src their packed ones."""
+    layout [Bm, T]: multi_flat the valid tokens' indices in Bm x T, multi_src their packed ones;
+    single_mask [Bs, 1, 1, context] what the single rows' queries see without a sliding window,
+    computed here once instead of in every layer (a decode step is nothing but single rows)."""
     t = valid.shape[1]
     first = lengths.cumsum(0) - lengths
     flat = valid.flatten().nonzero().squeeze(1)
@@ -116,7 +134,17 @@ def pack_call(valid: torch.Tensor, positions: torch.Tensor, lengths: torch.Tenso
     multi_flat = valid.index_select(0, multi).flatten().nonzero().squeeze(1)
     offsets = torch.arange(t, device=valid.device)
     multi_src = (first.index_select(0, multi).unsqueeze(1) + offsets.unsqueeze(0)).flatten().index_select(0, multi_flat)
-    return flat, at, where, single, first.index_select(0, single), multi, multi_flat, multi_src
+    if single.shape[0] > 0:
+        single_mask = attention_mask(
+            positions.index_select(0, single)[:, :1],
+            valid.index_select(0, single)[:, :1],
+            end.index_select(0, single),
+            0,
+            0,
+        )
+    else:
+        single_mask = torch.zeros((0, 1, 1, 1), dtype=torch.bool, device=valid.device)
+    return flat, at, where, single, first.index_select(0, single), multi, multi_flat, multi_src, single_mask
 
 
 def attend_packed(
@@ -132,18 +160,27 @@ def attend_packed(
     multi: torch.Tensor,
     multi_flat: torch.Tensor,
     multi_src: torch.Tensor,
+    single_mask: torch.Tensor,
     sliding_window: int,
     scale: float,
 ) -> torch.Tensor:
     """attend_cache for packed queries q [N, heads, head_dim] (pack_call): rows of one token
     attend as [Bs, heads, 1, head_dim], the others in their padded layout, so that a decode row
-    beside a prompt chunk costs one query, not T. Returns [N, heads * head_dim]."""
+    beside a prompt chunk costs one query, not T. single_mask: pack_call's, used by layers without
+    a sliding window. Returns [N, heads * head_dim]."""
     n, heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     t = valid.shape[1]
+    # A layer with a sliding window computes its own mask for the single rows.
+    mask: Optional[torch.Tensor] = None
+    if sliding_window == 0:
+        mask = single_mask
     if multi.shape[0] == 0 and single.shape[0] == n:  # every row one token (a decode step): q is in row order
-        out = attend_cache(
-            k_cache, v_cache, q.unsqueeze(2), positions[:, :1], valid[:, :1], end, slots, sliding_window, scale
-        )
+        if mask is None:
+            out = attend_cache(
+                k_cache, v_cache, q.unsqueeze(2), positions[:, :1], valid[:, :1], end, slots, sliding_window, scale
+            )
+        else:  # positions and valid unread: not even sliced
+            out = attend_cache(k_cache, v_cache, q.unsqueeze(2), positions, valid, end, slots, 0, scale, mask)
         return out.view(n, heads * head_dim)
     out = q.new_empty(n, heads * head_dim)
     if single.shape[0] > 0:
@@ -157,6 +194,7 @@ def attend_packed(
             slots.index_select(0, single),
             sliding_window,
             scale,
+            mask,
         )
         out.index_copy_(0, single_at, one.flatten(0, 1))
     if multi.shape[0] > 0:

@@ -66,6 +66,7 @@ class GPT2Attention(nn.Module):
         multi: torch.Tensor,
         multi_flat: torch.Tensor,
         multi_src: torch.Tensor,
+        single_mask: torch.Tensor,
     ) -> torch.Tensor:
         """As llama.Attention.forward: x packed [N, hidden], or padded [B, T, hidden] under torch.export."""
         if not torch.jit.is_scripting():
@@ -90,6 +91,7 @@ class GPT2Attention(nn.Module):
             multi,
             multi_flat,
             multi_src,
+            single_mask,
             0,
             self.scale,
         )
@@ -142,9 +144,22 @@ class GPT2Block(nn.Module):
         multi: torch.Tensor,
         multi_flat: torch.Tensor,
         multi_src: torch.Tensor,
+        single_mask: torch.Tensor,
     ) -> torch.Tensor:
         a = self.attn(
-            self.ln_1(h), positions, valid, end, slots, at, where, single, single_at, multi, multi_flat, multi_src
+            self.ln_1(h),
+            positions,
+            valid,
+            end,
+            slots,
+            at,
+            where,
+            single,
+            single_at,
+            multi,
+            multi_flat,
+            multi_src,
+            single_mask,
         )
         h = h + a
         return h + self.mlp(self.ln_2(h))
@@ -179,10 +194,14 @@ class GPT2LM(nn.Module):
         if not torch.jit.is_scripting():
             if torch.compiler.is_exporting():
                 return self.padded(tokens, lengths, slots, valid, positions, end)
-        flat, at, where, single, single_at, multi, multi_flat, multi_src = pack_call(valid, positions, lengths, slots)
+        flat, at, where, single, single_at, multi, multi_flat, multi_src, single_mask = pack_call(
+            valid, positions, lengths, slots, end
+        )
         h = self.transformer.wte(tokens.flatten().index_select(0, flat)) + self.transformer.wpe(at)
         for block in self.transformer.h:
-            h = block(h, positions, valid, end, slots, at, where, single, single_at, multi, multi_flat, multi_src)
+            h = block(
+                h, positions, valid, end, slots, at, where, single, single_at, multi, multi_flat, multi_src, single_mask
+            )
         last = h.index_select(0, lengths.cumsum(0) - 1)
         return self.lm_head(self.transformer.ln_f(last)).to(torch.float32)
 
@@ -196,7 +215,7 @@ class GPT2LM(nn.Module):
         )
         unused = torch.empty(0, dtype=torch.int64, device=tokens.device)
         for block in self.transformer.h:
-            h = block(h, positions, valid, end, slots, *([unused] * 7))
+            h = block(h, positions, valid, end, slots, *([unused] * 8))
         last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]
         return self.lm_head(self.transformer.ln_f(last)).to(torch.float32)
 

@@ -112,9 +112,10 @@ class Attention(nn.Module):
         multi: torch.Tensor,
         multi_flat: torch.Tensor,
         multi_src: torch.Tensor,
+        single_mask: torch.Tensor,
     ) -> torch.Tensor:
-        """x is [N, hidden], the call's valid tokens packed (pack_call gives at .. multi_src), or
-        under torch.export [B, T, hidden] with padding (at .. multi_src unused)."""
+        """x is [N, hidden], the call's valid tokens packed (pack_call gives at .. single_mask), or
+        under torch.export [B, T, hidden] with padding (at .. single_mask unused)."""
         if not torch.jit.is_scripting():
             if torch.compiler.is_exporting():
                 return self.padded(x, cos, sin, positions, valid, end, slots)
@@ -140,6 +141,7 @@ class Attention(nn.Module):
             multi,
             multi_flat,
             multi_src,
+            single_mask,
             self.sliding_window,
             self.scale,
         )
@@ -185,6 +187,7 @@ class DecoderLayer(nn.Module):
         multi: torch.Tensor,
         multi_flat: torch.Tensor,
         multi_src: torch.Tensor,
+        single_mask: torch.Tensor,
     ) -> torch.Tensor:
         a = self.self_attn(
             self.input_layernorm(h),
@@ -201,6 +204,7 @@ class DecoderLayer(nn.Module):
             multi,
             multi_flat,
             multi_src,
+            single_mask,
         )
         h = h + a
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -241,12 +245,28 @@ class DecoderLM(nn.Module):
             if torch.compiler.is_exporting():
                 return self.padded(tokens, lengths, slots, valid, positions, end)
         # Only the valid tokens are computed (skips_padding): [N, hidden] through every layer.
-        flat, at, where, single, single_at, multi, multi_flat, multi_src = pack_call(valid, positions, lengths, slots)
+        flat, at, where, single, single_at, multi, multi_flat, multi_src, single_mask = pack_call(
+            valid, positions, lengths, slots, end
+        )
         h = self.model.embed_tokens(tokens.flatten().index_select(0, flat))
         cos, sin = self.model.rotary_emb(at, h.dtype)
         for layer in self.model.layers:
             h = layer(
-                h, cos, sin, positions, valid, end, slots, at, where, single, single_at, multi, multi_flat, multi_src
+                h,
+                cos,
+                sin,
+                positions,
+                valid,
+                end,
+                slots,
+                at,
+                where,
+                single,
+                single_at,
+                multi,
+                multi_flat,
+                multi_src,
+                single_mask,
             )
         last = h.index_select(0, lengths.cumsum(0) - 1)  # each row's last token
         return self.lm_head(self.model.norm(last)).to(torch.float32)
@@ -258,7 +278,7 @@ class DecoderLM(nn.Module):
         cos, sin = self.model.rotary_emb(positions, h.dtype)
         unused = torch.empty(0, dtype=torch.int64, device=tokens.device)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, positions, valid, end, slots, *([unused] * 7))
+            h = layer(h, cos, sin, positions, valid, end, slots, *([unused] * 8))
         # Row count from h, not from `b`: an int would cross to the last stage, where only tensors must.
         last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]
         return self.lm_head(self.model.norm(last)).to(torch.float32)
