@@ -2,7 +2,7 @@
 
 For each C (default 1 and 32) the llama.cpp comparison's workload (bench/generate.py --reference
 llamacpp: C prompts of --prompt-tokens chat tokens, all submitted at once, --new-tokens each, no
-stop) runs through the Python binding's Generator on SmolLM2-135M-Instruct (float32), after a
+stop) runs through the Python binding's Generator on SmolLM2-135M-Instruct (float32, or --dtype bf16), after a
 warm-up wave of the same prompts. Two traced waves follow:
 - one with pipe_session_trace_start_with_operators: each stage's slice holds the time its thread
   spent per operator (RecordFunction; a linear layer's with its weight's shape), and the engine's
@@ -17,11 +17,11 @@ stages (split into waiting for the next stage to finish its previous step, and t
 itself), the collect, sampling; and per stage, from the operator trace, its compute by kind:
 linear layers (attention projections and MLP), the language-model head (the linear layer whose
 output is the vocabulary), attention (pipe::cache_attention, or scaled_dot_product_attention where
-it is not rewritten), cache gather (index_select of the rows' slots, gone where it is), cache write (nonzero, index, index_put_: write_cache), everything else (norms,
+it is not rewritten), cache gather (index_select of the rows' slots, gone where it is), cache write (nonzero, index, index_put_: write_cache; pipe::cache_write_), everything else (norms,
 rotary, element-wise, embedding) and the interpreter (the slice beyond its operators' sum). Also
 the stages' busy fractions over the wave and tokens/s of the plain wave.
 
-    python bench/step_breakdown.py [--concurrency 1 32] [--prompt-tokens 128] [--new-tokens 64]
+    python bench/step_breakdown.py [--concurrency 1 32] [--dtype fp32|bf16] [--prompt-tokens 128] [--new-tokens 64]
                                    [--split-at model.layers.16:begin] [--trace DIR] [--out FILE]
 
 Run with the project's virtualenv python (scripts/env.sh: LIBPIPE_PYTHON) after scripts/build.sh
@@ -137,13 +137,13 @@ def timeline(trace, stages):
 
 def kind(op, vocab):
     name = op.split(" [")[0]
-    if name in ("aten::linear", "pipe::panel_linear"):
+    if name == "aten::linear" or name.startswith("pipe::panel_linear"):  # grouped and int8 ones too
         return "LM head" if f"[{vocab}x" in op else "linear layers"  # out x in: the head's out is the vocabulary
     if name in ("aten::scaled_dot_product_attention", "pipe::cache_attention"):
         return "attention"
     if name == "aten::index_select":
         return "cache gather"
-    if name in ("aten::index_put_", "aten::nonzero", "aten::index", "aten::unbind"):
+    if name in ("aten::index_put_", "aten::nonzero", "aten::index", "aten::unbind", "pipe::cache_write_"):
         return "cache write"
     return "other operators"
 
@@ -182,7 +182,7 @@ def operator_breakdown(trace, stages, vocab):
             {
                 "ms_per_step": {kd: v / n / 1000 for kd, v in sums.items()},
                 "total_ms_per_step": sum(sums.values()) / n / 1000,
-                "top_operators_ms": {op: us / n / 1000 for op, us in sorted(ops.items(), key=lambda x: -x[1])[:12]},
+                "top_operators_ms": {op: us / n / 1000 for op, us in sorted(ops.items(), key=lambda x: -x[1])[:40]},
             }
         )
     return per_stage
@@ -196,11 +196,13 @@ def mean_row(rows):
 def run_one(Generator, folder, weights, tokenizer, c, args, work):
     prompts = gen_bench.fixed_prompts(tokenizer, c, args.prompt_tokens)
     max_len = args.prompt_tokens + args.new_tokens + 8
-    skeleton = os.path.join(work, f"smollm2-{c}slots-{max_len}.pt")
+    skeleton = os.path.join(work, f"smollm2-{args.dtype}-{c}slots-{max_len}.pt")
     if not os.path.exists(skeleton):
-        gen_bench.export_skeleton(folder, skeleton, max_len, c)
+        gen_bench.export_skeleton(folder, skeleton, max_len, c, dtype=args.dtype)
     cut = {"split_at": args.split_at} if args.split_at else {"stages": args.stages}
-    with Generator(skeleton, weights=weights, **cut) as g:
+    # A bf16 skeleton takes the checkpoint's float32 weights cast at load, as `pipe generate --dtype bf16` does.
+    dtype = {"bf16": "bfloat16"}.get(args.dtype)
+    with Generator(skeleton, weights=weights, dtype=dtype, **cut) as g:
         stages = g.session.num_stages
         vocab = g.info.vocab
         wave(g, prompts, args.new_tokens)  # warm-up: TorchScript's profiling runs, the allocator
@@ -238,7 +240,8 @@ def print_result(r):
         print("| kind | ms | share |\n| --- | --- | --- |")
         for kd, v in st["ms_per_step"].items():
             print(f"| {kd} | {v:.2f} | {v / max(st['total_ms_per_step'], 1e-9):.0%} |")
-        print("top operators: " + ", ".join(f"{op} {ms:.2f}" for op, ms in st["top_operators_ms"].items()))
+        top = list(st["top_operators_ms"].items())[:12]
+        print("top operators: " + ", ".join(f"{op} {ms:.2f}" for op, ms in top))
 
 
 def main():
@@ -247,6 +250,7 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the skeleton's and the weights' dtype")
     ap.add_argument("--split-at", action="append", default=[])
     ap.add_argument("--trace", help="keep the traces (trace-C<C>.json, trace-ops-C<C>.json) in this folder")
     ap.add_argument("--out", help="also write the figures to this JSON file")
