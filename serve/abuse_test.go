@@ -1,15 +1,16 @@
 package main
 
 // The service as an abusive or broken client finds it (what makes it safe to expose): a prompt
-// flooded with special tokens must not stop other streams; slow senders, a client that stops
-// reading and one that leaves mid-stream are cut off and their slots freed; a request waits for
-// a slot no longer than the queue deadline; the API key is asked for; bodies over the limit,
-// unknown models and oversized stop strings are refused with OpenAI's statuses.
+// flooded with special tokens must not stop other streams; slow senders and a client that stops
+// reading are cut off while another stream keeps receiving tokens (load_test.go's witness), and
+// their slots are freed, as is that of a client that leaves mid-stream; a request waits for a slot
+// no longer than the queue deadline; the API key is asked for; bodies over the limit, unknown
+// models and oversized stop strings are refused with OpenAI's statuses.
 //
-// Every verdict is a state the test observed (a stream received tokens while a flood was being
-// handled, the server closed a connection the client was still trickling, a write failure was
-// counted while the sequence was held at its gate); the timeouts are the service's, set small by
-// flags, and the test's own clocks only end a hung test.
+// Every verdict is a state the test observed (a stream received tokens while a flood or a slow
+// client was being handled, the server closed a connection the client was still trickling, a
+// write failure was counted while the sequence was held at its gate); the timeouts are the
+// service's, set small by flags, and the test's own clocks only end a hung test.
 
 import (
 	"bufio"
@@ -122,11 +123,7 @@ const testAPIKey = "sk-test-0123456789"
 // overflow what the connection buffers for a client that does not read.
 func limitsService(t *testing.T) *service {
 	t.Helper()
-	dir := tinyModelDir(t)
-	template := "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-	if err := os.WriteFile(filepath.Join(dir, "chat_template.jinja"), []byte(template), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	dir := contentChatModelDir(t)
 	keyFile := filepath.Join(t.TempDir(), "key")
 	if err := os.WriteFile(keyFile, []byte(testAPIKey+"\n"), 0o600); err != nil {
 		t.Fatal(err)
@@ -138,6 +135,19 @@ func limitsService(t *testing.T) *service {
 		"-read-header-timeout", "1s", "-read-timeout", "1s", "-write-timeout", "1s", "-queue-timeout", "1s")
 	s.gateDir = gateDir
 	return s
+}
+
+// contentChatModelDir is tinyModelDir with a chat template that renders a conversation as its
+// messages' text alone: a conversation is then any fixture prompt (or a held one), and no token
+// is special.
+func contentChatModelDir(t *testing.T) string {
+	t.Helper()
+	dir := tinyModelDir(t)
+	template := "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+	if err := os.WriteFile(filepath.Join(dir, "chat_template.jinja"), []byte(template), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return dir
 }
 
 // authorized sends a request with the test's API key.
@@ -249,67 +259,57 @@ func TestLimits(t *testing.T) {
 		}
 	})
 
+	// The slow and stalled clients are each handled while a witness stream goes on: it must
+	// receive tokens while the service waits for the abusive client, up to the client's cut-off.
 	t.Run("SlowHeaders", func(t *testing.T) {
-		conn := dial(t, s, &net.Dialer{})
-		closed := closedByServer(conn)
-		io.WriteString(conn, "GET /health HTTP/1.1\r\nHost: x\r\n")
-		sent := trickle(t, conn, "X-Slow: a\r\n", closed)
-		t.Logf("cut off after %d trickled header lines", sent)
+		w := limitsWitness(t, s, e)
+		w.during(t, "a client trickled its headers", func(t *testing.T) {
+			conn := dial(t, s, &net.Dialer{})
+			closed := closedByServer(conn)
+			io.WriteString(conn, "GET /health HTTP/1.1\r\nHost: x\r\n")
+			sent := trickle(t, conn, "X-Slow: a\r\n", closed)
+			t.Logf("cut off after %d trickled header lines", sent)
+		})
 	})
 
 	t.Run("SlowBody", func(t *testing.T) {
-		conn := dial(t, s, &net.Dialer{})
-		request := rawRequest(s, "/v1/completions", `{"prompt": "`+strings.Repeat(" ", 100_000)+`"}`)
-		io.WriteString(conn, request[:strings.Index(request, "\r\n\r\n")+4+1]) // the headers and one byte
-		answered := make(chan *http.Response, 1)
-		closed := make(chan struct{})
-		go func() {
-			defer close(closed)
-			reader := bufio.NewReader(conn)
-			if resp, err := http.ReadResponse(reader, nil); err == nil {
-				answered <- resp
-				io.Copy(io.Discard, resp.Body)
-			}
-			io.Copy(io.Discard, reader)
-		}()
-		sent := trickle(t, conn, " ", closed)
-		select {
-		case resp := <-answered:
-			if resp.StatusCode != http.StatusRequestTimeout {
-				t.Fatalf("a trickled body got %s, want 408", resp.Status)
-			}
-			t.Logf("cut off with %s after %d trickled bytes", resp.Status, sent)
-		default:
-			t.Logf("cut off without an answer after %d trickled bytes", sent)
-		}
+		w := limitsWitness(t, s, e)
+		w.during(t, "a client trickled its body", func(t *testing.T) { checkSlowBody(t, s) })
 	})
 
 	t.Run("StalledReader", func(t *testing.T) {
 		// A client that sends a streamed chat request and never reads (small receive buffers, and a
 		// small segment size so that the server's send buffer stays small too): each event of the
 		// reply carries the 120 KB model name, so the writes soon block.
-		before := s.health(t)
-		d := &net.Dialer{Control: func(network, address string, rc syscall.RawConn) error {
-			return rc.Control(func(fd uintptr) {
-				syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
-				syscall.SetsockoptInt(int(fd), syscall.IPPROTO_TCP, syscall.TCP_MAXSEG, 536)
+		w := limitsWitness(t, s, e)
+		var conns []net.Conn
+		w.during(t, "a client did not read its stream", func(t *testing.T) {
+			before := s.health(t)
+			d := &net.Dialer{Control: func(network, address string, rc syscall.RawConn) error {
+				return rc.Control(func(fd uintptr) {
+					syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
+					syscall.SetsockoptInt(int(fd), syscall.IPPROTO_TCP, syscall.TCP_MAXSEG, 536)
+				})
+			}}
+			conn := dial(t, s, d)
+			conns = append(conns, conn)
+			io.WriteString(conn, rawRequest(s, "/v1/chat/completions", fmt.Sprintf(
+				`{"messages": [{"role": "user", "content": %q}], "max_tokens": 40, "stream": true}`, tinyText(e.Prompts[0]))))
+			// The witness never stops reading: every write failure is the stalled client's.
+			until(t, "the stalled stream's write to fail", func() bool {
+				return s.health(t).WriteFailures == before.WriteFailures+1
 			})
-		}}
-		conn := dial(t, s, d)
-		io.WriteString(conn, rawRequest(s, "/v1/chat/completions", fmt.Sprintf(
-			`{"messages": [{"role": "user", "content": %q}], "max_tokens": 40, "stream": true}`, tinyText(e.Prompts[0]))))
-		until(t, "the stalled stream's write to fail", func() bool {
-			return s.health(t).WriteFailures == before.WriteFailures+1
 		})
-		until(t, "the stalled stream's sequence to end and free its slot", func() bool {
+		w.stop(t)
+		until(t, "the stalled streams' sequences to end and free their slots", func() bool {
 			h := s.health(t)
-			ended := h.Finished["cancelled"] + h.Finished["length"] + h.Finished["stop"]
-			return ended == before.Finished["cancelled"]+before.Finished["length"]+before.Finished["stop"]+1 &&
-				h.SlotsInUse == 0
+			return h.SlotsInUse == 0 && h.Queued == 0
 		})
-		conn.SetReadDeadline(time.Now().Add(waitLimit))
-		if n, err := io.Copy(io.Discard, conn); err != nil {
-			t.Fatalf("the server did not close the stalled connection: %v after %d bytes", err, n)
+		for _, conn := range conns {
+			conn.SetReadDeadline(time.Now().Add(waitLimit))
+			if n, err := io.Copy(io.Discard, conn); err != nil {
+				t.Fatalf("the server did not close the stalled connection: %v after %d bytes", err, n)
+			}
 		}
 	})
 
@@ -423,4 +423,43 @@ func checkQueueDeadline(t *testing.T, s *service, e tinyExpected) {
 			t.Fatalf("admitted request %d: %d %.300s (%v)", i, a.status, a.body, a.err)
 		}
 	}
+}
+
+// checkSlowBody: a body trickled after its headers is cut off (408, or the connection closed) by
+// the read timeout.
+func checkSlowBody(t *testing.T, s *service) {
+	conn := dial(t, s, &net.Dialer{})
+	request := rawRequest(s, "/v1/completions", `{"prompt": "`+strings.Repeat(" ", 100_000)+`"}`)
+	io.WriteString(conn, request[:strings.Index(request, "\r\n\r\n")+4+1]) // the headers and one byte
+	answered := make(chan *http.Response, 1)
+	closed := make(chan struct{})
+	go func() {
+		defer close(closed)
+		reader := bufio.NewReader(conn)
+		if resp, err := http.ReadResponse(reader, nil); err == nil {
+			answered <- resp
+			io.Copy(io.Discard, resp.Body)
+		}
+		io.Copy(io.Discard, reader)
+	}()
+	sent := trickle(t, conn, " ", closed)
+	select {
+	case resp := <-answered:
+		if resp.StatusCode != http.StatusRequestTimeout {
+			t.Fatalf("a trickled body got %s, want 408", resp.Status)
+		}
+		t.Logf("cut off with %s after %d trickled bytes", resp.Status, sent)
+	default:
+		t.Logf("cut off without an answer after %d trickled bytes", sent)
+	}
+}
+
+// limitsWitness is a witness stream on the limits service: completions of a fixture prompt run
+// to the cache's end, one after the other.
+func limitsWitness(t *testing.T, s *service, e tinyExpected) *witness {
+	t.Helper()
+	return startWitness(t, func() *call {
+		return ask(context.Background(), s, testAPIKey, "/v1/completions", map[string]any{
+			"prompt": tinyText(e.Prompts[1]), "max_tokens": 1 << 20, "temperature": 0, "stream": true})
+	})
 }

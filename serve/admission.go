@@ -9,6 +9,8 @@ package main
 // The response's status is decided here, before anything is written: the handler waits until the
 // sequence has its slot (or its first token, or has ended, or the client left). The queue deadline
 // only looks at whether the sequence got a slot, so a long prefill after it did is not cut short.
+// A request the pipeline fails before then (it broke while the request waited, or is broken) is
+// answered 503 with Retry-After (faults.go).
 
 import (
 	"context"
@@ -23,6 +25,7 @@ import (
 // follows it from here.
 type admitted struct {
 	gen          *pipe.Generation
+	backend      *backend  // the generator it runs on
 	head         []int64   // tokens received while waiting for admission, not followed yet
 	headAt       time.Time // when they came
 	began        time.Time // the request's start, for the time to its first token
@@ -43,13 +46,21 @@ func hasSlot(gen *pipe.Generation) bool {
 }
 
 // start submits a prompt to the generator and waits for it to be admitted. When it cannot be, it
-// answers the request (503 when the queue is full or the queue deadline passed, 400 for what
-// libpipe finds wrong with the prompt, named param, 500 otherwise) and returns nil. began is when
-// the request started.
+// answers the request (503 when the queue is full, the queue deadline passed or the pipeline is
+// broken, 400 for what libpipe finds wrong with the prompt, named param, 500 otherwise) and
+// returns nil. began is when the request started.
 func (s *server) start(ctx context.Context, w http.ResponseWriter, prompt []int64, opts *pipe.GenerationOptions,
 	param string, began time.Time) *admitted {
-	gen, err := s.gen.Generate(ctx, prompt, opts)
+	b := s.pipeline.acquire()
+	if b == nil {
+		s.unavailable(w)
+		return nil
+	}
+	gen, err := b.gen.Generate(ctx, prompt, opts)
 	switch {
+	case b.failing(err): // before ErrInvalidArgument, which a closed generator's error also matches
+		s.unavailable(w)
+		return nil
 	case errors.Is(err, pipe.ErrBusy):
 		s.rejectedBusy.Add(1)
 		w.Header().Set("Retry-After", retryAfter)
@@ -64,7 +75,18 @@ func (s *server) start(ctx context.Context, w http.ResponseWriter, prompt []int6
 		internalError(w, http.StatusInternalServerError, "the service could not start a generation", err)
 		return nil
 	}
-	a := &admitted{gen: gen, began: began, promptTokens: len(prompt)}
+	a := &admitted{gen: gen, backend: b, began: began, promptTokens: len(prompt)}
+	// broke says whether the pipeline failed this request before its response began: then it
+	// gets 503, to be sent again.
+	broke := func() bool {
+		if !b.failing(gen.Err()) && b.unhealthy() == nil {
+			return false
+		}
+		gen.Cancel()
+		s.finished[pipe.FinishError].Add(1)
+		s.unavailable(w)
+		return true
+	}
 	var expired <-chan time.Time
 	if s.queueTimeout > 0 {
 		timer := time.NewTimer(s.queueTimeout)
@@ -80,12 +102,17 @@ func (s *server) start(ctx context.Context, w http.ResponseWriter, prompt []int6
 		case id, open := <-gen.Tokens():
 			if open {
 				a.head, a.headAt = append(a.head, id), time.Now()
+			} else if broke() {
+				return nil
 			}
 			return a // a closed channel stays closed: follow sees the end
 		case <-ctx.Done():
 			return a // follow cancels the sequence and counts the client as gone
 		case <-poll.C:
 			if hasSlot(gen) {
+				if broke() {
+					return nil
+				}
 				return a
 			}
 		case <-expired:

@@ -174,7 +174,7 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		req.MaxTokens, maxParam = req.MaxCompletionTokens, "max_completion_tokens"
 	}
 	// Without a limit a reply runs to its end of turn, or until the cache is full.
-	opts, stops, berr := s.options(&req.generationFields, maxParam, s.gen.Info().MaxLen)
+	opts, stops, berr := s.options(&req.generationFields, maxParam, s.info.MaxLen)
 	if berr != nil {
 		s.refuse(w, berr)
 		return

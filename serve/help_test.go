@@ -12,9 +12,9 @@ import (
 )
 
 // serveFlags are the flags main defines, each to be listed once.
-var serveFlags = []string{"decoder", "model-dir", "split", "stages", "addr", "max-queued", "name", "api-key",
-	"api-key-file", "metrics-public", "read-header-timeout", "read-timeout", "write-timeout", "idle-timeout",
-	"queue-timeout", "max-conns"}
+var serveFlags = []string{"decoder", "model-dir", "split", "stages", "processes", "addr", "max-queued", "name",
+	"api-key", "api-key-file", "metrics-public", "read-header-timeout", "read-timeout", "write-timeout",
+	"idle-timeout", "queue-timeout", "max-conns"}
 
 func TestHelp(t *testing.T) {
 	bin := os.Getenv("PIPE_SERVE_BIN")

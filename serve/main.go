@@ -4,8 +4,8 @@
 // OpenAI's /v1/completions and /v1/chat/completions, streaming with server-sent events (see
 // server.go and chat.go); /metrics is Prometheus' (metrics.go).
 //
-//	pipe-serve -decoder DECODER.pt -model-dir HF_DIR [-split POINT,... | -stages N] [-addr HOST:PORT]
-//	           [-max-queued N] [-name NAME] [-api-key KEY | -api-key-file FILE] [-metrics-public]
+//	pipe-serve -decoder DECODER.pt -model-dir HF_DIR [-split POINT,... | -stages N] [-processes N]
+//	           [-addr HOST:PORT] [-max-queued N] [-name NAME] [-api-key KEY | -api-key-file FILE] [-metrics-public]
 //	           [-read-header-timeout D] [-read-timeout D] [-write-timeout D] [-idle-timeout D]
 //	           [-queue-timeout D] [-max-conns N]
 //
@@ -19,7 +19,10 @@
 // tokens, for /v1/chat/completions). Once listening it prints "pipe-serve: listening on
 // http://HOST:PORT" on stdout; -addr 127.0.0.1:0 picks a free port. It listens on the loopback
 // unless told otherwise; the timeouts, the connection limit and the API key (limits.go, auth.go)
-// are what make it safe to expose further.
+// are what make it safe to expose further. With -processes N the later stages run in worker
+// processes it starts (workers.go), and a worker that dies is a fault the service answers and
+// recovers from (faults.go); it exits non-zero only when it cannot recover, for its supervisor to
+// start it again.
 package main
 
 import (
@@ -45,7 +48,7 @@ import (
 // config is what the flags say.
 type config struct {
 	decoder, modelDir, split, addr, name string
-	stages, maxQueued                    int
+	stages, maxQueued, processes         int
 	limits                               limits
 	queueTimeout                         time.Duration
 	apiKey                               string
@@ -53,6 +56,9 @@ type config struct {
 }
 
 func main() {
+	if spec, ok := os.LookupEnv(workerEnv); ok {
+		os.Exit(serveAsWorker(spec)) // a worker process this service started (workers.go)
+	}
 	var c config
 	flags := flag.NewFlagSet("pipe-serve", flag.ContinueOnError)
 	// One line each in --help (printUsage): a backquoted word names the value.
@@ -60,6 +66,8 @@ func main() {
 	flags.StringVar(&c.modelDir, "model-dir", "", "the Hugging Face folder, `HF_DIR` (tokenizer, weights); required")
 	flags.StringVar(&c.split, "split", "", "split `POINTS`, comma-separated (e.g. model.layers.15:begin)")
 	flags.IntVar(&c.stages, "stages", 2, "stages of equal parameter size, without -split")
+	flags.IntVar(&c.processes, "processes", 1,
+		"processes running the stages: `N` > 1 runs the later ones in N-1 workers, restarted if one dies")
 	flags.StringVar(&c.addr, "addr", "127.0.0.1:8080", "where to listen, `HOST:PORT`; port 0: a free one")
 	flags.IntVar(&c.maxQueued, "max-queued", 0, "requests that may wait for a cache slot, more get 503; 0: 4 x slots")
 	flags.StringVar(&c.name, "name", "", "the model's `NAME` in the API (default: the folder's name)")
@@ -88,6 +96,10 @@ func main() {
 	}
 	if c.decoder == "" || c.modelDir == "" || flags.NArg() != 0 {
 		fmt.Fprintln(os.Stderr, "usage: pipe-serve -decoder DECODER.pt -model-dir HF_DIR [flags]; --help lists the flags")
+		os.Exit(2)
+	}
+	if c.processes < 1 {
+		fmt.Fprintf(os.Stderr, "pipe-serve: -processes is %d; give 1 (every stage here) or more\n", c.processes)
 		os.Exit(2)
 	}
 	if c.name == "" {
@@ -142,17 +154,32 @@ func run(c config) error {
 	if chat == nil {
 		log.Printf("%s has no chat template: /v1/chat/completions answers 400", c.modelDir)
 	}
-	gen, err := newGenerator(c.decoder, c.modelDir, c.split, c.stages, c.maxQueued)
+	source, err := newGeneratorSource(c)
 	if err != nil {
 		return err
 	}
-	defer gen.Close()
-	info := gen.Info()
-	log.Printf("%s: %d stages, %d slots of %d tokens (%.1f MiB of cache each), vocabulary %d",
-		c.name, gen.NumStages(), info.Slots, info.MaxLen, float64(info.CacheBytesPerSlot)/(1<<20), info.Vocab)
+	first, err := source.build()
+	if err != nil {
+		source.close()
+		return err
+	}
+	// Only a pipeline over worker processes can be rebuilt: it keeps the plan for that.
+	var rebuild func() (*backend, error)
+	if c.processes > 1 {
+		rebuild = source.build
+		defer source.close()
+	} else {
+		source.close()
+	}
+	p := newPipeline(first, rebuild)
+	defer p.Close() // after the HTTP server has finished its requests
+	info := first.gen.Info()
+	log.Printf("%s: %d stages over %d process(es), %d slots of %d tokens (%.1f MiB of cache each), vocabulary %d",
+		c.name, first.gen.NumStages(), c.processes, info.Slots, info.MaxLen, float64(info.CacheBytesPerSlot)/(1<<20),
+		info.Vocab)
 
-	s := &server{gen: gen, text: text, model: c.name, stopIDs: stopIDs, chat: chat,
-		chatStopIDs: endOfTurnIDs(text, chat, stopIDs), queueTimeout: c.queueTimeout}
+	s := &server{pipeline: p, info: info, stages: first.gen.NumStages(), text: text, model: c.name,
+		stopIDs: stopIDs, chat: chat, chatStopIDs: endOfTurnIDs(text, chat, stopIDs), queueTimeout: c.queueTimeout}
 	if c.apiKey == "" {
 		log.Printf("no API key (-api-key, -api-key-file): anyone who can reach %s may use the service", c.addr)
 	}
@@ -169,13 +196,20 @@ func run(c config) error {
 
 	done := make(chan error, 1)
 	go func() { done <- httpServer.Serve(listener) }()
+	grace := 30 * time.Second
+	var failure error
 	select {
 	case err := <-done:
 		return err
 	case sig := <-signals:
 		log.Printf("%v: finishing the requests in progress", sig)
+	case failure = <-p.Failed():
+		// Every request of the broken pipeline has been failed already (faults.go): what is left
+		// to finish are responses being written.
+		log.Print(failure)
+		grace = 5 * time.Second
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
 	defer cancel()
 	if err := httpServer.Shutdown(ctx); err != nil {
 		return err
@@ -183,35 +217,41 @@ func run(c config) error {
 	if err := <-done; !errors.Is(err, http.ErrServerClosed) {
 		return err
 	}
-	return nil
+	return failure
 }
 
-// newGenerator loads the decoder with the folder's weights (when it has some), cuts it and starts
-// the generator.
-func newGenerator(decoder, modelDir, split string, stages, maxQueued int) (*pipe.Generator, error) {
-	model, err := pipe.LoadModel(decoder)
+// newGeneratorSource loads the decoder and cuts it; its generators load the folder's weights
+// (when it has some). With -processes N > 1 libpipe's log goes through Go's, where the store's
+// address is picked up for the workers (workers.go).
+func newGeneratorSource(c config) (*generatorSource, error) {
+	model, err := pipe.LoadModel(c.decoder)
 	if err != nil {
 		return nil, err
 	}
-	defer model.Close()
-	planOpts := &pipe.PlanOptions{Stages: stages, Policy: "params"}
-	if split != "" {
-		planOpts = &pipe.PlanOptions{SplitPoints: strings.Split(split, ",")}
+	defer model.Close() // the plan keeps what it needs
+	planOpts := &pipe.PlanOptions{Stages: c.stages, Policy: "params"}
+	if c.split != "" {
+		planOpts = &pipe.PlanOptions{SplitPoints: strings.Split(c.split, ",")}
 	}
 	plan, err := model.NewPlan(planOpts)
 	if err != nil {
 		return nil, err
 	}
-	defer plan.Close()
-	var session *pipe.SessionOptions
+	g := &generatorSource{plan: plan, options: pipe.GeneratorOptions{MaxQueued: c.maxQueued}, processes: c.processes}
 	for _, weights := range []string{"model.safetensors", "model.safetensors.index.json"} {
-		path := filepath.Join(modelDir, weights)
+		path := filepath.Join(c.modelDir, weights)
 		if _, err := os.Stat(path); err == nil {
-			session = &pipe.SessionOptions{Stage: &pipe.StageOptions{Weights: path}}
+			g.session.Stage = &pipe.StageOptions{Weights: path}
 			break
 		}
 	}
-	return plan.NewGenerator(session, &pipe.GeneratorOptions{MaxQueued: maxQueued})
+	if c.processes > 1 {
+		if err := routeLibpipeLog(); err != nil {
+			plan.Close()
+			return nil, err
+		}
+	}
+	return g, nil
 }
 
 // eosIDs is generation_config.json's eos_token_id (a number or a list), none without the file.

@@ -19,7 +19,10 @@ package main
 //
 // And read when scraped (statsCollector): the generator's state and statistics (slots, queue,
 // steps, sampling time) and each stage's (busy and idle time, micro-batches, failures, queue);
-// the service's own counters of /health. A step is one micro-batch on every stage, so a stage's
+// the service's own counters of /health; whether the pipeline works (pipe_serve_pipeline_up) and
+// how often it was rebuilt after breaking (faults.go). A rebuilt pipeline's generator counts from
+// zero again, which Prometheus' rate() takes as a counter reset; while the pipeline is broken
+// its generator's statistics are left out. A step is one micro-batch on every stage, so a stage's
 // mean step time is rate(busy) / rate(micro-batches), and its busy fraction rate(busy) /
 // (rate(busy) + rate(idle)): counters let Prometheus compute both over any window, where a
 // gauge of the average since start would hide a change.
@@ -163,6 +166,7 @@ type statsCollector struct {
 	slots, slotsInUse, queued, steps, stepsInFlight, rowsPerStep, sampling, sequences *prometheus.Desc
 	stageBusy, stageIdle, stageMicrobatches, stageFailures, stageQueue                *prometheus.Desc
 	finished, disconnects, writeFailures, queueTimeouts                               *prometheus.Desc
+	pipelineUp, rebuilds                                                              *prometheus.Desc
 }
 
 func newStatsCollector(s *server) *statsCollector {
@@ -192,13 +196,16 @@ func newStatsCollector(s *server) *statsCollector {
 		writeFailures: desc("write_failures_total",
 			"Responses cut off: the client stopped reading for -write-timeout, or left."),
 		queueTimeouts: desc("queue_timeouts_total", "Requests that waited past -queue-timeout for a slot (503)."),
+		pipelineUp:    desc("pipeline_up", "1 while the pipeline works, 0 from its failure until it is rebuilt."),
+		rebuilds: desc("pipeline_rebuilds_total",
+			"Times the pipeline was rebuilt, with fresh worker processes, after one failed."),
 	}
 }
 
 func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.slots, c.slotsInUse, c.queued, c.steps, c.stepsInFlight, c.rowsPerStep,
 		c.sampling, c.sequences, c.stageBusy, c.stageIdle, c.stageMicrobatches, c.stageFailures, c.stageQueue,
-		c.finished, c.disconnects, c.writeFailures, c.queueTimeouts} {
+		c.finished, c.disconnects, c.writeFailures, c.queueTimeouts, c.pipelineUp, c.rebuilds} {
 		ch <- d
 	}
 }
@@ -219,8 +226,18 @@ func (c *statsCollector) Collect(ch chan<- prometheus.Metric) {
 	counter(c.writeFailures, float64(s.writeFailures.Load()))
 	counter(c.queueTimeouts, float64(s.queueTimeouts.Load()))
 
-	gauge(c.slots, float64(s.gen.Info().Slots))
-	st, err := s.gen.Stats()
+	counter(c.rebuilds, float64(s.pipeline.rebuilds.Load()))
+	gauge(c.slots, float64(s.info.Slots))
+	b := s.pipeline.acquire()
+	up := 0.0
+	if b != nil && b.unhealthy() == nil {
+		up = 1
+	}
+	gauge(c.pipelineUp, up)
+	if b == nil {
+		return // broken: no generator to read until it is rebuilt
+	}
+	st, err := b.gen.Stats()
 	if err != nil {
 		ch <- prometheus.NewInvalidMetric(c.slotsInUse, err)
 		return
@@ -232,9 +249,9 @@ func (c *statsCollector) Collect(ch chan<- prometheus.Metric) {
 	gauge(c.rowsPerStep, st.MeanRowsPerStep)
 	counter(c.sampling, st.Sampling.Seconds())
 	counter(c.sequences, float64(st.SequencesFinished))
-	for i := range s.gen.NumStages() {
+	for i := range s.stages {
 		stage := strconv.Itoa(i)
-		ss, err := s.gen.StageStats(i)
+		ss, err := b.gen.StageStats(i)
 		if err != nil {
 			ch <- prometheus.NewInvalidMetric(c.stageBusy, err)
 			return

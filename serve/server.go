@@ -12,7 +12,7 @@ package main
 //	    usage, comes before [DONE].
 //	POST /v1/chat/completions  the same over a conversation (chat.go)
 //	GET /v1/models        the one model served
-//	GET /health           {"status": "ok", slots, queue, counters}
+//	GET /health           {"status": "ok", slots, queue, counters}; 503 while the pipeline is broken
 //	GET /metrics          Prometheus' text format (metrics.go)
 //
 // Bad requests get 400 with an OpenAI-style error object naming the field (errors.go has the other
@@ -20,7 +20,8 @@ package main
 // waiting), or a request that waited past -queue-timeout for a slot, gets 503 with Retry-After
 // (admission.go). A client that disconnects, or stops reading for -write-timeout, cancels its
 // sequence, which frees its slot at once or when its step returns. limits.go bounds what a client
-// may hold, auth.go asks for the API key.
+// may hold, auth.go asks for the API key; faults.go says what clients get when the pipeline
+// breaks (a worker process died).
 
 import (
 	"bytes"
@@ -41,10 +42,12 @@ import (
 )
 
 type server struct {
-	gen     *pipe.Generator
-	text    *textCodec
-	model   string  // the name /v1/models gives and responses carry
-	stopIDs []int64 // the model's end-of-sequence ids: a completion ends there ("stop")
+	pipeline *pipeline          // the generator, replaced when it breaks (faults.go)
+	info     pipe.GeneratorInfo // the decoder's, the same for every generator of the pipeline
+	stages   int
+	text     *textCodec
+	model    string  // the name /v1/models gives and responses carry
+	stopIDs  []int64 // the model's end-of-sequence ids: a completion ends there ("stop")
 
 	chat        *chatTemplate // the model's chat template; nil: the chat endpoint answers 400
 	chatStopIDs []int64       // stopIDs and the template's end of turn: a chat reply ends there
@@ -203,7 +206,7 @@ func (s *server) prompt(raw json.RawMessage) ([]int64, *badRequest) {
 
 // encode is the token ids of a prompt's text; param names the field it came from.
 func (s *server) encode(text, param string) ([]int64, *badRequest) {
-	max := s.gen.Info().MaxLen - 1 // room for one token of completion
+	max := s.info.MaxLen - 1 // room for one token of completion
 	ids, err := s.text.EncodeAtMost(text, max)
 	switch {
 	case errors.Is(err, errTooManyTokens):
@@ -340,11 +343,13 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 }
 
 // ending is how a completion ended: OpenAI's finish reason ("stop": the model's end token or a
-// stop string; "length"), the tokens it took, or the error that ended it.
+// stop string; "length"), the tokens it took, or the error that ended it, and whether that error
+// is the pipeline's (faults.go) rather than the request's.
 type ending struct {
 	finish string
 	tokens int
 	err    error
+	broken bool
 }
 
 // follow receives the sequence's tokens as text, calling emit for each piece, until the sequence
@@ -429,7 +434,12 @@ func (s *server) followTokens(ctx context.Context, a *admitted, stops []string, 
 		// Tokens generated after the stop string's are dropped: they are not the completion's.
 		return ending{finish: "stop", tokens: tokens}
 	}
-	return ending{finish: openAIFinish(reason), tokens: info.GeneratedTokens, err: gen.Err()}
+	err := gen.Err()
+	broken := a.backend.failing(err)
+	if broken {
+		s.pipeline.report()
+	}
+	return ending{finish: openAIFinish(reason), tokens: info.GeneratedTokens, err: err, broken: broken}
 }
 
 // openAIFinish is OpenAI's name for how a completion ended.
@@ -440,12 +450,16 @@ func openAIFinish(reason pipe.FinishReason) string {
 	return "length"
 }
 
-// failed answers a request whose completion ended with an error, and says whether it did.
+// failed answers a request whose completion ended with an error, and says whether it did. Nothing
+// was sent yet: when the pipeline failed, the client is told to send the request again (503).
 func (s *server) failed(w http.ResponseWriter, end ending) bool {
 	if end.err == nil {
 		return false
 	}
-	if errors.Is(end.err, pipe.ErrDeadlineExceeded) {
+	if end.broken {
+		log.Printf("a generation failed with the pipeline: %v", end.err)
+		s.unavailable(w)
+	} else if errors.Is(end.err, pipe.ErrDeadlineExceeded) {
 		internalError(w, http.StatusGatewayTimeout, "the generation passed its deadline", end.err)
 	} else {
 		internalError(w, http.StatusInternalServerError, "the generation failed", end.err)
@@ -511,12 +525,16 @@ func (e *events) fail(err error) {
 	}
 }
 
-// failed ends the stream with an error event when the completion ended with an error.
+// failed ends the stream with an error event when the completion ended with an error: no
+// finish_reason and no [DONE] follow, so that a cut reply never looks complete.
 func (e *events) failed(end ending) bool {
 	if end.err == nil {
 		return false
 	}
-	if errors.Is(end.err, pipe.ErrDeadlineExceeded) {
+	if end.broken {
+		log.Printf("a stream was cut off by the pipeline's failure: %v", end.err)
+		e.send(cutOff())
+	} else if errors.Is(end.err, pipe.ErrDeadlineExceeded) {
 		log.Printf("the generation passed its deadline: %v", end.err)
 		e.send(errorBody("server_error", "", "", "the generation passed its deadline"))
 	} else {
@@ -537,16 +555,20 @@ func (s *server) models(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *server) health(w http.ResponseWriter, r *http.Request) {
-	// /health is open without the API key: it says whether the service works, not why not.
+	// /health is open without the API key: it says whether the service works, not why not (the
+	// log does). 503 while the pipeline is broken, until it is rebuilt (faults.go).
 	status, code := "ok", http.StatusOK
-	if err := s.gen.Check(); err != nil {
-		log.Printf("health: %v", err)
+	var st pipe.GeneratorStats
+	b := s.pipeline.acquire()
+	if b == nil || b.unhealthy() != nil {
+		s.pipeline.report()
 		status, code = "unavailable", http.StatusServiceUnavailable
 	}
-	st, err := s.gen.Stats()
-	if err != nil {
-		internalError(w, http.StatusServiceUnavailable, "the generator's statistics cannot be read", err)
-		return
+	if b != nil {
+		var err error
+		if st, err = b.gen.Stats(); err != nil { // closed since: it broke
+			status, code = "unavailable", http.StatusServiceUnavailable
+		}
 	}
 	finished := map[string]uint64{"other": s.finishedOther.Load()}
 	for reason := pipe.FinishStop; reason <= pipe.FinishError; reason++ {
@@ -555,7 +577,7 @@ func (s *server) health(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, code, map[string]any{
 		"status":             status,
 		"model":              s.model,
-		"slots":              s.gen.Info().Slots,
+		"slots":              s.info.Slots,
 		"slots_in_use":       st.SlotsInUse,
 		"queued":             st.Queued,
 		"tokens_per_s":       st.TokensPerSecond,
@@ -565,6 +587,7 @@ func (s *server) health(w http.ResponseWriter, r *http.Request) {
 		"client_disconnects": s.disconnects.Load(),
 		"write_failures":     s.writeFailures.Load(),
 		"queue_timeouts":     s.queueTimeouts.Load(),
+		"pipeline_rebuilds":  s.pipeline.rebuilds.Load(),
 		"finished":           finished,
 	})
 }

@@ -222,6 +222,7 @@ func readTinyExpected(t *testing.T) tinyExpected {
 
 type service struct {
 	base    string // http://HOST:PORT
+	pid     int    // the service's process
 	gateDir string // the gated service's gate folder
 	stderr  *syncBuffer
 }
@@ -263,6 +264,7 @@ func startService(t *testing.T, env []string, args ...string) *service {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
+	s.pid = cmd.Process.Pid
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
 	t.Cleanup(func() {
@@ -344,10 +346,21 @@ type health struct {
 	// Writes that failed (a client that stopped reading, or left), requests past the queue deadline.
 	WriteFailures uint64            `json:"write_failures"`
 	QueueTimeouts uint64            `json:"queue_timeouts"`
+	Rebuilds      uint64            `json:"pipeline_rebuilds"` // after a worker process died
 	Finished      map[string]uint64 `json:"finished"`
 }
 
 func (s *service) health(t *testing.T) health {
+	t.Helper()
+	code, h := s.healthStatus(t)
+	if code != http.StatusOK {
+		t.Fatalf("/health: %d, %+v", code, h)
+	}
+	return h
+}
+
+// healthStatus is /health's status code and body, whatever the code.
+func (s *service) healthStatus(t *testing.T) (int, health) {
 	t.Helper()
 	resp, err := http.Get(s.base + "/health")
 	if err != nil {
@@ -355,10 +368,10 @@ func (s *service) health(t *testing.T) health {
 	}
 	defer resp.Body.Close()
 	var h health
-	if err := json.NewDecoder(resp.Body).Decode(&h); err != nil || resp.StatusCode != http.StatusOK {
+	if err := json.NewDecoder(resp.Body).Decode(&h); err != nil {
 		t.Fatalf("/health: %d, %v", resp.StatusCode, err)
 	}
-	return h
+	return resp.StatusCode, h
 }
 
 // ---- requests -----------------------------------------------------------------------------------
