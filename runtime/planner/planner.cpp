@@ -104,20 +104,6 @@ std::shared_ptr<Plan> by_policy(const std::shared_ptr<const graph::Program>& mod
   return plan;
 }
 
-}  // namespace
-
-void validate_stage_request(const PlanRequest& request) {
-  if (request.num_stages < 1)
-    throw Error(Status::InvalidArgument,
-                "the number of stages must be at least 1, got " + std::to_string(request.num_stages));
-  if (request.policy != "uniform" && request.policy != "params" && request.policy != "time")
-    throw Error(Status::InvalidArgument, "unknown split policy '" + request.policy +
-                                             "'; use uniform (equal layers), params (equal parameter "
-                                             "bytes) or time (equal measured time)");
-}
-
-namespace {
-
 // Timing needs real weights: a skeleton's stages would run on the meta device and measure nothing.
 void require_real_weights(const graph::Program& model, const char* what) {
   if (!model.parameter_without_data().empty())

@@ -11,15 +11,9 @@
 #include <vector>
 
 #include "runtime/graph/plan.h"
+#include "runtime/planner/plan_request.h"
 
 namespace libpipe {
-
-struct PlanRequest {
-  std::vector<std::string> split_points;    // "FQN:begin" / "FQN:end" / "FQN@K:end"
-  int num_stages = 0;                       // with `policy`; 0 when not asked
-  std::string policy;                       // "uniform", "params" or "time"
-  std::vector<c10::IValue> example_inputs;  // needed by "time"; give estimates for any plan
-};
 
 // What a "params" or "time" policy shared out among the stages: the model's parts (part i is
 // positions [bounds[i], bounds[i+1]) of graph::top_level_sequence()) and each part's cost by the
@@ -35,9 +29,6 @@ struct PolicyCosts {
 // balancing policy also reports there what it cut by (left empty for other requests).
 std::shared_ptr<const graph::Plan> make_plan(std::shared_ptr<const graph::Program> model, const PlanRequest& request,
                                              PolicyCosts* used = nullptr);
-
-// Checks num_stages >= 1 and a known policy name. Throws Error(InvalidArgument).
-void validate_stage_request(const PlanRequest& request);
 
 // The intra-op threads each of `num_stages` stages gets by default: its share of the cores.
 int default_threads_per_stage(size_t num_stages);

@@ -7,7 +7,7 @@
 
 #include "runtime/error.h"
 #include "runtime/graph/split_spec.h"
-#include "runtime/planner/planner.h"
+#include "runtime/planner/plan_request.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);
