@@ -38,7 +38,7 @@ else
   [ -z "$out" ] || { echo "$out" | sed 's/^/check-format: gofmt would change /'; failed=1; }
 fi
 
-for crate in bindings/rust examples/rust; do
+for crate in bindings/rust examples/rust text; do
   if ((fix)); then
     (cd "$crate" && cargo fmt --all)
   else
