@@ -14,6 +14,8 @@ imported on first use):
   processes that serve them with `run_worker(rank, N, "HOST:PORT")`;
   `Generator(decoder_path, ...)` -> `generator.generate(prompt)` generates tokens (or text, with a
   tokenizer) from a language model (libpipe.generation);
+  `Tokenizer.load(model_folder)` encodes, decodes, streams text and applies the chat template
+  (libpipe.text);
   failures raise `libpipe.Error` subclasses carrying a `Status`. See libpipe.runtime.
 """
 
@@ -36,7 +38,7 @@ from .errors import (
     UnsupportedError,
     WaitTimeoutError,
 )
-from . import generation, runtime
+from . import generation, runtime, text
 from .generation import FINISH_REASONS, Generation, GenerationInfo, Generator, GeneratorInfo, GeneratorSession
 from .runtime import (
     LOG_DEBUG,
@@ -58,6 +60,7 @@ from .runtime import (
     set_log_level,
     version,
 )
+from .text import DecodeStream, Tokenizer
 
 try:
     # Importing the marker registers pipe::split in this process's torch before libpipe's native
@@ -89,6 +92,8 @@ __all__ = [
     "save_skeleton",
     *runtime.__all__,  # the names imported from .runtime above
     *generation.__all__,
+    "Tokenizer",
+    "DecodeStream",
     "Status",
     "Error",
     "InvalidArgumentError",

@@ -342,6 +342,8 @@ LIBPIPE_HANDLE_OUTPUT(pipe_session)
 LIBPIPE_HANDLE_OUTPUT(pipe_request)
 LIBPIPE_HANDLE_OUTPUT(pipe_generator)
 LIBPIPE_HANDLE_OUTPUT(pipe_generation)
+LIBPIPE_HANDLE_OUTPUT(pipe_tokenizer)
+LIBPIPE_HANDLE_OUTPUT(pipe_decode_stream)
 
 %define LIBPIPE_VALUE_OUTPUT(TYPE, CONVERT)
 %typemap(in, numinputs=0) TYPE * (TYPE tmp = 0) "$1 = ($1_ltype)&tmp;"
@@ -351,6 +353,16 @@ LIBPIPE_VALUE_OUTPUT(size_t, PyLong_FromSize_t)
 LIBPIPE_VALUE_OUTPUT(uint64_t, PyLong_FromUnsignedLongLong)
 LIBPIPE_VALUE_OUTPUT(int32_t, PyLong_FromLong)
 LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
+/* pipe_tokenizer_vocab_size's and pipe_tokenizer_special_ids' ids (named: an `int64_t *` input elsewhere
+ * must not become an output). */
+%define LIBPIPE_INT64_OUTPUT(NAME)
+%typemap(in, numinputs=0) int64_t *NAME (int64_t tmp = 0) "$1 = ($1_ltype)&tmp;"
+%typemap(argout) int64_t *NAME { $result = SWIG_Python_AppendOutput($result, PyLong_FromLongLong((long long)*$1)); }
+%enddef
+LIBPIPE_INT64_OUTPUT(size)
+LIBPIPE_INT64_OUTPUT(bos)
+LIBPIPE_INT64_OUTPUT(eos)
+LIBPIPE_INT64_OUTPUT(pad)
 
 /* pipe_request_fd's and pipe_generation_fd's descriptor, as an int (named, so that no other int * is
  * taken for an output). */
@@ -449,6 +461,91 @@ LIBPIPE_VALUE_OUTPUT(double, PyFloat_FromDouble)
   $result = SWIG_Python_AppendOutput($result, ids);
 }
 %typemap(freearg) (int64_t *tokens, size_t capacity, size_t *count) { free(buffer$argnum); }
+
+/* ---- text (pipe.h, "Text") -------------------------------------------------------------------- */
+
+/* Text in: bytes (the Python layer encodes str as UTF-8, lone surrogates passed through, so that
+ * libpipe itself refuses what is not UTF-8). */
+%typemap(in) (const char *text, size_t length) {
+  char *data = NULL;
+  Py_ssize_t n = 0;
+  if (PyBytes_AsStringAndSize($input, &data, &n) < 0) SWIG_fail;
+  $1 = data;
+  $2 = (size_t)n;
+}
+/* Ids in: a sequence of ints. */
+%typemap(in) (const int64_t *ids, size_t count) (int64_t *array = NULL) {
+  if (libpipe_int64_array($input, "the token ids must be a sequence of ints", &array, &$2) < 0) SWIG_fail;
+  $1 = array;
+}
+%typemap(freearg) (const int64_t *ids, size_t count) { free(array$argnum); }
+/* Ids out (lent by libpipe until this thread's next call: copied at once, on the calling thread): a
+ * tuple of ints. */
+%typemap(in, numinputs=0) (const int64_t **ids, size_t *count) (const int64_t *lent = NULL, size_t n = 0) {
+  $1 = &lent;
+  $2 = &n;
+}
+%typemap(argout) (const int64_t **ids, size_t *count) {
+  PyObject *tuple = PyTuple_New((Py_ssize_t)*$2);
+  if (!tuple) SWIG_fail;
+  for (size_t i = 0; i < *$2; ++i) {
+    PyObject *id = PyLong_FromLongLong((long long)(*$1)[i]);
+    if (!id) {
+      Py_DECREF(tuple);
+      SWIG_fail;
+    }
+    PyTuple_SET_ITEM(tuple, (Py_ssize_t)i, id);
+  }
+  $result = SWIG_Python_AppendOutput($result, tuple);
+}
+/* Text out (lent likewise; its length counts NUL bytes it may hold): a str. */
+%typemap(in, numinputs=0) (const char **text, size_t *length) (const char *lent = NULL, size_t n = 0) {
+  $1 = &lent;
+  $2 = &n;
+}
+%typemap(argout) (const char **text, size_t *length) {
+  PyObject *str = PyUnicode_DecodeUTF8(*$1, (Py_ssize_t)*$2, "strict");
+  if (!str) SWIG_fail;
+  $result = SWIG_Python_AppendOutput($result, str);
+}
+/* A conversation: a sequence of (role, content) pairs of str, into two arrays of UTF-8 strings that
+ * the str objects keep alive for the call. */
+%typemap(in) (const char *const *roles, const char *const *contents, size_t count)
+    (PyObject *seq = NULL, const char **r = NULL, const char **c = NULL) {
+  seq = PySequence_Fast($input, "the conversation must be a sequence of (role, content) pairs");
+  if (!seq) SWIG_fail;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  r = (const char **)calloc(n ? (size_t)n : 1, sizeof *r);
+  c = (const char **)calloc(n ? (size_t)n : 1, sizeof *c);
+  if (!r || !c) {
+    PyErr_NoMemory();
+    SWIG_fail;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject *pair = PySequence_Fast_GET_ITEM(seq, i);
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(pair, 0)) ||
+        !PyUnicode_Check(PyTuple_GET_ITEM(pair, 1))) {
+      PyErr_Format(PyExc_TypeError, "message %zd must be a (role, content) tuple of str", i);
+      SWIG_fail;
+    }
+    Py_ssize_t rn = 0, cn = 0;
+    r[i] = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(pair, 0), &rn);
+    c[i] = r[i] ? PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(pair, 1), &cn) : NULL;
+    if (!r[i] || !c[i]) SWIG_fail;
+    if ((Py_ssize_t)strlen(r[i]) != rn || (Py_ssize_t)strlen(c[i]) != cn) {
+      PyErr_Format(PyExc_ValueError, "message %zd holds a NUL character", i);
+      SWIG_fail;
+    }
+  }
+  $1 = r;
+  $2 = c;
+  $3 = (size_t)n;
+}
+%typemap(freearg) (const char *const *roles, const char *const *contents, size_t count) {
+  free((void *)r$argnum);
+  free((void *)c$argnum);
+  Py_XDECREF(seq$argnum);
+}
 
 /* ---- tensor arguments: borrowed DLManagedTensors --------------------------------------------- */
 

@@ -1,0 +1,175 @@
+"""libpipe.text (pipe.h, "Text") against transformers' AutoTokenizer: encode, decode, the decode stream,
+special and stop ids, and the chat template, on tokenizers of the GPT-2, Qwen2, Llama and Mistral
+styles trained and saved here (tests/models/text_tokenizers.py; no hub is reachable) and on the real
+SmolLM2 folder the install step converts (skipped where it is absent)."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+import libpipe
+from libpipe.text import Tokenizer
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "tests" / "models"))
+import text_tokenizers  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+# Varied text: code, several scripts, emoji (with joiners and modifiers), whitespace runs, special
+# tokens written inside text, characters no tokenizer here was trained on (byte fallback).
+CORPUS = [
+    "Hello, world!",
+    "",
+    " leading space and trailing space ",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i] * b[i]; }  // dot",
+    "Größe café naïve façade — «quotes» ‘single’",
+    "Ελληνικά, русский, ქართული, עברית, العربية, हिन्दी",
+    "日本語のテキスト。中文文本，繁體字。한국어 텍스트입니다.",
+    "emoji 👋🌍🚀 ❤️ 👩‍💻 👍🏽 🇫🇷 🦀🎉",
+    "tabs\t\tand    runs   of spaces\n\n\nand\r\nline ends   ",
+    "numbers 1234567890 3.14159 -2e-10 0x1F",
+    "<|im_start|>user\nhi<|im_end|> inside text <s> </s> <|endoftext|>",
+    "[INST] instruction [/INST] answer",
+    "unknown scripts: ᚠᛇᚻ ꦧꦱꦗꦮ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    "a" * 300 + " " + "ab " * 50,
+]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi there"}],
+    [
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And times 3? 🤔"},
+    ],
+    [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": "Blue"},
+        {"role": "user", "content": "  Another one, with spaces  "},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def styles(tmp_path_factory):
+    """{style: (folder, transformers' tokenizer)} for the four styles."""
+    root = tmp_path_factory.mktemp("tokenizers")
+    out = {}
+    for style in text_tokenizers.STYLES:
+        folder = root / style
+        out[style] = (folder, text_tokenizers.build(style, str(folder)))
+    return out
+
+
+def smollm2_folder():
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "libpipe" / "models"
+    found = sorted(cache.glob("smollm2-135m-instruct-*/tokenizer.json"))
+    return found[0].parent if found else None
+
+
+def each_tokenizer(styles):
+    for style, (folder, reference) in styles.items():
+        yield style, Tokenizer.load(folder), reference
+
+
+def check_like_transformers(name, tok, reference, conversations):
+    for text in CORPUS:
+        for special in (True, False):
+            want = reference.encode(text, add_special_tokens=special)
+            assert tok.encode(text, add_special_tokens=special) == want, (name, text, special)
+            for skip in (False, True):
+                assert tok.decode(want, skip_special_tokens=skip) == reference.decode(want, skip_special_tokens=skip), (
+                    name,
+                    text,
+                    skip,
+                )
+    for conversation in conversations:
+        for prompt in (False, True):
+            want = reference.apply_chat_template(conversation, tokenize=False, add_generation_prompt=prompt)
+            assert tok.apply_chat_template(conversation, add_generation_prompt=prompt) == want, (name, conversation)
+            ids = reference.apply_chat_template(conversation, tokenize=True, add_generation_prompt=prompt)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            assert tok.apply_chat_template(conversation, add_generation_prompt=prompt, tokenize=True) == list(ids)
+    assert tok.bos_token_id == reference.bos_token_id
+    assert tok.eos_token_id == reference.eos_token_id
+    assert tok.pad_token_id == reference.pad_token_id
+    assert tok.vocab_size == max(reference.get_vocab().values()) + 1
+
+
+def test_like_transformers(styles):
+    for style, tok, reference in each_tokenizer(styles):
+        with tok:
+            # Llama 2's template wants user and assistant turns alternating after the system message.
+            check_like_transformers(style, tok, reference, CONVERSATIONS)
+
+
+def test_smollm2_like_transformers():
+    folder = smollm2_folder()
+    if folder is None:
+        pytest.skip("no SmolLM2 folder (scripts/install-deps.sh converts it into ~/.cache/libpipe/models)")
+    reference = transformers.AutoTokenizer.from_pretrained(str(folder))
+    with Tokenizer.load(folder) as tok:
+        check_like_transformers("smollm2", tok, reference, CONVERSATIONS)
+        generation = json.loads((folder / "generation_config.json").read_text())
+        eos = generation["eos_token_id"]
+        assert set(tok.stop_ids) == set(eos if isinstance(eos, list) else [eos]) | {reference.eos_token_id}
+
+
+def test_stop_ids_from_generation_config(styles):
+    for style, tok, reference in each_tokenizer(styles):
+        with tok:
+            path = Path(styles[style][0]) / "generation_config.json"
+            named = json.loads(path.read_text())["eos_token_id"] if path.exists() else []
+            named = named if isinstance(named, list) else [named]
+            want = named + [i for i in [reference.eos_token_id] if i is not None and i not in named]
+            assert list(tok.stop_ids) == want, style
+    assert len(named) >= 1
+
+
+def test_stream_adds_up_to_decode(styles):
+    for style, tok, reference in each_tokenizer(styles):
+        with tok:
+            for text in CORPUS:
+                ids = reference.encode(text, add_special_tokens=True)
+                for skip in (False, True):
+                    stream = tok.decode_stream(skip_special_tokens=skip)
+                    pieces = [stream.step(i) for i in ids]
+                    stream.close()
+                    want = reference.decode(ids, skip_special_tokens=skip)
+                    assert "".join(pieces) == want, (style, text, skip, pieces)
+                    # Whole characters only: no piece carries a replacement character decode lacks.
+                    assert "\ufffd" not in "".join(pieces) or "\ufffd" in want
+
+
+def test_errors(styles):
+    folder, _ = styles["gpt2"]
+    with Tokenizer.load(folder) as tok:
+        with pytest.raises(libpipe.InvalidArgumentError, match="not valid UTF-8"):
+            tok.encode(b"caf\xc3")
+        with pytest.raises(libpipe.InvalidArgumentError, match="not valid UTF-8"):
+            tok.encode("lone \ud800 surrogate")
+        with pytest.raises(libpipe.InvalidArgumentError, match="outside the vocabulary"):
+            tok.decode([1, tok.vocab_size])
+        stream = tok.decode_stream()
+        with pytest.raises(libpipe.InvalidArgumentError):
+            stream.step(-1)
+        assert stream.step(tok.encode("a")[0]) == "a"
+    with pytest.raises(libpipe.InvalidArgumentError, match="closed"):
+        tok.encode("a")
+    with pytest.raises(libpipe.NotFoundError, match="tokenizer.json"):
+        Tokenizer.load(Path(folder).parent)
+    bare = Path(folder).parent / "bare"
+    bare.mkdir(exist_ok=True)
+    (bare / "tokenizer.json").write_bytes((Path(folder) / "tokenizer.json").read_bytes())
+    with Tokenizer.load(bare) as tok:
+        with pytest.raises(libpipe.InvalidFormatError, match="no chat template"):
+            tok.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert tok.stop_ids == () and tok.eos_token_id is None
+    (bare / "tokenizer.json").write_text("{not json")
+    with pytest.raises(libpipe.InvalidFormatError):
+        Tokenizer.load(bare)
