@@ -13,7 +13,7 @@ namespace libpipe::cpu {
 
 namespace {
 
-constexpr int kTypes = 4;
+constexpr int kTypes = 5;
 constexpr int kMaxVariants = 4;
 
 // -1: measured; 0 or 1: fixed by the environment variable.
@@ -46,6 +46,7 @@ const char* type_name(WeightType type) {
     case WeightType::kBFloat16: return "bfloat16";
     case WeightType::kFloat16: return "float16";
     case WeightType::kInt8: return "int8";
+    case WeightType::kInt4: return "int4";
   }
   return "?";
 }
@@ -59,6 +60,7 @@ const char* class_name(int c) {
 std::string describe(WeightType type, KernelVariant v) {
   std::string s = v.prefetch ? "prefetching" : "no prefetch";
   if (type == WeightType::kBFloat16) s += v.native_bf16 ? ", VDPBF16PS" : ", converted to float32";
+  if (type == WeightType::kInt4) s += v.vnni ? ", VPDPBUSD" : ", VPMADDUBSW";
   return s;
 }
 
@@ -101,6 +103,7 @@ KernelVariant KernelChoice::variant(WeightType type, int slot) {
   } else {
     v.prefetch = fixed_prefetch() == 1;
   }
+  v.vnni = type == WeightType::kInt4 && cpu_has_avx512_vnni();  // not a choice: VPDPBUSD does less work
   if (type == WeightType::kBFloat16 && cpu_has_avx512_bf16())
     v.native_bf16 = dot_is_measured(type) ? rest % 2 == 1 : fixed_dot() == 1;
   return v;

@@ -56,7 +56,7 @@ class KernelChoice {
  private:
   struct Class;
   Class& of(WeightType type, int64_t rows) const;
-  Class* classes_;  // [4 weight types][kRowClasses]
+  Class* classes_;  // [5 weight types][kRowClasses]
 };
 
 }  // namespace libpipe::cpu

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -19,7 +20,8 @@ namespace {
 size_t element_size(WeightType type) {
   switch (type) {
     case WeightType::kFloat32: return 4;
-    case WeightType::kInt8: return 1;
+    case WeightType::kInt8:
+    case WeightType::kInt4: return 1;
     default: return 2;
   }
 }
@@ -65,6 +67,74 @@ bool cpu_has_avx512_bf16() {
 #endif
   }();
   return has;
+}
+
+bool cpu_has_avx512_vnni() {
+  static const bool has = [] {
+    const char* o = isa_override();
+    if (o && (std::strcmp(o, "avx512") == 0 || std::strcmp(o, "none") == 0)) return false;
+#if defined(__x86_64__)
+    return cpu_has_panel_kernels() && __builtin_cpu_supports("avx512vnni");
+#else
+    return false;
+#endif
+  }();
+  return has;
+}
+
+int64_t int4_panel_bytes(int64_t n, int64_t k, int64_t group) {
+  const int64_t panels = (n + kPanelWidth - 1) / kPanelWidth;
+  const int64_t depth = int4_depth(k, group);
+  return panels * (depth / group * 2 * kPanelWidth + depth * kPanelWidth / 2);
+}
+
+void pack_int4_panels(const int8_t* codes, const uint16_t* scales, int64_t n, int64_t k, int64_t group, void* dst,
+                      int64_t panel_begin, int64_t panel_end) {
+  const int64_t depth = int4_depth(k, group), groups = depth / group;
+  const int64_t group_bytes = 2 * kPanelWidth + group * kPanelWidth / 2;
+  uint8_t* d = static_cast<uint8_t*>(dst);
+  for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
+    uint8_t* out = d + panel * groups * group_bytes;
+    const int64_t rows = std::min(kPanelWidth, n - panel * kPanelWidth);
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* at = out + g * group_bytes;
+      uint16_t group_scales[kPanelWidth] = {};  // a tail panel's missing outputs: scale 0, codes 8 (zero)
+      for (int64_t c = 0; c < rows; ++c) group_scales[c] = scales[(panel * kPanelWidth + c) * groups + g];
+      std::memcpy(at, group_scales, sizeof group_scales);
+      uint8_t* steps = at + 2 * kPanelWidth;
+      for (int64_t s = 0; s < group / 8; ++s)
+        for (int64_t c = 0; c < kPanelWidth; ++c)
+          for (int64_t t = 0; t < 4; ++t) {
+            const int8_t* row = codes + (panel * kPanelWidth + c) * depth + g * group + 8 * s;
+            const int lo = c < rows ? row[t] + 8 : 8, hi = c < rows ? row[4 + t] + 8 : 8;
+            steps[s * 4 * kPanelWidth + c * 4 + t] = static_cast<uint8_t>(lo | (hi << 4));
+          }
+    }
+  }
+}
+
+void quantize_rows(const float* x, int64_t ldx, int64_t k, int64_t depth, int8_t* codes, float* scales, int32_t* sums,
+                   int64_t row_begin, int64_t row_end) {
+  const int64_t blocks = depth / kInt4RowBlock;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const float* xr = x + r * ldx;
+    int8_t* q = codes + r * depth;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t i0 = b * kInt4RowBlock, i1 = std::min(k, i0 + kInt4RowBlock);
+      float amax = 0;
+      for (int64_t i = i0; i < i1; ++i) amax = std::max(amax, std::fabs(xr[i]));
+      const float scale = amax / 127.0f;
+      const float inverse = scale > 0 ? 1.0f / scale : 0.0f;
+      int32_t sum = 0;
+      for (int64_t i = i0; i < i0 + kInt4RowBlock; ++i) {
+        const int32_t c = i < i1 ? static_cast<int32_t>(std::round(xr[i] * inverse)) : 0;
+        q[i] = static_cast<int8_t>(std::clamp(c, -127, 127));
+        sum += q[i];
+      }
+      scales[r * blocks + b] = scale;
+      sums[r * blocks + b] = sum;
+    }
+  }
 }
 
 int64_t panel_depth(WeightType type, int64_t k) { return type == WeightType::kBFloat16 ? (k + 1) / 2 * 2 : k; }
@@ -135,8 +205,10 @@ void panel_product(const PanelProduct& p, int64_t unit_begin, int64_t unit_end) 
   avx512::panel_product(p, unit_begin, unit_end, pick.variant);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const int64_t units = unit_end - unit_begin;
-  choice.record(p.type, p.m, pick.slot, units * kUnitWidth * panel_depth(p.type, p.k) * int64_t(element_size(p.type)),
-                seconds);
+  const int64_t bytes_per_output = p.type == WeightType::kInt4
+                                       ? p.k / 2 + p.k / p.group * 2
+                                       : panel_depth(p.type, p.k) * int64_t(element_size(p.type));
+  choice.record(p.type, p.m, pick.slot, units * kUnitWidth * bytes_per_output, seconds);
 }
 
 }  // namespace libpipe::cpu

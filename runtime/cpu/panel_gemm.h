@@ -13,6 +13,23 @@
 //                       beside them (weight = scale * q, symmetric): a quarter of float32's bytes to stream.
 //                       The rows are float32 (a bfloat16 caller converts its few rows first); each int8
 //                       weight is widened to float32 in registers, so accumulation is float32 as for the others.
+//   int4:               4-bit codes q in [-8, 7] with a float16 scale per (group of G k, output feature), weight =
+//                       scale * q (quantize_int4 in panel_linear.h; G = 32, 64 or 128, K padded to a multiple of
+//                       G with zero codes). Panel b is, per group of G k: the group's 64 scales (128 bytes), then
+//                       G/8 steps of 256 bytes, one per 8 consecutive k: four 64-byte vectors, vector j for
+//                       outputs 16j .. 16j+15, each 32-bit lane one output's 8 codes as nibbles, byte t of the
+//                       lane holding k = 8s+t in its low nibble and k = 8s+4+t in its high one, stored as
+//                       q + 8 (0 .. 15). So 4.5 bits per weight at G = 32 (llama.cpp's Q4_0 holds as many).
+//                       The rows are quantized too, to int8 per block of 32 k (quantize_rows: a float32 scale,
+//                       the block's largest magnitude at 127, and the sum of the block's codes), and the
+//                       kernel takes integer dot products: an AND and a shift+AND unpack a vector into two
+//                       operands of VPDPBUSD (unsigned 8-bit weight x signed 8-bit row, four products per
+//                       32-bit lane), whose int32 sums per block of 32, less 8 x the block's sum of row codes
+//                       (the +8 of the storage), go to float32 as scale_w * scale_x * sum. Without AVX512-VNNI
+//                       VPMADDUBSW + VPMADDWD compute the same integer sums (at most 15 x 127 x 2 per 16-bit
+//                       pair: no saturation), so both give the same bits. Why integers: widening nibbles to
+//                       float32 takes ~20 instructions per 32 bytes of weights, compute-bound below the
+//                       memory's speed at one row.
 //
 // A tail panel (N not a multiple of 64) is zero-padded, and K is padded to even for bfloat16. The
 // micro-kernel broadcasts one input element per row and multiplies it into four 16-wide output vectors,
@@ -31,7 +48,7 @@
 
 namespace libpipe::cpu {
 
-enum class WeightType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3 };
+enum class WeightType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3, kInt4 = 4 };
 
 constexpr int64_t kPanelWidth = 64;  // output features per panel
 constexpr int64_t kUnitWidth = 16;   // output features per unit of work (one 512-bit vector of float32)
@@ -40,6 +57,8 @@ constexpr int64_t kUnitWidth = 16;   // output features per unit of work (one 51
 // AVX-512 BF16 (bf16_uses_dot_product), and converts pairs to float32 otherwise.
 bool cpu_has_panel_kernels();
 bool cpu_has_avx512_bf16();
+// AVX512-VNNI's VPDPBUSD for the int4 kernel (LIBPIPE_CPU_ISA=avx512 pretends the CPU lacks it too).
+bool cpu_has_avx512_vnni();
 
 // How a product streams its weights; every variant gives the same bits (the bfloat16 kernels add the products
 // in the same order, VDPBF16PS's, and a product of two bfloat16 values is exact in float32). Which runs is
@@ -47,9 +66,10 @@ bool cpu_has_avx512_bf16();
 struct KernelVariant {
   bool native_bf16 = false;  // bfloat16 by VDPBF16PS (needs AVX-512 BF16), else pairs converted to float32
   bool prefetch = false;     // software prefetches ahead of the panel stream
+  bool vnni = false;         // int4 by VPDPBUSD (needs AVX512-VNNI), else VPMADDUBSW + VPMADDWD: the same sums
 };
 
-// Elements (of the weight's type) of the panels of an [n, k] weight.
+// Elements (of the weight's type) of the panels of an [n, k] weight (not int4: int4_panel_bytes).
 int64_t panel_elements(WeightType type, int64_t n, int64_t k);
 // K as stored (padded to even for bfloat16).
 int64_t panel_depth(WeightType type, int64_t k);
@@ -64,14 +84,35 @@ void pack_panels(WeightType type, const void* weight, int64_t n, int64_t k, void
 // head tied to the embedding, which is stored only as panels).
 void unpack_row(WeightType type, const void* panels, int64_t n, int64_t k, int64_t row, void* dst);
 
+// int4 panels (layout above): K as stored (padded to a multiple of `group`), and the bytes of an [n, k] weight's
+// panels.
+constexpr int64_t kInt4RowBlock = 32;  // k per block of a row's int8 codes (quantize_rows)
+inline int64_t int4_depth(int64_t k, int64_t group) { return (k + group - 1) / group * group; }
+int64_t int4_panel_bytes(int64_t n, int64_t k, int64_t group);
+// Writes codes [n, int4_depth(k, group)] (int8 in [-8, 7], row-major, already padded) and scales [n, depth / group]
+// (float16 bits) as int4 panels into `dst` (int4_panel_bytes), panels [panel_begin, panel_end) only.
+void pack_int4_panels(const int8_t* codes, const uint16_t* scales, int64_t n, int64_t k, int64_t group, void* dst,
+                      int64_t panel_begin, int64_t panel_end);
+// Rows [row_begin, row_end) of x [m, k] (float32, row stride ldx) as int8 per block of 32 k for the int4 kernel:
+// codes [m, depth] (depth = int4_depth(k, group), the padding zero), and per row and block a float32 scale (the
+// block's largest magnitude at 127; 0 for an all-zero block) and the sum of its codes ([m, depth / 32] each).
+// Nearest rounding, halves away from zero, in scalar code: the same bits on every CPU.
+void quantize_rows(const float* x, int64_t ldx, int64_t k, int64_t depth, int8_t* codes, float* scales, int32_t* sums,
+                   int64_t row_begin, int64_t row_end);
+
 struct PanelProduct {
   WeightType type = WeightType::kFloat32;
   const void* x = nullptr;  // [m, k] rows, `type`'s element type (float32 for int8), row stride ldx elements
   int64_t ldx = 0;
   const void* panels = nullptr;   // pack_panels' output for [n, k]
   const float* scales = nullptr;  // int8: [n], each output feature's scale
-  const void* bias = nullptr;     // [n] of `type` (float32 for int8), or null
-  void* out = nullptr;            // [m, n] of `type` (float32 for int8), row stride ldo elements
+  // int4: x is unused; the rows as quantize_rows made them, k is the padded depth and `group` the weight's group.
+  const int8_t* xq = nullptr;
+  const float* xscales = nullptr;
+  const int32_t* xsums = nullptr;
+  int64_t group = 0;
+  const void* bias = nullptr;  // [n] of `type` (float32 for int8), or null
+  void* out = nullptr;         // [m, n] of `type` (float32 for int8), row stride ldo elements
   int64_t ldo = 0;
   int64_t m = 0, n = 0, k = 0;
 };

@@ -280,6 +280,7 @@ void panel_product(const PanelProduct& p, int64_t unit_begin, int64_t unit_end, 
     case WeightType::kInt8:
       return v.prefetch ? product<WeightType::kInt8, false, true>(p, unit_begin, unit_end)
                         : product<WeightType::kInt8, false, false>(p, unit_begin, unit_end);
+    case WeightType::kInt4: return int4_product(p, unit_begin, unit_end, v);
     case WeightType::kBFloat16:
       if (v.native_bf16)
         return v.prefetch ? product<WeightType::kBFloat16, true, true>(p, unit_begin, unit_end)

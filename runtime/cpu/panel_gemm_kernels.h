@@ -9,5 +9,9 @@
 namespace libpipe::cpu::avx512 {
 
 void panel_product(const PanelProduct& p, int64_t unit_begin, int64_t unit_end, KernelVariant variant);
+// The int4 kernels (panel_gemm_int4_avx512.cpp); panel_product calls them for WeightType::kInt4. With
+// variant.vnni (only where the CPU has AVX512-VNNI) they call int4_product_vnni (panel_gemm_int4_vnni.cpp).
+void int4_product(const PanelProduct& p, int64_t unit_begin, int64_t unit_end, KernelVariant variant);
+void int4_product_vnni(const PanelProduct& p, int64_t unit_begin, int64_t unit_end, bool prefetch);
 
 }  // namespace libpipe::cpu::avx512

@@ -215,6 +215,69 @@ at::Tensor linear_int8_op(const at::Tensor& input, const at::Tensor& panels, con
   return out.to(input.scalar_type()).view(sizes);
 }
 
+// A product by int4 panels: the rows to float32, then to int8 per block of 32 (each row by one thread, in scalar
+// code: the same codes on every CPU and for any sharing), multiplied in integers per 16 outputs.
+at::Tensor linear_int4_op(const at::Tensor& input, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                          int64_t out_features, int64_t in_features, int64_t group) {
+  if (!valid_int4_group(group))
+    throw Error(Status::InvalidArgument,
+                "pipe::panel_linear_int4: the group size is " + std::to_string(group) + ", not 32, 64 or 128");
+  if (panels.scalar_type() != at::kByte || panels.dim() != 1 || !panels.is_contiguous() || out_features <= 0 ||
+      in_features <= 0 || panels.numel() != cpu::int4_panel_bytes(out_features, in_features, group))
+    throw Error(Status::InvalidArgument, "pipe::panel_linear_int4: the panels do not hold a " +
+                                             std::to_string(out_features) + " x " + std::to_string(in_features) +
+                                             " int4 weight in groups of " + std::to_string(group) +
+                                             " (make them with PanelArena::pack_int4)");
+  if (!input.device().is_cpu() || !at::isFloatingType(input.scalar_type()))
+    throw Error(Status::InvalidArgument, std::string("pipe::panel_linear_int4: the input must be floating on the "
+                                                     "CPU, not ") +
+                                             c10::toString(input.scalar_type()) + " on " + input.device().str());
+  if (input.dim() < 1 || input.size(-1) != in_features)
+    throw Error(Status::InvalidArgument,
+                "pipe::panel_linear_int4: mat1 and mat2 shapes cannot be multiplied: the input's last dimension is " +
+                    (input.dim() ? std::to_string(input.size(-1)) : std::string("missing")) + ", the layer takes " +
+                    std::to_string(in_features) + " features");
+  const at::Tensor* b = bias && bias->defined() ? &*bias : nullptr;
+  if (b && (b->numel() != out_features || !b->device().is_cpu() || !at::isFloatingType(b->scalar_type())))
+    throw Error(Status::InvalidArgument, "pipe::panel_linear_int4: the bias must be " + std::to_string(out_features) +
+                                             " floating values on the CPU");
+  const at::Tensor x = input.reshape({-1, in_features}).to(at::kFloat).contiguous();
+  const at::Tensor bias_values = b ? b->to(at::kFloat).contiguous() : at::Tensor();
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes.back() = out_features;
+  const int64_t m = x.size(0), depth = cpu::int4_depth(in_features, group);
+  at::Tensor out = at::empty({m, out_features}, input.options().dtype(at::kFloat));
+  if (m > 0) {
+    const int64_t blocks = depth / cpu::kInt4RowBlock;
+    at::Tensor codes = at::empty({m, depth}, at::TensorOptions().dtype(at::kChar));
+    at::Tensor scales = at::empty({m, blocks}, at::TensorOptions().dtype(at::kFloat));
+    at::Tensor sums = at::empty({m, blocks}, at::TensorOptions().dtype(at::kInt));
+    const auto quantize = [&](int64_t begin, int64_t end) {
+      cpu::quantize_rows(x.data_ptr<float>(), in_features, in_features, depth, codes.data_ptr<int8_t>(),
+                         scales.data_ptr<float>(), sums.data_ptr<int32_t>(), begin, end);
+    };
+    if (m >= 16) at::parallel_for(0, m, 8, quantize);
+    else quantize(0, m);
+    cpu::PanelProduct p;
+    p.type = WeightType::kInt4;
+    p.xq = codes.data_ptr<int8_t>();
+    p.xscales = scales.data_ptr<float>();
+    p.xsums = sums.data_ptr<int32_t>();
+    p.group = group;
+    p.panels = panels.data_ptr();
+    p.bias = b ? bias_values.data_ptr() : nullptr;
+    p.out = out.data_ptr();
+    p.ldo = out_features;
+    p.m = m;
+    p.n = out_features;
+    p.k = depth;
+    const int64_t unit_bytes = cpu::kUnitWidth * depth / 2;
+    SpareCores::for_ranges(cpu::panel_units(out_features), kMinBytesPerPiece / std::max<int64_t>(unit_bytes, 1),
+                           kMaxUnitsPerPiece, [&](int64_t begin, int64_t end) { cpu::panel_product(p, begin, end); });
+  }
+  return out.to(input.scalar_type()).view(sizes);
+}
+
 at::Tensor embedding_op(const at::Tensor& panels, const at::Tensor& indices, int64_t num_embeddings,
                         int64_t embedding_dim) {
   const auto type = weight_type(panels.scalar_type());
@@ -255,6 +318,10 @@ void register_panel_ops_once() {
                           "int out_features, int in_features) -> Tensor",
                           c10::AliasAnalysisKind::FROM_SCHEMA),
             &linear_int8_op);
+    lib.def(torch::schema("pipe::panel_linear_int4(Tensor input, Tensor panels, Tensor? bias, int out_features, "
+                          "int in_features, int group) -> Tensor",
+                          c10::AliasAnalysisKind::FROM_SCHEMA),
+            &linear_int4_op);
     lib.def(torch::schema("pipe::panel_embedding(Tensor panels, Tensor indices, int num_embeddings, "
                           "int embedding_dim) -> Tensor",
                           c10::AliasAnalysisKind::FROM_SCHEMA),
@@ -286,7 +353,42 @@ at::Tensor linear_int8_on_demand(const at::Tensor& input, const at::Tensor& weig
   return linear_int8_op(input, q.panels, q.scales, bias, weight.size(0), weight.size(1));
 }
 
+at::Tensor linear_int4_on_demand(const at::Tensor& input, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>& bias) {
+  if (!current_weights) return at::linear(input, weight, bias);
+  const at::Tensor& panels = current_weights->int4_panels(weight);
+  if (!panels.defined() || !at::isFloatingType(input.scalar_type())) return at::linear(input, weight, bias);
+  return linear_int4_op(input, panels, bias, weight.size(0), weight.size(1), current_weights->int4_group);
+}
+
 }  // namespace
+
+PanelArena::PanelArena(const std::vector<size_t>& bytes) {
+  size_t total = 0;
+  for (size_t b : bytes) {
+    offsets_.push_back(total);
+    total += (b + 4095) / 4096 * 4096;
+  }
+  buffer_ = std::make_shared<cpu::HugePageBuffer>(total);
+}
+
+size_t PanelArena::int4_bytes(int64_t n, int64_t k, int64_t group) {
+  return static_cast<size_t>(cpu::int4_panel_bytes(n, k, group));
+}
+
+at::Tensor PanelArena::pack_int4(size_t i, const Int4Weight& q, int64_t k) {
+  const int64_t n = q.codes.size(0);
+  void* data = static_cast<char*>(buffer_->data()) + offsets_[i];
+  const at::Tensor codes = q.codes.contiguous(), scales = q.scales.contiguous();
+  at::parallel_for(0, (n + cpu::kPanelWidth - 1) / cpu::kPanelWidth, 1, [&](int64_t begin, int64_t end) {
+    cpu::pack_int4_panels(codes.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()), n, k, q.group,
+                          data, begin, end);
+  });
+  std::shared_ptr<cpu::HugePageBuffer> keep = buffer_;
+  return at::from_blob(
+      data, {cpu::int4_panel_bytes(n, k, q.group)}, [keep](void*) mutable { keep.reset(); },
+      at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+}
 
 PanelArena::PanelArena(const std::vector<at::Tensor>& weights) {
   size_t total = 0;
@@ -364,6 +466,43 @@ Int8Weight quantize_int8(const at::Tensor& weight) {
   return q;
 }
 
+bool valid_int4_group(int64_t group) { return group == 32 || group == 64 || group == 128; }
+
+Int4Weight quantize_int4(const at::Tensor& weight, int64_t group) {
+  if (!valid_int4_group(group))
+    throw Error(Status::InvalidArgument,
+                "int4 weights take groups of 32, 64 or 128 inputs, not " + std::to_string(group));
+  const int64_t n = weight.size(0), k = weight.size(1), depth = cpu::int4_depth(k, group), groups = depth / group;
+  Int4Weight q{at::empty({n, depth}, at::TensorOptions().dtype(at::kChar)), at::empty({n, groups}, at::kHalf), group};
+  constexpr int64_t kRowsPerBlock = 1024;  // the temporaries of a block of rows only (quantize_int8)
+  for (int64_t r = 0; r < n; r += kRowsPerBlock) {
+    const int64_t rows = std::min(kRowsPerBlock, n - r);
+    at::Tensor w = weight.narrow(0, r, rows).to(at::kFloat);
+    if (depth != k) w = at::constant_pad_nd(w, {0, depth - k});
+    w = w.view({rows, groups, group});
+    // Q4_0: the value of largest magnitude (the first such) maps to -8; the scale as float16 holds it.
+    const at::Tensor extreme = w.gather(2, w.abs().argmax(2, true));
+    const at::Tensor scales = (extreme / -8.0).to(at::kHalf).squeeze(2);
+    const at::Tensor s = scales.to(at::kFloat).unsqueeze(2);
+    const at::Tensor codes = at::where(s != 0, at::round(w / s), at::zeros_like(w)).clamp(-8, 7);
+    q.scales.narrow(0, r, rows).copy_(scales);
+    q.codes.narrow(0, r, rows).copy_(codes.view({rows, depth}));
+  }
+  return q;
+}
+
+at::Tensor dequantize_int4(const Int4Weight& q, int64_t k) {
+  const int64_t n = q.codes.size(0), depth = q.codes.size(1);
+  const at::Tensor w =
+      q.codes.to(at::kFloat).view({n, depth / q.group, q.group}) * q.scales.to(at::kFloat).unsqueeze(2);
+  return w.view({n, depth}).narrow(1, 0, k).contiguous();
+}
+
+at::Tensor panel_linear_int4(const at::Tensor& input, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                             int64_t out_features, int64_t in_features, int64_t group) {
+  return linear_int4_op(input, panels, bias, out_features, in_features, group);
+}
+
 at::Tensor panel_linear_int8(const at::Tensor& input, const at::Tensor& panels, const at::Tensor& scales,
                              const std::optional<at::Tensor>& bias, int64_t out_features, int64_t in_features) {
   return linear_int8_op(input, panels, scales, bias, out_features, in_features);
@@ -393,6 +532,16 @@ const PanelWeights::Int8Panels& PanelWeights::int8_panels(const at::Tensor& weig
   return it->second;
 }
 
+const at::Tensor& PanelWeights::int4_panels(const at::Tensor& weight) {
+  auto [it, fresh] = int4_.try_emplace(weight.data_ptr());
+  if (fresh && can_pack(weight)) {
+    const Int4Weight q = quantize_int4(weight, int4_group);
+    PanelArena arena(std::vector<size_t>{PanelArena::int4_bytes(weight.size(0), weight.size(1), int4_group)});
+    it->second = arena.pack_int4(0, q, weight.size(1));
+  }
+  return it->second;
+}
+
 bool register_linear_packed_on_demand() {
   static const bool available = [] {
     if (!panel_linear_available()) return false;
@@ -405,6 +554,9 @@ bool register_linear_packed_on_demand() {
       lib.def(torch::schema("pipe::linear_int8_on_demand(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
                             c10::AliasAnalysisKind::FROM_SCHEMA),
               &linear_int8_on_demand);
+      lib.def(torch::schema("pipe::linear_int4_on_demand(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
+                            c10::AliasAnalysisKind::FROM_SCHEMA),
+              &linear_int4_on_demand);
     }
     return true;
   }();
