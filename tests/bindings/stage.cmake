@@ -5,7 +5,8 @@
 # storeport.py (reads the port a driver's store picked, from libpipe's log), and the decoders of
 # the generation tests (tiny_decoder.pt with its expected greedy tokens, gated_decoder.pt; made by
 # the decoder_models fixture, tests/models/decoder_models.py), and exported/multi_mlp.pt2 (a
-# torch.export program with its inputs and eager outputs, tests/models/exported_models.py).
+# torch.export program with its inputs and eager outputs, tests/models/exported_models.py), and text/: tokenizer
+# folders in the styles of GPT-2, Qwen2, Llama and Mistral (tests/models/text_tokenizers.py).
 #   cmake -DBUILD=... -DSTAGE=... -DFIXTURES=... -DDEMO=... -DMODELS=... -DGATE_LIB=... -DGATE_PY=... \
 #         -DSTOREPORT_PY=... -P stage.cmake
 execute_process(COMMAND "${CMAKE_COMMAND}" --install "${BUILD}" --prefix "${STAGE}"
@@ -24,3 +25,5 @@ file(COPY "${DEMO}/demo.pt" "${DEMO}/demo.inputs.safetensors" "${DEMO}/demo.expe
 file(COPY "${MODELS}/exported/multi_mlp.pt2" "${MODELS}/exported/multi_mlp.inputs.safetensors"
           "${MODELS}/exported/multi_mlp.expected.safetensors"
      DESTINATION "${FIXTURES}/exported")
+# Tokenizer folders in four styles with transformers' ids and chat text (tests/models/text_tokenizers.py).
+file(COPY "${MODELS}/text" DESTINATION "${FIXTURES}")

@@ -107,6 +107,7 @@ mod model;
 mod plan;
 mod session;
 mod tensor;
+mod text;
 mod worker;
 
 pub mod safetensors;
@@ -122,6 +123,7 @@ pub use model::{Model, ModelFormat, ModuleInfo};
 pub use plan::{Names, Plan, PlanOptions, Policy, Quantization, StageOptions, WeightDType};
 pub use session::{ChunkSpec, Microbatching, Request, RunOptions, Session, SessionOptions, StageStats, Transport};
 pub use tensor::{AppendSource, DType, Element, ManagedTensor, Tensor, TensorRef};
+pub use text::{DecodeStream, Tokenizer};
 pub use worker::{run_worker, WorkerOptions};
 
 /// The raw declarations, for what the safe API does not cover.
