@@ -3,14 +3,16 @@
 // (cblas_gemm_bf16bf16f32, in the LibTorch wheel), on every linear layer of a model's shape (random
 // weights), for the row counts a decode step (one row per sequence) and a prefill step give them.
 //
-//   cmake --build build --target linear_gemm && build/bench/linear_gemm [smollm2|1b] [repeats]
+//   cmake --build build --target linear_gemm && build/bench/linear_gemm [smollm2|1b] [repeats] [quantized]
 //
 // smollm2: SmolLM2-135M's 210 layers (30 x q, k, v, o, gate, up, down); 1b: a 1B-class Llama's
 // (hidden 2048, 16 layers, 8 of 32 heads' width for k and v, intermediate 8192). All the machine's
 // cores: aten::linear on its intra-op threads, panel_linear's units on the cores of a SpareCores pool
 // (as in a session whose stage borrows the idle cores). Prints, per dtype and row count, the best of
 // `repeats` passes (default 5) over all layers in wall time, as milliseconds, the weights' bytes per
-// second and GFLOP/s; read_bandwidth gives the machine's read bandwidth for scale.
+// second and GFLOP/s; read_bandwidth gives the machine's read bandwidth for scale. Then the quantized panels
+// (`quantized` alone: only them): bfloat16, int8 (pipe::panel_linear_int8) and int4 in groups of 32
+// (pipe::panel_linear_int4) at 1, 8 and 32 rows, as the bytes each streams per second and the time.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -80,7 +82,9 @@ int main(int argc, char** argv) {
     std::printf("one 64 x 64 product of 1 row, %s: %.2f us\n", shared ? "shared with a lent core" : "one thread",
                 best * 1e6);
   }
+  const bool only_quantized = argc > 3 && std::string(argv[3]) == "quantized";
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    if (only_quantized) break;
     std::vector<at::Tensor> weights;
     double bytes = 0, flops_per_row = 0;
     for (int l = 0; l < layers; ++l)
@@ -145,6 +149,59 @@ int main(int argc, char** argv) {
       std::printf("%5lld  %28s", static_cast<long long>(rows), cell(best[0]));
       std::printf("  %28s", cell(best[1]));
       std::printf("  %28s\n", cell(best[2]));
+    }
+  }
+  // Quantized weights: bfloat16 panels against int8 and int4 (group 32) panels of the same layers.
+  {
+    std::vector<at::Tensor> bf16, int8, int8_scales, int4;
+    std::vector<std::pair<int64_t, int64_t>> sizes;
+    double bytes[3] = {0, 0, 0};
+    for (int l = 0; l < layers; ++l)
+      for (auto [n, k] : shapes) {
+        const at::Tensor w = at::randn({n, k}) * 0.02;
+        sizes.push_back({n, k});
+        bf16.push_back(libpipe::stage::to_panels(w.to(at::kBFloat16)));
+        bytes[0] += bf16.back().nbytes();
+        libpipe::stage::Int8Weight q8 = libpipe::stage::quantize_int8(w);
+        libpipe::stage::PanelArena a8({q8.codes});
+        int8.push_back(a8.pack(0, q8.codes));
+        int8_scales.push_back(q8.scales);
+        bytes[1] += int8.back().nbytes() + q8.scales.nbytes();
+        const libpipe::stage::Int4Weight q4 = libpipe::stage::quantize_int4(w, 32);
+        libpipe::stage::PanelArena a4(std::vector<size_t>{libpipe::stage::PanelArena::int4_bytes(n, k, 32)});
+        int4.push_back(a4.pack_int4(0, q4, k));
+        bytes[2] += int4.back().nbytes();
+      }
+    std::printf(
+        "\nquantized weights (bfloat16 rows), MB streamed: bf16 %.0f, int8 %.0f, int4/32 %.0f\n%5s  %18s  %18s  %18s\n",
+        bytes[0] / 1e6, bytes[1] / 1e6, bytes[2] / 1e6, "rows", "bf16 ms GB/s", "int8 ms GB/s", "int4 ms GB/s");
+    for (int64_t rows : {1, 8, 32}) {
+      std::vector<at::Tensor> inputs;
+      for (auto [n, k] : shapes) inputs.push_back(at::randn({rows, k}).to(at::kBFloat16));
+      double best[3] = {1e300, 1e300, 1e300};
+      // As in a session of one-thread stages lent the other cores: the stage's own ATen ops (the rows' conversion
+      // to float32 and back) on one thread, not an OpenMP team racing the lent cores' helpers.
+      at::set_num_threads(1);
+      for (int r = 0; r < repeats; ++r) {
+        libpipe::stage::SpareCores::Lend lend(&pool);
+        libpipe::stage::SpareCores::Busy busy(&pool);
+        for (int kind = 0; kind < 3; ++kind) {
+          const double start = now();
+          for (size_t i = 0; i < sizes.size(); ++i) {
+            const at::Tensor& x = inputs[i % shapes.size()];
+            const auto [n, k] = sizes[i];
+            if (kind == 0) libpipe::stage::panel_linear(x, bf16[i], std::nullopt, n, k);
+            else if (kind == 1) libpipe::stage::panel_linear_int8(x, int8[i], int8_scales[i], std::nullopt, n, k);
+            else libpipe::stage::panel_linear_int4(x, int4[i], std::nullopt, n, k, 32);
+          }
+          best[kind] = std::min(best[kind], now() - start);
+        }
+      }
+      at::set_num_threads(cores);
+      std::printf("%5lld", static_cast<long long>(rows));
+      for (int kind = 0; kind < 3; ++kind)
+        std::printf("  %9.2f %8.1f", best[kind] * 1e3, bytes[kind] / best[kind] / 1e9);
+      std::printf("\n");
     }
   }
   return 0;

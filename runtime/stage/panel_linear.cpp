@@ -256,8 +256,7 @@ at::Tensor linear_int4_op(const at::Tensor& input, const at::Tensor& panels, con
       cpu::quantize_rows(x.data_ptr<float>(), in_features, in_features, depth, codes.data_ptr<int8_t>(),
                          scales.data_ptr<float>(), sums.data_ptr<int32_t>(), begin, end);
     };
-    if (m >= 16) at::parallel_for(0, m, 8, quantize);
-    else quantize(0, m);
+    quantize(0, m);  // m x k steps: little beside the product's m x k x n
     cpu::PanelProduct p;
     p.type = WeightType::kInt4;
     p.xq = codes.data_ptr<int8_t>();
