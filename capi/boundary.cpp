@@ -101,11 +101,21 @@ libpipe::stage::StageOptions stage_options(const pipe_stage_options* o, const ch
     switch (o->quantize) {
       case PIPE_QUANTIZE_NONE: break;
       case PIPE_QUANTIZE_INT8: opts.quantize = libpipe::stage::WeightQuantization::Int8; break;
+      case PIPE_QUANTIZE_INT4: opts.quantize = libpipe::stage::WeightQuantization::Int4; break;
       default:
-        throw Error(Status::InvalidArgument, std::string(function) + ": stage options quantize " +
-                                                 std::to_string(o->quantize) +
-                                                 " is not PIPE_QUANTIZE_NONE or PIPE_QUANTIZE_INT8");
+        throw Error(Status::InvalidArgument,
+                    std::string(function) + ": stage options quantize " + std::to_string(o->quantize) +
+                        " is not PIPE_QUANTIZE_NONE, PIPE_QUANTIZE_INT8 or PIPE_QUANTIZE_INT4");
     }
+  }
+  if (PIPE_HAS(quantize_group) && o->quantize_group != 0) {
+    if (opts.quantize != libpipe::stage::WeightQuantization::Int4)
+      throw Error(Status::InvalidArgument, std::string(function) + ": stage options quantize_group " +
+                                               std::to_string(o->quantize_group) + " is for PIPE_QUANTIZE_INT4 only");
+    if (o->quantize_group != 32 && o->quantize_group != 64 && o->quantize_group != 128)
+      throw Error(Status::InvalidArgument, std::string(function) + ": stage options quantize_group " +
+                                               std::to_string(o->quantize_group) + " is not 32, 64 or 128 (or 0: 32)");
+    opts.quantize_group = o->quantize_group;
   }
 #undef PIPE_HAS
   return opts;

@@ -50,7 +50,10 @@ comm::Message encode_assignment(const WorkerAssignment& a) {
             {"threads_per_stage", a.threads_per_stage},
             {"weights", a.weights},
             {"dtype", a.dtype ? static_cast<int>(*a.dtype) : -1},
-            {"quantize", a.quantize == stage::WeightQuantization::Int8 ? "int8" : "none"},
+            {"quantize", a.quantize == stage::WeightQuantization::Int8   ? "int8"
+                         : a.quantize == stage::WeightQuantization::Int4 ? "int4"
+                                                                         : "none"},
+            {"quantize_group", a.quantize_group},
             {"heartbeat_interval_ms", a.heartbeat_interval.count()}};
   comm::Message m;
   m.kind = comm::Kind::Setup;
@@ -90,10 +93,16 @@ WorkerAssignment decode_assignment(const comm::Message& m) {
     const int dtype = j.at("dtype").get<int>();
     if (dtype >= 0) a.dtype = static_cast<at::ScalarType>(dtype);
     const std::string quantize = j.at("quantize").get<std::string>();
-    if (quantize != "none" && quantize != "int8")
+    if (quantize != "none" && quantize != "int8" && quantize != "int4")
       throw Error(Status::Communication, "the driver's stage assignment asks for weight quantization '" + quantize +
                                              "', which this worker does not know");
-    a.quantize = quantize == "int8" ? stage::WeightQuantization::Int8 : stage::WeightQuantization::None;
+    a.quantize = quantize == "int8"   ? stage::WeightQuantization::Int8
+                 : quantize == "int4" ? stage::WeightQuantization::Int4
+                                      : stage::WeightQuantization::None;
+    a.quantize_group = j.value("quantize_group", int64_t{0});
+    if (a.quantize_group != 0 && a.quantize_group != 32 && a.quantize_group != 64 && a.quantize_group != 128)
+      throw Error(Status::Communication, "the driver's stage assignment asks for int4 groups of " +
+                                             std::to_string(a.quantize_group) + " inputs, not 32, 64 or 128");
   } catch (const Json::exception& e) {
     throw Error(Status::Communication, std::string("the driver's stage assignment is malformed: ") + e.what());
   } catch (const c10::Error& e) {  // a device name this LibTorch does not know

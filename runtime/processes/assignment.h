@@ -34,6 +34,7 @@ struct WorkerAssignment {
   std::string weights;  // checkpoint each worker reads; empty: inside the modules
   std::optional<at::ScalarType> dtype;
   stage::WeightQuantization quantize = stage::WeightQuantization::None;
+  int64_t quantize_group = 0;  // int4: inputs per scale (0: the default)
   // How often the worker sends its heartbeat: set from the driver's comm timeout, which judges it.
   std::chrono::milliseconds heartbeat_interval{1000};
 };

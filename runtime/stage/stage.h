@@ -28,9 +28,9 @@ class Stage {
   virtual c10::IValue forward(std::vector<c10::IValue> inputs) = 0;
 };
 
-// How a CPU stage stores the weights of its linear layers: in the stage's dtype, or as 8-bit codes with a scale
-// per output feature (panel_linear.h), computed in float32.
-enum class WeightQuantization { None, Int8 };
+// How a CPU stage stores the weights of its linear layers: in the stage's dtype, as 8-bit codes with a scale per
+// output feature, or as 4-bit codes with a scale per group of inputs and output feature (panel_linear.h).
+enum class WeightQuantization { None, Int8, Int4 };
 
 // What a stage's tensors are: from the model or a checkpoint, and in which dtype.
 struct StageOptions {
@@ -39,6 +39,7 @@ struct StageOptions {
   // Linear layers' weights of CPU stages with the CPU rewrites (BuildOptions::cpu_rewrites); activations stay
   // in `dtype`.
   WeightQuantization quantize = WeightQuantization::None;
+  int64_t quantize_group = 0;  // Int4: inputs per scale, 32, 64 or 128; 0: 32
   // Called as each tensor is loaded: (stage, bytes loaded so far, bytes the stage needs).
   std::function<void(size_t, uint64_t, uint64_t)> progress;
 };

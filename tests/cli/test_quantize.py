@@ -2,10 +2,16 @@
 bfloat16, in one process and over two, computes what eager PyTorch computes with each linear layer's weight
 replaced by its dequantized int8 value (a float32 scale per output feature, the largest magnitude at 127, codes
 rounded to the nearest), TorchScript models and exported programs alike; a weight that something besides linear
-layers reads keeps its dtype; an unknown quantization is refused."""
+layers reads keeps its dtype; an unknown quantization is refused.
+
+4-bit weights (`--quantize int4[:G]`) the same way, against eager PyTorch with each such weight dequantized as
+llama.cpp's Q4_0 does (per output feature and group of G inputs, the value of largest magnitude is code -8, the
+scale rounded to float16) and each such layer's input rounded as the int4 kernel rounds it (int8 per block of 32,
+the block's largest magnitude at 127): what is left is float32 summation order."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import SANITIZED, assert_one_line_error
 from conftest import run_pipe as pipe
 from safetensors.torch import load_file, save_file
@@ -98,7 +104,85 @@ def test_an_exported_program_with_int8_weights_computes_the_dequantized_model(tm
     assert (got - want).abs().mean() < 0.25 * (plain - want).abs().mean()
 
 
+def int4_dequantized(weight, group):
+    """What libpipe's int4 weights hold, in float32 (Q4_0 per group; K padded with zeros to the group)."""
+    w = weight.float()
+    n, k = w.shape
+    depth = -(-k // group) * group
+    w = F.pad(w, (0, depth - k)).view(n, depth // group, group)
+    scale = (w.gather(2, w.abs().argmax(2, keepdim=True)) / -8).half().float()
+    codes = torch.where(scale != 0, torch.round(w / scale), torch.zeros_like(w)).clamp(-8, 7)
+    return (codes * scale).view(n, depth)[:, :k]
+
+
+def int8_rows(x):
+    """The rows as the int4 kernel multiplies them: int8 per block of 32, the block's largest magnitude at 127."""
+    k = x.shape[-1]
+    depth = -(-k // 32) * 32
+    v = F.pad(x.float().reshape(-1, k), (0, depth - k)).view(-1, depth // 32, 32)
+    scale = v.abs().amax(2, keepdim=True) / 127
+    codes = torch.where(scale > 0, torch.round(v / scale), torch.zeros_like(v))
+    return (codes * scale).view(-1, depth)[:, :k].reshape(x.shape)
+
+
+def int4_reference(tmp_path, dtype, group):
+    want_float, plain = model_and_reference(tmp_path, dtype)
+    torch.manual_seed(0)
+    model = Layers().eval().to(dtype)
+    x = load_file(tmp_path / "in.safetensors")["x"].to(dtype)
+
+    def linear(layer, h):
+        bias = None if layer.bias is None else layer.bias.float()
+        return F.linear(int8_rows(h), int4_dequantized(layer.weight, group), bias).to(dtype)
+
+    with torch.no_grad():
+        h = linear(model.down, torch.relu(linear(model.up, x)))
+        want = (model.out(h) + model.out.weight.sum(0)).float()  # out's weight is read by sum() too: kept
+    return want, plain
+
+
+@pytest.mark.parametrize(
+    "dtype,quantize,processes",
+    [(torch.float32, "int4", 1), (torch.bfloat16, "int4:64", 1)]
+    + ([] if SANITIZED else [(torch.float32, "int4:128", 2)]),
+)
+def test_int4_weights_compute_the_dequantized_model(tmp_path, dtype, quantize, processes):
+    group = int(quantize.split(":")[1]) if ":" in quantize else 32
+    want, plain = int4_reference(tmp_path, dtype, group)
+    out = tmp_path / "out.safetensors"
+    args = ["run", tmp_path / "model.pt", "--split-at", "down:begin", "--input", tmp_path / "in.safetensors"]
+    args += ["--output", out, "--dtype", "bf16" if dtype == torch.bfloat16 else "fp32", "--quantize", quantize]
+    if processes > 1:
+        args += ["--processes", processes]
+    result = pipe(*args)
+    assert result.returncode == 0, result.stderr
+    got = load_file(out)["output"].float()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    if dtype == torch.float32:
+        # Not the unquantized model: 4-bit rounding moves these results by about 5e-2.
+        assert (got - want).abs().mean() < 0.05 * (plain - want).abs().mean()
+
+
+def test_an_exported_program_with_int4_weights_computes_the_dequantized_model(tmp_path):
+    want, plain = int4_reference(tmp_path, torch.float32, 32)
+    torch.manual_seed(0)
+    model = Layers().eval()
+    x = load_file(tmp_path / "in.safetensors")["x"]
+    with torch.no_grad():
+        torch.export.save(torch.export.export(model, (x,)), str(tmp_path / "model.pt2"))
+    out = tmp_path / "out.safetensors"
+    result = pipe(
+        "run", tmp_path / "model.pt2", "--input", tmp_path / "in.safetensors", "--output", out, "--quantize", "int4",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    got = load_file(out)["output"]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (got - want).abs().mean() < 0.05 * (plain - want).abs().mean()
+
+
 def test_what_cannot_be_quantized_is_refused(tmp_path):
     model_and_reference(tmp_path, torch.float32)
     args = ["--input", tmp_path / "in.safetensors", "--output", tmp_path / "out.safetensors"]
-    assert_one_line_error(pipe("run", tmp_path / "model.pt", *args, "--quantize", "int4"), "--quantize", "int4")
+    assert_one_line_error(pipe("run", tmp_path / "model.pt", *args, "--quantize", "int3"), "--quantize", "int3")
+    assert_one_line_error(pipe("run", tmp_path / "model.pt", *args, "--quantize", "int4:48"), "--quantize", "int4:48")

@@ -37,7 +37,7 @@ typedef struct {
 } versioned;
 
 static const versioned stage_options_v = {
-    "pipe_stage_options", "PIPE_STAGE_OPTIONS_INIT", "pipe_stage_options_init", {32, 40}, 36};
+    "pipe_stage_options", "PIPE_STAGE_OPTIONS_INIT", "pipe_stage_options_init", {32, 40, 48}, 36};
 static const versioned session_options_v = {"pipe_session_options",
                                             "PIPE_SESSION_OPTIONS_INIT",
                                             "pipe_session_options_init",
@@ -121,7 +121,8 @@ static void init_gives_the_macros_defaults(void **state) {
     FIELD_EQ(got, want, progress);
     FIELD_EQ(got, want, progress_user_data);
     FIELD_EQ(got, want, quantize);
-    ASSERT_LAST_FIELD(pipe_stage_options, quantize);
+    FIELD_EQ(got, want, quantize_group);
+    ASSERT_LAST_FIELD(pipe_stage_options, quantize_group);
   }
   {
     pipe_session_options got, want = PIPE_SESSION_OPTIONS_INIT;

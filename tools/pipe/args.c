@@ -64,9 +64,14 @@ int parse_split_arg(int argc, char **argv, int *i, split_args *s) {
     else if (strcmp(v, "bf16") == 0 || strcmp(v, "bfloat16") == 0) s->weights.dtype = PIPE_DTYPE_BFLOAT16;
     else return usage_error("--dtype takes fp32, fp16 or bf16, not '%s'", v);
   } else if (strcmp(a, "--quantize") == 0) {
+    s->weights.quantize_group = 0;
     if (strcmp(v, "int8") == 0) s->weights.quantize = PIPE_QUANTIZE_INT8;
-    else if (strcmp(v, "none") == 0) s->weights.quantize = PIPE_QUANTIZE_NONE;
-    else return usage_error("--quantize takes int8 or none, not '%s'", v);
+    else if (strcmp(v, "int4") == 0) s->weights.quantize = PIPE_QUANTIZE_INT4;
+    else if (strcmp(v, "int4:32") == 0 || strcmp(v, "int4:64") == 0 || strcmp(v, "int4:128") == 0) {
+      s->weights.quantize = PIPE_QUANTIZE_INT4;
+      s->weights.quantize_group = atoi(v + 5);
+    } else if (strcmp(v, "none") == 0) s->weights.quantize = PIPE_QUANTIZE_NONE;
+    else return usage_error("--quantize takes int8, int4, int4:32, int4:64, int4:128 or none, not '%s'", v);
   } else if (strcmp(a, "--split-at") == 0) {
     if (s->num_points == MAX_SPLIT_POINTS) return usage_error("at most %d --split-at", MAX_SPLIT_POINTS);
     s->points[s->num_points++] = v;

@@ -223,7 +223,8 @@ std::pair<Json, Json> write_weights(Pt2Writer& writer, const ExportedModel& sour
 // On a CPU stage, each aten.linear of a float32, bfloat16 or float16 parameter calls
 // pipe::linear_packed_on_demand (same arguments), which multiplies by the weight's panels, as TorchScript
 // stages' linear layers do (panel_linear.h); the stage packs on its first run. With int8 weights, a parameter
-// only linear layers read calls pipe::linear_int8_on_demand, which quantizes it on first use. Returns the number
+// only linear layers read calls pipe::linear_int8_on_demand (int4: pipe::linear_int4_on_demand, in the stage's
+// PanelWeights::int4_group), which quantizes it on first use. Returns the number
 // of layers rewritten.
 size_t pack_linear_layers(Json& program, const ExportedModel& source, const std::vector<size_t>& weight_ids,
                           WeightQuantization quantize) {
@@ -256,9 +257,10 @@ size_t pack_linear_layers(Json& program, const ExportedModel& source, const std:
            w->second->meta.dtype != at::kHalf) ||
           w->second->meta.sizes.size() != 2)
         break;
-      const bool int8 = quantize == WeightQuantization::Int8 && linear_only[w->first];
-      node["target"] =
-          int8 ? "torch.ops.pipe.linear_int8_on_demand.default" : "torch.ops.pipe.linear_packed_on_demand.default";
+      const bool quantized = quantize != WeightQuantization::None && linear_only[w->first];
+      node["target"] = !quantized                             ? "torch.ops.pipe.linear_packed_on_demand.default"
+                       : quantize == WeightQuantization::Int8 ? "torch.ops.pipe.linear_int8_on_demand.default"
+                                                              : "torch.ops.pipe.linear_int4_on_demand.default";
       ++rewritten;
     }
   }
@@ -450,8 +452,12 @@ class MemoryFile {
 
 class ExportedStage : public Stage {
  public:
-  ExportedStage(const MemoryFile& file, const std::string& what, const c10::Device& device, bool cpu_rewrites) {
-    if (cpu_rewrites && device.is_cpu()) packed_ = std::make_unique<PanelWeights>();
+  ExportedStage(const MemoryFile& file, const std::string& what, const c10::Device& device, bool cpu_rewrites,
+                int64_t int4_group) {
+    if (cpu_rewrites && device.is_cpu()) {
+      packed_ = std::make_unique<PanelWeights>();
+      if (int4_group) packed_->int4_group = int4_group;
+    }
     log::capture_libtorch_log();
     // nativert prints every program's signature to stdout while c10's log level is above 2 (a
     // debugging aid behind the wrong flag), and libpipe raises that level process-wide to quiet
@@ -484,7 +490,8 @@ class ExportedStage : public Stage {
 
 // Writes an archive with `write` into a memory file and loads the stage from it.
 template <typename Write>
-std::unique_ptr<Stage> in_memory(const std::string& what, const c10::Device& device, bool cpu_rewrites, Write&& write) {
+std::unique_ptr<Stage> in_memory(const std::string& what, const c10::Device& device, bool cpu_rewrites,
+                                 int64_t int4_group, Write&& write) {
   MemoryFile file;
   try {
     Pt2Writer writer([&file](const void* data, size_t size) { return file.append(data, size); });
@@ -494,7 +501,7 @@ std::unique_ptr<Stage> in_memory(const std::string& what, const c10::Device& dev
     file.check();  // the reason the writer stopped, if the memory file failed it
     throw;
   }
-  return std::make_unique<ExportedStage>(file, what, device, cpu_rewrites);
+  return std::make_unique<ExportedStage>(file, what, device, cpu_rewrites, int4_group);
 }
 
 }  // namespace
@@ -517,7 +524,7 @@ std::unique_ptr<Stage> build_exported_stage(const ExportedModel& model, const gr
   std::vector<size_t> weight_ids;
   Json program = stage_program(model, plan, index, weight_ids);
   const std::string what = "stage " + std::to_string(index);
-  return in_memory(what, build.device, build.cpu_rewrites, [&](Pt2Writer& writer) {
+  return in_memory(what, build.device, build.cpu_rewrites, build.options->quantize_group, [&](Pt2Writer& writer) {
     write_archive(writer, std::move(program), model, weight_ids, what, build.device, *build.options, build.checkpoint,
                   false, {}, build.cpu_rewrites);
   });
@@ -527,7 +534,7 @@ std::unique_ptr<Stage> receive_exported_stage(const ExportedModel& received, con
                                               const AliasGroups& tied, const std::string& what) {
   std::vector<size_t> all(received.weights().size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-  return in_memory(what, build.device, build.cpu_rewrites, [&](Pt2Writer& writer) {
+  return in_memory(what, build.device, build.cpu_rewrites, build.options->quantize_group, [&](Pt2Writer& writer) {
     write_archive(writer, received.program(), received, all, received.path(), build.device, *build.options,
                   build.checkpoint, false, tied, build.cpu_rewrites);
   });
@@ -544,11 +551,11 @@ AliasGroups exported_stage_aliases(const ExportedModel& model, const graph::Plan
 
 namespace {
 
-// 8-bit weights are the CPU panels' (pack_linear_layers).
+// Quantized weights are the CPU panels' (pack_linear_layers).
 void refuse_quantization(const BuildOptions& build) {
   if (build.options->quantize != WeightQuantization::None &&
       (!build.cpu_rewrites || !build.device.is_cpu() || !register_linear_packed_on_demand()))
-    throw Error(Status::Unsupported, "8-bit weights are for CPU stages on a CPU with AVX-512 (this stage runs on " +
+    throw Error(Status::Unsupported, "quantized weights are for CPU stages on a CPU with AVX-512 (this stage runs on " +
                                          build.device.str() + "); leave the weights unquantized");
 }
 

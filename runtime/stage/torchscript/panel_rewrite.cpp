@@ -110,7 +110,8 @@ size_t group_linears(torch::jit::Graph& graph, torch::jit::Value* self) {
 
 }  // namespace
 
-size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quantize) {
+size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quantize, int64_t group) {
+  if (group == 0) group = kDefaultInt4Group;
   if (!panel_linear_available()) return 0;
   auto forward = stage.find_method("forward");
   if (!forward) return 0;
@@ -130,6 +131,7 @@ size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quanti
     bool other_reads = false;  // read by anything but those: the original must stay
     at::Tensor panels;
     at::Tensor scales;  // int8 panels: each output feature's scale; undefined otherwise
+    bool int4 = false;  // int4 panels (their scales inside)
   };
   std::map<const c10::TensorImpl*, Weight> weights;
   std::vector<const c10::TensorImpl*> order;  // first use first: packing order does not depend on pointers
@@ -184,20 +186,22 @@ size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quanti
   }
   std::vector<at::Tensor> tensors;
   for (const auto* impl : order) tensors.push_back(weights.at(impl).tensor);
-  // int8: the weights only linear layers read become codes and scales (a tied embedding, or a weight read
+  // int8 / int4: the weights only linear layers read become codes and scales (a tied embedding, or a weight read
   // otherwise, keeps its dtype). The arena is sized from the codes' shape alone, and each weight is quantized
   // just before it is packed: a load never holds more than one weight's codes beside the panels.
-  std::vector<bool> to_int8(order.size(), false);
-  std::vector<at::Tensor> layouts = tensors;
-  if (quantize == WeightQuantization::Int8)
-    for (size_t i = 0; i < order.size(); ++i) {
-      const Weight& w = weights.at(order[i]);
-      if (w.other_reads || !w.embeddings.empty()) continue;
-      to_int8[i] = true;
-      layouts[i] = at::empty(tensors[i].sizes(), at::TensorOptions().dtype(at::kChar).device(at::kMeta));
-    }
-  PanelArena arena(layouts);
-  layouts.clear();
+  std::vector<bool> to_int8(order.size(), false), to_int4(order.size(), false);
+  std::vector<size_t> sizes;
+  for (size_t i = 0; i < order.size(); ++i) {
+    const Weight& w = weights.at(order[i]);
+    const bool quantized = quantize != WeightQuantization::None && !w.other_reads && w.embeddings.empty();
+    to_int8[i] = quantized && quantize == WeightQuantization::Int8;
+    to_int4[i] = quantized && quantize == WeightQuantization::Int4;
+    const at::Tensor codes = at::empty(tensors[i].sizes(), at::TensorOptions().dtype(at::kChar).device(at::kMeta));
+    sizes.push_back(to_int4[i]   ? PanelArena::int4_bytes(tensors[i].size(0), tensors[i].size(1), group)
+                    : to_int8[i] ? PanelArena::bytes_of(codes)
+                                 : PanelArena::bytes_of(tensors[i]));
+  }
+  PanelArena arena(sizes);
   std::vector<int64_t> shapes;
   for (size_t i = 0; i < order.size(); ++i) {
     Weight& w = weights.at(order[i]);
@@ -205,6 +209,9 @@ size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quanti
       Int8Weight q = quantize_int8(tensors[i]);
       w.panels = arena.pack(i, q.codes);
       w.scales = std::move(q.scales);
+    } else if (to_int4[i]) {
+      w.panels = arena.pack_int4(i, quantize_int4(tensors[i], group), tensors[i].size(1));
+      w.int4 = true;
     } else {
       w.panels = arena.pack(i, tensors[i]);
     }
@@ -242,7 +249,9 @@ size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quanti
       torch::jit::WithInsertPoint here(node);
       torch::jit::Value* panels = panels_of(node, 1);
       torch::jit::Value* out =
-          w.scales.defined()
+          w.int4 ? graph->insert(c10::Symbol::fromQualString("pipe::panel_linear_int4"),
+                                 {node->input(0), panels, node->input(2), n, k, group})
+          : w.scales.defined()
               ? graph->insert(c10::Symbol::fromQualString("pipe::panel_linear_int8"),
                               {node->input(0), panels, buffer_of(node, 1, "_scales", w.scales), node->input(2), n, k})
               : graph->insert(c10::Symbol::fromQualString("pipe::panel_linear"),

@@ -14,8 +14,10 @@ namespace libpipe::stage {
 
 // Rewrites the stage's forward as above. Call after its weights are loaded and placed, before its first
 // run. With `quantize` Int8, the weights that only linear layers read become int8 panels with a scale per
-// output feature (quantize_int8), multiplied by pipe::panel_linear_int8; those are not grouped. Returns the
+// output feature (quantize_int8), multiplied by pipe::panel_linear_int8; with Int4, int4 panels in groups of
+// `group` inputs (quantize_int4; 0: 32), multiplied by pipe::panel_linear_int4; those are not grouped. Returns the
 // number of linear layers rewritten; never throws for a layer it leaves alone.
-size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quantize = WeightQuantization::None);
+size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quantize = WeightQuantization::None,
+                            int64_t group = 0);
 
 }  // namespace libpipe::stage

@@ -24,11 +24,11 @@ std::unique_ptr<Stage> finish(torch::jit::Module module, const BuildOptions& bui
   if (quantize != WeightQuantization::None &&
       (!build.cpu_rewrites || !build.device.is_cpu() || !panel_linear_available()))
     throw Error(Status::Unsupported,
-                "8-bit weights are for CPU stages on a CPU with AVX-512 (this stage runs on " + build.device.str() +
+                "quantized weights are for CPU stages on a CPU with AVX-512 (this stage runs on " + build.device.str() +
                     (build.device.is_cpu() ? ", without AVX-512 or with LIBPIPE_PACKED_LINEAR=0" : "") +
                     "); leave the weights unquantized");
   if (build.cpu_rewrites && build.device.is_cpu()) {
-    panel_linear_weights(module, quantize);
+    panel_linear_weights(module, quantize, build.options->quantize_group);
     fuse_cache_attention(module);
     fuse_cache_writes(module);
     fuse_elementwise(module);
