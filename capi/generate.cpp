@@ -201,6 +201,7 @@ pipe_status pipe_generator_get_stats(const pipe_generator* generator, pipe_gener
     full.steps_in_flight = st.steps_in_flight;
     full.steps_one_at_a_time = st.steps_one_at_a_time;
     full.steps_pipelined = st.steps_pipelined;
+    full.cached_prompt_tokens = st.cached_prompt_tokens;
     fill(stats, full);
   });
 }
@@ -294,6 +295,7 @@ pipe_status pipe_generation_get_info(const pipe_generation* generation, pipe_gen
     full.queued_ms = i.queued_ms;
     full.time_to_first_token_ms = i.time_to_first_token_ms;
     full.mean_inter_token_ms = i.mean_inter_token_ms;
+    full.cached_tokens = i.cached_tokens;
     fill(info, full);
   });
 }

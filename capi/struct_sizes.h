@@ -90,6 +90,8 @@ inline constexpr uint32_t kGenerationInfoSizes[] = {
     // 0.8.0 (48): struct_size, finish_reason, prompt_tokens, generated_tokens, queued_ms,
     // time_to_first_token_ms, mean_inter_token_ms.
     layout_size(PIPE_FIELD_END(pipe_generation_info, mean_inter_token_ms), alignof(pipe_generation_info)),
+    // 0.14.0 (56): + cached_tokens.
+    layout_size(PIPE_FIELD_END(pipe_generation_info, cached_tokens), alignof(pipe_generation_info)),
 };
 
 inline constexpr uint32_t kGeneratorStatsSizes[] = {
@@ -98,6 +100,8 @@ inline constexpr uint32_t kGeneratorStatsSizes[] = {
     layout_size(PIPE_FIELD_END(pipe_generator_stats, sampling_ms), alignof(pipe_generator_stats)),
     // 0.11.0 (120): steps_in_flight, steps_one_at_a_time, steps_pipelined.
     layout_size(PIPE_FIELD_END(pipe_generator_stats, steps_pipelined), alignof(pipe_generator_stats)),
+    // 0.14.0 (128): + cached_prompt_tokens.
+    layout_size(PIPE_FIELD_END(pipe_generator_stats, cached_prompt_tokens), alignof(pipe_generator_stats)),
 };
 
 inline constexpr uint32_t kLaunchInfoSizes[] = {
@@ -137,7 +141,8 @@ static_assert(kRunOptionsSizes[0] == 16);
 static_assert(kStageStatsSizes[0] == 48);
 static_assert(kWorkerOptionsSizes[0] == 32 && kWorkerOptionsSizes[1] == 40);
 static_assert(kGeneratorOptionsSizes[0] == 40 && kGeneratorInfoSizes[0] == 40 && kGenerationOptionsSizes[0] == 72 &&
-              kGenerationInfoSizes[0] == 48 && kGeneratorStatsSizes[0] == 96 && kGeneratorStatsSizes[1] == 120);
+              kGenerationInfoSizes[0] == 48 && kGenerationInfoSizes[1] == 56 && kGeneratorStatsSizes[0] == 96 &&
+              kGeneratorStatsSizes[1] == 120 && kGeneratorStatsSizes[2] == 128);
 #endif
 
 // One versioned struct: its name, how callers initialise it, and the sizes it has had.

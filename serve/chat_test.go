@@ -104,8 +104,11 @@ type chatWhole struct {
 		FinishReason string `json:"finish_reason"`
 	} `json:"choices"`
 	Usage struct {
-		PromptTokens     int `json:"prompt_tokens"`
-		CompletionTokens int `json:"completion_tokens"`
+		PromptTokens        int `json:"prompt_tokens"`
+		CompletionTokens    int `json:"completion_tokens"`
+		PromptTokensDetails struct {
+			CachedTokens int `json:"cached_tokens"`
+		} `json:"prompt_tokens_details"`
 	} `json:"usage"`
 }
 
@@ -192,6 +195,12 @@ func checkChat(t *testing.T, s *service, c completionCase, codec *textCodec) {
 		whole.Usage.PromptTokens != len(ch.promptIDs) || whole.Usage.CompletionTokens != len(ch.expectedIDs) {
 		t.Fatalf("not streaming, %d parts: %+v; want %q, finish %q, %d+%d tokens", len(parts), whole, want, wantFinish,
 			len(ch.promptIDs), len(ch.expectedIDs))
+	}
+	// The same conversation again, after the streamed one ended (its cache slot is free by the time
+	// its end reaches the service): all of its prompt but the last token is found in that slot.
+	if cached := whole.Usage.PromptTokensDetails.CachedTokens; cached != len(ch.promptIDs)-1 {
+		t.Fatalf("the conversation asked again found %d of its %d prompt tokens cached; want all but the last",
+			cached, len(ch.promptIDs))
 	}
 
 	if len(ch.expectedIDs) < 3 {

@@ -164,6 +164,7 @@ type statsCollector struct {
 	s *server
 
 	slots, slotsInUse, queued, steps, stepsInFlight, rowsPerStep, sampling, sequences *prometheus.Desc
+	cachedPromptTokens                                                                *prometheus.Desc
 	stageBusy, stageIdle, stageMicrobatches, stageFailures, stageQueue                *prometheus.Desc
 	finished, disconnects, writeFailures, queueTimeouts                               *prometheus.Desc
 	pipelineUp, rebuilds                                                              *prometheus.Desc
@@ -184,6 +185,8 @@ func newStatsCollector(s *server) *statsCollector {
 			"Sequences per step, averaged over the steps since the service started."),
 		sampling:  desc("generator_sampling_seconds_total", "Time the generator spent sampling, all steps together."),
 		sequences: desc("generator_sequences_finished_total", "Sequences the generator ended, for any reason."),
+		cachedPromptTokens: desc("generator_cached_prompt_tokens_total",
+			"Prompt tokens found in cache slots (prefix reuse) instead of computed: the prefix cache's hits, in tokens."),
 		stageBusy: desc("stage_busy_seconds_total", "Time a stage spent running steps.", "stage"),
 		stageIdle: desc("stage_idle_seconds_total", "Time a stage spent waiting for a step.", "stage"),
 		stageMicrobatches: desc("stage_microbatches_total",
@@ -204,7 +207,7 @@ func newStatsCollector(s *server) *statsCollector {
 
 func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.slots, c.slotsInUse, c.queued, c.steps, c.stepsInFlight, c.rowsPerStep,
-		c.sampling, c.sequences, c.stageBusy, c.stageIdle, c.stageMicrobatches, c.stageFailures, c.stageQueue,
+		c.sampling, c.sequences, c.cachedPromptTokens, c.stageBusy, c.stageIdle, c.stageMicrobatches, c.stageFailures, c.stageQueue,
 		c.finished, c.disconnects, c.writeFailures, c.queueTimeouts, c.pipelineUp, c.rebuilds} {
 		ch <- d
 	}
@@ -249,6 +252,7 @@ func (c *statsCollector) Collect(ch chan<- prometheus.Metric) {
 	gauge(c.rowsPerStep, st.MeanRowsPerStep)
 	counter(c.sampling, st.Sampling.Seconds())
 	counter(c.sequences, float64(st.SequencesFinished))
+	counter(c.cachedPromptTokens, float64(st.CachedPromptTokens))
 	for i := range s.stages {
 		stage := strconv.Itoa(i)
 		ss, err := b.gen.StageStats(i)

@@ -238,14 +238,23 @@ type completion struct {
 }
 
 type usage struct {
-	PromptTokens     int `json:"prompt_tokens"`
-	CompletionTokens int `json:"completion_tokens"`
-	TotalTokens      int `json:"total_tokens"`
+	PromptTokens        int                 `json:"prompt_tokens"`
+	CompletionTokens    int                 `json:"completion_tokens"`
+	TotalTokens         int                 `json:"total_tokens"`
+	PromptTokensDetails promptTokensDetails `json:"prompt_tokens_details"`
+}
+
+// promptTokensDetails is OpenAI's account of the prompt: cached_tokens are those found in the
+// generator's cache slots (prefix reuse: a conversation's earlier turns, a shared system
+// prompt) and not computed again.
+type promptTokensDetails struct {
+	CachedTokens int `json:"cached_tokens"`
 }
 
 // tokenUsage is the usage of a completion of a prompt of promptTokens that ended as end says.
 func tokenUsage(promptTokens int, end ending) *usage {
-	return &usage{PromptTokens: promptTokens, CompletionTokens: end.tokens, TotalTokens: promptTokens + end.tokens}
+	return &usage{PromptTokens: promptTokens, CompletionTokens: end.tokens, TotalTokens: promptTokens + end.tokens,
+		PromptTokensDetails: promptTokensDetails{CachedTokens: end.cached}}
 }
 
 // jsonNull is a response's "usage": null, which omitempty keeps (a nil usage is left out).
@@ -348,6 +357,7 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 type ending struct {
 	finish string
 	tokens int
+	cached int // prompt tokens found in the cache slot
 	err    error
 	broken bool
 }
@@ -432,14 +442,15 @@ func (s *server) followTokens(ctx context.Context, a *admitted, stops []string, 
 	}
 	if stopped {
 		// Tokens generated after the stop string's are dropped: they are not the completion's.
-		return ending{finish: "stop", tokens: tokens}
+		return ending{finish: "stop", tokens: tokens, cached: info.CachedTokens}
 	}
 	err := gen.Err()
 	broken := a.backend.failing(err)
 	if broken {
 		s.pipeline.report()
 	}
-	return ending{finish: openAIFinish(reason), tokens: info.GeneratedTokens, err: err, broken: broken}
+	return ending{finish: openAIFinish(reason), tokens: info.GeneratedTokens, cached: info.CachedTokens, err: err,
+		broken: broken}
 }
 
 // openAIFinish is OpenAI's name for how a completion ended.

@@ -65,6 +65,8 @@ type GeneratorStats struct {
 	StepsInFlight   int
 	StepsOneAtATime uint64 // steps launched while the limit was 1
 	StepsPipelined  uint64 // steps launched while it was more
+	// CachedPromptTokens are prompt tokens found in cache slots instead of prefilled (prefix reuse).
+	CachedPromptTokens uint64
 }
 
 // Generator generates tokens from a decoder (a TorchScript causal language model that follows
@@ -221,6 +223,7 @@ func (g *Generator) Stats() (GeneratorStats, error) {
 		StepsInFlight:        int(st.GetSteps_in_flight()),
 		StepsOneAtATime:      st.GetSteps_one_at_a_time(),
 		StepsPipelined:       st.GetSteps_pipelined(),
+		CachedPromptTokens:   st.GetCached_prompt_tokens(),
 	}, nil
 }
 
@@ -315,6 +318,9 @@ type GenerationInfo struct {
 	Queued           time.Duration // from Generate to a cache slot
 	TimeToFirstToken time.Duration // from Generate to the first token
 	MeanInterToken   time.Duration // between tokens after the first
+	// CachedTokens are prompt tokens found in the cache slot the sequence got, left there by an
+	// earlier sequence that began the same way, and not computed again (prefix reuse).
+	CachedTokens int
 }
 
 // Generation is one sequence being generated. Receive its tokens from Tokens until the channel
@@ -579,6 +585,7 @@ func (c *generationCore) info() (GenerationInfo, error) {
 		Queued:           milliseconds(info.GetQueued_ms()),
 		TimeToFirstToken: milliseconds(info.GetTime_to_first_token_ms()),
 		MeanInterToken:   milliseconds(info.GetMean_inter_token_ms()),
+		CachedTokens:     int(info.GetCached_tokens()),
 	}, nil
 }
 

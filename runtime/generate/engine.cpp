@@ -23,6 +23,7 @@ struct Engine::Sequence {
   uint64_t id = 0;
   std::shared_ptr<Generation> generation;
   std::vector<int64_t> prompt;
+  std::vector<int64_t> sampled;  // its generated tokens: the cache holds prompt + sampled at positions [0, cached)
   GenerationOptions options;
   TokenRng rng;
   Clock::time_point submitted{};
@@ -33,6 +34,7 @@ struct Engine::Sequence {
   int64_t next_token = -1;   // a decoding sequence's next input
   int in_flight = 0;         // steps in the pipeline holding one of its rows (prompt chunks may pipeline)
   bool ended = false;        // its generation finished; the slot goes back once no step holds it
+  bool failed = false;       // ended by a failed step: what its slot holds is not trusted afterwards
   uint64_t ready_since = 0;  // the step counter when it last became ready, for oldest-first
   Clock::time_point last_token{};
 };
@@ -111,6 +113,9 @@ Engine::Engine(std::shared_ptr<const graph::Plan> plan, schedule::SessionOptions
                                              chosen && forced.empty() && session_->spare_cores() != nullptr);
   probe();
   for (int64_t s = decoder_.slots - 1; s >= 0; --s) free_slots_.push_back(s);
+  slot_contents_.resize(static_cast<size_t>(decoder_.slots));
+  const char* reuse_env = std::getenv("LIBPIPE_PREFIX_REUSE");
+  if (reuse_env && std::string(reuse_env) == "0") options_.prefix_reuse = false;
   waker_ = std::make_shared<Waker>();
   waker_->engine = this;
   scheduler_ = std::thread([this] { scheduler_loop(); });
@@ -230,15 +235,47 @@ std::shared_ptr<Generation> Engine::submit(std::vector<int64_t> prompt, Generati
 }
 
 void Engine::take_slot(Sequence& seq, Clock::time_point now) {
-  seq.slot = free_slots_.back();
-  free_slots_.pop_back();
+  // The free slot whose tokens begin the prompt for longest; among equals (most often: none matches) the one given
+  // back longest ago, so that the conversations used most recently stay cached longest.
+  size_t best = 0;
+  int64_t best_match = -1;
+  for (size_t i = 0; i < free_slots_.size(); ++i) {
+    const SlotContents& c = slot_contents_[static_cast<size_t>(free_slots_[i])];
+    int64_t match = 0;
+    if (options_.prefix_reuse) {
+      const size_t n = std::min(c.tokens.size(), seq.prompt.size());
+      while (static_cast<size_t>(match) < n && c.tokens[match] == seq.prompt[match]) ++match;
+    }
+    if (match > best_match ||
+        (match == best_match && c.released < slot_contents_[static_cast<size_t>(free_slots_[best])].released)) {
+      best = i;
+      best_match = match;
+    }
+  }
+  seq.slot = free_slots_[best];
+  free_slots_.erase(free_slots_.begin() + static_cast<std::ptrdiff_t>(best));
+  slot_contents_[static_cast<size_t>(seq.slot)].tokens.clear();  // rewritten from the match on
+  // The prompt's last token is always computed: its logits give the first token.
+  const int64_t reused = std::min<int64_t>(best_match, static_cast<int64_t>(seq.prompt.size()) - 1);
+  seq.cached = seq.planned = reused;
+  totals_.cached_prompt_tokens += static_cast<uint64_t>(reused);
   seq.ready_since = next_step_;
   if (active_++ == 0) active_since_ = now;
-  seq.generation->started(now);
+  seq.generation->started(now, reused);
 }
 
 void Engine::release_slot(Sequence& seq, Clock::time_point now) {
   if (seq.slot < 0) return;
+  // Called once no step holds the sequence's rows: positions [0, cached) hold its prompt and the sampled tokens
+  // fed back, as every step that wrote them succeeded.
+  SlotContents& contents = slot_contents_[static_cast<size_t>(seq.slot)];
+  contents.tokens.clear();
+  if (!seq.failed) {
+    const int64_t prompt_len = static_cast<int64_t>(seq.prompt.size());
+    contents.tokens.assign(seq.prompt.begin(), seq.prompt.begin() + std::min(seq.cached, prompt_len));
+    for (int64_t i = prompt_len; i < seq.cached; ++i) contents.tokens.push_back(seq.sampled[i - prompt_len]);
+  }
+  contents.released = ++releases_;
   free_slots_.push_back(seq.slot);
   seq.slot = -1;
   if (--active_ == 0) active_ns_ += std::chrono::duration<double, std::nano>(now - active_since_).count();
@@ -523,6 +560,7 @@ void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id,
     seq.in_flight--;
     seq.ready_since = next_step_;
     if (status != Status::Ok) {
+      seq.failed = true;
       end(seq, FinishReason::Error, status, message, notices);
       continue;
     }
@@ -591,6 +629,7 @@ void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id,
     }
     seq.last_token = sampled;
     seq.next_token = token;
+    seq.sampled.push_back(token);
     notices.push_back({seq.generation, {token}, false, FinishReason::None, Status::Ok, {}});
     const auto& stops = seq.options.stop_ids;
     if (std::find(stops.begin(), stops.end(), token) != stops.end())

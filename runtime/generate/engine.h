@@ -6,6 +6,14 @@
 // sequences' Generations and admits queued sequences into the cache slots that finished ones free. Sequences join
 // and leave between steps. No thread per sequence or per caller; over worker processes nothing changes here (the caches
 // live where their layers run).
+//
+// Prefix reuse (llama-server's cache_prompt, vLLM's automatic prefix caching): a slot that a sequence gives back keeps
+// the tokens whose keys and values it holds, and a new sequence takes the free slot whose tokens begin its prompt
+// for longest (a shared system prompt, the earlier turns of a conversation), starting its prefill after them. With no
+// match, the slot given back longest ago goes (least recently used). The decoder contract makes this safe: a step
+// writes only its rows' positions [start, start + length) of their slots, and attends to a row's positions below its
+// start and its own, so what lies beyond a slot's cached tokens is never read. EngineOptions::prefix_reuse (or
+// LIBPIPE_PREFIX_REUSE=0) turns it off, for comparisons.
 #pragma once
 
 #include <atomic>
@@ -31,13 +39,15 @@ struct EngineOptions {
   int64_t prefill_chunk = 0;      // prompt tokens per step, all rows together; 0: 256
   int64_t steps_in_flight = 0;    // 0: chosen between Session::concurrent_stages() and 1 (in_flight_policy.h)
   int64_t max_rows_per_step = 0;  // 0: slots
+  bool prefix_reuse = true;  // a prompt starts after the tokens a free slot holds of it (LIBPIPE_PREFIX_REUSE=0: off)
 };
 
 struct EngineStats {
   int64_t slots_in_use = 0;
   int64_t queued = 0;
   uint64_t sequences_finished = 0;
-  uint64_t prompt_tokens = 0;
+  uint64_t prompt_tokens = 0;         // prompt tokens computed (prefilled)
+  uint64_t cached_prompt_tokens = 0;  // prompt tokens found in cache slots instead (prefix reuse)
   uint64_t generated_tokens = 0;
   uint64_t steps = 0;
   double tokens_per_s = 0;  // generated tokens / time during which at least one sequence held a slot
@@ -121,6 +131,14 @@ class Engine {
   std::map<uint64_t, std::unique_ptr<Sequence>> sequences_;  // every sequence queued or holding a slot
   std::deque<uint64_t> queue_;                               // waiting for a slot, oldest first
   std::vector<int64_t> free_slots_;
+  // Per slot: the tokens at positions 0.. of its caches, left by the sequence that last held it (empty while held,
+  // or when nothing there can be trusted), and when it was given back (a counter), for least recently used.
+  struct SlotContents {
+    std::vector<int64_t> tokens;
+    uint64_t released = 0;
+  };
+  std::vector<SlotContents> slot_contents_;
+  uint64_t releases_ = 0;
   int64_t active_ = 0;  // sequences holding a slot
   std::map<uint64_t, std::unique_ptr<Step>> in_flight_;
   std::deque<uint64_t> returned_;  // steps whose request finished, in the order they did

@@ -143,6 +143,7 @@ GenerationInfo Generation::info() {
   info.finish_reason = reason_;
   info.prompt_tokens = prompt_tokens_;
   info.generated_tokens = static_cast<int64_t>(tokens_.size());
+  info.cached_tokens = cached_tokens_;
   if (has_started_) info.queued_ms = ms_between(submitted_, started_);
   if (!tokens_.empty()) info.time_to_first_token_ms = ms_between(submitted_, first_token_);
   if (tokens_.size() >= 2)
@@ -150,10 +151,11 @@ GenerationInfo Generation::info() {
   return info;
 }
 
-void Generation::started(Clock::time_point now) {
+void Generation::started(Clock::time_point now, int64_t cached_tokens) {
   std::lock_guard lock(mutex_);
   has_started_ = true;
   started_ = now;
+  cached_tokens_ = cached_tokens;
 }
 
 void Generation::publish(const int64_t* tokens, size_t count, Clock::time_point now) {

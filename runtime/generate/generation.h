@@ -36,6 +36,7 @@ struct GenerationInfo {
   FinishReason finish_reason = FinishReason::None;
   int64_t prompt_tokens = 0;
   int64_t generated_tokens = 0;
+  int64_t cached_tokens = 0;           // prompt tokens found in the cache slot (prefix reuse), not computed again
   double queued_ms = -1;               // submit -> slot; -1 while queued
   double time_to_first_token_ms = -1;  // submit -> first token; -1 before it
   double mean_inter_token_ms = -1;     // between tokens after the first; -1 before the second
@@ -75,8 +76,8 @@ class Generation {
   GenerationInfo info();
 
   // ---- The engine's side (its scheduler thread) ----
-  // The sequence got its cache slot.
-  void started(Clock::time_point now);
+  // The sequence got its cache slot, holding the first `cached_tokens` of its prompt already.
+  void started(Clock::time_point now, int64_t cached_tokens);
   // Appends generated tokens and tells the caller.
   void publish(const int64_t* tokens, size_t count, Clock::time_point now);
   // Ends the sequence (first call only) and tells the caller; `status` Ok for Stop and Length.
@@ -103,6 +104,7 @@ class Generation {
   std::string message_;
   Clock::time_point started_{}, first_token_{}, last_token_{};
   bool has_started_ = false;
+  int64_t cached_tokens_ = 0;
   // Callback and eventfd.
   bool callback_set_ = false;
   EventFn callback_;

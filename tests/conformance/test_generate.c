@@ -48,15 +48,16 @@ _Static_assert(sizeof(pipe_generation_options) == 72 && offsetof(pipe_generation
                    offsetof(pipe_generation_options, num_stop_ids) == 56 &&
                    offsetof(pipe_generation_options, timeout_ms) == 64,
                "pipe_generation_options");
-_Static_assert(sizeof(pipe_generation_info) == 48 && offsetof(pipe_generation_info, struct_size) == 0 &&
+_Static_assert(sizeof(pipe_generation_info) == 56 && offsetof(pipe_generation_info, struct_size) == 0 &&
                    offsetof(pipe_generation_info, finish_reason) == 4 &&
                    offsetof(pipe_generation_info, prompt_tokens) == 8 &&
                    offsetof(pipe_generation_info, generated_tokens) == 16 &&
                    offsetof(pipe_generation_info, queued_ms) == 24 &&
                    offsetof(pipe_generation_info, time_to_first_token_ms) == 32 &&
-                   offsetof(pipe_generation_info, mean_inter_token_ms) == 40,
+                   offsetof(pipe_generation_info, mean_inter_token_ms) == 40 &&
+                   offsetof(pipe_generation_info, cached_tokens) == 48,
                "pipe_generation_info");
-_Static_assert(sizeof(pipe_generator_stats) == 120 && offsetof(pipe_generator_stats, struct_size) == 0 &&
+_Static_assert(sizeof(pipe_generator_stats) == 128 && offsetof(pipe_generator_stats, struct_size) == 0 &&
                    offsetof(pipe_generator_stats, slots_in_use) == 8 && offsetof(pipe_generator_stats, queued) == 16 &&
                    offsetof(pipe_generator_stats, sequences_finished) == 24 &&
                    offsetof(pipe_generator_stats, prompt_tokens) == 32 &&
@@ -68,7 +69,8 @@ _Static_assert(sizeof(pipe_generator_stats) == 120 && offsetof(pipe_generator_st
                    offsetof(pipe_generator_stats, sampling_ms) == 88 &&
                    offsetof(pipe_generator_stats, steps_in_flight) == 96 &&
                    offsetof(pipe_generator_stats, steps_one_at_a_time) == 104 &&
-                   offsetof(pipe_generator_stats, steps_pipelined) == 112,
+                   offsetof(pipe_generator_stats, steps_pipelined) == 112 &&
+                   offsetof(pipe_generator_stats, cached_prompt_tokens) == 120,
                "pipe_generator_stats");
 
 /* The tiny decoder's configuration (tests/models/decoder_models.py: hf_model's LlamaConfig and the
@@ -372,6 +374,7 @@ static void init_functions_equal_macros(void **state) {
   assert_true(i.queued_ms == i_macro.queued_ms && i.queued_ms == -1.0);
   assert_true(i.time_to_first_token_ms == i_macro.time_to_first_token_ms && i.time_to_first_token_ms == -1.0);
   assert_true(i.mean_inter_token_ms == i_macro.mean_inter_token_ms && i.mean_inter_token_ms == -1.0);
+  assert_int_equal(i.cached_tokens, i_macro.cached_tokens);
 
   pipe_generator_stats s, s_macro = PIPE_GENERATOR_STATS_INIT;
   memset(&s, 0xAB, sizeof s);
@@ -390,11 +393,13 @@ static void init_functions_equal_macros(void **state) {
   assert_int_equal(s.steps_in_flight, s_macro.steps_in_flight);
   assert_int_equal(s.steps_one_at_a_time, s_macro.steps_one_at_a_time);
   assert_int_equal(s.steps_pipelined, s_macro.steps_pipelined);
+  assert_int_equal(s.cached_prompt_tokens, s_macro.cached_prompt_tokens);
   assert_string_equal(pipe_status_string(PIPE_ERR_BUSY), "PIPE_ERR_BUSY");
 }
 
-/* The structs have the layouts their versions gave (pipe_generator_stats: 0.8 and 0.11): every other size is refused by
- * the init functions, nothing written, with a message naming the struct, the macro and the init function. */
+/* The structs have the layouts their versions gave (pipe_generator_stats: 0.8, 0.11 and 0.14; pipe_generation_info: 0.8
+ * and 0.14; sizeof - 4 is none of them): every other size is refused by the init functions, nothing written, with a
+ * message naming the struct, the macro and the init function. */
 static void unknown_struct_sizes_are_refused(void **state) {
   (void)state;
   unsigned char buf[256];
@@ -402,7 +407,7 @@ static void unknown_struct_sizes_are_refused(void **state) {
 #define REFUSED(init, type, name)                                                                                      \
   do {                                                                                                                 \
     const size_t sizes[] = {                                                                                           \
-        bogus[0], bogus[1], bogus[2], bogus[3], sizeof(type) - 8, sizeof(type) + 8, ((size_t)1 << 32) + sizeof(type)}; \
+        bogus[0], bogus[1], bogus[2], bogus[3], sizeof(type) - 4, sizeof(type) + 8, ((size_t)1 << 32) + sizeof(type)}; \
     for (size_t k = 0; k < sizeof sizes / sizeof *sizes; ++k) {                                                        \
       memset(buf, 0xAB, sizeof buf);                                                                                   \
       ASSERT_FAILS(init((type *)(void *)buf, sizes[k]), PIPE_ERR_INVALID_ARGUMENT, name);                              \
@@ -737,6 +742,19 @@ static void greedy_equals_transformers(void **state) {
   assert_ids_equal(&got, &want, "prompt 0 up to its stop id");
   assert_int_equal(info_of(gen).finish_reason, PIPE_FINISH_STOP);
   pipe_generation_destroy(gen);
+
+  /* Prefix reuse: a prompt submitted once more, after the first has ended (its slot is free by the time its end is
+   * told), is found in that slot but for its last token, and gives the same tokens. */
+  for (int round = 0; round < 2; ++round) {
+    gen = submit(g, ref.prompts[1].ids, ref.prompts[1].len, ref.max_new_tokens);
+    ASSERT_OK(pipe_generation_wait(gen, -1));
+    id_list again = {0};
+    assert_int_equal(read_all(gen, &again), 1);
+    assert_ids_equal(&again, &ref.greedy[1], "prompt 1 once more");
+    if (round == 1) assert_int_equal(info_of(gen).cached_tokens, (int64_t)ref.prompts[1].len - 1);
+    pipe_generation_destroy(gen);
+  }
+  assert_true(stats_of(g).cached_prompt_tokens >= ref.prompts[1].len - 1);
   pipe_generator_destroy(g);
 }
 

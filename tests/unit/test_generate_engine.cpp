@@ -232,6 +232,65 @@ TEST(Engine, GreedyTokensEqualTransformersForPromptsSubmittedAtOnce) {
   }
 }
 
+// ---- prefix reuse ----
+
+// Tokens two sequences begin with.
+int64_t common_prefix(const Tokens& a, const Tokens& b) {
+  int64_t n = 0;
+  while (n < static_cast<int64_t>(std::min(a.size(), b.size())) && a[n] == b[n]) ++n;
+  return n;
+}
+
+TEST(Engine, APromptBeginningWithAFreedSlotsTokensStartsAfterThemAndStillGivesTransformersTokens) {
+  const auto& ref = reference();
+  // The longest prompt, so that a real part of it can come from the cache, and another that begins differently.
+  size_t full_index = 0;
+  for (size_t i = 0; i < ref.prompts.size(); ++i)
+    if (ref.prompts[i].size() > ref.prompts[full_index].size()) full_index = i;
+  const Tokens& full = ref.prompts[full_index];
+  ASSERT_GE(full.size(), 4u);
+  size_t other_index = 0;
+  while (other_index < ref.prompts.size() && ref.prompts[other_index][0] == full[0]) ++other_index;
+  ASSERT_LT(other_index, ref.prompts.size()) << "the fixture needs a prompt that begins with another token";
+  const Tokens head(full.begin(), full.begin() + static_cast<std::ptrdiff_t>(full.size() / 2));
+  for (const int stages : {1, 2}) {
+    for (const bool reuse : {true, false}) {
+      SCOPED_TRACE(testing::Message() << stages << " stages, prefix reuse " << reuse);
+      EngineOptions options;
+      options.prefix_reuse = reuse;
+      auto engine = make_engine("tiny_decoder.pt", stages, options);
+      // The first half of the prompt, two tokens: its slot keeps the half and the first token (fed back for the
+      // second).
+      auto first = engine->submit(head, greedy(2));
+      const Tokens first_tokens = finish_and_read(*first);
+      ASSERT_EQ(first_tokens.size(), 2u);
+      EXPECT_EQ(first->info().cached_tokens, 0);
+      Tokens kept = head;
+      kept.push_back(first_tokens[0]);
+      // A prompt that begins otherwise takes another slot (the one freed longest ago), leaving that one as it is.
+      auto other = engine->submit(ref.prompts[other_index], greedy(ref.max_new_tokens));
+      EXPECT_EQ(finish_and_read(*other), ref.greedy[other_index]);
+      EXPECT_EQ(other->info().cached_tokens, 0);
+      // The whole prompt starts where the half and its token stop matching it, and gives transformers' tokens.
+      const int64_t expected_cached = reuse ? common_prefix(kept, full) : 0;
+      ASSERT_GE(expected_cached, reuse ? static_cast<int64_t>(head.size()) : 0);
+      auto whole = engine->submit(full, greedy(ref.max_new_tokens));
+      EXPECT_EQ(finish_and_read(*whole), ref.greedy[full_index]);
+      EXPECT_EQ(whole->info().cached_tokens, expected_cached);
+      // Again: everything but the last prompt token is in the slot now (that one is computed for its logits).
+      auto again = engine->submit(full, greedy(ref.max_new_tokens));
+      EXPECT_EQ(finish_and_read(*again), ref.greedy[full_index]);
+      const int64_t again_cached = reuse ? static_cast<int64_t>(full.size()) - 1 : 0;
+      EXPECT_EQ(again->info().cached_tokens, again_cached);
+      ASSERT_TRUE(eventually([&] { return engine->stats().slots_in_use == 0; })) << "slots were not given back";
+      const auto st = engine->stats();
+      const uint64_t cached = static_cast<uint64_t>(expected_cached + again_cached);
+      EXPECT_EQ(st.cached_prompt_tokens, cached);
+      EXPECT_EQ(st.prompt_tokens, head.size() + ref.prompts[other_index].size() + 2 * full.size() - cached);
+    }
+  }
+}
+
 TEST(Engine, StagesSharedByTwoWorkerThreadsGiveTheSameTokensAndKeepTwoStepsInFlight) {
   // Three and four stages on two worker threads (runtime/schedule/stage_sharing.h): the middle stages run on
   // whichever worker would otherwise wait, and every stage still sees the steps in order (a prompt's chunks follow

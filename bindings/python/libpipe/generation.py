@@ -64,12 +64,14 @@ cache_bytes_per_slot (K and V of every layer, all stages together)."""
 
 GenerationInfo = namedtuple(
     "GenerationInfo",
-    "finish_reason prompt_tokens generated_tokens queued_ms time_to_first_token_ms mean_inter_token_ms",
+    "finish_reason prompt_tokens generated_tokens queued_ms time_to_first_token_ms mean_inter_token_ms cached_tokens",
 )
 GenerationInfo.__doc__ = """One sequence's progress: finish_reason (None while it is queued or
 generating, else one of FINISH_REASONS), prompt_tokens, generated_tokens (so far, read or not),
 queued_ms (submit to a cache slot), time_to_first_token_ms (submit to the first token),
-mean_inter_token_ms (between tokens after the first); each time is None until it is known."""
+mean_inter_token_ms (between tokens after the first); each time is None until it is known;
+cached_tokens (prompt tokens found in the cache slot, left there by an earlier sequence that began
+the same way, and not computed again)."""
 
 
 def _int(value, what, bounds=_INT64):
@@ -336,7 +338,8 @@ class Generator(_Closeable):
         sequence held a slot), mean_time_to_first_token_ms, mean_inter_token_ms,
         mean_rows_per_step, sampling_ms; steps_in_flight (the engine's limit now: one per stage,
         or 1 where it measured that one step at a time with every core on it is faster),
-        steps_one_at_a_time and steps_pipelined (steps launched under each)."""
+        steps_one_at_a_time and steps_pipelined (steps launched under each); cached_prompt_tokens
+        (prompt tokens found in cache slots instead of prefilled: prefix reuse)."""
         with self._handle.use() as h:
             return _lib().pipe_generator_get_stats(h)
 
@@ -739,4 +742,5 @@ def _generation_info(d):
         prompt_tokens=d["prompt_tokens"],
         generated_tokens=d["generated_tokens"],
         **{k: (None if d[k] < 0 else d[k]) for k in ("queued_ms", "time_to_first_token_ms", "mean_inter_token_ms")},
+        cached_tokens=d["cached_tokens"],
     )

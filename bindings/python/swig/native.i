@@ -417,7 +417,8 @@ LIBPIPE_INT64_OUTPUT(pad)
       "mean_inter_token_ms", $1->mean_inter_token_ms, "mean_rows_per_step", $1->mean_rows_per_step,
       "sampling_ms", $1->sampling_ms, "steps_in_flight", (long long)$1->steps_in_flight,
       "steps_one_at_a_time", (unsigned long long)$1->steps_one_at_a_time,
-      "steps_pipelined", (unsigned long long)$1->steps_pipelined));
+      "steps_pipelined", (unsigned long long)$1->steps_pipelined,
+      "cached_prompt_tokens", (unsigned long long)$1->cached_prompt_tokens));
 }
 
 %typemap(in, numinputs=0) pipe_generation_info * (pipe_generation_info tmp) {
@@ -426,10 +427,10 @@ LIBPIPE_INT64_OUTPUT(pad)
 }
 %typemap(argout) pipe_generation_info * {
   $result = SWIG_Python_AppendOutput($result, Py_BuildValue(
-      "{s:i,s:L,s:L,s:d,s:d,s:d}", "finish_reason", (int)$1->finish_reason,
+      "{s:i,s:L,s:L,s:d,s:d,s:d,s:L}", "finish_reason", (int)$1->finish_reason,
       "prompt_tokens", (long long)$1->prompt_tokens, "generated_tokens", (long long)$1->generated_tokens,
       "queued_ms", $1->queued_ms, "time_to_first_token_ms", $1->time_to_first_token_ms,
-      "mean_inter_token_ms", $1->mean_inter_token_ms));
+      "mean_inter_token_ms", $1->mean_inter_token_ms, "cached_tokens", (long long)$1->cached_tokens));
 }
 
 /* pipe_generation_read: the argument is the capacity; the result [tokens, finished], tokens a tuple

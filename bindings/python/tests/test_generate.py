@@ -67,6 +67,21 @@ def test_greedy_tokens_equal_transformers(tiny_generator, decoder_expected):
         assert n < 2 or info.mean_inter_token_ms >= 0
 
 
+def test_a_prompt_seen_before_starts_from_its_cached_tokens(tiny_generator, decoder_expected):
+    # The second time, the slot the first left holds all of the prompt but its last token (computed for its
+    # logits): the same tokens come, from fewer prompt tokens computed.
+    n = decoder_expected["max_new_tokens"]
+    prompt, want = cases(decoder_expected)[1]
+    assert list(tiny_generator.generate(prompt, max_new_tokens=n)) == want
+    before = tiny_generator.stats()
+    again = tiny_generator.generate(prompt, max_new_tokens=n)
+    assert list(again) == want
+    assert again.info.cached_tokens == len(prompt) - 1
+    after = tiny_generator.stats()
+    assert after["cached_prompt_tokens"] - before["cached_prompt_tokens"] == len(prompt) - 1
+    assert after["prompt_tokens"] - before["prompt_tokens"] == 1
+
+
 def test_prompts_as_numpy_and_torch_integers(tiny_generator, decoder_expected):
     torch = pytest.importorskip("torch")
     prompt, want, n = first_case(decoder_expected)
@@ -87,7 +102,11 @@ def test_many_sequences_at_once(tiny_generator, decoder_expected):
     after = tiny_generator.stats()
     assert after["sequences_finished"] - before["sequences_finished"] == len(work)
     assert after["generated_tokens"] - before["generated_tokens"] == n * len(work)
-    assert after["prompt_tokens"] - before["prompt_tokens"] == sum(len(p) for p, _ in work)
+    # Each prompt token is computed, or found in a slot that an earlier sequence of the same prompt left.
+    computed = after["prompt_tokens"] - before["prompt_tokens"]
+    cached = after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
+    assert computed + cached == sum(len(p) for p, _ in work)
+    assert computed >= len(work)  # the last token of each, at least
     assert after["steps"] > before["steps"]
     assert (after["slots_in_use"], after["queued"]) == (0, 0)
     assert after["tokens_per_s"] > 0 and after["mean_rows_per_step"] >= 1

@@ -67,6 +67,9 @@ pub struct GenerationInfo {
     pub time_to_first_token_ms: Option<f64>,
     /// Mean time between tokens after the first; None before the second.
     pub mean_inter_token_ms: Option<f64>,
+    /// Prompt tokens found in the cache slot the sequence got, left there by an earlier sequence
+    /// that began the same way, and not computed again (prefix reuse).
+    pub cached_tokens: usize,
 }
 
 /// One sequence being generated: an [`Iterator`] of its tokens (`Result<i64>`), each as soon as it
@@ -197,6 +200,7 @@ impl Generation {
             queued_ms: ms(raw.queued_ms),
             time_to_first_token_ms: ms(raw.time_to_first_token_ms),
             mean_inter_token_ms: ms(raw.mean_inter_token_ms),
+            cached_tokens: usize::try_from(raw.cached_tokens).unwrap_or(0),
         })
     }
 

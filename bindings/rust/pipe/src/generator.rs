@@ -198,6 +198,8 @@ pub struct GeneratorStats {
     pub steps_one_at_a_time: u64,
     /// Steps launched while it was more.
     pub steps_pipelined: u64,
+    /// Prompt tokens found in cache slots instead of prefilled (prefix reuse).
+    pub cached_prompt_tokens: u64,
 }
 
 /// A decoder's session driven step by step: sequences ([`Generator::generate`]) are admitted
@@ -286,6 +288,7 @@ impl Generator {
             steps_in_flight: count(raw.steps_in_flight),
             steps_one_at_a_time: raw.steps_one_at_a_time,
             steps_pipelined: raw.steps_pipelined,
+            cached_prompt_tokens: raw.cached_prompt_tokens,
         })
     }
 
