@@ -306,6 +306,23 @@ func TestStageOptions(t *testing.T) {
 			t.Fatalf("int8 run: max |diff| = %g, want small but non-zero", diff)
 		}
 	}
+	// 4-bit linear weights in groups of 64 (libpipe >= 0.14): further from the float result, still close.
+	int4 := &pipe.StageOptions{Quantize: pipe.QuantizeInt4, QuantizeGroup: 64}
+	quantized4, err := d.plan.NewSession(&pipe.SessionOptions{Microbatches: 2, Stage: int4})
+	if err != nil {
+		asError(t, err, pipe.StatusUnsupported)
+	} else {
+		defer quantized4.Close()
+		out := must(quantized4.Run(context.Background(), d.x))(t).Get("output")
+		if out == nil || out.DType() != pipe.Float32 {
+			t.Fatalf("int4 run gave %v", out)
+		}
+		if diff := maxAbsDiff(t, out, d.expected); diff > 0.5 || diff == 0 {
+			t.Fatalf("int4 run: max |diff| = %g, want small but non-zero", diff)
+		}
+	}
+	_, err = d.plan.NewSession(&pipe.SessionOptions{Stage: &pipe.StageOptions{Quantize: pipe.QuantizeInt4, QuantizeGroup: 48}})
+	asError(t, err, pipe.StatusInvalidArgument)
 	_, err = d.plan.NewSession(&pipe.SessionOptions{Stage: &pipe.StageOptions{Quantize: 7}})
 	asError(t, err, pipe.StatusInvalidArgument)
 }

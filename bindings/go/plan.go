@@ -30,9 +30,11 @@ type StageOptions struct {
 	// Weights is a safetensors checkpoint (a .safetensors file or a *.safetensors.index.json);
 	// "" keeps the model's own weights.
 	Weights string
-	// Quantize stores CPU stages' linear layers' weights as 8-bit codes (QuantizeInt8, libpipe >= 0.13);
-	// the zero value keeps them as they are.
+	// Quantize stores CPU stages' linear layers' weights as 8-bit codes (QuantizeInt8, libpipe >= 0.13)
+	// or 4-bit codes (QuantizeInt4, libpipe >= 0.14); the zero value keeps them as they are.
 	Quantize Quantization
+	// QuantizeGroup is QuantizeInt4's inputs per scale: 32, 64 or 128; 0 means 32.
+	QuantizeGroup int
 }
 
 // Quantization is how CPU stages store their linear layers' weights (pipe.h's PIPE_QUANTIZE_*).
@@ -43,6 +45,9 @@ const (
 	QuantizeNone Quantization = Quantization(capi.PIPE_QUANTIZE_NONE)
 	// QuantizeInt8 keeps 8-bit codes with a float32 scale per output feature; activations stay in the dtype.
 	QuantizeInt8 Quantization = Quantization(capi.PIPE_QUANTIZE_INT8)
+	// QuantizeInt4 keeps 4-bit codes with a float16 scale per group of inputs (StageOptions.QuantizeGroup) and
+	// output feature, as llama.cpp's Q4_0; the activations are rounded to int8 per block of 32 inside the product.
+	QuantizeInt4 Quantization = Quantization(capi.PIPE_QUANTIZE_INT4)
 )
 
 // Plan is a model cut into stages.
@@ -254,8 +259,8 @@ func newStageOptions(op string, opts *StageOptions) (capi.Pipe_stage_options, er
 	default:
 		return nil, errorf(op, StatusInvalidArgument, "stage dtype must be Float32, Float16 or BFloat16, not %v", opts.DType)
 	}
-	if opts.Quantize != QuantizeNone && opts.Quantize != QuantizeInt8 {
-		return nil, errorf(op, StatusInvalidArgument, "stage quantization must be QuantizeNone or QuantizeInt8, not %d", opts.Quantize)
+	if opts.Quantize != QuantizeNone && opts.Quantize != QuantizeInt8 && opts.Quantize != QuantizeInt4 {
+		return nil, errorf(op, StatusInvalidArgument, "stage quantization must be QuantizeNone, QuantizeInt8 or QuantizeInt4, not %d", opts.Quantize)
 	}
 	so := capi.NewPipe_stage_options()
 	if so.Swigcptr() == 0 {
@@ -263,6 +268,7 @@ func newStageOptions(op string, opts *StageOptions) (capi.Pipe_stage_options, er
 	}
 	so.SetDtype(dtype)
 	so.SetQuantize(int(opts.Quantize))
+	so.SetQuantize_group(int64(opts.QuantizeGroup))
 	so.Set_weights_path(opts.Weights)
 	return so, nil
 }

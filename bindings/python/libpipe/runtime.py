@@ -574,7 +574,9 @@ class Plan(_Closeable):
         output "concat" | ("concat", dim) | "sum" | "equal". dtype: "float32" | "float16" |
         "bfloat16" for floating weights and inputs. weights: a safetensors checkpoint or index.
         quantize (libpipe >= 0.13): "int8" stores CPU stages' linear layers' weights as 8-bit codes with
-        a scale per output feature (activations stay in dtype); None: as they are.
+        a scale per output feature (activations stay in dtype); "int4" (libpipe >= 0.14) as 4-bit codes
+        with a float16 scale per group of 32 inputs and output feature (llama.cpp's Q4_0), "int4:64" and
+        "int4:128" in groups of 64 or 128; None: as they are.
 
         Devices (libpipe >= 0.5): devices places the stages: "cpu,cuda:0" (one per stage), "cuda:0"
         (every stage), "auto" (the visible GPUs in order, else the CPU), or None (every stage on
@@ -690,8 +692,10 @@ def _session_options(
     return options
 
 
-# quantize=: pipe.h's PIPE_QUANTIZE_* by lower-case name ("int8"); None: "none".
+# quantize=: pipe.h's PIPE_QUANTIZE_* by lower-case name ("int8"); None: "none"; "int4:G" for int4's groups.
 _QUANTIZATIONS = {None: _constants.QUANTIZE["NONE"], **{n.lower(): v for n, v in _constants.QUANTIZE.items()}}
+if "int4" in _QUANTIZATIONS:
+    _QUANTIZATIONS.update({f"int4:{g}": _QUANTIZATIONS["int4"] for g in (32, 64, 128)})
 
 
 def _stage_options(dtype, weights, quantize=None):
@@ -707,6 +711,8 @@ def _stage_options(dtype, weights, quantize=None):
             f"quantize must be one of {sorted(k for k in _QUANTIZATIONS if k)} or None, not {quantize!r}",
         )
     options = {"dtype": _DTYPES[dtype], "quantize": _QUANTIZATIONS[quantize]}
+    if quantize is not None and quantize.startswith("int4:"):
+        options["quantize_group"] = int(quantize[len("int4:") :])
     if weights is not None:
         options["weights"] = os.fsdecode(os.fspath(weights))
     return options

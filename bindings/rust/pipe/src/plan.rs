@@ -131,6 +131,9 @@ pub enum Quantization {
     None,
     /// 8-bit codes with a float32 scale per output feature; activations stay in the stage's dtype.
     Int8,
+    /// 4-bit codes with a float16 scale per `group` inputs (32, 64 or 128; 0: 32) and output feature, as
+    /// llama.cpp's Q4_0; the activations are rounded to int8 per block of 32 inside the product (libpipe >= 0.14).
+    Int4 { group: i64 },
 }
 
 /// How each stage gets its weights.
@@ -160,7 +163,11 @@ impl StageOptions {
         raw.quantize = match self.quantize {
             Quantization::None => sys::PIPE_QUANTIZE_NONE,
             Quantization::Int8 => sys::PIPE_QUANTIZE_INT8,
+            Quantization::Int4 { .. } => sys::PIPE_QUANTIZE_INT4,
         };
+        if let Quantization::Int4 { group } = self.quantize {
+            raw.quantize_group = group;
+        }
         let weights = self.weights.as_deref().map(crate::path_cstring).transpose()?;
         // The CString's heap buffer does not move when the CString does.
         raw.weights = weights.as_ref().map_or(ptr::null(), |c| c.as_ptr());

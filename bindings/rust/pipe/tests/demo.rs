@@ -149,3 +149,25 @@ fn int8_weights_give_the_result_to_their_precision() {
         }
     }
 }
+
+// 4-bit linear weights in groups of 64 (libpipe >= 0.14): further from the float result, still close; a group
+// size libpipe does not take is refused with InvalidArgument.
+#[test]
+fn int4_weights_give_the_result_to_their_precision() {
+    let model = Model::load(fixture("demo.pt")).unwrap();
+    let plan = Plan::new(&model, &PlanOptions::new().split_point("blocks.2:begin")).unwrap();
+    let stage = pipe::StageOptions { quantize: pipe::Quantization::Int4 { group: 64 }, ..Default::default() };
+    match Session::new(&plan, &SessionOptions::new().microbatches(2).stage_options(stage)) {
+        Err(e) => assert_eq!(e.status, Status::Unsupported, "{e}"),
+        Ok(session) => {
+            let outputs = session.run(&[demo_input()]).unwrap();
+            let got = &outputs[0].1;
+            assert_eq!(got.dtype(), DType::F32);
+            let diff = max_abs_diff(got, &demo_reference());
+            assert!(diff > 0.0 && diff <= 0.5, "max |diff| = {diff}");
+        }
+    }
+    let bad = pipe::StageOptions { quantize: pipe::Quantization::Int4 { group: 48 }, ..Default::default() };
+    let err = Session::new(&plan, &SessionOptions::new().stage_options(bad)).err().unwrap();
+    assert_eq!(err.status, Status::InvalidArgument, "{err}");
+}
