@@ -438,8 +438,11 @@ def libpipe_figures(c, length, new_tokens, times):
 
 # Each --dtype as llama.cpp's GGUF type: the same precision on both sides.
 # int8: libpipe's float32 skeleton with --quantize int8 (8-bit weights, a scale per output feature, float32
-# activations) against llama.cpp's Q8_0 (8-bit weights, a scale per block of 32).
-GGUF_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0"}
+# activations) against llama.cpp's Q8_0 (8-bit weights, a scale per block of 32). int4: the float32 skeleton with
+# --quantize int4 (4-bit codes, a float16 scale per group of 32, Q4_0's rounding; rows rounded to int8 per block of
+# 32 inside the product) against llama.cpp's Q4_0 (llama-quantize from the F32 GGUF: it keeps a tied
+# embedding/head at a higher precision by its own rules, where libpipe keeps a tied head in float32).
+GGUF_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
 
 
 def run_llamacpp(args, folder, weights, tokenizer, cut, work):
@@ -485,6 +488,7 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
         + f"; libpipe `pipe generate {' '.join(cut)}`"
         + (" (bf16: a bf16 skeleton and --dtype bf16)" if "bf16" in models else "")
         + (" (int8: the float32 skeleton and --quantize int8)" if "int8" in models else "")
+        + (" (int4: the float32 skeleton and --quantize int4)" if "int4" in models else "")
         + f"; medians of {args.repeats} runs",
         flush=True,
     )
@@ -499,7 +503,7 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
     def run_libpipe(c, dtype, cache_dtype=args.cache_dtype):
         # fp32 takes the checkpoint as it is; another dtype casts it at load (the caches with it); int8 is the
         # float32 skeleton whose linear layers' weights are quantized at load.
-        quantize = "int8" if dtype == "int8" else None
+        quantize = dtype if dtype in ("int8", "int4") else None
         if quantize:
             dtype = "fp32"
         cast = None if dtype == "fp32" else dtype
@@ -558,7 +562,7 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
         config = json.load(f)
     for d in models:
         step_bytes = decode_bytes(folder, d)
-        elements = 4 if d in ("fp32", "int8") else 2  # int8's activations and caches are float32
+        elements = 4 if d in ("fp32", "int8", "int4") else 2  # int8's and int4's activations and caches are float32
         weights = (
             step_bytes
             if config.get("tie_word_embeddings")
@@ -666,7 +670,7 @@ def decode_bytes(folder, dtype):
                 if not tied and key.endswith("embed_tokens.weight"):
                     continue
                 params += math.prod(f.get_slice(key).get_shape())
-    return params * {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}[dtype]
+    return int(params * {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 4.5 / 8}[dtype])
 
 
 def print_llamacpp_table(result):
@@ -895,11 +899,12 @@ def main():
     lc.add_argument(
         "--dtype",
         nargs="+",
-        choices=["fp32", "bf16", "int8"],
+        choices=["fp32", "bf16", "int8", "int4"],
         default=["fp32"],
         help="precisions measured, side by side: fp32 (F32 GGUF, float32 skeleton), bf16 (BF16 GGUF, "
-        "bf16 skeleton with the weights cast at load) and/or int8 (Q8_0 GGUF, float32 skeleton with --quantize "
-        "int8); libpipe's greedy outputs of bf16 and int8 against fp32's",
+        "bf16 skeleton with the weights cast at load), int8 (Q8_0 GGUF, float32 skeleton with --quantize "
+        "int8) and/or int4 (Q4_0 GGUF, float32 skeleton with --quantize int4); libpipe's greedy outputs of bf16, "
+        "int8 and int4 against fp32's",
     )
     hf = ap.add_argument_group("against transformers (chat prompts)")
     hf.add_argument("--max-new-tokens", type=int, default=48, help="at most, stopping at eos")

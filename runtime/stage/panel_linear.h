@@ -11,6 +11,10 @@
 // holds the operators and the panels, for both formats' stages; the rewrite of a TorchScript stage is
 // torchscript/panel_rewrite.h, an exported program's is pipe::linear_packed_on_demand below.
 //
+// Quantized weights too: int8 (a scale per output feature; pipe::panel_linear_int8, float rows) and int4 (Q4_0-style
+// groups of 32/64/128 inputs with float16 scales; pipe::panel_linear_int4, whose rows are rounded to int8 per block
+// of 32 for integer dot products, panel_gemm.h).
+//
 // float32, bfloat16 and float16 weights; activations in the weight's dtype; float32 accumulation. The
 // product is cut in units of 16 output features, shared by the cores a stage may borrow (SpareCores, in
 // a session of one-thread stages) or by its own intra-op threads; each unit is computed by one thread,
