@@ -4,11 +4,17 @@ Both servers speak OpenAI's /v1/chat/completions with streaming (server-sent eve
 same float32 weights: go-sse (pipe-serve, serve/) serves the Hugging Face folder of
 tests/models/smollm2.py through a decoder skeleton that libpipe.export_llm writes with N cache
 slots; llama-server (bench/llamacpp.py builds it) serves the F32 GGUF dequantized from the same
-GGUF, with -np N slots, -c N times a slot's context, -t/-tb --llamacpp-threads threads, no web UI
-and, unless --llamacpp-cache-prompt, no prompt cache (go-sse has none: a prompt cached from an
-earlier request, or the system prompt that every request shares, would spare llama.cpp prefill
-work that libpipe does). Each server is started afresh for each N, on the loopback, and stopped
-(its process group) before the next.
+GGUF, with -np N slots, -c N times a slot's context, -t/-tb --llamacpp-threads threads, no web UI.
+Both can start a prompt after a prefix of it that a cache slot still holds from an earlier request
+and prefill only the rest: go-sse since libpipe's prefix reuse (--servers libpipe-noreuse is the
+same service with LIBPIPE_PREFIX_REUSE=0 in its environment, reuse off), llama-server with its
+prompt cache, which the single workload turns off (--no-cache-prompt) unless
+--llamacpp-cache-prompt and the multi-turn workload leaves on. In the single workload libpipe's
+reuse spares it prefill that llama-server does: the model's chat template puts a default system
+prompt (about 20 tokens) before every message, and the warm-up sends the first N messages that the
+measured requests then send again (found whole in the slots); libpipe-noreuse against llamacpp is
+the like-for-like single comparison. Each server is started afresh for each N, on the loopback,
+and stopped (its process group) before the next.
 
 For each N (--concurrency, default 1 8 32) and server: N clients, each sending one request after
 another (a closed loop), until --requests requests (default 2 N) were sent or --time-limit seconds
@@ -17,6 +23,18 @@ chat messages (bench/generate.py's MESSAGES, in turn; one user turn each, no sys
 servers render the model's own chat template), max_tokens --max-tokens (64), temperature 0,
 stream true, stream_options.include_usage true (both servers then end the stream with a chunk
 holding the usage). N short requests at once warm each server up first and are not counted.
+
+--workload multi-turn (servers default libpipe libpipe-noreuse llamacpp): each client holds a
+conversation instead, the prefix-reuse case: a system message that all conversations share
+(SYSTEM, 78 tokens in the template), then --turns user turns (default 4), MESSAGES in turn from message k for
+conversation k (Workload.message). Each turn's request sends the whole conversation so far (the
+system message, the earlier user turns and the assistant's replies as the server streamed them)
+and the new user turn; a turn is sent when the previous reply has ended, and a turn that did not
+complete ends its conversation (its later turns count as not sent). --requests defaults to N T (a
+conversation per client) and must be a multiple of T. The caches are sized for the longest
+conversation with each earlier reply taking max_tokens + REPLY_SLACK tokens. Turn 1 finds
+little in the slots (the warm-up's prompts have no system message; the conversations start at
+once), so its TTFT is a cold prefill; the later turns find their conversation so far.
 
 Figures per server and N (wall = from the first request sent to the last one's end):
 - requests/s: complete requests over the wall time;
@@ -33,11 +51,22 @@ Figures per server and N (wall = from the first request sent to the last one's e
   (the stream ended without finish_reason), connection (refused, reset or timed out); requests not
   sent before the time limit are counted apart. The counts add up to --requests, or the run says so.
 - same text: of the complete requests, how many got the same reply as the other server gave to the
-  same message at the same N (greedy on the same weights; batching may flip a near tie).
+  same prompt at the same N (greedy on the same weights; batching may flip a near tie). A turn-1
+  prompt is its message; a later turn's is its conversation's too (reply_key). With three servers
+  each is compared with the first of the others (libpipe with libpipe-noreuse, the rest with
+  libpipe), which the table names.
+- multi-turn only: TTFT p50 and p99 over turn 1 and over turns 2 and later apart; the cached share:
+  the mean over complete turns >= 2 of cached tokens / prompt tokens, from the usage chunk's
+  prompt_tokens and prompt_tokens_details.cached_tokens (both servers send them), else from
+  llama-server's timings in the last chunk (cache_n cached of prompt_n + cache_n), else "n/a";
+  per turn, the mean prompt and cached tokens (--out's by_turn). Each request's turn, TTFT,
+  prompt and cached tokens are in --out's records.
 
-    python bench/http_load.py [--concurrency 1 8 32] [--requests R] [--max-tokens 64]
-                              [--servers libpipe llamacpp] [--llamacpp-threads 2] [--split POINT]
-                              [--prefix build/stage | --go-sse BIN] [--work DIR] [--out FILE]
+    python bench/http_load.py [--workload single|multi-turn] [--turns 4] [--concurrency 1 8 32]
+                              [--requests R] [--max-tokens 64]
+                              [--servers libpipe libpipe-noreuse llamacpp] [--llamacpp-threads 2]
+                              [--split POINT] [--prefix build/stage | --go-sse BIN] [--work DIR]
+                              [--out FILE]
 
 Run with the project's virtualenv python (scripts/env.sh: LIBPIPE_PYTHON) after scripts/build.sh;
 go-sse (pipe-serve, serve/) is built against the libpipe installed at --prefix (default build/stage,
@@ -47,6 +76,7 @@ Exit status 1 when some request did not complete.
 """
 
 import argparse
+import dataclasses
 import http.client
 import json
 import math
@@ -68,6 +98,16 @@ from generate import MESSAGES, machine  # noqa: E402  (generate.py also puts tes
 HOST = "127.0.0.1"
 START_LIMIT_S = 300  # a server that is not healthy by then (model load) is reported as failed
 OUTCOMES = ("complete", "http_error", "error_event", "incomplete", "connection")
+SERVERS = ("libpipe", "libpipe-noreuse", "llamacpp")
+# The multi-turn workload's system message, the same for every conversation (a prefix that every
+# prompt shares, as a deployed assistant's instructions are).
+SYSTEM = (
+    "You are a friendly and knowledgeable assistant for a small public library. Answer the reader's "
+    "questions clearly and briefly, in plain language, and say so when you are not sure of something. "
+    "When a question is about health, money or the law, give general information only and suggest "
+    "asking a professional. Keep every answer under a hundred words unless the reader asks for more."
+)
+REPLY_SLACK = 8  # tokens a reply may gain when the server tokenizes its text again in the next turn
 
 
 class LoadError(RuntimeError):
@@ -153,8 +193,8 @@ class Server:
             time.sleep(0.2)  # polling an observable condition, bounded by the deadline
 
 
-def start_go_sse(binary, decoder, folder, split, prefix, log):
-    env = dict(os.environ)
+def start_go_sse(binary, decoder, folder, split, prefix, log, extra_env=None):
+    env = dict(os.environ, **(extra_env or {}))
     if prefix:
         env["LD_LIBRARY_PATH"] = f"{prefix / 'lib'}" + (
             f":{env['LD_LIBRARY_PATH']}" if env.get("LD_LIBRARY_PATH") else ""
@@ -215,9 +255,38 @@ def start_llama_server(bin_dir, gguf, slots, ctx, threads, cache_prompt, log):
 # ---- the client -------------------------------------------------------------------------------
 
 
-def chat_body(message, max_tokens):
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What a client sends: conversations of `turns` user turns, each turn's request holding the
+    conversation so far (after the `system` message, if any) and the new user turn. The single
+    workload is conversations of one turn without a system message."""
+
+    turns: int = 1
+    system: str | None = None
+    max_tokens: int = 64
+
+    def message(self, conversation, turn):
+        """The index in MESSAGES of a conversation's turn (both from 0): MESSAGES in turn, from
+        message k for conversation k, with a stride that grows by one each time the conversations
+        have gone round MESSAGES, so that conversations that begin with the same message (every
+        len(MESSAGES)-th) go on with different ones."""
+        stride = 1 + conversation // len(MESSAGES)
+        return (conversation + turn * stride) % len(MESSAGES)
+
+    def conversation(self, k, replies=None):
+        """Conversation k's messages: with `replies` (the assistant's, one per earlier turn), up to
+        the turn after them; without, all its turns, the replies empty (to count its tokens)."""
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        for t in range(self.turns if replies is None else len(replies) + 1):
+            if t:
+                messages.append({"role": "assistant", "content": replies[t - 1] if replies else ""})
+            messages.append({"role": "user", "content": MESSAGES[self.message(k, t)]})
+        return messages
+
+
+def chat_body(messages, max_tokens):
     return {
-        "messages": [{"role": "user", "content": message}],
+        "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -227,7 +296,15 @@ def chat_body(message, max_tokens):
 
 def stream_request(port, body, timeout):
     """One streaming chat request: its outcome and timings (perf_counter seconds)."""
-    rec = {"outcome": None, "status": None, "error": None, "finish_reason": None, "usage": None, "done": False}
+    rec = {
+        "outcome": None,
+        "status": None,
+        "error": None,
+        "finish_reason": None,
+        "usage": None,
+        "timings": None,
+        "done": False,
+    }
     rec["sent"] = time.perf_counter()
     arrivals, text = [], []
     try:
@@ -269,6 +346,8 @@ def stream_request(port, body, timeout):
                         rec["finish_reason"] = choice["finish_reason"]
                 if event.get("usage"):
                     rec["usage"] = event["usage"]
+                if event.get("timings"):
+                    rec["timings"] = event["timings"]  # llama-server's, beside the usage
         finally:
             conn.close()
         rec["outcome"] = "complete" if rec["finish_reason"] else "incomplete"
@@ -286,16 +365,19 @@ def stream_request(port, body, timeout):
 
 def warm_up(port, clients, timeout):
     """N short requests at once (a step over every slot, as the measured wave's), not counted."""
-    records, _ = wave(port, clients, clients, 4, timeout, timeout)
+    records, _ = wave(port, clients, clients, Workload(max_tokens=4), timeout, timeout)
     bad = [r for r in records if r is None or r["outcome"] != "complete"]
     if bad:
         r = bad[0] or {"outcome": "not sent", "error": None}
         raise LoadError(f"a warm-up request did not complete: {r['outcome']}: {r['error']}")
 
 
-def wave(port, clients, total, max_tokens, time_limit, timeout):
-    """`clients` threads send `total` requests in all, one after another each, message i of
-    MESSAGES (in turn) for request i; none starts after `time_limit` s. (records, wall seconds)."""
+def wave(port, clients, conversations, workload, time_limit, timeout):
+    """`clients` threads hold `conversations` conversations in all, one after another each, a
+    conversation's turns one after another (a turn is sent when the previous reply has ended; a
+    turn that did not complete ends its conversation); no request starts after `time_limit` s.
+    Request i is turn i % turns of conversation i // turns. (records, wall seconds)."""
+    total = conversations * workload.turns
     records = [None] * total
     lock = threading.Lock()
     state = {"next": 0}
@@ -305,14 +387,22 @@ def wave(port, clients, total, max_tokens, time_limit, timeout):
     def client():
         while True:
             with lock:
-                i = state["next"]
-                if i >= total or time.perf_counter() > stop_at:
+                k = state["next"]
+                if k >= conversations or time.perf_counter() > stop_at:
                     return
-                state["next"] = i + 1
-            m = i % len(MESSAGES)
-            rec = stream_request(port, chat_body(MESSAGES[m], max_tokens), timeout)
-            rec["index"], rec["message"] = i, m
-            records[i] = rec
+                state["next"] = k + 1
+            replies = []
+            for t in range(workload.turns):
+                if t and time.perf_counter() > stop_at:
+                    return
+                body = chat_body(workload.conversation(k, replies), workload.max_tokens)
+                rec = stream_request(port, body, timeout)
+                i = k * workload.turns + t
+                rec.update(index=i, conversation=k, turn=t + 1, message=workload.message(k, t))
+                records[i] = rec
+                if rec["outcome"] != "complete":
+                    break
+                replies.append(rec["text"])
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
     for t in threads:
@@ -349,20 +439,72 @@ def request_tokens(rec):
     return len(rec["arrivals"]), "content chunks"
 
 
-def summarize(records, wall, total):
+def prompt_cache(rec):
+    """(prompt tokens, cached tokens, source) as the server reported them: usage.prompt_tokens and
+    usage.prompt_tokens_details.cached_tokens (both servers), else llama-server's timings (prompt_n
+    computed + cache_n cached), else (prompt tokens or None, None, "n/a")."""
+    usage = rec.get("usage") or {}
+    prompt, cached = usage.get("prompt_tokens"), (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if isinstance(prompt, int) and isinstance(cached, int):
+        return prompt, cached, "usage"
+    timings = rec.get("timings") or {}
+    if isinstance(timings.get("prompt_n"), int) and isinstance(timings.get("cache_n"), int):
+        return timings["prompt_n"] + timings["cache_n"], timings["cache_n"], "timings"
+    return (prompt if isinstance(prompt, int) else None), None, "n/a"
+
+
+def ttft_ms(rec):
+    return 1000 * (rec["arrivals"][0] - rec["sent"]) if rec["arrivals"] else None
+
+
+def ttft_figures(complete):
+    ttft = [t for t in map(ttft_ms, complete) if t is not None]
+    return {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99), "mean": mean(ttft)}
+
+
+def turn_figures(complete, turns):
+    """The multi-turn figures: TTFT over turn 1 and over the later turns apart, the mean cached
+    share of the prompt over the later turns, and per turn its means."""
+    later = [r for r in complete if r["turn"] >= 2]
+    caches = [prompt_cache(r) for r in later]
+    shares = [c / p for p, c, _ in caches if c is not None and p]
+    by_turn = []
+    for t in range(1, turns + 1):
+        these = [r for r in complete if r["turn"] == t]
+        counts = [prompt_cache(r) for r in these]
+        by_turn.append(
+            {
+                "turn": t,
+                "complete": len(these),
+                "ttft_ms": ttft_figures(these),
+                "mean_prompt_tokens": mean([p for p, _, _ in counts if p is not None]),
+                "mean_cached_tokens": mean([c for _, c, _ in counts if c is not None]),
+            }
+        )
+    return {
+        "turns": turns,
+        "ttft_ms_turn1": ttft_figures([r for r in complete if r["turn"] == 1]),
+        "ttft_ms_later_turns": ttft_figures(later),
+        "cached_share_later_turns": mean(shares),
+        "cached_tokens_source": "/".join(sorted({src for _, _, src in caches})) or None,
+        "by_turn": by_turn,
+    }
+
+
+def summarize(records, wall, total, turns=None):
+    """The figures of one wave; with `turns` (the multi-turn workload), turn_figures too."""
     sent = [r for r in records if r is not None]
     outcomes = {k: sum(r["outcome"] == k for r in sent) for k in OUTCOMES}
     complete = [r for r in sent if r["outcome"] == "complete"]
     counted = [request_tokens(r) for r in complete]
     sources = sorted({s for _, s in counted})
     tokens = sum(n for n, _ in counted)
-    ttft = [1000 * (r["arrivals"][0] - r["sent"]) for r in complete if r["arrivals"]]
     itl = [1000 * (b - a) for r in complete for a, b in zip(r["arrivals"], r["arrivals"][1:])]
     finish = {}
     for r in complete:
         finish[r["finish_reason"]] = finish.get(r["finish_reason"], 0) + 1
     prompt = [r["usage"]["prompt_tokens"] for r in complete if (r.get("usage") or {}).get("prompt_tokens")]
-    return {
+    summary = {
         "requests": total,
         "sent": len(sent),
         "not_sent": total - len(sent),
@@ -375,39 +517,52 @@ def summarize(records, wall, total):
         "content_chunks": sum(len(r["arrivals"]) for r in complete),
         "tokens_per_s": tokens / wall if wall else None,
         "content_chunks_per_s": sum(len(r["arrivals"]) for r in complete) / wall if wall else None,
-        "ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99), "mean": mean(ttft)},
+        "ttft_ms": ttft_figures(complete),
         "itl_ms": {"p50": percentile(itl, 50), "p99": percentile(itl, 99), "mean": mean(itl)},
         "finish_reasons": finish,
         "mean_prompt_tokens_reported": mean(prompt),
         "error_messages": sorted({r["error"] for r in sent if r["error"]})[:10],
     }
+    if turns:
+        summary["multi_turn"] = turn_figures(complete, turns)
+    return summary
 
 
 def mean(values):
     return statistics.mean(values) if values else None
 
 
+def reply_key(rec):
+    """What a reply answers: on turn 1 its message (after the same system message, if any); on a
+    later turn its conversation's history too, which the earlier replies make."""
+    return rec["message"] if rec["turn"] == 1 else (rec["conversation"], rec["turn"])
+
+
 def same_text(rows):
-    """Per N: for each server, its complete requests whose text equals the other server's first
-    complete reply to the same message."""
+    """Per N: for each server, its complete requests whose text equals the first complete reply
+    to the same prompt (reply_key) of the other server (the first of the others, when more than
+    two ran; `against` names it)."""
     by_n = {}
     for row in rows:
         by_n.setdefault(row["concurrency"], []).append(row)
     for group in by_n.values():
-        if len(group) != 2:
+        if len(group) < 2:
             continue
         replies = []
         for row in group:
             first = {}
             for r in row["records"]:
                 if r and r["outcome"] == "complete":
-                    first.setdefault(r["message"], r["text"])
+                    first.setdefault(reply_key(r), r["text"])
             replies.append(first)
-        for row, other in zip(group, reversed(replies)):
-            ok = [r for r in row["records"] if r and r["outcome"] == "complete" and r["message"] in other]
+        for i, row in enumerate(group):
+            j = 1 if i == 0 else 0
+            other = replies[j]
+            ok = [r for r in row["records"] if r and r["outcome"] == "complete" and reply_key(r) in other]
             row["summary"]["same_text"] = {
-                "equal": sum(r["text"] == other[r["message"]] for r in ok),
+                "equal": sum(r["text"] == other[reply_key(r)] for r in ok),
                 "compared": len(ok),
+                "against": group[j]["server"],
             }
 
 
@@ -416,50 +571,93 @@ def fmt(x, digits=1):
 
 
 def print_table(rows):
-    print(
-        "| N | server | requests/s | tokens/s | tokens | chunks/s | TTFT p50 ms | TTFT p99 ms "
-        "| ITL p50 ms | ITL p99 ms | complete | errors | not sent | same text |"
-    )
-    print("| --- " * 14 + "|")
+    """A Markdown table, a row per N and server; with the multi-turn figures, TTFT is given over
+    turn 1 and over the later turns apart, with the cached share of the later turns' prompts."""
+
+    def errors(s):
+        return ", ".join(f"{k} {v}" for k, v in s["outcomes"].items() if k != "complete" and v) or "0"
+
+    def same(s):
+        same = s.get("same_text")
+        if not same:
+            return "-"
+        return f"{same['equal']}/{same['compared']}" + (f" ({same['against']})" if many_servers else "")
+
+    def share(m):
+        if m["cached_share_later_turns"] is None:
+            return "n/a"
+        return f"{100 * m['cached_share_later_turns']:.0f}% ({m['cached_tokens_source']})"
+
+    multi = any("multi_turn" in row["summary"] for row in rows)
+    many_servers = len({row["server"] for row in rows}) > 2
+    ttft = [
+        ("TTFT p50 ms", lambda s: fmt(s["ttft_ms"]["p50"], 0)),
+        ("TTFT p99 ms", lambda s: fmt(s["ttft_ms"]["p99"], 0)),
+    ]
+    if multi:
+        ttft = [
+            ("TTFT turn 1 p50 ms", lambda s: fmt(s["multi_turn"]["ttft_ms_turn1"]["p50"], 0)),
+            ("TTFT turn 1 p99 ms", lambda s: fmt(s["multi_turn"]["ttft_ms_turn1"]["p99"], 0)),
+            ("TTFT turns 2+ p50 ms", lambda s: fmt(s["multi_turn"]["ttft_ms_later_turns"]["p50"], 0)),
+            ("TTFT turns 2+ p99 ms", lambda s: fmt(s["multi_turn"]["ttft_ms_later_turns"]["p99"], 0)),
+            ("cached, turns 2+", lambda s: share(s["multi_turn"])),
+        ]
+    columns = [
+        ("requests/s", lambda s: fmt(s["requests_per_s"], 2)),
+        ("tokens/s", lambda s: fmt(s["tokens_per_s"])),
+        ("tokens", lambda s: s["tokens_source"] or "-"),
+        ("chunks/s", lambda s: fmt(s["content_chunks_per_s"])),
+        *ttft,
+        ("ITL p50 ms", lambda s: fmt(s["itl_ms"]["p50"], 1)),
+        ("ITL p99 ms", lambda s: fmt(s["itl_ms"]["p99"], 1)),
+        ("complete", lambda s: f"{s['outcomes']['complete']}/{s['requests']}"),
+        ("errors", errors),
+        ("not sent", lambda s: str(s["not_sent"])),
+        ("same text", same),
+    ]
+    print("| N | server | " + " | ".join(h for h, _ in columns) + " |")
+    print("| --- " * (2 + len(columns)) + "|")
     for row in rows:
         s = row["summary"]
-        errors = ", ".join(f"{k} {v}" for k, v in s["outcomes"].items() if k != "complete" and v) or "0"
-        same = s.get("same_text")
-        same_cell = f"{same['equal']}/{same['compared']}" if same else "-"
-        print(
-            f"| {row['concurrency']} | {row['server']} | {fmt(s['requests_per_s'], 2)} | {fmt(s['tokens_per_s'])} "
-            f"| {s['tokens_source'] or '-'} | {fmt(s['content_chunks_per_s'])} "
-            f"| {fmt(s['ttft_ms']['p50'], 0)} | {fmt(s['ttft_ms']['p99'], 0)} "
-            f"| {fmt(s['itl_ms']['p50'], 1)} | {fmt(s['itl_ms']['p99'], 1)} "
-            f"| {s['outcomes']['complete']}/{s['requests']} | {errors} | {s['not_sent']} "
-            f"| {same_cell} |"
-        )
+        print(f"| {row['concurrency']} | {row['server']} | " + " | ".join(cell(s) for _, cell in columns) + " |")
 
 
 # ---- the run ----------------------------------------------------------------------------------
 
 
-def prompt_lengths(folder):
-    """Token counts of MESSAGES as one user turn each through the folder's chat template (what
-    go-sse renders), to size the caches."""
+def prompt_lengths(folder, workload, conversations):
+    """Token counts of the conversations' last turns through the folder's chat template (what
+    go-sse renders) with the earlier replies empty, to size the caches; and of the system message's
+    part of them (0 without one)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folder))
-    out = []
-    for text in MESSAGES:
+
+    def count(messages, generation_prompt=True):
         ids = tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+            messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
         )
-        out.append(len(ids["input_ids"] if isinstance(ids, dict) else ids))
-    return out
+        return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    system = count(workload.conversation(0)[:1], False) if workload.system else 0
+    return [count(workload.conversation(k)) for k in range(conversations)], system
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--requests", type=int, help="requests per N (default: 2 N)")
+    ap.add_argument("--workload", choices=["single", "multi-turn"], default="single")
+    ap.add_argument("--turns", type=int, default=4, help="user turns per conversation (multi-turn)")
+    ap.add_argument(
+        "--requests", type=int, help="requests per N (default: 2 N; multi-turn: N T, a conversation per client)"
+    )
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--servers", nargs="+", choices=["libpipe", "llamacpp"], default=["libpipe", "llamacpp"])
+    ap.add_argument(
+        "--servers",
+        nargs="+",
+        choices=SERVERS,
+        help="default: libpipe llamacpp; multi-turn: libpipe libpipe-noreuse llamacpp",
+    )
     ap.add_argument("--time-limit", type=float, default=600, help="seconds per N and server after which none starts")
     ap.add_argument("--request-timeout", type=float, default=600, help="seconds one request may take")
     ap.add_argument("--llamacpp-threads", type=int, default=os.cpu_count())
@@ -475,6 +673,23 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if min(args.concurrency) < 1 or (args.requests is not None and args.requests < 1) or args.max_tokens < 1:
         ap.error("--concurrency, --requests and --max-tokens must be at least 1")
+    multi = args.workload == "multi-turn"
+    if multi and args.turns < 1:
+        ap.error("--turns must be at least 1")
+    if multi and args.requests is not None and args.requests % args.turns:
+        ap.error("--requests must be a multiple of --turns (whole conversations)")
+    if multi:
+        workload = Workload(turns=args.turns, system=SYSTEM, max_tokens=args.max_tokens)
+    else:
+        workload = Workload(max_tokens=args.max_tokens)
+    if args.servers is None:
+        args.servers = list(SERVERS) if multi else ["libpipe", "llamacpp"]
+    args.servers = list(dict.fromkeys(args.servers))
+    # llama-server keeps its prompt cache for the multi-turn workload: it is what it would run with.
+    cache_prompt = args.llamacpp_cache_prompt or multi
+
+    def conversations(n):
+        return (args.requests or (n * args.turns if multi else 2 * n)) // workload.turns
 
     from smollm2 import gguf_path, smollm2_folder
 
@@ -483,31 +698,51 @@ def main():
     folder = smollm2_folder()
     layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
     split = args.split or f"model.layers.{layers // 2}:begin"
-    lengths = prompt_lengths(folder)
-    longest = max(lengths)
+    # Single: every message once. Multi-turn: each conversation's last turn, the earlier replies
+    # empty; a reply takes up to max_tokens (and REPLY_SLACK) more.
+    count = max(map(conversations, args.concurrency)) if multi else len(MESSAGES)
+    lengths, system_tokens = prompt_lengths(folder, workload, count)
+    longest = max(lengths) + (workload.turns - 1) * (args.max_tokens + REPLY_SLACK)
     max_len = 64 * math.ceil((longest + args.max_tokens) / 64)
     prefix = Path(args.prefix).resolve()
     settings = {
+        "workload": args.workload,
         "concurrency": args.concurrency,
-        "requests": args.requests or "2 N",
+        "requests": args.requests or ("N T" if multi else "2 N"),
         "max_tokens": args.max_tokens,
         "temperature": 0,
         "time_limit_s": args.time_limit,
         "request_timeout_s": args.request_timeout,
-        "prompt_tokens": {"min": min(lengths), "mean": statistics.mean(lengths), "max": longest},
+        "prompt_tokens": {"min": min(lengths), "mean": statistics.mean(lengths), "max": max(lengths)},
         "machine": machine(),
     }
+    if multi:
+        settings["turns"] = workload.turns
+        settings["system_message"] = SYSTEM
+        settings["system_tokens"] = system_tokens
+        settings["prompt_tokens"]["note"] = "the last turn's, the earlier replies empty"
+        settings["longest_prompt_bound"] = longest
     print(f"http_load: {settings['machine']}", flush=True)
+    if multi:
+        what = (
+            f"multi-turn: conversations of {workload.turns} user turns after a system message of {system_tokens} "
+            f"tokens; the last turn {min(lengths)}-{max(lengths)} prompt tokens without the replies"
+        )
+    else:
+        what = f"{len(MESSAGES)} chat messages of {min(lengths)}-{max(lengths)} prompt tokens"
     print(
-        f"http_load: SmolLM2-135M-Instruct float32 ({folder}); {len(MESSAGES)} chat messages of "
-        f"{min(lengths)}-{longest} prompt tokens, max_tokens {args.max_tokens}, temperature 0; work folder {work}",
+        f"http_load: SmolLM2-135M-Instruct float32 ({folder}); {what}, max_tokens {args.max_tokens}, "
+        f"temperature 0; work folder {work}",
         flush=True,
     )
     servers = {}
     try:
-        if "libpipe" in args.servers:
+        if {"libpipe", "libpipe-noreuse"} & set(args.servers):
             binary = Path(args.go_sse).resolve() if args.go_sse else build_go_sse(prefix, work)
-            servers["libpipe"] = {"binary": str(binary), "prefix": str(prefix), "split": split, "max_seq_len": max_len}
+            go_sse = {"binary": str(binary), "prefix": str(prefix), "split": split, "max_seq_len": max_len}
+            for name, env in (("libpipe", {}), ("libpipe-noreuse", {"LIBPIPE_PREFIX_REUSE": "0"})):
+                if name in args.servers:
+                    servers[name] = {**go_sse, "env": env}
             print(f"http_load: go-sse {binary} (libpipe at {prefix}), -split {split}, caches of {max_len}", flush=True)
         if "llamacpp" in args.servers:
             import llamacpp
@@ -518,11 +753,11 @@ def main():
                 "package": f"{llamacpp.PACKAGE}=={llamacpp.VERSION}",
                 "model": gguf.name,
                 "threads": args.llamacpp_threads,
-                "cache_prompt": args.llamacpp_cache_prompt,
+                "cache_prompt": cache_prompt,
             }
             print(
                 f"http_load: llama-server {llamacpp.PACKAGE} {llamacpp.VERSION} on {gguf.name}, "
-                f"-t/-tb {args.llamacpp_threads}, prompt cache {'on' if args.llamacpp_cache_prompt else 'off'}",
+                f"-t/-tb {args.llamacpp_threads}, prompt cache {'on' if cache_prompt else 'off'}",
                 flush=True,
             )
     except (LoadError, RuntimeError) as e:
@@ -530,27 +765,26 @@ def main():
 
     rows = []
     for n in args.concurrency:
-        total = args.requests or 2 * n
+        total = conversations(n) * workload.turns
         for name in args.servers:
             log = work / f"{name}-N{n}.log"
             server = None
             try:
-                if name == "libpipe":
+                if name in ("libpipe", "libpipe-noreuse"):
                     decoder = work / f"smollm2-{n}slots-{max_len}.pt"
                     if not decoder.is_file():
                         from libpipe.export_llm import export_llm
 
                         export_llm(str(folder), str(decoder), max_seq_len=max_len, max_batch=n, dtype="fp32")
-                    server = start_go_sse(Path(servers["libpipe"]["binary"]), decoder, folder, split, prefix, log)
-                    command = server.cmd
+                    binary, env = Path(servers[name]["binary"]), servers[name]["env"]
+                    server = start_go_sse(binary, decoder, folder, split, prefix, log, env)
+                    command = [*(f"{k}={v}" for k, v in env.items()), *server.cmd]
                 else:
                     ctx = llamacpp.context_size([n], longest + 16, args.max_tokens)  # 16: another template's extra
-                    server = start_llama_server(
-                        bin_dir, gguf, n, ctx, args.llamacpp_threads, args.llamacpp_cache_prompt, log
-                    )
+                    server = start_llama_server(bin_dir, gguf, n, ctx, args.llamacpp_threads, cache_prompt, log)
                     command = server.cmd
                 warm_up(server.port, n, args.request_timeout)
-                records, wall = wave(server.port, n, total, args.max_tokens, args.time_limit, args.request_timeout)
+                records, wall = wave(server.port, n, conversations(n), workload, args.time_limit, args.request_timeout)
             except LoadError as e:
                 print(f"http_load: {name} at N = {n}: {e}", file=sys.stderr, flush=True)
                 rows.append({"concurrency": n, "server": name, "error": str(e)})
@@ -558,7 +792,7 @@ def main():
             finally:
                 if server is not None:
                     server.stop()
-            summary = summarize(records, wall, total)
+            summary = summarize(records, wall, total, workload.turns if multi else None)
             rows.append(
                 {
                     "concurrency": n,
@@ -579,7 +813,8 @@ def main():
         for r in measured:
             for rec in r["records"]:
                 if rec is not None:
-                    rec["ttft_ms"] = 1000 * (rec["arrivals"][0] - rec["sent"]) if rec["arrivals"] else None
+                    rec["ttft_ms"] = ttft_ms(rec)
+                    rec["prompt_tokens"], rec["cached_tokens"], rec["cached_tokens_source"] = prompt_cache(rec)
                     rec["content_chunks"] = len(rec.pop("arrivals"))
         with open(args.out, "w") as f:
             json.dump({"settings": settings, "servers": servers, "rows": rows}, f, indent=1)
