@@ -12,8 +12,8 @@ prompt cache, which the single workload turns off (--no-cache-prompt) unless
 --llamacpp-cache-prompt and the multi-turn workload leaves on. In the single workload libpipe's
 reuse spares it prefill that llama-server does: the model's chat template puts a default system
 prompt (about 20 tokens) before every message, and the warm-up sends the first N messages that the
-measured requests then send again (found whole in the slots); libpipe-noreuse against llamacpp is
-the like-for-like single comparison. Each server is started afresh for each N, on the loopback,
+measured requests then send again (found whole in the slots); so the single workload's servers
+are libpipe-noreuse and llamacpp by default, both without a prompt cache (like for like). Each server is started afresh for each N, on the loopback,
 and stopped (its process group) before the next.
 
 For each N (--concurrency, default 1 8 32) and server: N clients, each sending one request after
@@ -656,7 +656,7 @@ def main():
         "--servers",
         nargs="+",
         choices=SERVERS,
-        help="default: libpipe llamacpp; multi-turn: libpipe libpipe-noreuse llamacpp",
+        help="default: libpipe-noreuse llamacpp (both without a prompt cache); multi-turn: libpipe libpipe-noreuse llamacpp",
     )
     ap.add_argument("--time-limit", type=float, default=600, help="seconds per N and server after which none starts")
     ap.add_argument("--request-timeout", type=float, default=600, help="seconds one request may take")
@@ -683,7 +683,7 @@ def main():
     else:
         workload = Workload(max_tokens=args.max_tokens)
     if args.servers is None:
-        args.servers = list(SERVERS) if multi else ["libpipe", "llamacpp"]
+        args.servers = list(SERVERS) if multi else ["libpipe-noreuse", "llamacpp"]
     args.servers = list(dict.fromkeys(args.servers))
     # llama-server keeps its prompt cache for the multi-turn workload: it is what it would run with.
     cache_prompt = args.llamacpp_cache_prompt or multi
