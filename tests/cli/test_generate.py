@@ -7,6 +7,7 @@ transformers' greedy tokens for its prompts in tiny_decoder.expected.json):
   refused as busy until a sequence finishes): every prompt still comes out right;
 - a sequence whose step fails: exit 1, one line naming the prompt and the model's error;
 - a model that is not a decoder, a stop id outside the vocabulary: exit 1, one line;
+- text prompts without a tokenizer: exit 1 (a folder without tokenizer.json) or 2 (none given);
 - usage errors (missing or malformed flags, values out of range, flags that do not apply):
   exit 2, one line naming the flag, before any model is loaded.
 (Generation against transformers for real architectures, over stages and processes: tests/llm.)
@@ -149,6 +150,8 @@ USAGE_ERRORS = [
     (["--prompt-ids"], ["--prompt-ids needs a value"]),
     (["--prompt-ids", "1", "--max-new-tokens", "2", "--trace-operators"], ["--trace-operators", "--trace"]),
     (["--prompt-ids", "1", "--max-new-tokens", "2", "--trace"], ["--trace needs a value"]),
+    (["--prompt", "hi", "--max-new-tokens", "2"], ["--prompt TEXT", "--tokenizer DIR"]),
+    (["--prompt"], ["--prompt needs a value"]),
 ]
 
 
@@ -157,6 +160,14 @@ def test_usage_errors_are_one_line(args, needles):
     result = pipe("generate", TINY, *args)
     assert result.returncode == 2
     assert_one_line_error(result, "generate", *needles)
+
+
+def test_a_folder_without_a_tokenizer_is_refused(tmp_path):
+    # Text prompts (--prompt) need the model folder's tokenizer.json; SmolLM2's replies as text against
+    # transformers': tests/llm/test_smollm2.py.
+    result = pipe("generate", TINY, "--prompt", "hi", "--max-new-tokens", 2, "--tokenizer", tmp_path)
+    assert result.returncode == 1
+    assert_one_line_error(result, "cannot load the tokenizer", "tokenizer.json", "NOT_FOUND")
 
 
 def test_model_is_required():

@@ -5,6 +5,9 @@ from the folder's config.json, its weights the folder's model.safetensors unchan
 stages and over 2 processes, token for token as transformers' greedy `generate`, each answer
 ending at <|im_end|> (id 2, given as --stop-ids) or after the token limit.
 
+`pipe generate --prompt TEXT` gives the same answers, with libpipe's own tokenizer and chat template,
+as text equal to transformers' decode.
+
 The reference runs in a child process where `import gguf` fails, so the folder must stand on its
 own as a Hugging Face checkpoint; the trained model must answer the first question right (Paris).
 """
@@ -94,3 +97,26 @@ def test_chat_answers_equal_transformers(model, hosting):
     out = json.loads(result.stdout)
     assert out["outputs"] == reference["answers"]
     assert out["finish_reasons"] == ["stop", "length"]
+
+
+def test_text_prompts_equal_transformers(model):
+    """--prompt TEXT: libpipe's tokenizer applies the folder's chat template and encodes the question,
+    the folder's stop ids (generation_config.json) end the first answer, and the replies come back as
+    transformers decodes them (special tokens left out)."""
+    folder, skeleton, reference = model
+    command = [PIPE, "generate", str(skeleton), "--weights", str(folder / "model.safetensors")]
+    command += ["--split-at", "model.layers.15:begin"]
+    for q in QUESTIONS:
+        command += ["--prompt", q]
+    result = subprocess.run(
+        command + ["--max-new-tokens", str(NEW_TOKENS), "--json"], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["outputs"] == reference["answers"]
+    assert out["texts"] == reference["texts"]
+    assert out["finish_reasons"] == ["stop", "length"]
+    # Without --json: the replies as text, one after the other.
+    plain = subprocess.run(command + ["--max-new-tokens", str(NEW_TOKENS)], capture_output=True, text=True, timeout=600)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout == "".join(text + "\n" for text in reference["texts"])

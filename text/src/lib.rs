@@ -356,7 +356,12 @@ fn load(dir: &Path) -> Result<TextTokenizer> {
         stop_ids.push(eos);
     }
     stop_ids.retain(|&id| id >= 0 && id < vocab);
-    let clean_up_spaces = config.get("clean_up_tokenization_spaces").and_then(|v| v.as_bool()).unwrap_or(false);
+    // As transformers' decode: clean_up_tokenization_spaces, which it skips for a BPE model (it would
+    // strip spaces BPE keeps) unless the folder insists.
+    let flag = |key: &str| config.get(key).and_then(|v| v.as_bool()).unwrap_or(false);
+    let is_bpe = matches!(tokenizer.get_model(), tokenizers::models::ModelWrapper::BPE(_));
+    let clean_up_spaces = flag("clean_up_tokenization_spaces")
+        && (!is_bpe || flag("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"));
 
     // The chat template: chat_template.jinja (what transformers writes since 4.47), else
     // tokenizer_config.json's chat_template (a string, or a list of named templates: "default").

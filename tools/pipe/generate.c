@@ -4,10 +4,13 @@
  * seed S + i); the output is one line of generated ids per prompt, in prompt order, or with --json
  * {"outputs": [[...], ...], "tokens_per_s": x, "time_to_first_token_ms": y, "finish_reasons": [...],
  *  "steps_in_flight": {"now": n, "one_at_a_time": a, "pipelined": b},
- *  "peak_rss_mib": {"driver": r, "largest_worker": w}}. */
+ *  "peak_rss_mib": {"driver": r, "largest_worker": w}}.
+ * Text prompts (--prompt TEXT) go through the model folder's tokenizer and chat template (pipe.h,
+ * "Text"); then each reply is printed as text (and --json adds "texts": [...]). */
 #include <errno.h>
 #include <math.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +25,7 @@ typedef struct {
 /* One prompt: its ids, its generation, and what it generated. */
 typedef struct {
   id_list prompt;
+  const char *text; /* --prompt TEXT: encoded once the tokenizer is loaded; NULL for --prompt-ids */
   pipe_generation *generation;
   int finished; /* its wait returned */
   id_list out;
@@ -38,8 +42,12 @@ typedef struct {
   id_list stop;
   prompt_state *prompts;
   size_t num_prompts;
-  const char *trace_path; /* --trace */
-  int trace_operators;    /* --trace-operators */
+  const char *trace_path;    /* --trace */
+  int trace_operators;       /* --trace-operators */
+  const char *tokenizer_dir; /* --tokenizer */
+  int has_stop_ids;          /* --stop-ids given */
+  pipe_tokenizer *tokenizer; /* loaded for --prompt or --tokenizer: replies are printed as text */
+  char **texts;              /* each reply decoded, when a tokenizer is loaded */
 } generate_args;
 
 static int parse_int64(const char *flag, const char *text, int64_t min, int64_t *out) {
@@ -109,9 +117,9 @@ static int parse_ids(const char *flag, const char *text, id_list *out) {
  * not one of them, 2 after a usage error. */
 static int parse_generate_arg(int argc, char **argv, int *i, generate_args *g, session_args *s) {
   static const char *const flags[] = {
-      "--prompt-ids", "--max-new-tokens", "--temperature",   "--top-k", "--top-p",
-      "--seed",       "--stop-ids",       "--prefill-chunk", "--json",  "--threads-per-stage",
-      "--trace",      "--trace-operators"};
+      "--prompt-ids", "--max-new-tokens",  "--temperature",   "--top-k",    "--top-p",
+      "--seed",       "--stop-ids",        "--prefill-chunk", "--json",     "--threads-per-stage",
+      "--trace",      "--trace-operators", "--prompt",        "--tokenizer"};
   const char *a = argv[*i];
   size_t k = 0;
   while (k < sizeof flags / sizeof *flags && strcmp(a, flags[k]) != 0) ++k;
@@ -147,9 +155,14 @@ static int parse_generate_arg(int argc, char **argv, int *i, generate_args *g, s
       if (!(o->top_p > 0 && o->top_p <= 1)) return usage_error("generate: --top-p must be in (0, 1], got %s", v);
       return 1;
     case 5: return parse_seed(v, &o->seed) ? 2 : 1;
-    case 6: free(g->stop.ids); return parse_ids(a, v, &g->stop) ? 2 : 1;
+    case 6:
+      free(g->stop.ids);
+      g->has_stop_ids = 1;
+      return parse_ids(a, v, &g->stop) ? 2 : 1;
     case 7: return parse_int64(a, v, 1, &g->generator.prefill_chunk) ? 2 : 1;
     case 10: g->trace_path = v; return 1;
+    case 12: g->prompts[g->num_prompts++].text = v; return 1;
+    case 13: g->tokenizer_dir = v; return 1;
     default:
       if (parse_int(a, v, &s->options.threads_per_stage)) return 2;
       if (s->options.threads_per_stage < 0)
@@ -162,9 +175,116 @@ static void free_args(generate_args *g) {
   for (size_t i = 0; i < g->num_prompts; ++i) {
     free(g->prompts[i].prompt.ids);
     free(g->prompts[i].out.ids);
+    if (g->texts) free(g->texts[i]);
   }
+  free(g->texts);
   free(g->prompts);
   free(g->stop.ids);
+  pipe_tokenizer_destroy(g->tokenizer);
+}
+
+static int fail_prompt(const generate_args *g, size_t i, const char *what, pipe_status status);
+
+/* A copy of `n` ids or bytes lent by libpipe (until this thread's next call), or NULL when out of
+ * memory (reported). `extra` bytes more are zeroed (a string's NUL). */
+static void *copy_lent(const void *data, size_t bytes, size_t extra) {
+  char *copy = calloc(bytes + extra ? bytes + extra : 1, 1);
+  if (!copy) fprintf(stderr, "pipe: error: out of memory\n");
+  else if (bytes) memcpy(copy, data, bytes);
+  return copy;
+}
+
+/* --prompt TEXT and --tokenizer: loads the tokenizer (--tokenizer DIR, else the folder of --weights),
+ * encodes each text prompt as one user turn of the folder's chat template with its generation prompt
+ * (the text as it is, with the tokenizer's special tokens, when the folder has no template), and takes
+ * the folder's stop ids unless --stop-ids gave some. 0, 1 after reporting a failure, 2 after a usage
+ * error. */
+static int prepare_text(generate_args *g, const char *weights) {
+  int texts = 0;
+  for (size_t i = 0; i < g->num_prompts; ++i) texts += g->prompts[i].text != NULL;
+  if (!texts && !g->tokenizer_dir) return 0;
+  char folder[4096];
+  if (g->tokenizer_dir) {
+    snprintf(folder, sizeof folder, "%s", g->tokenizer_dir);
+  } else if (weights) {
+    struct stat st;
+    snprintf(folder, sizeof folder, "%s", weights);
+    if (stat(weights, &st) != 0 || !S_ISDIR(st.st_mode)) {
+      char *slash = strrchr(folder, '/');
+      if (slash) *slash = '\0';
+      else snprintf(folder, sizeof folder, ".");
+    }
+  } else {
+    return usage_error(
+        "generate: --prompt TEXT needs the model's tokenizer: give --tokenizer DIR (a Hugging Face "
+        "model folder) or --weights from that folder");
+  }
+  pipe_status st = pipe_tokenizer_load(folder, &g->tokenizer);
+  if (st != PIPE_OK) return fail("cannot load the tokenizer", st);
+  for (size_t i = 0; i < g->num_prompts; ++i) {
+    prompt_state *p = &g->prompts[i];
+    if (!p->text) continue;
+    const char *role = "user", *text = NULL;
+    size_t length = 0;
+    int32_t add_special = 0;
+    st = pipe_tokenizer_apply_chat_template(g->tokenizer, &role, &p->text, 1, 1, &text, &length);
+    if (st == PIPE_ERR_INVALID_FORMAT && strstr(pipe_last_error(), "no chat template")) {
+      text = p->text; /* no template: the text as it is */
+      length = strlen(p->text);
+      add_special = 1;
+    } else if (st != PIPE_OK) {
+      return fail_prompt(g, i, "cannot apply the chat template", st);
+    }
+    char *chat = copy_lent(text, length, 1); /* lent until the next call, which encode is */
+    if (!chat) return 1;
+    const int64_t *ids = NULL;
+    size_t count = 0;
+    st = pipe_tokenizer_encode(g->tokenizer, chat, length, add_special, &ids, &count);
+    free(chat);
+    if (st != PIPE_OK) return fail_prompt(g, i, "cannot encode the prompt", st);
+    if (!(p->prompt.ids = copy_lent(ids, count * sizeof *ids, 0))) return 1;
+    p->prompt.len = count;
+  }
+  if (!g->has_stop_ids) {
+    const int64_t *ids = NULL;
+    size_t count = 0;
+    st = pipe_tokenizer_stop_ids(g->tokenizer, &ids, &count);
+    if (st != PIPE_OK) return fail("cannot read the tokenizer's stop ids", st);
+    free(g->stop.ids);
+    if (!(g->stop.ids = copy_lent(ids, count * sizeof *ids, 0))) return 1;
+    g->stop.len = count;
+  }
+  return 0;
+}
+
+/* Each reply as text (special tokens left out). 0, or 1 after reporting. */
+static int decode_replies(generate_args *g) {
+  g->texts = calloc(g->num_prompts ? g->num_prompts : 1, sizeof *g->texts);
+  if (!g->texts) {
+    fprintf(stderr, "pipe: error: out of memory\n");
+    return 1;
+  }
+  for (size_t i = 0; i < g->num_prompts; ++i) {
+    const char *text = NULL;
+    size_t length = 0;
+    pipe_status st =
+        pipe_tokenizer_decode(g->tokenizer, g->prompts[i].out.ids, g->prompts[i].out.len, 1, &text, &length);
+    if (st != PIPE_OK) return fail_prompt(g, i, "cannot decode the reply", st);
+    if (!(g->texts[i] = copy_lent(text, length, 1))) return 1;
+  }
+  return 0;
+}
+
+/* `s` as a JSON string (UTF-8 passes through; quotes, backslashes and control characters escaped). */
+static void print_json_string(const char *s) {
+  putchar('"');
+  for (const unsigned char *c = (const unsigned char *)s; *c; ++c) {
+    if (*c == '"' || *c == '\\') printf("\\%c", *c);
+    else if (*c == '\n') printf("\\n");
+    else if (*c < 0x20) printf("\\u%04x", *c);
+    else putchar(*c);
+  }
+  putchar('"');
 }
 
 /* --trace: the generator's session records its stages and the engine's steps from before the
@@ -317,7 +437,16 @@ static void print_json(const generate_args *g, const pipe_generator_stats *stats
   printf("], \"steps_in_flight\": {\"now\": %lld, \"one_at_a_time\": %llu, \"pipelined\": %llu}",
          (long long)stats.steps_in_flight, (unsigned long long)stats.steps_one_at_a_time,
          (unsigned long long)stats.steps_pipelined);
-  printf(", \"peak_rss_mib\": {\"driver\": %.1f, \"largest_worker\": %.1f}}\n", rss, worker_rss);
+  printf(", \"peak_rss_mib\": {\"driver\": %.1f, \"largest_worker\": %.1f}", rss, worker_rss);
+  if (g->texts) {
+    printf(", \"texts\": [");
+    for (size_t i = 0; i < g->num_prompts; ++i) {
+      if (i) printf(", ");
+      print_json_string(g->texts[i]);
+    }
+    printf("]");
+  }
+  printf("}\n");
 }
 
 int cmd_generate(int argc, char **argv) {
@@ -364,7 +493,9 @@ int cmd_generate(int argc, char **argv) {
     goto done;
   }
   if (g.num_prompts == 0) {
-    usage_error("generate: give at least one prompt as --prompt-ids ID,ID,... (token ids of the model's vocabulary)");
+    usage_error(
+        "generate: give at least one prompt as --prompt TEXT or --prompt-ids ID,ID,... (token ids of the "
+        "model's vocabulary)");
     goto done;
   }
   if (!g.has_max_new_tokens) {
@@ -392,6 +523,7 @@ int cmd_generate(int argc, char **argv) {
     goto done;
   }
 
+  if ((rc = prepare_text(&g, split.weights.weights)) != 0) goto done;
   rc = 1;
   pipeline p;
   pipe_generator_stats stats = PIPE_GENERATOR_STATS_INIT;
@@ -405,12 +537,15 @@ int cmd_generate(int argc, char **argv) {
     int failed = 0;
     for (size_t i = 0; i < g.num_prompts && !failed; ++i) {
       failed = collect(&g, i) != 0;
-      if (!failed && !g.json) {
+      if (!failed && !g.json && !g.tokenizer) {
         print_ids(&g.prompts[i].out);
         putchar('\n');
         fflush(stdout);
       }
     }
+    if (!failed && g.tokenizer) failed = decode_replies(&g) != 0;
+    if (!failed && g.tokenizer && !g.json)
+      for (size_t i = 0; i < g.num_prompts; ++i) printf("%s\n", g.texts[i]);
     if (!failed && traced) failed = stop_trace(&g, traced) != 0;
     if (!failed && g.json) {
       pipe_status st = pipe_generator_get_stats(p.generator, &stats);

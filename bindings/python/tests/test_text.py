@@ -173,3 +173,32 @@ def test_errors(styles):
     (bare / "tokenizer.json").write_text("{not json")
     with pytest.raises(libpipe.InvalidFormatError):
         Tokenizer.load(bare)
+
+
+def test_clean_up_tokenization_spaces_as_transformers(styles, tmp_path):
+    """tokenizer_config.json's clean_up_tokenization_spaces: transformers applies it to WordPiece
+    tokenizers and ignores it for BPE ones; so does libpipe."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+    wordpiece = HFTokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wordpiece.decoder = decoders.WordPiece(cleanup=False)
+    trainer = trainers.WordPieceTrainer(vocab_size=400, special_tokens=["[UNK]", "[PAD]"], show_progress=False)
+    wordpiece.train_from_iterator(text_tokenizers.CORPUS * 10, trainer)
+    bpe_folder, _ = styles["gpt2"]
+    bpe = HFTokenizer.from_file(str(Path(bpe_folder) / "tokenizer.json"))
+    text = "Hello , world ! It 's a test ; is n't it ? I 'm here . They 've , we 're"
+    for name, tok in (("wordpiece", wordpiece), ("bpe", bpe)):
+        folder = tmp_path / name
+        wrapped = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tok, unk_token="[UNK]" if name == "wordpiece" else None, clean_up_tokenization_spaces=True
+        )
+        wrapped.save_pretrained(folder)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        assert config["clean_up_tokenization_spaces"] is True
+        reference = transformers.AutoTokenizer.from_pretrained(folder)
+        ids = reference.encode(text, add_special_tokens=False)
+        with Tokenizer.load(folder) as mine:
+            assert mine.decode(ids) == reference.decode(ids), name
