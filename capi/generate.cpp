@@ -121,6 +121,21 @@ libpipe::generate::GenerationOptions generation_options(const pipe_generation_op
                   fn + ": options->timeout_ms is " + std::to_string(o->timeout_ms) + "; use 0 for no deadline");
     if (o->timeout_ms > 0) opts.deadline = after(o->timeout_ms);
   }
+  if (PIPE_HAS(logprobs)) {
+    if (o->logprobs != 0 && o->logprobs != 1)
+      throw Error(Status::InvalidArgument,
+                  fn + ": options->logprobs is " + std::to_string(o->logprobs) + "; give 1 (keep them) or 0");
+    opts.logprobs = o->logprobs == 1;
+  }
+  if (PIPE_HAS(top_logprobs)) {
+    if (o->top_logprobs < 0 || o->top_logprobs > libpipe::generate::kMaxTopLogprobs)
+      throw Error(Status::InvalidArgument, fn + ": options->top_logprobs is " + std::to_string(o->top_logprobs) +
+                                               "; give 0.." + std::to_string(libpipe::generate::kMaxTopLogprobs));
+    if (o->top_logprobs > 0 && !opts.logprobs)
+      throw Error(Status::InvalidArgument, fn + ": options->top_logprobs is " + std::to_string(o->top_logprobs) +
+                                               " but options->logprobs is 0; set logprobs to 1 as well");
+    opts.top_logprobs = o->top_logprobs;
+  }
 #undef PIPE_HAS
   if (opts.max_new_tokens < 1)
     throw Error(Status::InvalidArgument,
@@ -257,6 +272,34 @@ pipe_status pipe_generation_read(pipe_generation* generation, int64_t* tokens, s
     const size_t n = get(generation)->impl->read(tokens, capacity, &ended);
     *count = n;
     *finished = ended ? 1 : 0;
+  });
+}
+
+pipe_status pipe_generation_logprobs(const pipe_generation* generation, size_t index, float* logprob, int64_t* top_ids,
+                                     float* top_logprobs, size_t capacity, size_t* count) {
+  return guarded(__func__, [&](const char* fn) {
+    require(generation, fn, "generation");
+    require(logprob, fn, "logprob");
+    require(count, fn, "count");
+    if (capacity > 0) {
+      require(top_ids, fn, "top_ids");
+      require(top_logprobs, fn, "top_logprobs");
+    }
+    auto& g = *get(generation)->impl;
+    if (!g.keeps_logprobs())
+      throw Error(Status::InvalidArgument, std::string(fn) +
+                                               ": the generation keeps no log-probabilities; submit it with "
+                                               "pipe_generation_options.logprobs = 1");
+    libpipe::generate::TokenLogprobs lp;
+    if (!g.logprobs(index, &lp))
+      throw Error(Status::InvalidArgument, std::string(fn) + ": no token " + std::to_string(index) +
+                                               " has been generated yet (" + std::to_string(g.info().generated_tokens) +
+                                               " so far; the first is 0)");
+    const size_t n = std::min(capacity, lp.top_ids.size());
+    std::copy_n(lp.top_ids.begin(), n, top_ids);
+    std::copy_n(lp.top_logprobs.begin(), n, top_logprobs);
+    *logprob = lp.logprob;
+    *count = n;
   });
 }
 

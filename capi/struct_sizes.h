@@ -84,6 +84,8 @@ inline constexpr uint32_t kGenerationOptionsSizes[] = {
     // 0.8.0 (72): struct_size, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, num_stop_ids,
     // timeout_ms.
     layout_size(PIPE_FIELD_END(pipe_generation_options, timeout_ms), alignof(pipe_generation_options)),
+    // 0.14.0 (80): + logprobs, top_logprobs.
+    layout_size(PIPE_FIELD_END(pipe_generation_options, top_logprobs), alignof(pipe_generation_options)),
 };
 
 inline constexpr uint32_t kGenerationInfoSizes[] = {
@@ -141,8 +143,8 @@ static_assert(kRunOptionsSizes[0] == 16);
 static_assert(kStageStatsSizes[0] == 48);
 static_assert(kWorkerOptionsSizes[0] == 32 && kWorkerOptionsSizes[1] == 40);
 static_assert(kGeneratorOptionsSizes[0] == 40 && kGeneratorInfoSizes[0] == 40 && kGenerationOptionsSizes[0] == 72 &&
-              kGenerationInfoSizes[0] == 48 && kGenerationInfoSizes[1] == 56 && kGeneratorStatsSizes[0] == 96 &&
-              kGeneratorStatsSizes[1] == 120 && kGeneratorStatsSizes[2] == 128);
+              kGenerationOptionsSizes[1] == 80 && kGenerationInfoSizes[0] == 48 && kGenerationInfoSizes[1] == 56 &&
+              kGeneratorStatsSizes[0] == 96 && kGeneratorStatsSizes[1] == 120 && kGeneratorStatsSizes[2] == 128);
 #endif
 
 // One versioned struct: its name, how callers initialise it, and the sizes it has had.

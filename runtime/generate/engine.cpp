@@ -1,6 +1,8 @@
 #include "runtime/generate/engine.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/log_softmax.h>
+#include <ATen/ops/topk.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/jit/runtime/graph_executor.h>
 
@@ -50,6 +52,7 @@ struct Engine::Step {
 struct Engine::Notice {
   std::shared_ptr<Generation> generation;
   std::vector<int64_t> tokens;
+  std::vector<TokenLogprobs> logprobs;  // one per token, or none
   bool finish = false;
   FinishReason reason = FinishReason::None;
   Status status = Status::Ok;
@@ -76,6 +79,22 @@ void check_option(int64_t value, const char* name) {
 
 double ms_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// `token`'s log-probability in one row of float32 logits, and the `top` likeliest tokens' (in float64, so that a
+// vocabulary of any size sums without losing the small ones).
+TokenLogprobs token_logprobs(const at::Tensor& row, int64_t token, int64_t top) {
+  const at::Tensor log_p = at::log_softmax(row.to(at::kDouble), 0);
+  TokenLogprobs out;
+  out.logprob = static_cast<float>(log_p[token].item<double>());
+  if (top > 0) {
+    const auto [values, indices] = at::topk(log_p, std::min<int64_t>(top, log_p.size(0)));
+    for (int64_t i = 0; i < values.size(0); ++i) {
+      out.top_ids.push_back(indices[i].item<int64_t>());
+      out.top_logprobs.push_back(static_cast<float>(values[i].item<double>()));
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -195,6 +214,11 @@ std::shared_ptr<Generation> Engine::submit(std::vector<int64_t> prompt, Generati
     throw Error(Status::InvalidArgument,
                 "max_new_tokens must be at least 1, got " + std::to_string(options.max_new_tokens));
   validate(options.sampling);
+  if (options.top_logprobs < 0 || options.top_logprobs > kMaxTopLogprobs)
+    throw Error(Status::InvalidArgument, "top_logprobs must be 0.." + std::to_string(kMaxTopLogprobs) + ", got " +
+                                             std::to_string(options.top_logprobs));
+  if (options.top_logprobs > 0 && !options.logprobs)
+    throw Error(Status::InvalidArgument, "top_logprobs needs logprobs: ask for the tokens' log-probabilities too");
   const std::string broken = session_->broken();
   if (!broken.empty())
     throw Error(Status::Communication, "the generator's session is broken (" + broken +
@@ -206,12 +230,15 @@ std::shared_ptr<Generation> Engine::submit(std::vector<int64_t> prompt, Generati
   seq->options = std::move(options);
   seq->submitted = Clock::now();
   std::weak_ptr<Waker> waker = waker_;
-  seq->generation = std::make_shared<Generation>(static_cast<int64_t>(seq->prompt.size()), seq->submitted, [waker] {
-    if (auto w = waker.lock()) {
-      std::lock_guard lock(w->mutex);
-      if (w->engine) w->engine->wake();
-    }
-  });
+  seq->generation = std::make_shared<Generation>(
+      static_cast<int64_t>(seq->prompt.size()), seq->submitted,
+      [waker] {
+        if (auto w = waker.lock()) {
+          std::lock_guard lock(w->mutex);
+          if (w->engine) w->engine->wake();
+        }
+      },
+      seq->options.logprobs);
   auto generation = seq->generation;
   {
     std::lock_guard lock(mutex_);
@@ -357,7 +384,8 @@ void Engine::scheduler_loop() {
 void Engine::deliver(std::vector<Notice>& notices) {
   const auto now = Clock::now();
   for (auto& n : notices) {
-    if (!n.tokens.empty()) n.generation->publish(n.tokens.data(), n.tokens.size(), now);
+    if (!n.tokens.empty())
+      n.generation->publish(n.tokens.data(), n.tokens.size(), now, n.logprobs.empty() ? nullptr : n.logprobs.data());
     if (n.finish) n.generation->finish(n.reason, n.status, n.message);
   }
   notices.clear();
@@ -375,7 +403,7 @@ void Engine::end(Sequence& seq, FinishReason reason, Status status, const std::s
   if (seq.ended) return;
   seq.ended = true;
   totals_.sequences_finished++;
-  notices.push_back({seq.generation, {}, true, reason, status, message});
+  notices.push_back({seq.generation, {}, {}, true, reason, status, message});
 }
 
 void Engine::expire_and_cancel(Clock::time_point now, std::vector<Notice>& notices) {
@@ -593,8 +621,12 @@ void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id,
   const auto sampling_start = Clock::now();
   std::string sample_error;
   Status sample_status = Status::Ok;
+  std::vector<TokenLogprobs> logprobs(seqs.size());
   try {
     tokens = sampler_.sample(rows_logits, params, rngs, &row_errors);
+    for (size_t k = 0; k < seqs.size(); ++k)
+      if (seqs[k]->options.logprobs && (row_errors.empty() || row_errors[k].empty()))
+        logprobs[k] = token_logprobs(rows_logits[static_cast<int64_t>(k)], tokens[k], seqs[k]->options.top_logprobs);
   } catch (const Error& e) {
     sample_status = e.status();
     sample_error = e.what();
@@ -630,7 +662,9 @@ void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id,
     seq.last_token = sampled;
     seq.next_token = token;
     seq.sampled.push_back(token);
-    notices.push_back({seq.generation, {token}, false, FinishReason::None, Status::Ok, {}});
+    Notice notice{seq.generation, {token}, {}, false, FinishReason::None, Status::Ok, {}};
+    if (seq.options.logprobs) notice.logprobs.push_back(std::move(logprobs[k]));
+    notices.push_back(std::move(notice));
     const auto& stops = seq.options.stop_ids;
     if (std::find(stops.begin(), stops.end(), token) != stops.end())
       end(seq, FinishReason::Stop, Status::Ok, "", notices);

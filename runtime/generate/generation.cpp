@@ -18,8 +18,9 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 
 }  // namespace
 
-Generation::Generation(int64_t prompt_tokens, Clock::time_point submitted, std::function<void()> wake)
-    : prompt_tokens_(prompt_tokens), submitted_(submitted), wake_(std::move(wake)) {}
+Generation::Generation(int64_t prompt_tokens, Clock::time_point submitted, std::function<void()> wake,
+                       bool keeps_logprobs)
+    : prompt_tokens_(prompt_tokens), submitted_(submitted), wake_(std::move(wake)), keeps_logprobs_(keeps_logprobs) {}
 
 Generation::~Generation() {
   if (event_fd_ >= 0) ::close(event_fd_);
@@ -158,14 +159,22 @@ void Generation::started(Clock::time_point now, int64_t cached_tokens) {
   cached_tokens_ = cached_tokens;
 }
 
-void Generation::publish(const int64_t* tokens, size_t count, Clock::time_point now) {
+void Generation::publish(const int64_t* tokens, size_t count, Clock::time_point now, const TokenLogprobs* logprobs) {
   if (count == 0) return;
   std::unique_lock lock(mutex_);
   if (reason_ != FinishReason::None) return;  // ended meanwhile (a deadline): later tokens are dropped
   if (tokens_.empty()) first_token_ = now;
   last_token_ = now;
   tokens_.insert(tokens_.end(), tokens, tokens + count);
+  if (logprobs) logprobs_.insert(logprobs_.end(), logprobs, logprobs + count);
   notify(lock);
+}
+
+bool Generation::logprobs(size_t index, TokenLogprobs* out) {
+  std::lock_guard lock(mutex_);
+  if (index >= logprobs_.size()) return false;
+  *out = logprobs_[index];
+  return true;
 }
 
 void Generation::finish(FinishReason reason, Status status, const std::string& message) {

@@ -24,12 +24,26 @@ using Clock = schedule::Clock;
 // Mirrors PIPE_FINISH_* (pipe.h).
 enum class FinishReason : int32_t { None = 0, Stop = 1, Length = 2, Cancelled = 3, Deadline = 4, Error = 5 };
 
+// The most alternatives a token's log-probabilities may list (OpenAI's top_logprobs allows 20).
+constexpr int64_t kMaxTopLogprobs = 20;
+
 struct GenerationOptions {
   int64_t max_new_tokens = 16;  // >= 1
   SamplingParams sampling;
   uint64_t seed = 0;
   std::vector<int64_t> stop_ids;
   Clock::time_point deadline = Clock::time_point::max();
+  bool logprobs = false;     // keep each token's log-probability (TokenLogprobs)
+  int64_t top_logprobs = 0;  // and that many of the likeliest tokens at its position (0..kMaxTopLogprobs; logprobs)
+};
+
+// A generated token's log-probability under the model's distribution at its position (the log-softmax of the
+// logits, before temperature, top-k and top-p: what the model says, whatever the sampler then did), and the
+// likeliest tokens there, most likely first.
+struct TokenLogprobs {
+  float logprob = 0;
+  std::vector<int64_t> top_ids;
+  std::vector<float> top_logprobs;
 };
 
 struct GenerationInfo {
@@ -48,7 +62,9 @@ class Generation {
   using EventFn = std::function<void(size_t available, bool finished)>;
   // `wake` asks the engine to look at this generation again (after cancel()); it may be called after the engine
   // is gone, so the engine hands a function that holds no reference to it that could dangle.
-  Generation(int64_t prompt_tokens, Clock::time_point submitted, std::function<void()> wake);
+  // `keeps_logprobs`: the options asked for each token's log-probabilities (GenerationOptions::logprobs).
+  Generation(int64_t prompt_tokens, Clock::time_point submitted, std::function<void()> wake,
+             bool keeps_logprobs = false);
   ~Generation();  // closes the eventfd if abandon() did not
   Generation(const Generation&) = delete;
   Generation& operator=(const Generation&) = delete;
@@ -74,12 +90,16 @@ class Generation {
   // no callback runs.
   void abandon();
   GenerationInfo info();
+  // The index-th generated token's log-probabilities (0: the first token); false when there is no such token yet,
+  // or the generation was not asked for them.
+  bool logprobs(size_t index, TokenLogprobs* out);
+  bool keeps_logprobs() const { return keeps_logprobs_; }
 
   // ---- The engine's side (its scheduler thread) ----
   // The sequence got its cache slot, holding the first `cached_tokens` of its prompt already.
   void started(Clock::time_point now, int64_t cached_tokens);
-  // Appends generated tokens and tells the caller.
-  void publish(const int64_t* tokens, size_t count, Clock::time_point now);
+  // Appends generated tokens (with their log-probabilities when asked: null or `count` of them) and tells the caller.
+  void publish(const int64_t* tokens, size_t count, Clock::time_point now, const TokenLogprobs* logprobs = nullptr);
   // Ends the sequence (first call only) and tells the caller; `status` Ok for Stop and Length.
   void finish(FinishReason reason, Status status, const std::string& message);
   bool finished();
@@ -93,12 +113,14 @@ class Generation {
   const int64_t prompt_tokens_;
   const Clock::time_point submitted_;
   const std::function<void()> wake_;
+  const bool keeps_logprobs_;
   std::atomic<bool> cancel_requested_{false};
 
   std::mutex mutex_;
   std::condition_variable ended_;
   std::vector<int64_t> tokens_;
-  size_t read_ = 0;  // tokens the caller has read
+  std::vector<TokenLogprobs> logprobs_;  // one per token when the options asked for them
+  size_t read_ = 0;                      // tokens the caller has read
   FinishReason reason_ = FinishReason::None;
   Status status_ = Status::Ok;
   std::string message_;

@@ -40,13 +40,15 @@ _Static_assert(sizeof(pipe_generator_info) == 40 && offsetof(pipe_generator_info
                    offsetof(pipe_generator_info, vocab) == 24 &&
                    offsetof(pipe_generator_info, cache_bytes_per_slot) == 32,
                "pipe_generator_info");
-_Static_assert(sizeof(pipe_generation_options) == 72 && offsetof(pipe_generation_options, struct_size) == 0 &&
+_Static_assert(sizeof(pipe_generation_options) == 80 && offsetof(pipe_generation_options, struct_size) == 0 &&
                    offsetof(pipe_generation_options, max_new_tokens) == 8 &&
                    offsetof(pipe_generation_options, temperature) == 16 &&
                    offsetof(pipe_generation_options, top_k) == 24 && offsetof(pipe_generation_options, top_p) == 32 &&
                    offsetof(pipe_generation_options, seed) == 40 && offsetof(pipe_generation_options, stop_ids) == 48 &&
                    offsetof(pipe_generation_options, num_stop_ids) == 56 &&
-                   offsetof(pipe_generation_options, timeout_ms) == 64,
+                   offsetof(pipe_generation_options, timeout_ms) == 64 &&
+                   offsetof(pipe_generation_options, logprobs) == 72 &&
+                   offsetof(pipe_generation_options, top_logprobs) == 76,
                "pipe_generation_options");
 _Static_assert(sizeof(pipe_generation_info) == 56 && offsetof(pipe_generation_info, struct_size) == 0 &&
                    offsetof(pipe_generation_info, finish_reason) == 4 &&
@@ -362,6 +364,9 @@ static void init_functions_equal_macros(void **state) {
   assert_null(o_macro.stop_ids);
   assert_int_equal(o.num_stop_ids, o_macro.num_stop_ids);
   assert_int_equal(o.timeout_ms, o_macro.timeout_ms);
+  assert_int_equal(o.logprobs, o_macro.logprobs);
+  assert_int_equal(o.top_logprobs, o_macro.top_logprobs);
+  assert_int_equal(o.logprobs, 0);
 
   pipe_generation_info i, i_macro = PIPE_GENERATION_INFO_INIT;
   memset(&i, 0xAB, sizeof i);
@@ -755,6 +760,46 @@ static void greedy_equals_transformers(void **state) {
     pipe_generation_destroy(gen);
   }
   assert_true(stats_of(g).cached_prompt_tokens >= ref.prompts[1].len - 1);
+
+  /* Log-probabilities: greedy tokens are the likeliest at their positions, so each one's log-probability is the first
+   * of the top ones, which come most likely first; none without asking, nor past the tokens generated. */
+  pipe_generation_options lo = PIPE_GENERATION_OPTIONS_INIT;
+  lo.max_new_tokens = ref.max_new_tokens;
+  lo.logprobs = 1;
+  lo.top_logprobs = 3;
+  ASSERT_OK(pipe_generator_submit(g, ref.prompts[2].ids, ref.prompts[2].len, &lo, &gen));
+  ASSERT_OK(pipe_generation_wait(gen, -1));
+  id_list lp_tokens = {0};
+  assert_int_equal(read_all(gen, &lp_tokens), 1);
+  assert_ids_equal(&lp_tokens, &ref.greedy[2], "prompt 2 with logprobs");
+  for (size_t t = 0; t < lp_tokens.len; ++t) {
+    float logprob = 1, top_lp[4] = {0};
+    int64_t top_ids[4] = {-1, -1, -1, -1};
+    size_t count = 0;
+    ASSERT_OK(pipe_generation_logprobs(gen, t, &logprob, top_ids, top_lp, 4, &count));
+    assert_int_equal(count, 3);
+    assert_true(logprob <= 0 && logprob == top_lp[0] && top_ids[0] == lp_tokens.ids[t]);
+    assert_true(top_lp[0] >= top_lp[1] && top_lp[1] >= top_lp[2] && top_ids[3] == -1);
+    ASSERT_OK(pipe_generation_logprobs(gen, t, &logprob, NULL, NULL, 0, &count));
+    assert_int_equal(count, 0);
+  }
+  float unused = 0;
+  size_t unused_count = 0;
+  ASSERT_FAILS(pipe_generation_logprobs(gen, lp_tokens.len, &unused, NULL, NULL, 0, &unused_count),
+               PIPE_ERR_INVALID_ARGUMENT, "has been generated yet");
+  pipe_generation_destroy(gen);
+  gen = submit(g, ref.prompts[2].ids, ref.prompts[2].len, 1);
+  ASSERT_OK(pipe_generation_wait(gen, -1));
+  ASSERT_FAILS(pipe_generation_logprobs(gen, 0, &unused, NULL, NULL, 0, &unused_count), PIPE_ERR_INVALID_ARGUMENT,
+               "logprobs = 1");
+  pipe_generation_destroy(gen);
+  lo.top_logprobs = 21; /* 0..20 */
+  ASSERT_FAILS(pipe_generator_submit(g, ref.prompts[2].ids, ref.prompts[2].len, &lo, &gen), PIPE_ERR_INVALID_ARGUMENT,
+               "top_logprobs");
+  lo.logprobs = 0;
+  lo.top_logprobs = 2;
+  ASSERT_FAILS(pipe_generator_submit(g, ref.prompts[2].ids, ref.prompts[2].len, &lo, &gen), PIPE_ERR_INVALID_ARGUMENT,
+               "set logprobs to 1");
   pipe_generator_destroy(g);
 }
 

@@ -9,9 +9,13 @@ writes
     OUT_DIR/tiny_decoder.pt              vocab 128, 2 layers (model.layers.0, model.layers.1; cut with
                                          model.layers.1:begin), 4 slots, max_len 64, float32
     OUT_DIR/tiny_decoder.expected.json   {"prompts": [[ids]], "max_new_tokens": N, "greedy": [[ids]],
+                                          "greedy_logprobs": [{"logprob": [x], "top_ids": [[5 ids]],
+                                                               "top_logprobs": [[5 x]]}],
                                           "vocab", "slots", "max_len",
                                           "max_len_prompt": [ids], "max_len_greedy": [ids]}
-                                         greedy[i]: the N tokens generated after prompts[i]; max_len_greedy: every
+                                         greedy[i]: the N tokens generated after prompts[i], greedy_logprobs[i]
+                                         their log-probabilities (log-softmax of transformers' logits) and the
+                                         5 likeliest tokens at each; max_len_greedy: every
                                          token a cache of max_len positions has room for after max_len_prompt
                                          (max_len - len(prompt) + 1: the last one is sampled, never fed back)
     OUT_DIR/gated_decoder.pt             the same weights (same outputs when no gate holds), 4 slots, with a
@@ -219,7 +223,19 @@ def hf_greedy(hf, prompt, new_tokens):
         )
     top2 = [step[0].topk(2).values for step in out.logits]
     margin = min(float(t[0] - t[1]) for t in top2)
-    return out.sequences[0, len(prompt) :].tolist(), margin
+    return out.sequences[0, len(prompt) :].tolist(), margin, [step[0] for step in out.logits]
+
+
+def logprobs_of(tokens, logits, top=5):
+    """Each token's log-probability (log-softmax of its step's logits, in float64) and the top ids and theirs."""
+    lp, top_ids, top_lp = [], [], []
+    for token, row in zip(tokens, logits):
+        log_p = torch.log_softmax(row.double(), 0)
+        values, indices = log_p.topk(top)
+        lp.append(float(log_p[token]))
+        top_ids.append(indices.tolist())
+        top_lp.append(values.tolist())
+    return {"logprob": lp, "top_ids": top_ids, "top_logprobs": top_lp}
 
 
 def make_prompt(n, generator):
@@ -236,16 +252,17 @@ def reference(seed):
     generator = torch.Generator().manual_seed(seed)
     prompts = [make_prompt(n, generator) for n in PROMPT_LENGTHS]
     long_prompt = make_prompt(MAX_LEN_PROMPT, generator)
-    greedy = []
+    greedy, logprobs = [], []
     for p in prompts:
-        tokens, margin = hf_greedy(hf, p, NEW_TOKENS)
+        tokens, margin, logits = hf_greedy(hf, p, NEW_TOKENS)
         if margin < MIN_MARGIN or len(set(tokens)) < 3:
             return None
         greedy.append(tokens)
-    long_greedy, margin = hf_greedy(hf, long_prompt, MAX_LEN - MAX_LEN_PROMPT + 1)
+        logprobs.append(logprobs_of(tokens, logits))
+    long_greedy, margin, _ = hf_greedy(hf, long_prompt, MAX_LEN - MAX_LEN_PROMPT + 1)
     if margin < MIN_MARGIN:
         return None
-    return hf, prompts, greedy, long_prompt, long_greedy
+    return hf, prompts, greedy, logprobs, long_prompt, long_greedy
 
 
 def decoder_with(hf, slots, placeholder_caches):
@@ -285,7 +302,7 @@ def generate(out_dir):
             break
     else:
         sys.exit("decoder_models.py: no seed in 0..99 gives greedy choices with a clear margin")
-    hf, prompts, greedy, long_prompt, long_greedy = found
+    hf, prompts, greedy, logprobs, long_prompt, long_greedy = found
 
     # The files hold placeholder caches (as `export_llm` writes them): libpipe allocates each stage's own.
     torch.jit.script(decoder_with(hf, SLOTS, True)).save(os.path.join(out_dir, "tiny_decoder.pt"))
@@ -295,6 +312,7 @@ def generate(out_dir):
         "prompts": prompts,
         "max_new_tokens": NEW_TOKENS,
         "greedy": greedy,
+        "greedy_logprobs": logprobs,
         "vocab": VOCAB,
         "slots": SLOTS,
         "max_len": MAX_LEN,

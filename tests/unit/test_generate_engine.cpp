@@ -51,6 +51,10 @@ struct Reference {
   std::vector<Tokens> prompts, greedy;
   int64_t max_new_tokens = 0, vocab = 0, slots = 0, max_len = 0;
   Tokens max_len_prompt, max_len_greedy;  // a prompt that fills the cache, and every token it has room for
+  // Per prompt: the log-probability of each greedy token, and the 5 likeliest ids and theirs (transformers' logits).
+  std::vector<std::vector<double>> logprob;
+  std::vector<std::vector<Tokens>> top_ids;
+  std::vector<std::vector<std::vector<double>>> top_logprobs;
 };
 
 const Reference& reference() {
@@ -68,6 +72,11 @@ const Reference& reference() {
     r.max_len = j.at("max_len").get<int64_t>();
     r.max_len_prompt = j.at("max_len_prompt").get<Tokens>();
     r.max_len_greedy = j.at("max_len_greedy").get<Tokens>();
+    for (const auto& lp : j.at("greedy_logprobs")) {
+      r.logprob.push_back(lp.at("logprob").get<std::vector<double>>());
+      r.top_ids.push_back(lp.at("top_ids").get<std::vector<Tokens>>());
+      r.top_logprobs.push_back(lp.at("top_logprobs").get<std::vector<std::vector<double>>>());
+    }
     return r;
   }();
   return ref;
@@ -289,6 +298,45 @@ TEST(Engine, APromptBeginningWithAFreedSlotsTokensStartsAfterThemAndStillGivesTr
       EXPECT_EQ(st.prompt_tokens, head.size() + ref.prompts[other_index].size() + 2 * full.size() - cached);
     }
   }
+}
+
+TEST(Engine, LogprobsEqualTheLogSoftmaxOfTransformersLogits) {
+  const auto& ref = reference();
+  auto engine = make_engine("tiny_decoder.pt", 2);
+  std::vector<std::shared_ptr<Generation>> gens;
+  for (const auto& p : ref.prompts) {
+    GenerationOptions o = greedy(ref.max_new_tokens);
+    o.logprobs = true;
+    o.top_logprobs = 5;
+    gens.push_back(engine->submit(p, o));
+  }
+  for (size_t i = 0; i < gens.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << "prompt " << i);
+    const Tokens tokens = finish_and_read(*gens[i]);
+    ASSERT_EQ(tokens, ref.greedy[i]);
+    for (size_t t = 0; t < tokens.size(); ++t) {
+      SCOPED_TRACE(testing::Message() << "token " << t);
+      TokenLogprobs lp;
+      ASSERT_TRUE(gens[i]->logprobs(t, &lp));
+      EXPECT_NEAR(lp.logprob, ref.logprob[i][t], 1e-4);
+      ASSERT_EQ(lp.top_ids.size(), 5u);
+      for (size_t k = 0; k < 5; ++k) {
+        // Ranks may swap between near-equal alternatives; their log-probabilities may not differ.
+        EXPECT_NEAR(lp.top_logprobs[k], ref.top_logprobs[i][t][k], 1e-4);
+        const auto& want = ref.top_logprobs[i][t];
+        const bool apart = (k == 0 || want[k - 1] - want[k] > 1e-3) && (k == 4 || want[k] - want[k + 1] > 1e-3);
+        if (apart) EXPECT_EQ(lp.top_ids[k], ref.top_ids[i][t][k]);
+      }
+    }
+    TokenLogprobs none;
+    EXPECT_FALSE(gens[i]->logprobs(tokens.size(), &none));
+  }
+  GenerationOptions bad = greedy(1);
+  bad.top_logprobs = 2;
+  EXPECT_EQ(status_of([&] { engine->submit(ref.prompts[0], bad); }), Status::InvalidArgument);
+  bad.logprobs = true;
+  bad.top_logprobs = kMaxTopLogprobs + 1;
+  EXPECT_EQ(status_of([&] { engine->submit(ref.prompts[0], bad); }), Status::InvalidArgument);
 }
 
 TEST(Engine, StagesSharedByTwoWorkerThreadsGiveTheSameTokensAndKeepTwoStepsInFlight) {

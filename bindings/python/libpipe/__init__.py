@@ -39,7 +39,15 @@ from .errors import (
     WaitTimeoutError,
 )
 from . import generation, runtime, text
-from .generation import FINISH_REASONS, Generation, GenerationInfo, Generator, GeneratorInfo, GeneratorSession
+from .generation import (
+    FINISH_REASONS,
+    Generation,
+    GenerationInfo,
+    Generator,
+    GeneratorInfo,
+    GeneratorSession,
+    TokenLogprobs,
+)
 from .runtime import (
     LOG_DEBUG,
     LOG_ERROR,

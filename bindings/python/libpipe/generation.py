@@ -41,7 +41,15 @@ from .runtime import (
     Session,
 )
 
-__all__ = ["FINISH_REASONS", "Generation", "GenerationInfo", "Generator", "GeneratorInfo", "GeneratorSession"]
+__all__ = [
+    "FINISH_REASONS",
+    "Generation",
+    "GenerationInfo",
+    "Generator",
+    "GeneratorInfo",
+    "GeneratorSession",
+    "TokenLogprobs",
+]
 
 _GENERATOR_DEFAULTS = _constants.DEFAULTS["pipe_generator_options"]
 _GENERATION_DEFAULTS = _constants.DEFAULTS["pipe_generation_options"]
@@ -61,6 +69,11 @@ GeneratorInfo = namedtuple("GeneratorInfo", "slots max_len vocab cache_bytes_per
 GeneratorInfo.__doc__ = """What the decoder offers: slots (sequences holding a KV-cache slot at once),
 max_len (tokens per sequence, prompt and generated together), vocab (ids are 0 .. vocab-1),
 cache_bytes_per_slot (K and V of every layer, all stages together)."""
+
+TokenLogprobs = namedtuple("TokenLogprobs", "logprob top")
+TokenLogprobs.__doc__ = """A generated token's log-probability under the model's distribution at its position
+(the log-softmax of the logits, before temperature, top_k and top_p), and top: the likeliest
+tokens there as (id, log-probability) pairs, most likely first (generate(top_logprobs=K))."""
 
 GenerationInfo = namedtuple(
     "GenerationInfo",
@@ -354,6 +367,8 @@ class Generator(_Closeable):
         stop_ids=(),
         timeout=None,
         tokenizer=None,
+        logprobs=False,
+        top_logprobs=0,
     ):
         """Start generating after `prompt` and return its Generation at once (never waiting: the
         sequence queues while every cache slot is taken).
@@ -367,7 +382,10 @@ class Generator(_Closeable):
         stop_ids: ids that end the sequence (the stop id is its last token). timeout: seconds
         from now until the sequence fails with DeadlineExceededError (waiting for a slot
         included; None: no deadline). tokenizer: a `tokenizers.Tokenizer` (or a transformers
-        tokenizer) that encodes a str prompt and makes the generation give text.
+        tokenizer) that encodes a str prompt and makes the generation give text. logprobs: keep
+        each token's log-probability (Generation.logprobs) under the model's distribution (the
+        log-softmax of its logits, before temperature, top_k and top_p), with the top_logprobs
+        (0..20) likeliest tokens at its position.
 
         InvalidArgumentError for an empty prompt, an id outside 0 .. vocab-1, a prompt that
         leaves no room for one token in max_len, or bad options (the message names them);
@@ -393,10 +411,12 @@ class Generator(_Closeable):
             "seed": _int(seed, "seed", _UINT64),
             "stop_ids": _ids(stop_ids, "stop_ids"),
             "timeout_ms": 0 if timeout_ms is None else timeout_ms,
+            "logprobs": 1 if logprobs else 0,
+            "top_logprobs": _int(top_logprobs, "top_logprobs"),
         }
         with self._handle.use() as h:
             ptr = _lib().pipe_generator_submit(h, ids, options)
-        return Generation(ptr, self, ids, codec)
+        return Generation(ptr, self, ids, codec, options["top_logprobs"] if logprobs else None)
 
     def __repr__(self):
         i = self.info
@@ -434,7 +454,7 @@ class Generation(_Closeable):
     _close_deferred = False  # close once the loop has stopped watching (it still uses the fd)
     _closing = False  # close() has begun: no loop may start watching the fd it is about to close
 
-    def __init__(self, ptr, generator, prompt, codec):
+    def __init__(self, ptr, generator, prompt, codec, top_logprobs=None):
         self._watch_lock = threading.Lock()
         self._handle = _Handle(ptr, _lib().pipe_generation_destroy, "generation", 0)
         self._generator = generator  # kept alive while the sequence may go on
@@ -445,6 +465,8 @@ class Generation(_Closeable):
         # held while waiting.
         self._lock = threading.Lock()
         self._ids = []  # every token read from libpipe
+        self._top_logprobs = top_logprobs  # None: no log-probabilities asked for
+        self._logprobs = []  # a TokenLogprobs per token read, when asked (read with it: the C side goes at the end)
         self._next = 0  # tokens iteration has handed out (or fed to the text stream)
         self._flushed = False  # the text stream's tail was handed out
         self._ended = False  # the sequence finished and every token was read
@@ -463,6 +485,10 @@ class Generation(_Closeable):
         with self._handle.use() as h:  # raises if the generation was closed
             while True:
                 ids, finished = lib.pipe_generation_read(h, _READ_CHUNK)
+                if self._top_logprobs is not None:
+                    for index in range(len(self._ids), len(self._ids) + len(ids)):
+                        logprob, top = lib.pipe_generation_logprobs(h, index, self._top_logprobs)
+                        self._logprobs.append(TokenLogprobs(logprob, top))
                 self._ids.extend(ids)
                 if finished or len(ids) < _READ_CHUNK:
                     break
@@ -592,6 +618,20 @@ class Generation(_Closeable):
             with contextlib.suppress(InvalidArgumentError):
                 self._pull_locked()
             return list(self._ids)
+
+    @property
+    def logprobs(self):
+        """A TokenLogprobs per token of `tokens` (read without waiting): its log-probability and the
+        likeliest tokens at its position as (id, log-probability) pairs. InvalidArgumentError when
+        generate() was not asked for them (logprobs=True)."""
+        if self._top_logprobs is None:
+            raise InvalidArgumentError(
+                Status.INVALID_ARGUMENT, "this generation keeps no log-probabilities (generate(logprobs=True))"
+            )
+        with self._lock:
+            with contextlib.suppress(InvalidArgumentError):
+                self._pull_locked()
+            return list(self._logprobs)
 
     @property
     def text(self):

@@ -412,7 +412,7 @@ LIBPIPE_INT64_OUTPUT(pad)
 }
 %typemap(argout) pipe_generator_stats * {
   $result = SWIG_Python_AppendOutput($result, Py_BuildValue(
-      "{s:L,s:L,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:d,s:L,s:K,s:K}", "slots_in_use", (long long)$1->slots_in_use,
+      "{s:L,s:L,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:d,s:L,s:K,s:K,s:K}", "slots_in_use", (long long)$1->slots_in_use,
       "queued", (long long)$1->queued, "sequences_finished", (unsigned long long)$1->sequences_finished,
       "prompt_tokens", (unsigned long long)$1->prompt_tokens,
       "generated_tokens", (unsigned long long)$1->generated_tokens, "steps", (unsigned long long)$1->steps,
@@ -465,6 +465,33 @@ LIBPIPE_INT64_OUTPUT(pad)
   $result = SWIG_Python_AppendOutput($result, ids);
 }
 %typemap(freearg) (int64_t *tokens, size_t capacity, size_t *count) { free(buffer$argnum); }
+
+/* pipe_generation_logprobs: the arguments are the token's index and how many of the likeliest
+ * tokens to give (at most 20); the result [logprob, ((id, logprob), ...)]. */
+%typemap(in, numinputs=0) float *logprob (float lp = 0) { $1 = &lp; }
+%typemap(argout) float *logprob { $result = SWIG_Python_AppendOutput($result, PyFloat_FromDouble((double)*$1)); }
+%typemap(in) (int64_t *top_ids, float *top_logprobs, size_t capacity, size_t *count)
+    (int64_t ids[20], float lps[20], size_t n = 0) {
+  size_t capacity = PyLong_AsSize_t($input);
+  if (capacity == (size_t)-1 && PyErr_Occurred()) SWIG_fail;
+  $1 = ids;
+  $2 = lps;
+  $3 = capacity < 20 ? capacity : 20;
+  $4 = &n;
+}
+%typemap(argout) (int64_t *top_ids, float *top_logprobs, size_t capacity, size_t *count) {
+  PyObject *top = PyTuple_New((Py_ssize_t)*$4);
+  if (!top) SWIG_fail;
+  for (size_t i = 0; i < *$4; ++i) {
+    PyObject *pair = Py_BuildValue("(Ld)", (long long)$1[i], (double)$2[i]);
+    if (!pair) {
+      Py_DECREF(top);
+      SWIG_fail;
+    }
+    PyTuple_SET_ITEM(top, (Py_ssize_t)i, pair);
+  }
+  $result = SWIG_Python_AppendOutput($result, top);
+}
 
 /* ---- text (pipe.h, "Text") -------------------------------------------------------------------- */
 
@@ -717,14 +744,14 @@ LIBPIPE_INT64_OUTPUT(pad)
 }
 
 /* None or a dict with the fields of pipe_generation_options ("max_new_tokens", "temperature",
- * "top_k", "top_p", "seed", "timeout_ms", and "stop_ids" as a sequence of ints, copied into an
- * array kept for the call). Absent keys keep libpipe's defaults. */
+ * "top_k", "top_p", "seed", "timeout_ms", "logprobs", "top_logprobs", and "stop_ids" as a sequence
+ * of ints, copied into an array kept for the call). Absent keys keep libpipe's defaults. */
 %typemap(in) const pipe_generation_options * (pipe_generation_options tmp, int64_t *stop = NULL) {
   if ($input == Py_None) {
     $1 = NULL;
   } else {
     static const char *const allowed[] = {"max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                                          "stop_ids", "timeout_ms", NULL};
+                                          "stop_ids", "timeout_ms", "logprobs", "top_logprobs", NULL};
     if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "generation options must be a dict or None");
     if (libpipe_check_keys($input, allowed, "generation") < 0) SWIG_fail;
     if (LIBPIPE_INIT(pipe_generation_options_init, &tmp) < 0) SWIG_fail;
@@ -733,7 +760,9 @@ LIBPIPE_INT64_OUTPUT(pad)
         libpipe_dict_int64($input, "top_k", &tmp.top_k) < 0 ||
         libpipe_dict_double($input, "top_p", &tmp.top_p) < 0 ||
         libpipe_dict_uint64($input, "seed", &tmp.seed) < 0 ||
-        libpipe_dict_int64($input, "timeout_ms", &tmp.timeout_ms) < 0)
+        libpipe_dict_int64($input, "timeout_ms", &tmp.timeout_ms) < 0 ||
+        libpipe_dict_int32($input, "logprobs", &tmp.logprobs) < 0 ||
+        libpipe_dict_int32($input, "top_logprobs", &tmp.top_logprobs) < 0)
       SWIG_fail;
     PyObject *ids = PyDict_GetItemString($input, "stop_ids");
     if (ids && ids != Py_None) {

@@ -82,6 +82,25 @@ def test_a_prompt_seen_before_starts_from_its_cached_tokens(tiny_generator, deco
     assert after["prompt_tokens"] - before["prompt_tokens"] == 1
 
 
+def test_logprobs_equal_the_log_softmax_of_transformers_logits(tiny_generator, decoder_expected):
+    n = decoder_expected["max_new_tokens"]
+    for (prompt, want), ref in zip(cases(decoder_expected), decoder_expected["greedy_logprobs"]):
+        generation = tiny_generator.generate(prompt, max_new_tokens=n, logprobs=True, top_logprobs=5)
+        assert list(generation) == want
+        got = generation.logprobs
+        assert len(got) == len(want)
+        for t, lp in enumerate(got):
+            assert lp.logprob == pytest.approx(ref["logprob"][t], abs=1e-4)
+            assert [x for _, x in lp.top] == pytest.approx(ref["top_logprobs"][t], abs=1e-4)
+            assert lp.top[0][0] == want[t]  # greedy: the likeliest
+    plain = tiny_generator.generate(cases(decoder_expected)[0][0], max_new_tokens=1)
+    plain.wait()
+    with pytest.raises(libpipe.InvalidArgumentError, match="logprobs=True"):
+        plain.logprobs
+    with pytest.raises(libpipe.InvalidArgumentError, match="top_logprobs"):
+        tiny_generator.generate(cases(decoder_expected)[0][0], logprobs=True, top_logprobs=21)
+
+
 def test_prompts_as_numpy_and_torch_integers(tiny_generator, decoder_expected):
     torch = pytest.importorskip("torch")
     prompt, want, n = first_case(decoder_expected)
