@@ -275,6 +275,31 @@ type GenerationOptions struct {
 	// Generate (waiting for a slot included); 0: none. The context's deadline, when earlier,
 	// is the one that counts.
 	Timeout time.Duration
+	// Keep each token's log-probability under the model's distribution at its position (the
+	// log-softmax of the logits, before Temperature, TopK and TopP), read with
+	// Generation.Logprobs.
+	Logprobs bool
+	// With Logprobs: also the log-probabilities of this many of the likeliest tokens at each
+	// position, 0..20 (as OpenAI's API allows).
+	TopLogprobs int
+}
+
+// MaxTopLogprobs is the most alternatives GenerationOptions.TopLogprobs may ask for.
+const MaxTopLogprobs = 20
+
+// TokenLogprobs is a generated token's log-probability under the model's distribution at its
+// position (the log-softmax of the logits, before temperature, top-k and top-p: what the model
+// said, whatever the sampler chose), and the likeliest tokens there, most likely first
+// (GenerationOptions.TopLogprobs of them).
+type TokenLogprobs struct {
+	Logprob float32
+	Top     []TokenLogprob
+}
+
+// TokenLogprob is one of the likeliest tokens at a position and its log-probability.
+type TokenLogprob struct {
+	ID      int64
+	Logprob float32
 }
 
 // FinishReason says why a sequence ended (pipe.h's PIPE_FINISH_*).
@@ -341,9 +366,13 @@ type generationCore struct {
 	cancelled   chan struct{} // closed by Cancel
 	cancelOnce  sync.Once
 	tokens      chan int64
-	ended       chan struct{}  // closed after err is written, before tokens is closed
-	err         error          // how it ended
-	final       GenerationInfo // the last info, kept once ptr is destroyed
+	topLogprobs int // alternatives per token, with logprobs
+	logprobs    bool
+	lpMu        sync.Mutex      // guards lps
+	lps         []TokenLogprobs // one per token read from libpipe, with logprobs
+	ended       chan struct{}   // closed after err is written, before tokens is closed
+	err         error           // how it ended
+	final       GenerationInfo  // the last info, kept once ptr is destroyed
 }
 
 // Generate starts generating after prompt (token ids, copied) and returns at once: the tokens
@@ -386,6 +415,18 @@ func (g *Generator) Generate(ctx context.Context, prompt []int64, opts *Generati
 		return nil, err
 	}
 	o.SetTimeout_ms(timeoutMS)
+	if opts.TopLogprobs < 0 || opts.TopLogprobs > MaxTopLogprobs {
+		return nil, errorf(op, StatusInvalidArgument, "TopLogprobs is %d; give 0..%d", opts.TopLogprobs,
+			MaxTopLogprobs)
+	}
+	if opts.TopLogprobs > 0 && !opts.Logprobs {
+		return nil, errorf(op, StatusInvalidArgument, "TopLogprobs is %d but Logprobs is false; set Logprobs as well",
+			opts.TopLogprobs)
+	}
+	if opts.Logprobs {
+		o.SetLogprobs(1)
+		o.SetTop_logprobs(opts.TopLogprobs)
+	}
 	ptr, err := g.acquire(op)
 	if err != nil {
 		return nil, err
@@ -396,7 +437,7 @@ func (g *Generator) Generate(ctx context.Context, prompt []int64, opts *Generati
 	if err != nil {
 		return nil, err
 	}
-	return startGeneration(ctx, gptr, ctxDeadline)
+	return startGeneration(ctx, gptr, ctxDeadline, opts)
 }
 
 // generationTimeout is the sequence's timeout_ms: the earlier of timeout and ctx's deadline, in
@@ -420,8 +461,11 @@ func generationTimeout(op string, ctx context.Context, timeout time.Duration) (i
 	return int64((limit + time.Millisecond - 1) / time.Millisecond), ctxDeadline, nil
 }
 
-func startGeneration(ctx context.Context, ptr capi.SwigcptrPipe_generation, ctxDeadline bool) (*Generation, error) {
+func startGeneration(ctx context.Context, ptr capi.SwigcptrPipe_generation, ctxDeadline bool,
+	opts *GenerationOptions) (*Generation, error) {
 	c := &generationCore{
+		logprobs:    opts.Logprobs,
+		topLogprobs: opts.TopLogprobs,
 		ptr:         ptr,
 		ctx:         ctx,
 		ctxDeadline: ctxDeadline,
@@ -514,12 +558,39 @@ func (c *generationCore) run() {
 	c.finish(readErr, dropped)
 }
 
-// read copies the unread tokens into buf without waiting.
+// read copies the unread tokens into buf without waiting, and keeps their log-probabilities when
+// they were asked for (the C generation, which holds them, is destroyed at the end).
 func (c *generationCore) read(buf []int64) (int, bool, error) {
 	var n int64
 	var fin int32
 	err := call("pipe_generation_read", func() int { return capi.Pipe_generation_read(c.ptr, buf, &n, &fin) })
-	return int(n), fin != 0, err
+	if err != nil || !c.logprobs || n == 0 {
+		return int(n), fin != 0, err
+	}
+	c.lpMu.Lock()
+	defer c.lpMu.Unlock()
+	ids := make([]int64, c.topLogprobs)
+	lps := make([]float32, c.topLogprobs)
+	for i := 0; i < int(n); i++ {
+		var lp float32
+		var count int64
+		index := int64(len(c.lps))
+		err = call("pipe_generation_logprobs", func() int {
+			return capi.Pipego_generation_logprobs(c.ptr, index, &lp, ids, lps, &count)
+		})
+		if err != nil {
+			return int(n), fin != 0, err
+		}
+		t := TokenLogprobs{Logprob: lp}
+		if count > 0 {
+			t.Top = make([]TokenLogprob, count)
+			for j := range t.Top {
+				t.Top[j] = TokenLogprob{ID: ids[j], Logprob: lps[j]}
+			}
+		}
+		c.lps = append(c.lps, t)
+	}
+	return int(n), fin != 0, nil
 }
 
 // finish records how the sequence ended, frees the C generation and closes the channel.
@@ -606,6 +677,20 @@ func (g *Generation) Err() error {
 	default:
 		return nil
 	}
+}
+
+// Logprobs is the log-probabilities of the tokens so far, in order (GenerationOptions.Logprobs;
+// nil without it): entry i is the i-th token of Tokens. Every token received from Tokens has its
+// entry (a few more may be there, of tokens read from libpipe but not received yet); once Tokens
+// is closed there is one per token the sequence generated. The slice is the caller's.
+func (g *Generation) Logprobs() []TokenLogprobs {
+	c := g.core
+	if !c.logprobs {
+		return nil
+	}
+	c.lpMu.Lock()
+	defer c.lpMu.Unlock()
+	return append([]TokenLogprobs{}, c.lps...)
 }
 
 // Info is the sequence's progress: why it finished, tokens so far, queueing and latency.

@@ -12,6 +12,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -107,6 +108,13 @@ type decoderExpected struct {
 	Prompts      [][]int64 `json:"prompts"`
 	MaxNewTokens int       `json:"max_new_tokens"`
 	Greedy       [][]int64 `json:"greedy"`
+	// Per prompt: each greedy token's log-probability and the 5 likeliest tokens at its position,
+	// from transformers' logits.
+	GreedyLogprobs []struct {
+		Logprob     []float64   `json:"logprob"`
+		TopIDs      [][]int64   `json:"top_ids"`
+		TopLogprobs [][]float64 `json:"top_logprobs"`
+	} `json:"greedy_logprobs"`
 	// Every token the cache has room for after MaxLenPrompt.
 	MaxLenPrompt []int64 `json:"max_len_prompt"`
 	MaxLenGreedy []int64 `json:"max_len_greedy"`
@@ -298,6 +306,78 @@ func TestGenerateStopsAtAStopID(t *testing.T) {
 		t.Fatalf("stop id %d: got %v, want %v", stop, got, greedy[:end])
 	}
 	checkInfo(t, "with a stop id", g, pipe.FinishStop, len(want.Prompts[0]), end)
+}
+
+// With Logprobs, each greedy token's log-probability and the 5 likeliest tokens at its position
+// equal the log-softmax of transformers' logits, the greedy token first; without, Logprobs is nil;
+// TopLogprobs outside 0..20, or without Logprobs, is refused.
+func TestGenerateLogprobsMatchTransformers(t *testing.T) {
+	want := readDecoderExpected(t)
+	if len(want.GreedyLogprobs) != len(want.Prompts) {
+		t.Fatalf("tiny_decoder.expected.json has %d greedy_logprobs for %d prompts", len(want.GreedyLogprobs),
+			len(want.Prompts))
+	}
+	gen := newDecoderGenerator(t, "tiny_decoder.pt", nil)
+	const tol = 1e-4
+	near := func(got float32, want float64) bool { return math.Abs(float64(got)-want) <= tol }
+	gens := make([]*pipe.Generation, len(want.Prompts))
+	for i, p := range want.Prompts {
+		gens[i] = must(gen.Generate(context.Background(), p,
+			&pipe.GenerationOptions{MaxNewTokens: want.MaxNewTokens, Logprobs: true, TopLogprobs: 5}))(t)
+	}
+	for i, g := range gens {
+		got, err := collect(t, g, fmt.Sprintf("prompt %d", i))
+		if err != nil {
+			t.Fatalf("prompt %d: %v", i, err)
+		}
+		if !slices.Equal(got, want.Greedy[i]) {
+			t.Fatalf("prompt %d: got %v, want %v (transformers)", i, got, want.Greedy[i])
+		}
+		lps, ref := g.Logprobs(), want.GreedyLogprobs[i]
+		if len(lps) != len(got) || len(ref.Logprob) != len(got) {
+			t.Fatalf("prompt %d: %d log-probabilities for %d tokens (reference: %d)", i, len(lps), len(got),
+				len(ref.Logprob))
+		}
+		for k, lp := range lps {
+			if !near(lp.Logprob, ref.Logprob[k]) {
+				t.Fatalf("prompt %d token %d: log-probability %v, want %v", i, k, lp.Logprob, ref.Logprob[k])
+			}
+			if len(lp.Top) != 5 || lp.Top[0].ID != got[k] {
+				t.Fatalf("prompt %d token %d (%d): top %+v, want 5 with the greedy token first", i, k, got[k], lp.Top)
+			}
+			for j, alt := range lp.Top {
+				if !near(alt.Logprob, ref.TopLogprobs[k][j]) {
+					t.Fatalf("prompt %d token %d: top %+v, want log-probabilities %v (ids %v)", i, k, lp.Top,
+						ref.TopLogprobs[k], ref.TopIDs[k])
+				}
+			}
+			if !near(lp.Top[0].Logprob, float64(lp.Logprob)) {
+				t.Fatalf("prompt %d token %d: greedy token's %v, top[0]'s %v", i, k, lp.Logprob, lp.Top[0].Logprob)
+			}
+		}
+	}
+	// Logprobs alone: no alternatives.
+	g := must(gen.Generate(context.Background(), want.Prompts[0],
+		&pipe.GenerationOptions{MaxNewTokens: 2, Logprobs: true}))(t)
+	if _, err := collect(t, g, "logprobs without top"); err != nil {
+		t.Fatal(err)
+	}
+	if lps := g.Logprobs(); len(lps) != 2 || lps[0].Top != nil || !near(lps[0].Logprob, want.GreedyLogprobs[0].Logprob[0]) {
+		t.Fatalf("Logprobs without TopLogprobs: %+v", lps)
+	}
+	plain := must(gen.Generate(context.Background(), want.Prompts[0], &pipe.GenerationOptions{MaxNewTokens: 1}))(t)
+	if _, err := collect(t, plain, "without logprobs"); err != nil {
+		t.Fatal(err)
+	}
+	if lps := plain.Logprobs(); lps != nil {
+		t.Fatalf("Logprobs without GenerationOptions.Logprobs: %+v", lps)
+	}
+	for _, bad := range []pipe.GenerationOptions{{Logprobs: true, TopLogprobs: 21}, {Logprobs: true, TopLogprobs: -1},
+		{TopLogprobs: 3}} {
+		if _, err := gen.Generate(context.Background(), want.Prompts[0], &bad); !errors.Is(err, pipe.ErrInvalidArgument) {
+			t.Fatalf("%+v: %v, want ErrInvalidArgument", bad, err)
+		}
+	}
 }
 
 // Sampling with a seed: the same seed gives the same tokens, all inside the vocabulary.
