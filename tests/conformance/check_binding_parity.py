@@ -68,7 +68,6 @@ NOT_BOUND = {
         "pipe_launch_from_environment": "the worker entry point reads torchrun's or srun's environment through pipe_worker_run (rank and world "
         "size 0); a driver program reads its own RANK",
         "pipe_launch_info_init": "pipe_launch_from_environment is not bound (above)",
-        "pipe_generation_logprobs": "not yet: Python and the C ABI have it (0.14); Rust's Generation is next",
     },
 }
 

@@ -72,6 +72,23 @@ pub struct GenerationInfo {
     pub cached_tokens: usize,
 }
 
+/// A generated token's log-probability under the model's distribution at its position (the
+/// log-softmax of the logits, before temperature, top-k and top-p: what the model said, whatever
+/// the sampler then chose), and the likeliest tokens there, most likely first
+/// ([`crate::GenerationOptions::top_logprobs`] of them).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    pub top: Vec<TokenLogprob>,
+}
+
+/// One of the likeliest tokens at a position and its log-probability.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TokenLogprob {
+    pub id: i64,
+    pub logprob: f32,
+}
+
 /// One sequence being generated: an [`Iterator`] of its tokens (`Result<i64>`), each as soon as it
 /// has been sampled. The iterator blocks in poll(2) on the generation's file descriptor while no
 /// token is there, so no thread is held per generation; [`Generation::next_async`] waits without
@@ -93,6 +110,9 @@ pub struct Generation {
     finished: bool,
     /// The end (`None`, or the error) has been returned: the iterator is fused.
     done: bool,
+    /// With [`crate::GenerationOptions::logprobs`]: the alternatives asked for per token, and a
+    /// [`TokenLogprobs`] per token read from libpipe (collected as they are read).
+    logprobs: Option<(usize, Vec<TokenLogprobs>)>,
 }
 
 /// libpipe's generation, owned by the [`Generation`] and its [`CancelHandle`]s together: destroyed
@@ -163,7 +183,13 @@ impl Generation {
     /// `ptr` is a generation libpipe made and nothing else owns.
     pub(crate) unsafe fn from_raw(ptr: NonNull<sys::pipe_generation>) -> Generation {
         let handle = Arc::new(Handle { ptr, events: OnceLock::new() });
-        Generation { handle, pending: VecDeque::new(), finished: false, done: false }
+        Generation { handle, pending: VecDeque::new(), finished: false, done: false, logprobs: None }
+    }
+
+    /// Collect each token's log-probabilities, with `top` alternatives, as the tokens are read.
+    pub(crate) fn keeping_logprobs(mut self, top: usize) -> Generation {
+        self.logprobs = Some((top, Vec::new()));
+        self
     }
 
     pub(crate) fn as_ptr(&self) -> *mut sys::pipe_generation {
@@ -202,6 +228,21 @@ impl Generation {
             mean_inter_token_ms: ms(raw.mean_inter_token_ms),
             cached_tokens: usize::try_from(raw.cached_tokens).unwrap_or(0),
         })
+    }
+
+    /// The log-probabilities of the tokens read so far, in order: entry i is the i-th token of the
+    /// sequence. Every token the iterator (or [`Generation::try_next`], or the futures) returned has
+    /// its entry; a few more may be there, of tokens read from libpipe but not returned yet. Once
+    /// the iteration ended there is one per token. [`Status::InvalidArgument`] when the generation
+    /// was not asked for them ([`crate::GenerationOptions::logprobs`]).
+    pub fn logprobs(&self) -> Result<&[TokenLogprobs]> {
+        match &self.logprobs {
+            Some((_, lps)) => Ok(lps),
+            None => Err(Error::new(
+                Status::InvalidArgument,
+                "this generation keeps no log-probabilities; generate it with GenerationOptions::logprobs",
+            )),
+        }
     }
 
     /// How the sequence ended; None while it is queued or generating.
@@ -256,6 +297,11 @@ impl Generation {
             sys::pipe_generation_read(self.as_ptr(), chunk.as_mut_ptr(), READ_CHUNK, &mut count, &mut finished)
         })?;
         let count = count.min(READ_CHUNK);
+        if let Some((top, lps)) = &mut self.logprobs {
+            for _ in 0..count {
+                lps.push(logprobs_of(self.handle.ptr, lps.len(), *top)?);
+            }
+        }
         self.pending.extend(&chunk[..count]);
         self.finished = finished != 0;
         Ok(if count > 0 {
@@ -271,6 +317,30 @@ impl Generation {
     fn outcome(&self) -> Result<()> {
         self.wait(Some(Duration::ZERO))
     }
+}
+
+/// Token `index`'s log-probability and its `top` (at most 20) likeliest alternatives.
+fn logprobs_of(ptr: NonNull<sys::pipe_generation>, index: usize, top: usize) -> Result<TokenLogprobs> {
+    let mut ids = [0i64; crate::GenerationOptions::MAX_TOP_LOGPROBS];
+    let mut lps = [0f32; crate::GenerationOptions::MAX_TOP_LOGPROBS];
+    let capacity = top.min(ids.len());
+    let mut logprob = 0f32;
+    let mut count = 0usize;
+    // SAFETY: thread-safe; `ids` and `lps` hold `capacity` entries each.
+    check(unsafe {
+        sys::pipe_generation_logprobs(
+            ptr.as_ptr(),
+            index,
+            &mut logprob,
+            ids.as_mut_ptr(),
+            lps.as_mut_ptr(),
+            capacity,
+            &mut count,
+        )
+    })?;
+    let count = count.min(capacity);
+    let top = ids[..count].iter().zip(&lps[..count]).map(|(&id, &logprob)| TokenLogprob { id, logprob }).collect();
+    Ok(TokenLogprobs { logprob, top })
 }
 
 impl Iterator for Generation {

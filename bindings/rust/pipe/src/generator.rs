@@ -105,6 +105,13 @@ pub struct GenerationOptions {
     /// [`Generator::generate`] (waiting for a slot included). None: no deadline. Rounded up to
     /// whole milliseconds; `Some(Duration::ZERO)` is refused ([`Status::InvalidArgument`]).
     pub timeout: Option<Duration>,
+    /// Keep each token's log-probability under the model's distribution at its position (the
+    /// log-softmax of the logits, before `temperature`, `top_k` and `top_p`), read with
+    /// [`Generation::logprobs`].
+    pub logprobs: bool,
+    /// With `logprobs`: also the log-probabilities of this many of the likeliest tokens at each
+    /// position, 0..=20 ([`GenerationOptions::MAX_TOP_LOGPROBS`], as OpenAI's API allows).
+    pub top_logprobs: usize,
 }
 
 impl Default for GenerationOptions {
@@ -120,11 +127,16 @@ impl Default for GenerationOptions {
             seed: raw.seed,
             stop_ids: Vec::new(),
             timeout: None,
+            logprobs: raw.logprobs != 0,
+            top_logprobs: usize::try_from(raw.top_logprobs).unwrap_or(0),
         }
     }
 }
 
 impl GenerationOptions {
+    /// The most alternatives [`GenerationOptions::top_logprobs`] may ask for.
+    pub const MAX_TOP_LOGPROBS: usize = 20;
+
     /// libpipe's form; `stop_ids` points into `self`, which must outlive its use (libpipe copies
     /// the ids during pipe_generator_submit).
     fn to_raw(&self) -> Result<sys::pipe_generation_options> {
@@ -149,6 +161,15 @@ impl GenerationOptions {
             }
             Some(d) => duration_ms(d),
         };
+        if self.top_logprobs > Self::MAX_TOP_LOGPROBS {
+            return Err(Error::new(
+                Status::InvalidArgument,
+                format!("top_logprobs is {}; give 0..={}", self.top_logprobs, Self::MAX_TOP_LOGPROBS),
+            ));
+        }
+        raw.logprobs = i32::from(self.logprobs);
+        // In range (above); libpipe refuses top_logprobs without logprobs, naming both.
+        raw.top_logprobs = self.top_logprobs as i32;
         Ok(raw)
     }
 }
@@ -324,7 +345,8 @@ impl Generator {
         let ptr = NonNull::new(generation)
             .ok_or_else(|| Error::new(Status::Internal, "libpipe returned a NULL generation"))?;
         // SAFETY: a generation libpipe just made, owned by nothing else.
-        Ok(unsafe { Generation::from_raw(ptr) })
+        let generation = unsafe { Generation::from_raw(ptr) };
+        Ok(if options.logprobs { generation.keeping_logprobs(options.top_logprobs) } else { generation })
     }
 }
 

@@ -114,7 +114,7 @@ pub mod safetensors;
 
 pub use completion::{RequestFuture, WaitFuture, WaitListFuture};
 pub use error::{Error, Result, Status};
-pub use generation::{CancelHandle, FinishReason, Generation, GenerationInfo};
+pub use generation::{CancelHandle, FinishReason, Generation, GenerationInfo, TokenLogprob, TokenLogprobs};
 pub use generation_async::NextToken;
 pub use generator::{GenerationOptions, Generator, GeneratorInfo, GeneratorOptions, GeneratorSession, GeneratorStats};
 pub use list::TensorList;

@@ -44,6 +44,67 @@ fn join_bounded<T>(thread: thread::JoinHandle<T>, what: &str) -> T {
     thread.join().unwrap()
 }
 
+/// With logprobs, each greedy token's log-probability and the 5 likeliest tokens at its position
+/// equal the log-softmax of transformers' logits, the greedy token first; without, logprobs() is
+/// refused; top_logprobs above 20, or without logprobs, is refused.
+#[test]
+fn logprobs_equal_transformers() {
+    let want = expected();
+    assert_eq!(want.greedy_logprobs.len(), want.prompts.len());
+    let generator = tiny_generator();
+    let near = |got: f32, want: f64| (f64::from(got) - want).abs() <= 1e-4;
+    let options = GenerationOptions { logprobs: true, top_logprobs: 5, ..greedy(want.max_new_tokens) };
+    let mut generations: Vec<Generation> =
+        want.prompts.iter().map(|p| generator.generate(p, &options).unwrap()).collect();
+    for (i, generation) in generations.iter_mut().enumerate() {
+        let (tokens, error) = drain(generation);
+        assert!(error.is_none(), "prompt {i}: {error:?}");
+        assert_eq!(tokens, want.greedy[i], "prompt {i}");
+        let (got, reference) = (generation.logprobs().unwrap(), &want.greedy_logprobs[i]);
+        assert_eq!((got.len(), reference.logprob.len()), (tokens.len(), tokens.len()), "prompt {i}");
+        for (k, lp) in got.iter().enumerate() {
+            assert!(
+                near(lp.logprob, reference.logprob[k]),
+                "prompt {i} token {k}: {lp:?}, want {}",
+                reference.logprob[k]
+            );
+            assert_eq!(lp.top.len(), 5, "prompt {i} token {k}: {lp:?}");
+            assert_eq!(lp.top[0].id, tokens[k], "prompt {i} token {k}: the greedy token is the likeliest: {lp:?}");
+            for (j, alt) in lp.top.iter().enumerate() {
+                assert!(
+                    near(alt.logprob, reference.top_logprobs[k][j]),
+                    "prompt {i} token {k}: {lp:?}, want {:?} (ids {:?})",
+                    reference.top_logprobs[k],
+                    reference.top_ids[k]
+                );
+            }
+            assert!(near(lp.top[0].logprob, f64::from(lp.logprob)), "prompt {i} token {k}: {lp:?}");
+        }
+    }
+
+    // Collected as the iterator reads: every token returned has its entry.
+    let mut generation =
+        generator.generate(&want.prompts[0], &GenerationOptions { logprobs: true, ..greedy(2) }).unwrap();
+    let first = generation.next().unwrap().unwrap();
+    assert_eq!(first, want.greedy[0][0]);
+    let lp = generation.logprobs().unwrap()[0].clone();
+    assert!(lp.top.is_empty() && near(lp.logprob, want.greedy_logprobs[0].logprob[0]), "{lp:?}");
+    assert_eq!(drain(&mut generation).0.len(), 1);
+    assert_eq!(generation.logprobs().unwrap().len(), 2);
+
+    let mut plain = generator.generate(&want.prompts[0], &greedy(1)).unwrap();
+    drain(&mut plain);
+    assert_eq!(plain.logprobs().unwrap_err().status, Status::InvalidArgument);
+    for bad in [
+        GenerationOptions { logprobs: true, top_logprobs: 21, ..greedy(1) },
+        GenerationOptions { top_logprobs: 3, ..greedy(1) },
+    ] {
+        let e = generator.generate(&want.prompts[0], &bad).err().expect("refused");
+        assert_eq!(e.status, Status::InvalidArgument, "{bad:?}: {e}");
+        assert!(e.to_string().contains("top_logprobs"), "{e}");
+    }
+}
+
 #[test]
 fn greedy_equals_transformers() {
     let want = expected();

@@ -22,6 +22,9 @@ pub struct Expected {
     pub prompts: Vec<Vec<i64>>,
     pub max_new_tokens: usize,
     pub greedy: Vec<Vec<i64>>,
+    /// Per prompt: each greedy token's log-probability and the 5 likeliest tokens at its position,
+    /// from transformers' logits.
+    pub greedy_logprobs: Vec<GreedyLogprobs>,
     pub vocab: usize,
     pub slots: usize,
     pub max_len: usize,
@@ -29,6 +32,13 @@ pub struct Expected {
     /// cache is full.
     pub max_len_prompt: Vec<i64>,
     pub max_len_greedy: Vec<i64>,
+}
+
+/// One prompt's entry of "greedy_logprobs".
+pub struct GreedyLogprobs {
+    pub logprob: Vec<f64>,
+    pub top_ids: Vec<Vec<i64>>,
+    pub top_logprobs: Vec<Vec<f64>>,
 }
 
 pub fn expected() -> Expected {
@@ -40,6 +50,19 @@ pub fn expected() -> Expected {
         prompts: lists("prompts"),
         max_new_tokens: count("max_new_tokens"),
         greedy: lists("greedy"),
+        greedy_logprobs: json
+            .get("greedy_logprobs")
+            .as_array()
+            .iter()
+            .map(|p| {
+                let floats = |v: &json::Value| v.as_array().iter().map(json::Value::as_f64).collect::<Vec<_>>();
+                GreedyLogprobs {
+                    logprob: floats(p.get("logprob")),
+                    top_ids: p.get("top_ids").as_array().iter().map(|v| v.as_ids()).collect(),
+                    top_logprobs: p.get("top_logprobs").as_array().iter().map(floats).collect(),
+                }
+            })
+            .collect(),
         vocab: count("vocab"),
         slots: count("slots"),
         max_len: count("max_len"),
