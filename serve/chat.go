@@ -30,6 +30,8 @@ type chatRequest struct {
 	generationFields
 	Messages            json.RawMessage `json:"messages"`
 	MaxCompletionTokens *int            `json:"max_completion_tokens"` // the newer name of max_tokens
+	Logprobs            *bool           `json:"logprobs"`              // logprobs.go
+	TopLogprobs         *int            `json:"top_logprobs"`
 }
 
 // chatDelta, chatChoice and chatCompletion are OpenAI's chat.completion(.chunk) objects.
@@ -184,6 +186,10 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		s.refuse(w, berr)
 		return
 	}
+	if berr := chatLogprobs(req.Logprobs, req.TopLogprobs, opts); berr != nil {
+		s.refuse(w, berr)
+		return
+	}
 	opts.StopIDs = s.chatStopIDs
 	ctx := r.Context() // when the client disconnects, the sequence is cancelled
 	gen := s.start(ctx, w, prompt, opts, "messages", began)
@@ -196,17 +202,26 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		Created: time.Now().Unix(),
 		Model:   s.model,
 	}
+	logprobs := func(tokens []tokenLogprob) any {
+		if !opts.Logprobs {
+			return nil
+		}
+		return s.chatLogprobsOf(tokens)
+	}
 	if !req.Stream {
 		var reply strings.Builder
-		end := s.follow(ctx, gen, stops, func(piece string) error {
+		var tokens []tokenLogprob
+		end := s.follow(ctx, gen, stops, func(piece string, lps []tokenLogprob) error {
 			reply.WriteString(piece)
+			tokens = append(tokens, lps...)
 			return nil
 		})
 		if ctx.Err() != nil || s.failed(w, end) {
 			return
 		}
 		content := reply.String()
-		c.Choices = []chatChoice{{Message: &chatDelta{Role: "assistant", Content: &content}, FinishReason: &end.finish}}
+		c.Choices = []chatChoice{{Message: &chatDelta{Role: "assistant", Content: &content},
+			Logprobs: logprobs(append(tokens, end.logprobs...)), FinishReason: &end.finish}}
 		c.Usage = tokenUsage(len(prompt), end)
 		writeJSON(w, http.StatusOK, c)
 		return
@@ -221,14 +236,17 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 	if events.send(c) != nil {
 		gen.gen.Cancel()
 	}
-	end := s.follow(ctx, gen, stops, func(piece string) error {
-		c.Choices = []chatChoice{{Delta: &chatDelta{Content: &piece}}}
+	end := s.follow(ctx, gen, stops, func(piece string, lps []tokenLogprob) error {
+		c.Choices = []chatChoice{{Delta: &chatDelta{Content: &piece}, Logprobs: logprobs(lps)}}
 		return events.send(c)
 	})
 	if ctx.Err() != nil || events.failed(end) {
 		return
 	}
 	c.Choices = []chatChoice{{Delta: &chatDelta{}, FinishReason: &end.finish}}
+	if len(end.logprobs) > 0 {
+		c.Choices[0].Logprobs = logprobs(end.logprobs)
+	}
 	events.send(c)
 	if includeUsage {
 		c.Choices, c.Usage = []chatChoice{}, tokenUsage(len(prompt), end)

@@ -97,7 +97,8 @@ type generationFields struct {
 // completionRequest is the part of OpenAI's completion request this service reads.
 type completionRequest struct {
 	generationFields
-	Prompt json.RawMessage `json:"prompt"`
+	Prompt   json.RawMessage `json:"prompt"`
+	Logprobs *int            `json:"logprobs"` // null: none; 0..5: alternatives per token (logprobs.go)
 }
 
 // decodeRequest reads the body, one JSON object, into v.
@@ -305,6 +306,10 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 		s.refuse(w, berr)
 		return
 	}
+	if berr := completionLogprobs(req.Logprobs, opts); berr != nil {
+		s.refuse(w, berr)
+		return
+	}
 	// The request's context: when the client disconnects, the sequence is cancelled.
 	ctx := r.Context()
 	gen := s.start(ctx, w, prompt, opts, "prompt", began)
@@ -317,16 +322,26 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 		Created: time.Now().Unix(),
 		Model:   s.model,
 	}
+	offset := 0 // the text_offset of the next token's log-probabilities
+	logprobs := func(tokens []tokenLogprob) any {
+		if !opts.Logprobs {
+			return nil
+		}
+		return s.completionLogprobsOf(tokens, &offset)
+	}
 	if !req.Stream {
 		var text strings.Builder
-		end := s.follow(ctx, gen, stops, func(piece string) error {
+		var tokens []tokenLogprob
+		end := s.follow(ctx, gen, stops, func(piece string, lps []tokenLogprob) error {
 			text.WriteString(piece)
+			tokens = append(tokens, lps...)
 			return nil
 		})
 		if ctx.Err() != nil || s.failed(w, end) {
 			return
 		}
-		c.Choices = []choice{{Text: text.String(), Index: 0, FinishReason: &end.finish}}
+		c.Choices = []choice{{Text: text.String(), Index: 0, Logprobs: logprobs(append(tokens, end.logprobs...)),
+			FinishReason: &end.finish}}
 		c.Usage = tokenUsage(len(prompt), end)
 		writeJSON(w, http.StatusOK, c)
 		return
@@ -335,14 +350,17 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 	if includeUsage {
 		c.Usage = jsonNull
 	}
-	end := s.follow(ctx, gen, stops, func(piece string) error {
-		c.Choices = []choice{{Text: piece, Index: 0}}
+	end := s.follow(ctx, gen, stops, func(piece string, lps []tokenLogprob) error {
+		c.Choices = []choice{{Text: piece, Index: 0, Logprobs: logprobs(lps)}}
 		return events.send(c)
 	})
 	if ctx.Err() != nil || events.failed(end) {
 		return // nobody to tell, or told
 	}
 	c.Choices = []choice{{Text: "", Index: 0, FinishReason: &end.finish}}
+	if len(end.logprobs) > 0 {
+		c.Choices[0].Logprobs = logprobs(end.logprobs)
+	}
 	events.send(c)
 	if includeUsage {
 		c.Choices, c.Usage = []choice{}, tokenUsage(len(prompt), end)
@@ -360,27 +378,48 @@ type ending struct {
 	cached int // prompt tokens found in the cache slot
 	err    error
 	broken bool
+	// With log-probabilities: those of the tokens that gave no text emitted (an end token, text
+	// held back by a stop string that then came), in order after every emitted piece's.
+	logprobs []tokenLogprob
 }
 
-// follow receives the sequence's tokens as text, calling emit for each piece, until the sequence
+// follow receives the sequence's tokens as text, calling emit for each piece (with the
+// log-probabilities of the tokens not given out before, when the sequence keeps them), until the sequence
 // ends, a stop string appears (the sequence is cancelled; the text before it is emitted, not the
 // rest), a write fails (the client stopped reading or left: the sequence is cancelled) or ctx
 // ends (the client left: the sequence is cancelled before this returns, so that its slot is freed
 // however the consumer behaves). Its tokens are timed, and its usage counted, for /metrics.
-func (s *server) follow(ctx context.Context, a *admitted, stops []string, emit func(string) error) ending {
+func (s *server) follow(ctx context.Context, a *admitted, stops []string,
+	emit func(string, []tokenLogprob) error) ending {
 	end := s.followTokens(ctx, a, stops, emit)
 	s.metrics.usage(a.promptTokens, end.tokens)
 	return end
 }
 
-func (s *server) followTokens(ctx context.Context, a *admitted, stops []string, emit func(string) error) ending {
+func (s *server) followTokens(ctx context.Context, a *admitted, stops []string,
+	emit func(string, []tokenLogprob) error) ending {
 	gen := a.gen
 	text := &textStream{codec: s.text}
 	scan := &stopScanner{stops: stops}
 	left, stopped, tokens := false, false, 0
+	keep := gen.Logprobs() != nil
+	var unsent []int64 // with log-probabilities: the last tokens taken, whose entries were not given out
+	entries := func() []tokenLogprob {
+		if len(unsent) == 0 {
+			return nil
+		}
+		// Every token received has its entry; the tokens taken are tokens-len(unsent) .. tokens-1.
+		lps, first := gen.Logprobs(), tokens-len(unsent)
+		out := make([]tokenLogprob, len(unsent))
+		for i, id := range unsent {
+			out[i] = tokenLogprob{id: id, lp: lps[first+i]}
+		}
+		unsent = unsent[:0]
+		return out
+	}
 	send := func(piece string, hit bool) {
 		if piece != "" && !left {
-			if err := emit(piece); err != nil {
+			if err := emit(piece, entries()); err != nil {
 				left = true // the client is gone, or stopped reading
 				gen.Cancel()
 			}
@@ -394,6 +433,9 @@ func (s *server) followTokens(ctx context.Context, a *admitted, stops []string, 
 	take := func(id int64, at time.Time) {
 		if !stopped {
 			tokens++
+			if keep {
+				unsent = append(unsent, id)
+			}
 			clock.token(at)
 			send(scan.Push(text.Add(id)))
 		}
@@ -442,7 +484,7 @@ func (s *server) followTokens(ctx context.Context, a *admitted, stops []string, 
 	}
 	if stopped {
 		// Tokens generated after the stop string's are dropped: they are not the completion's.
-		return ending{finish: "stop", tokens: tokens, cached: info.CachedTokens}
+		return ending{finish: "stop", tokens: tokens, cached: info.CachedTokens, logprobs: entries()}
 	}
 	err := gen.Err()
 	broken := a.backend.failing(err)
@@ -450,7 +492,7 @@ func (s *server) followTokens(ctx context.Context, a *admitted, stops []string, 
 		s.pipeline.report()
 	}
 	return ending{finish: openAIFinish(reason), tokens: info.GeneratedTokens, cached: info.CachedTokens, err: err,
-		broken: broken}
+		broken: broken, logprobs: entries()}
 }
 
 // openAIFinish is OpenAI's name for how a completion ended.

@@ -586,6 +586,7 @@ func TestCompletionMatchesTheReference(t *testing.T) {
 	t.Run("BadRequests", func(t *testing.T) { checkBadRequests(t, s, c) })
 	t.Run("OtherRefusals", func(t *testing.T) { checkOtherRefusals(t, s, c) })
 	t.Run("SpecialTokenFlood", func(t *testing.T) { checkSpecialTokenFlood(t, s, c) })
+	t.Run("Logprobs", func(t *testing.T) { checkLogprobs(t, s, c, codec) })
 }
 
 // Bad requests get 400 with an OpenAI-style error object naming the field, and the service goes

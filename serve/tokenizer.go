@@ -149,3 +149,14 @@ func (c *textCodec) Decode(ids []int64) (text string) {
 	}
 	return c.tk.Decode(ints, true)
 }
+
+// TokenText is the text of one token alone, special tokens included (a log-probability's "token"):
+// a byte-level token that holds part of a character gives its bytes as they are.
+func (c *textCodec) TokenText(id int64) (text string) {
+	defer func() {
+		if r := recover(); r != nil { // as Decode
+			text = ""
+		}
+	}()
+	return c.tk.Decode([]int{int(id)}, false)
+}

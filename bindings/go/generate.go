@@ -682,7 +682,9 @@ func (g *Generation) Err() error {
 // Logprobs is the log-probabilities of the tokens so far, in order (GenerationOptions.Logprobs;
 // nil without it): entry i is the i-th token of Tokens. Every token received from Tokens has its
 // entry (a few more may be there, of tokens read from libpipe but not received yet); once Tokens
-// is closed there is one per token the sequence generated. The slice is the caller's.
+// is closed there is one per token the sequence generated. It costs no copy, however long the
+// sequence: the slice shares the generation's memory, so read it and do not change it (appending
+// to it is safe).
 func (g *Generation) Logprobs() []TokenLogprobs {
 	c := g.core
 	if !c.logprobs {
@@ -690,7 +692,11 @@ func (g *Generation) Logprobs() []TokenLogprobs {
 	}
 	c.lpMu.Lock()
 	defer c.lpMu.Unlock()
-	return append([]TokenLogprobs{}, c.lps...)
+	if c.lps == nil {
+		return []TokenLogprobs{}
+	}
+	// Entries are only ever appended past its length, never changed.
+	return c.lps[:len(c.lps):len(c.lps)]
 }
 
 // Info is the sequence's progress: why it finished, tokens so far, queueing and latency.
