@@ -14,8 +14,10 @@ Each is asked for three times through client.completions.create and client.chat.
 with stream=False (its usage must be the expected counts), with stream=True (no chunk may carry
 usage), and with stream=True and stream_options={"include_usage": True} (every chunk says "usage":
 null but the last, which has no choices and the expected counts). The text (joined from the
-streamed chunks) and the finish reason must be the expected ones. Prints one line per call, and
-exits 1 at the first mismatch.
+streamed chunks) and the finish reason must be the expected ones. Then each once more with log-probabilities
+(completions: logprobs=2; chat: logprobs=True, top_logprobs=2), parsed by the client's own types: one entry per
+completion token, each at most 0 and, the replies being greedy, the likeliest of its alternatives. Prints one
+line per call, and exits 1 at the first mismatch.
 """
 
 import json
@@ -64,6 +66,16 @@ def stream(what, chunks, want, content, include_usage):
     return text, finish, roles
 
 
+def check_logprobs(what, entries, want):
+    """entries: (logprob, [alternatives' logprobs]) per token, as the client parsed them."""
+    if len(entries) != want["completion_tokens"]:
+        fail(f"{what}: {len(entries)} log-probability entries, want one per token ({want['completion_tokens']})")
+    for i, (logprob, top) in enumerate(entries):
+        if logprob > 0 or len(top) != 2 or max(top) > logprob + 1e-4:
+            fail(f"{what}: token {i}: logprob {logprob}, alternatives {top}: want <= 0, the likeliest of 2")
+    print(f"openai_client_check: {what}: {len(entries)} tokens' log-probabilities")
+
+
 def main():
     base_url, cases_path = sys.argv[1], sys.argv[2]
     with open(cases_path, encoding="utf-8") as f:
@@ -82,6 +94,12 @@ def main():
         chunks = client.completions.create(stream=True, **options, **args)
         text, finish, _ = stream(what, chunks, c, lambda choice: (choice.text, None), include_usage)
         check(what, text, finish, c)
+    r = client.completions.create(logprobs=2, **args)
+    check("completions, logprobs=2", r.choices[0].text, r.choices[0].finish_reason, c)
+    lp = r.choices[0].logprobs
+    check_logprobs(
+        "completions, logprobs=2", [(x, list(t.values())) for x, t in zip(lp.token_logprobs, lp.top_logprobs)], c
+    )
 
     c = cases["chat"]
     args = dict(model=model, messages=c["messages"], max_tokens=c["max_tokens"], temperature=0, seed=1)
@@ -101,6 +119,10 @@ def main():
         if roles != ["assistant"]:
             fail(f"{what}: roles {roles}, want ['assistant'] once")
         check(what, text, finish, c)
+    r = client.chat.completions.create(logprobs=True, top_logprobs=2, **args)
+    check("chat.completions, logprobs", r.choices[0].message.content, r.choices[0].finish_reason, c)
+    entries = [(e.logprob, [t.logprob for t in e.top_logprobs]) for e in r.choices[0].logprobs.content]
+    check_logprobs("chat.completions, logprobs", entries, c)
     return 0
 
 
