@@ -1,7 +1,8 @@
 """Text generation with libpipe from Python: a Hugging Face causal LM folder (config.json,
 model.safetensors, tokenizer.json) exported as a libpipe decoder skeleton, its layers pipelined
 over two stages, answering chat prompts with the text streamed as it comes, then several prompts
-at once on one asyncio loop (no thread per generation).
+at once on one asyncio loop (no thread per generation). The tokenizer and chat template are the
+folder's own, run by libpipe (libpipe.text): no other tokenizer library.
 
     python generate.py HF_MODEL_DIR [--prompt TEXT ...] [--max-new-tokens N] [--stages N]
 
@@ -12,36 +13,26 @@ SmolLM2-135M-Instruct, which the repository's tests convert once per machine:
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 from pathlib import Path
 
-from tokenizers import Tokenizer
-
 import libpipe
 from libpipe.export_llm import export_llm
+from libpipe.text import Tokenizer
 
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "What is 2 + 3?"]
 
 
 def chat(tokenizer, question):
-    """The prompt of a ChatML model (SmolLM2, Qwen2) for one user message, else the text itself.
-    (transformers' apply_chat_template does this from the model's own template.)"""
-    if tokenizer.token_to_id("<|im_start|>") is None:
-        return question
-    return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def stop_ids(model_dir):
-    """The model's end-of-sequence ids (generation_config.json, else config.json)."""
-    for name in ("generation_config.json", "config.json"):
-        path = model_dir / name
-        if path.exists():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return eos if isinstance(eos, list) else [eos]
-    return []
+    """The prompt's ids: the model's chat template over one user message (encoded without added
+    special tokens: the template writes them), or the text itself for a model without one."""
+    try:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+        )
+    except libpipe.InvalidFormatError:  # no chat template in the folder
+        return tokenizer.encode(question)
 
 
 async def answer_all(generator, tokenizer, stops, max_new_tokens):
@@ -60,8 +51,8 @@ def main():
     parser.add_argument("--stages", type=int, default=2)
     args = parser.parse_args()
 
-    tokenizer = Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
-    stops = stop_ids(args.model_dir)
+    tokenizer = Tokenizer.load(args.model_dir)
+    stops = tokenizer.stop_ids  # generation_config.json's eos_token_id and the tokenizer's eos
     with tempfile.TemporaryDirectory() as tmp:
         # The skeleton: code and cache placeholders, no weights (they come from the checkpoint).
         skeleton = Path(tmp) / "decoder.pt"
