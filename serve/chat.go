@@ -4,9 +4,11 @@ package main
 //
 //	{"messages": [{"role": "user", "content": "..."}], "max_tokens": 64, "stream": true, ...}
 //
-// The conversation becomes a prompt through the model's chat template (chat_template.go), ending
-// where the assistant's reply begins; the reply ends at the model's end token or the template's
-// end-of-turn token (tokenizer_config.json's eos_token), a stop string, or its length. Streaming
+// The conversation becomes a prompt through the model's chat template (libpipe renders it as
+// transformers' apply_chat_template does: tokenizer.go), ending where the assistant's reply
+// begins; the reply ends at the model's end token or the template's end-of-turn token
+// (tokenizer_config.json's eos_token: both are the tokenizer's stop ids), a stop string, or its
+// length. Streaming
 // sends chat.completion.chunk events: the first with the delta {"role": "assistant"}, then the
 // text as {"content": ...} deltas, a last one with the finish reason, then `data: [DONE]`;
 // otherwise one chat.completion object with the message and "usage". stream_options.include_usage
@@ -19,6 +21,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	pipe "github.com/libpipe/libpipe/bindings/go"
 )
 
 // chatRoles are the roles a message may have: the ones chat templates know. Tool calls (the
@@ -57,26 +61,10 @@ type chatCompletion struct {
 	Usage   any          `json:"usage,omitempty"` // nil, *usage, or jsonNull (see streamUsage)
 }
 
-// endOfTurnIDs are the ids that end a reply: the model's end tokens, and the template's end of a
-// turn (eos_token of tokenizer_config.json, when it is one token), which a model folder's
-// generation_config.json does not always name.
-func endOfTurnIDs(text *textCodec, tmpl *chatTemplate, stopIDs []int64) []int64 {
-	ids := slices.Clone(stopIDs)
-	if tmpl == nil {
-		return ids
-	}
-	if eos, ok := tmpl.tokens["eos_token"]; ok && eos != "" {
-		if enc, err := text.Encode(eos); err == nil && len(enc) == 1 && !slices.Contains(ids, enc[0]) {
-			ids = append(ids, enc[0])
-		}
-	}
-	return ids
-}
-
 // chatMessages reads OpenAI's messages: a non-empty array of {"role", "content"}, the content a
 // string or an array of text parts ({"type": "text", "text"}), which are joined with newlines
 // (as vLLM does) since chat templates take a message's content as one string.
-func chatMessages(raw json.RawMessage) ([]chatMessage, *badRequest) {
+func chatMessages(raw json.RawMessage) ([]pipe.ChatMessage, *badRequest) {
 	if len(raw) == 0 || string(raw) == "null" {
 		return nil, bad("messages",
 			"messages is missing; give the conversation as [{\"role\": \"user\", \"content\": \"...\"}]")
@@ -91,7 +79,7 @@ func chatMessages(raw json.RawMessage) ([]chatMessage, *badRequest) {
 	if len(list) == 0 {
 		return nil, bad("messages", "messages is empty; give at least one message")
 	}
-	out := make([]chatMessage, len(list))
+	out := make([]pipe.ChatMessage, len(list))
 	for i, m := range list {
 		switch {
 		case m.Role == nil:
@@ -105,7 +93,7 @@ func chatMessages(raw json.RawMessage) ([]chatMessage, *badRequest) {
 		if berr != nil {
 			return nil, berr
 		}
-		out[i] = chatMessage{Role: *m.Role, Content: content}
+		out[i] = pipe.ChatMessage{Role: *m.Role, Content: content}
 	}
 	return out, nil
 }
@@ -149,9 +137,11 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		s.refuse(w, berr)
 		return
 	}
-	if s.chat == nil {
-		s.refuse(w, bad("model", "model %q has no chat template (neither chat_template.jinja nor a chat_template in "+
-			"tokenizer_config.json); use /v1/completions with a prompt", s.model))
+	if s.text.noChat != nil {
+		// libpipe's reason: "DIR has no chat template (neither chat_template.jinja nor ...)", or
+		// the template's syntax error.
+		s.refuse(w, bad("model", "model %q cannot serve chat: %v; use /v1/completions with a prompt", s.model,
+			s.text.noChat))
 		return
 	}
 	messages, berr := chatMessages(req.Messages)
@@ -159,11 +149,11 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		s.refuse(w, berr)
 		return
 	}
-	text, err := s.chat.Render(messages)
+	text, err := s.text.RenderChat(messages)
 	if err != nil {
-		// The template's own checks (raise_exception: roles that do not alternate, ...).
-		s.refuse(w, bad("messages", "the model's chat template (%s) cannot render these messages: %v",
-			s.chat.source, err))
+		// The template's own checks (raise_exception: roles that do not alternate, ...), or a
+		// message holding a NUL byte.
+		s.refuse(w, bad("messages", "the model's chat template cannot render these messages: %v", err))
 		return
 	}
 	prompt, berr := s.encode(text, "messages")
@@ -190,7 +180,6 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		s.refuse(w, berr)
 		return
 	}
-	opts.StopIDs = s.chatStopIDs
 	ctx := r.Context() // when the client disconnects, the sequence is cancelled
 	gen := s.start(ctx, w, prompt, opts, "messages", began)
 	if gen == nil {

@@ -15,6 +15,8 @@ import (
 	"strings"
 	"testing"
 	"unicode/utf8"
+
+	pipe "github.com/libpipe/libpipe/bindings/go"
 )
 
 // referenceFinish is the finish reason of a greedy reference of at most maxTokens tokens: "stop"
@@ -141,31 +143,29 @@ func streamChat(t *testing.T, s *service, body map[string]any) chatStreamed {
 }
 
 // chatReply is the reference reply's text and finish reason.
-func chatReply(t *testing.T, c completionCase, codec *textCodec) (string, string) {
+func chatReply(t *testing.T, c completionCase) (string, string) {
 	t.Helper()
-	want := codec.Decode(c.chat.expectedIDs)
-	if c.chat.expectedText != "" && want != c.chat.expectedText {
-		t.Fatalf("the Go tokenizer decodes the reference reply as %q, Hugging Face's as %q", want, c.chat.expectedText)
-	}
-	return want, referenceFinish(c.chat.expectedIDs, c.chat.maxTokens)
+	return c.ref.decode(t, c.chat.expectedIDs), referenceFinish(c.chat.expectedIDs, c.chat.maxTokens)
 }
 
-// The conversation renders, through the Go template library and tokenizer, as the reference's
-// prompt; the streamed reply (after a first delta naming the assistant's role) and the reply not
-// streamed (its user message given as text parts, without max_tokens) are the reference's, ending
-// at the end of the turn; max_completion_tokens limits the reply, ahead of max_tokens.
-func checkChat(t *testing.T, s *service, c completionCase, codec *textCodec) {
+// The conversation renders, through libpipe's chat template and tokenizer, as the reference's
+// prompt (transformers' apply_chat_template); the streamed reply (after a first delta naming the
+// assistant's role) and the reply not streamed (its user message given as text parts, without
+// max_tokens) are the reference's, ending at the end of the turn; max_completion_tokens limits the
+// reply, ahead of max_tokens.
+func checkChat(t *testing.T, s *service, c completionCase) {
 	ch := c.chat
-	want, wantFinish := chatReply(t, c, codec)
-	tmpl, err := loadChatTemplate(c.modelDir)
-	if err != nil || tmpl == nil {
-		t.Fatalf("the chat template of %s: %v", c.modelDir, err)
+	want, wantFinish := chatReply(t, c)
+	codec, err := loadText(c.modelDir)
+	if err != nil {
+		t.Fatal(err)
 	}
-	var messages []chatMessage
+	defer codec.Close()
+	var messages []pipe.ChatMessage
 	for _, m := range ch.messages {
-		messages = append(messages, chatMessage{Role: m["role"].(string), Content: m["content"].(string)})
+		messages = append(messages, pipe.ChatMessage{Role: m["role"].(string), Content: m["content"].(string)})
 	}
-	text, err := tmpl.Render(messages)
+	text, err := codec.RenderChat(messages)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -208,7 +208,7 @@ func checkChat(t *testing.T, s *service, c completionCase, codec *textCodec) {
 	}
 	whole = postChat(t, s, map[string]any{"messages": ch.messages, "temperature": 0, "max_tokens": ch.maxTokens,
 		"max_completion_tokens": 2})
-	if r, cut := whole.Choices[0], codec.Decode(ch.expectedIDs[:2]); r.Message.Content != cut ||
+	if r, cut := whole.Choices[0], c.ref.decode(t, ch.expectedIDs[:2]); r.Message.Content != cut ||
 		r.FinishReason != "length" || whole.Usage.CompletionTokens != 2 {
 		t.Fatalf("max_completion_tokens 2: %+v; want %q, finish length", whole, cut)
 	}
@@ -217,9 +217,9 @@ func checkChat(t *testing.T, s *service, c completionCase, codec *textCodec) {
 // stopAcross is a stop string of two characters around the boundary between the texts of the
 // reference's first tokens and the rest (so that a service which sent each token's text at once
 // would send its first character), and the text before its first occurrence.
-func stopAcross(t *testing.T, codec *textCodec, ids []int64, want string) (string, string) {
+func stopAcross(t *testing.T, ref *reference, ids []int64, want string) (string, string) {
 	t.Helper()
-	head := codec.Decode(ids[:len(ids)/2])
+	head := ref.decode(t, ids[:len(ids)/2])
 	b := len(head)
 	if b == 0 || b >= len(want) || !strings.HasPrefix(want, head) {
 		t.Fatalf("the text %q of the reference's first tokens is not a proper start of %q", head, want)
@@ -233,9 +233,9 @@ func stopAcross(t *testing.T, codec *textCodec, ids []int64, want string) (strin
 // A stop string ends the completion where it first begins, finish reason "stop", without it or
 // anything after it, streamed or not, for both endpoints; stop strings that never appear change
 // nothing.
-func checkStop(t *testing.T, s *service, c completionCase, codec *textCodec) {
-	want := codec.Decode(c.expectedIDs)
-	stop, cut := stopAcross(t, codec, c.expectedIDs, want)
+func checkStop(t *testing.T, s *service, c completionCase) {
+	want := c.ref.decode(t, c.expectedIDs)
+	stop, cut := stopAcross(t, &c.ref, c.expectedIDs, want)
 	body := map[string]any{"prompt": c.prompt, "max_tokens": c.maxTokens, "temperature": 0, "stop": stop}
 	resp, err := post(context.Background(), s, body)
 	if err != nil {
@@ -274,8 +274,8 @@ func checkStop(t *testing.T, s *service, c completionCase, codec *textCodec) {
 		t.Fatalf("stop strings that never appear: %q, finish %q; want %q", text, got.finish, want)
 	}
 
-	reply, _ := chatReply(t, c, codec)
-	stop, cut = stopAcross(t, codec, c.chat.expectedIDs, reply)
+	reply, _ := chatReply(t, c)
+	stop, cut = stopAcross(t, &c.ref, c.chat.expectedIDs, reply)
 	chat := streamChat(t, s, map[string]any{"messages": c.chat.messages, "max_tokens": c.chat.maxTokens,
 		"temperature": 0, "stream": true, "stop": []string{stop}})
 	if text := strings.Join(chat.pieces, ""); text != cut || chat.finish != "stop" || !chat.done {

@@ -19,15 +19,15 @@ var noProxy = []string{"NO_PROXY=127.0.0.1,localhost", "no_proxy=127.0.0.1,local
 
 // Completions and chat replies, streamed and not, through openai.OpenAI(base_url=...); streamed
 // with stream_options include_usage, the reference's token counts.
-func checkOpenAIClient(t *testing.T, s *service, c completionCase, codec *textCodec) {
+func checkOpenAIClient(t *testing.T, s *service, c completionCase) {
 	python := os.Getenv("LIBPIPE_PYTHON")
 	if python == "" {
 		t.Skip("LIBPIPE_PYTHON is not set (ctest sets it to the project's virtualenv): no openai client to run")
 	}
-	reply, replyFinish := chatReply(t, c, codec)
+	reply, replyFinish := chatReply(t, c)
 	cases := map[string]any{
 		"model": c.model,
-		"completion": map[string]any{"prompt": c.prompt, "max_tokens": c.maxTokens, "text": codec.Decode(c.expectedIDs),
+		"completion": map[string]any{"prompt": c.prompt, "max_tokens": c.maxTokens, "text": c.ref.decode(t, c.expectedIDs),
 			"finish_reason": referenceFinish(c.expectedIDs, c.maxTokens), "prompt_tokens": c.promptTokens,
 			"completion_tokens": len(c.expectedIDs)},
 		"chat": map[string]any{"messages": c.chat.messages, "max_tokens": c.chat.maxTokens, "text": reply,
@@ -47,7 +47,7 @@ func checkOpenAIClient(t *testing.T, s *service, c completionCase, codec *textCo
 }
 
 // curl -sN, as the README shows it, streams the reference texts.
-func checkCurl(t *testing.T, s *service, c completionCase, codec *textCodec) {
+func checkCurl(t *testing.T, s *service, c completionCase) {
 	curl, err := exec.LookPath("curl")
 	if err != nil {
 		t.Fatal("curl is not installed (scripts/install-deps.sh installs it)")
@@ -66,14 +66,14 @@ func checkCurl(t *testing.T, s *service, c completionCase, codec *textCodec) {
 		}
 		return out
 	}
-	want := codec.Decode(c.expectedIDs)
+	want := c.ref.decode(t, c.expectedIDs)
 	got := readStream(t, bytes.NewReader(run("/v1/completions", map[string]any{"prompt": c.prompt,
 		"max_tokens": c.maxTokens, "temperature": 0, "stream": true})))
 	if text := strings.Join(got.pieces, ""); text != want || !got.done ||
 		got.finish != referenceFinish(c.expectedIDs, c.maxTokens) {
 		t.Fatalf("curl, completions: %q, finish %q, [DONE] %v; want %q", text, got.finish, got.done, want)
 	}
-	reply, finish := chatReply(t, c, codec)
+	reply, finish := chatReply(t, c)
 	chat := readChatStream(t, bytes.NewReader(run("/v1/chat/completions", map[string]any{"messages": c.chat.messages,
 		"max_tokens": c.chat.maxTokens, "temperature": 0, "stream": true})))
 	if text := strings.Join(chat.pieces, ""); text != reply || !chat.leading || chat.finish != finish || !chat.done {

@@ -1,10 +1,13 @@
 package main
 
-// Incremental detokenization (detokenize.go) against decoding the whole sequence at once, with
-// tokenizers whose tokens split characters: byte-level BPE (GPT-2, Llama 3, SmolLM2), whose
-// single-byte tokens and merges can cut a CJK character or an emoji anywhere, and SentencePiece's
-// byte fallback (Llama 2, Mistral), whose decoder writes U+FFFD while a character's bytes are
-// incomplete and drops the text's first space.
+// Streaming text (tokenizer.go's textStream over libpipe's decode stream) against the text itself
+// and against decoding the whole sequence at once (Hugging Face's decode, which transformers runs),
+// with tokenizers whose tokens split characters: byte-level BPE (GPT-2, Qwen2, Llama 3, SmolLM2),
+// whose single-byte tokens and merges can cut a CJK character or an emoji anywhere, and
+// SentencePiece's byte fallback (Llama 2, Mistral), whose decoder writes U+FFFD while a character's
+// bytes are incomplete and drops the text's first space. After every token, what the stream gave
+// and what it holds back (Flush's) is the decoding of the tokens so far: a reply cut anywhere (a
+// length, a stop string) reads as decoding it whole does.
 
 import (
 	"fmt"
@@ -46,7 +49,7 @@ func byteRunes() [256]rune {
 
 // writeByteLevelTokenizer writes a byte-level BPE tokenizer.json into dir: one token per byte
 // (ids 0..255), merges of the byte pairs given (ids from 256, in order), and the special added
-// tokens given (ids after those).
+// tokens given (ids after those); it returns dir.
 func writeByteLevelTokenizer(t *testing.T, dir string, merges [][2]byte, specials []string) string {
 	t.Helper()
 	table := byteRunes()
@@ -76,9 +79,8 @@ func writeByteLevelTokenizer(t *testing.T, dir string, merges [][2]byte, special
 			"end_of_word_suffix": nil, "fuse_unk": false, "byte_fallback": false, "vocab": vocab, "merges": mergeList,
 		},
 	}
-	path := filepath.Join(dir, "tokenizer.json")
-	writeJSONFile(t, path, tok)
-	return path
+	writeJSONFile(t, filepath.Join(dir, "tokenizer.json"), tok)
+	return dir
 }
 
 // straddlingMerges make tokens that end inside one character and begin inside the next: the end
@@ -86,21 +88,33 @@ func writeByteLevelTokenizer(t *testing.T, dir string, merges [][2]byte, special
 var straddlingMerges = [][2]byte{{0xAD, 0xE6}, {0xF0, 0x9F}, {0x98, 0x80}, {0x80, 0xF0}, {0xC3, 0xA9}, {0xA9, 0x20}}
 
 // streamText is the text a textStream gives for ids, piece by piece; it fails the test if a piece
-// is not whole characters or the stream's window grows past its bound.
-func streamText(t *testing.T, codec *textCodec, ids []int64) string {
+// is not whole characters, the stream holds back more than maxPending tokens, or (checkPrefixes)
+// what it gave and holds back after a token that ends a character is not the decoding of the
+// tokens so far.
+func streamText(t *testing.T, codec *textCodec, ids []int64, checkPrefixes bool) string {
 	t.Helper()
-	s := &textStream{codec: codec}
+	s := codec.newStream()
+	defer s.Close()
 	var out strings.Builder
 	for i, id := range ids {
 		piece := s.Add(id)
 		if !utf8.ValidString(piece) {
 			t.Fatalf("token %d gave %q, not whole characters", i, piece)
 		}
-		if len(s.window) > 2*maxPending {
-			t.Fatalf("after token %d the window holds %d tokens: the work per token grows with the text", i,
-				len(s.window))
+		if len(s.pending) >= maxPending {
+			t.Fatalf("after token %d the stream holds back %d tokens: the work per token grows with the text", i,
+				len(s.pending))
 		}
 		out.WriteString(piece)
+		// Where the tokens so far end inside a character, a byte-fallback decoder's whole decoding
+		// makes U+FFFD of every byte of the run of byte tokens, characters already whole included
+		// (Hugging Face's ByteFallback): there the stream is only checked at the end.
+		if want := codec.Decode(ids[:i+1]); checkPrefixes && !strings.HasSuffix(want, "\uFFFD") {
+			if got := out.String() + codec.Decode(s.pending); got != want {
+				t.Fatalf("after token %d of %v the stream gave %q and holds back %q; the %d tokens decode to %q", i, ids,
+					out.String(), codec.Decode(s.pending), i+1, want)
+			}
+		}
 	}
 	out.WriteString(s.Flush())
 	return out.String()
@@ -109,73 +123,89 @@ func streamText(t *testing.T, codec *textCodec, ids []int64) string {
 func TestIncrementalDetokenizationEqualsFullDecoding(t *testing.T) {
 	t.Run("ByteLevel", func(t *testing.T) {
 		for _, merges := range [][][2]byte{nil, straddlingMerges} {
-			codec, err := loadTokenizer(writeByteLevelTokenizer(t, t.TempDir(), merges, []string{"<|im_end|>"}))
-			if err != nil {
-				t.Fatal(err)
-			}
-			checkCorpus(t, codec, fmt.Sprintf("%d merges", len(merges)))
+			codec := loadTextFolder(t, writeByteLevelTokenizer(t, t.TempDir(), merges, []string{imEnd}))
+			checkCorpus(t, codec, imEnd, fmt.Sprintf("%d merges", len(merges)))
 		}
 	})
 	t.Run("ByteFallback", func(t *testing.T) {
 		codec, vocab := byteFallbackCodec(t)
 		for _, text := range detokenizeCorpus {
 			ids := byteFallbackIDs(vocab, text)
-			want := codec.Decode(ids)
-			if got := streamText(t, codec, ids); got != want {
-				t.Fatalf("%q: streamed %q, decoded %q", text, got, want)
+			if got := streamText(t, codec, ids, true); got != text {
+				t.Fatalf("%q streamed as %q", text, got)
 			}
 		}
 	})
-	t.Run("ModelTokenizer", func(t *testing.T) {
-		// SmolLM2's tokenizer.json, when this machine has it (server_test.go's referenceCase).
-		dir := ""
-		if c := os.Getenv("PIPE_SERVE_SMOLLM2"); c != "" && fileExists(c) {
-			dir = referenceCase(t).modelDir
+	t.Run("Families", func(t *testing.T) {
+		// Tokenizers trained and saved by transformers in the layouts of GPT-2, Qwen2, Llama 2
+		// (byte fallback, a normalizer that writes the spaces) and Mistral (Metaspace):
+		// tests/models/text_tokenizers.py, staged with the bindings' fixtures.
+		for _, family := range []string{"gpt2", "qwen2", "llama", "mistral"} {
+			codec := loadTextFolder(t, fixture(t, filepath.Join("text", family)))
+			_, eos, _ := codec.tk.SpecialIDs()
+			checkCorpus(t, codec, codec.TokenText(eos), family)
 		}
-		if dir == "" {
+	})
+	t.Run("ModelTokenizer", func(t *testing.T) {
+		// SmolLM2's tokenizer, when this machine has it (server_test.go's referenceCase).
+		if c := os.Getenv("PIPE_SERVE_SMOLLM2"); c == "" || !fileExists(c) {
 			t.Skip("no SmolLM2 on this machine (PIPE_SERVE_SMOLLM2)")
 		}
-		codec, err := loadTokenizer(filepath.Join(dir, "tokenizer.json"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		checkCorpus(t, codec, "SmolLM2")
+		checkCorpus(t, loadTextFolder(t, referenceCase(t).modelDir), "<|im_end|>", "SmolLM2")
 	})
 	t.Run("InvalidBytesKeepTheWindowSmall", func(t *testing.T) {
 		// Random bytes are rarely UTF-8: the stream must give them out as U+FFFD after a while,
 		// never hold them all back.
-		codec, err := loadTokenizer(writeByteLevelTokenizer(t, t.TempDir(), nil, nil))
-		if err != nil {
-			t.Fatal(err)
-		}
+		codec := loadTextFolder(t, writeByteLevelTokenizer(t, t.TempDir(), nil, nil))
 		r := rand.New(rand.NewSource(1))
-		ids := make([]int64, 5000)
+		ids := make([]int64, 1000)
 		for i := range ids {
 			ids[i] = int64(0x80 + r.Intn(0x40)) // continuation bytes: never a character
 		}
-		if got := streamText(t, codec, ids); !strings.Contains(got, "\uFFFD") {
-			t.Fatalf("continuation bytes streamed as %q", got)
+		if got := streamText(t, codec, ids, true); !strings.Contains(got, "\uFFFD") || got != codec.Decode(ids) {
+			t.Fatalf("continuation bytes streamed as %q, decoded as %q", got, codec.Decode(ids))
+		}
+	})
+	t.Run("IdsOutsideTheVocabularyHaveNoText", func(t *testing.T) {
+		// A model's vocabulary may be larger than its tokenizer's: such ids read as nothing.
+		codec := loadTextFolder(t, writeByteLevelTokenizer(t, t.TempDir(), nil, nil))
+		if got := streamText(t, codec, []int64{'a', 256, 0xE4, 0xB8, -1, 0xAD, 1 << 40, 'b'}, false); got != "a中b" {
+			t.Fatalf("streamed as %q", got)
 		}
 	})
 }
 
-// checkCorpus encodes each text of the corpus and streams its ids back: the stream must equal
-// decoding all the ids at once, and the text itself.
-func checkCorpus(t *testing.T, codec *textCodec, what string) {
+func loadTextFolder(t *testing.T, dir string) *textCodec {
+	t.Helper()
+	codec, err := loadText(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(codec.Close)
+	return codec
+}
+
+// checkCorpus encodes each text of the corpus, alone and twice with the special token special
+// between, and streams its ids back: the stream must be the text itself (alone) and decoding all
+// the ids at once, as it must be after every token.
+func checkCorpus(t *testing.T, codec *textCodec, special, what string) {
 	t.Helper()
 	split := 0
 	for _, text := range detokenizeCorpus {
-		for _, text := range []string{text, text + "<|im_end|>" + text} {
+		for i, text := range []string{text, text + special + text} {
 			ids, err := codec.Encode(text)
 			if err != nil {
 				t.Fatalf("%s: %q: %v", what, text, err)
 			}
-			want := codec.Decode(ids)
-			if got := streamText(t, codec, ids); got != want {
+			got := streamText(t, codec, ids, true)
+			if i == 0 && got != text {
+				t.Fatalf("%s: %q streamed as %q", what, text, got)
+			}
+			if want := codec.Decode(ids); got != want {
 				t.Fatalf("%s: %q: streamed %q, decoded %q", what, text, got, want)
 			}
 			for _, id := range ids {
-				if !utf8.ValidString(codec.Decode([]int64{id})) {
+				if strings.Contains(codec.TokenText(id), "\uFFFD") {
 					split++
 				}
 			}
@@ -214,13 +244,9 @@ func byteFallbackCodec(t *testing.T) (*textCodec, map[string]int) {
 			"end_of_word_suffix": nil, "fuse_unk": true, "byte_fallback": true, "vocab": vocab, "merges": []any{},
 		},
 	}
-	path := filepath.Join(t.TempDir(), "tokenizer.json")
-	writeJSONFile(t, path, tok)
-	codec, err := loadTokenizer(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return codec, vocab
+	dir := t.TempDir()
+	writeJSONFile(t, filepath.Join(dir, "tokenizer.json"), tok)
+	return loadTextFolder(t, dir), vocab
 }
 
 // byteFallbackIDs is text as SentencePiece with byte fallback cuts it (greedily here: a word of the

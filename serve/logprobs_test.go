@@ -98,13 +98,13 @@ func jsonText(t *testing.T, text string) string {
 }
 
 // checkChatEntries checks the chat entries of a greedy reply of ids with top alternatives each.
-func checkChatEntries(t *testing.T, what string, got []chatLP, ids []int64, top int, codec *textCodec) {
+func checkChatEntries(t *testing.T, what string, got []chatLP, ids []int64, top int, ref *reference) {
 	t.Helper()
 	if len(got) != len(ids) {
 		t.Fatalf("%s: %d entries for the %d tokens %v: %+v", what, len(got), len(ids), ids, got)
 	}
 	for i, e := range got {
-		text := codec.TokenText(ids[i])
+		text := ref.token(t, ids[i])
 		if e.Token != jsonText(t, text) || !slices.Equal(e.Bytes, tokenBytes(text)) {
 			t.Fatalf("%s: entry %d is %+v, want token %q (id %d) and its bytes", what, i, e, text, ids[i])
 		}
@@ -135,7 +135,7 @@ func near(a, b []float64) bool {
 	return true
 }
 
-func checkLogprobs(t *testing.T, s *service, c completionCase, codec *textCodec) {
+func checkLogprobs(t *testing.T, s *service, c completionCase) {
 	ch := c.chat
 	chat := map[string]any{"messages": ch.messages, "max_tokens": ch.maxTokens, "temperature": 0,
 		"logprobs": true, "top_logprobs": 3}
@@ -150,7 +150,7 @@ func checkLogprobs(t *testing.T, s *service, c completionCase, codec *textCodec)
 		t.Fatalf("chat with logprobs: %+v", whole)
 	}
 	entries := whole.Choices[0].Logprobs.Content
-	checkChatEntries(t, "chat", entries, ch.expectedIDs, 3, codec)
+	checkChatEntries(t, "chat", entries, ch.expectedIDs, 3, &c.ref)
 	wantLPs := make([]float64, len(entries))
 	for i, e := range entries {
 		wantLPs[i] = e.Logprob
@@ -179,7 +179,7 @@ func checkLogprobs(t *testing.T, s *service, c completionCase, codec *textCodec)
 			streamedEntries = append(streamedEntries, lp.Content...)
 		}
 	}
-	checkChatEntries(t, "chat, streamed", streamedEntries, ch.expectedIDs, 3, codec)
+	checkChatEntries(t, "chat, streamed", streamedEntries, ch.expectedIDs, 3, &c.ref)
 	got := make([]float64, len(streamedEntries))
 	for i, e := range streamedEntries {
 		got[i] = e.Logprob
@@ -192,7 +192,7 @@ func checkLogprobs(t *testing.T, s *service, c completionCase, codec *textCodec)
 	delete(chat, "stream")
 	delete(chat, "top_logprobs")
 	postJSON(t, s, "/v1/chat/completions", chat, &whole)
-	checkChatEntries(t, "chat without top_logprobs", whole.Choices[0].Logprobs.Content, ch.expectedIDs, 0, codec)
+	checkChatEntries(t, "chat without top_logprobs", whole.Choices[0].Logprobs.Content, ch.expectedIDs, 0, &c.ref)
 	delete(chat, "logprobs")
 	postJSON(t, s, "/v1/chat/completions", chat, &whole)
 	if whole.Choices[0].Logprobs != nil {
@@ -210,7 +210,7 @@ func checkLogprobs(t *testing.T, s *service, c completionCase, codec *textCodec)
 		}
 		offset := 0
 		for i, tok := range lp.Tokens {
-			text := codec.TokenText(c.expectedIDs[i])
+			text := c.ref.token(t, c.expectedIDs[i])
 			if tok != jsonText(t, text) || lp.TextOffset[i] != offset {
 				t.Fatalf("%s: token %d is %q at %d, want %q at %d", what, i, tok, lp.TextOffset[i], text, offset)
 			}

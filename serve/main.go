@@ -14,9 +14,10 @@
 // DECODER.pt follows libpipe's decoder contract (`python -m libpipe.export_llm HF_DIR
 // DECODER.pt` writes one for Llama, Qwen2, Mistral and GPT-2 checkpoints). HF_DIR is the Hugging
 // Face folder: tokenizer.json (required), model.safetensors or model.safetensors.index.json (the
-// weights, when DECODER.pt holds none), generation_config.json (its eos_token_id ends a
-// completion), chat_template.jinja or tokenizer_config.json (the chat template and its special
-// tokens, for /v1/chat/completions). Once listening it prints "pipe-serve: listening on
+// weights, when DECODER.pt holds none), generation_config.json or config.json (its eos_token_id
+// ends a reply, as does tokenizer_config.json's eos_token), chat_template.jinja or
+// tokenizer_config.json (the chat template and its special tokens, for /v1/chat/completions): all
+// read by libpipe's tokenizer (tokenizer.go). Once listening it prints "pipe-serve: listening on
 // http://HOST:PORT" on stdout; -addr 127.0.0.1:0 picks a free port. It listens on the loopback
 // unless told otherwise; the timeouts, the connection limit and the API key (limits.go, auth.go)
 // are what make it safe to expose further. With -processes N the later stages run in worker
@@ -27,7 +28,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -139,20 +139,13 @@ flags (-flag and --flag alike):
 }
 
 func run(c config) error {
-	text, err := loadTokenizer(filepath.Join(c.modelDir, "tokenizer.json"))
+	text, err := loadText(c.modelDir)
 	if err != nil {
 		return err
 	}
-	stopIDs, err := eosIDs(c.modelDir)
-	if err != nil {
-		return err
-	}
-	chat, err := loadChatTemplate(c.modelDir)
-	if err != nil {
-		return err
-	}
-	if chat == nil {
-		log.Printf("%s has no chat template: /v1/chat/completions answers 400", c.modelDir)
+	defer text.Close() // last: after the HTTP server and the pipeline have finished
+	if text.noChat != nil {
+		log.Printf("%v: /v1/chat/completions answers 400", text.noChat)
 	}
 	source, err := newGeneratorSource(c)
 	if err != nil {
@@ -179,7 +172,7 @@ func run(c config) error {
 		info.Vocab)
 
 	s := &server{pipeline: p, info: info, stages: first.gen.NumStages(), text: text, model: c.name,
-		stopIDs: stopIDs, chat: chat, chatStopIDs: endOfTurnIDs(text, chat, stopIDs), queueTimeout: c.queueTimeout}
+		stopIDs: text.StopIDs(), queueTimeout: c.queueTimeout}
 	if c.apiKey == "" {
 		log.Printf("no API key (-api-key, -api-key-file): anyone who can reach %s may use the service", c.addr)
 	}
@@ -252,33 +245,4 @@ func newGeneratorSource(c config) (*generatorSource, error) {
 		}
 	}
 	return g, nil
-}
-
-// eosIDs is generation_config.json's eos_token_id (a number or a list), none without the file.
-func eosIDs(modelDir string) ([]int64, error) {
-	data, err := os.ReadFile(filepath.Join(modelDir, "generation_config.json"))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	var config struct {
-		EOS json.RawMessage `json:"eos_token_id"`
-	}
-	if err := json.Unmarshal(data, &config); err != nil {
-		return nil, fmt.Errorf("generation_config.json: %w", err)
-	}
-	if len(config.EOS) == 0 || string(config.EOS) == "null" {
-		return nil, nil
-	}
-	var one int64
-	if json.Unmarshal(config.EOS, &one) == nil {
-		return []int64{one}, nil
-	}
-	var many []int64
-	if err := json.Unmarshal(config.EOS, &many); err != nil {
-		return nil, fmt.Errorf("generation_config.json: eos_token_id is neither a number nor a list: %s", config.EOS)
-	}
-	return many, nil
 }

@@ -46,11 +46,10 @@ type server struct {
 	info     pipe.GeneratorInfo // the decoder's, the same for every generator of the pipeline
 	stages   int
 	text     *textCodec
-	model    string  // the name /v1/models gives and responses carry
-	stopIDs  []int64 // the model's end-of-sequence ids: a completion ends there ("stop")
-
-	chat        *chatTemplate // the model's chat template; nil: the chat endpoint answers 400
-	chatStopIDs []int64       // stopIDs and the template's end of turn: a chat reply ends there
+	model    string // the name /v1/models gives and responses carry
+	// The model's end-of-sequence ids and the chat template's end of a turn (the tokenizer's stop
+	// ids): a completion or a chat reply ends there ("stop").
+	stopIDs []int64
 
 	queueTimeout time.Duration // the longest a request waits for a cache slot (admission.go); 0: no limit
 
@@ -399,7 +398,8 @@ func (s *server) follow(ctx context.Context, a *admitted, stops []string,
 func (s *server) followTokens(ctx context.Context, a *admitted, stops []string,
 	emit func(string, []tokenLogprob) error) ending {
 	gen := a.gen
-	text := &textStream{codec: s.text}
+	text := s.text.newStream()
+	defer text.Close()
 	scan := &stopScanner{stops: stops}
 	left, stopped, tokens := false, false, 0
 	keep := gen.Logprobs() != nil

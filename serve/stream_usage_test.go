@@ -12,7 +12,6 @@ import (
 	"net/http"
 	"strings"
 	"testing"
-	"unicode/utf8"
 )
 
 type usageCounts struct {
@@ -94,10 +93,10 @@ func checkNoUsage(t *testing.T, what string, u usageSeen) {
 
 // stopTokens is how many of ids a completion takes that a stop string ends: up to the first
 // token whose text (as the service decodes a stream: whole characters) holds the stop string.
-func stopTokens(t *testing.T, codec *textCodec, ids []int64, stop string) int {
+func stopTokens(t *testing.T, ref *reference, ids []int64, stop string) int {
 	t.Helper()
 	for k := 1; k <= len(ids); k++ {
-		if text := codec.Decode(ids[:k]); utf8.ValidString(text) && strings.Contains(text, stop) {
+		if text := ref.decode(t, ids[:k]); !strings.HasSuffix(text, "\uFFFD") && strings.Contains(text, stop) {
 			return k
 		}
 	}
@@ -109,8 +108,8 @@ func stopTokens(t *testing.T, codec *textCodec, ids []int64, stop string) int {
 // tokens and the tokens of its continuation (all of them; with a stop string, those up to the
 // stop string's, as the same request unstreamed counts them), the text being the reference's;
 // include_usage false or no stream_options: no usage.
-func checkStreamUsage(t *testing.T, s *service, c completionCase, codec *textCodec) {
-	want := codec.Decode(c.expectedIDs)
+func checkStreamUsage(t *testing.T, s *service, c completionCase) {
+	want := c.ref.decode(t, c.expectedIDs)
 	body := map[string]any{"prompt": c.prompt, "max_tokens": c.maxTokens, "temperature": 0, "stream": true,
 		"stream_options": map[string]any{"include_usage": true}}
 	got := streamCompletion(t, s, body)
@@ -120,13 +119,13 @@ func checkStreamUsage(t *testing.T, s *service, c completionCase, codec *textCod
 	}
 	checkUsage(t, "completions", got.usage, c.promptTokens, len(c.expectedIDs))
 
-	stop, cut := stopAcross(t, codec, c.expectedIDs, want)
+	stop, cut := stopAcross(t, &c.ref, c.expectedIDs, want)
 	body["stop"] = stop
 	got = streamCompletion(t, s, body)
 	if text := strings.Join(got.pieces, ""); text != cut || got.finish != "stop" {
 		t.Fatalf("include_usage, stop %q: %q, finish %q; want %q", stop, text, got.finish, cut)
 	}
-	tokens := stopTokens(t, codec, c.expectedIDs, stop)
+	tokens := stopTokens(t, &c.ref, c.expectedIDs, stop)
 	checkUsage(t, fmt.Sprintf("completions, stop %q", stop), got.usage, c.promptTokens, tokens)
 	delete(body, "stream_options")
 	body["stream"] = false
@@ -149,7 +148,7 @@ func checkStreamUsage(t *testing.T, s *service, c completionCase, codec *textCod
 	delete(body, "stream_options")
 	checkNoUsage(t, "no stream_options", streamCompletion(t, s, body).usage)
 
-	reply, finish := chatReply(t, c, codec)
+	reply, finish := chatReply(t, c)
 	chatBody := map[string]any{"messages": c.chat.messages, "max_tokens": c.chat.maxTokens, "temperature": 0,
 		"stream": true, "stream_options": map[string]any{"include_usage": true}}
 	chat := streamChat(t, s, chatBody)

@@ -1,162 +1,189 @@
 package main
 
-// Text in and out through the model's tokenizer.json, read by github.com/sugarme/tokenizer (pure
-// Go: Hugging Face's `tokenizers` format, BPE with byte-level pre-tokenization as Llama-family
-// models use, WordPiece, Unigram).
+// Text in and out: libpipe's tokenizer (pipe.h's "Text", the Go binding's pipe.Tokenizer), which
+// runs Hugging Face's own `tokenizers` library on the model folder's tokenizer.json and renders the
+// folder's chat template with minijinja as transformers renders it. What this file adds is what
+// the service needs around it:
+//   - prompts are encoded as OpenAI's endpoints take them, without special tokens added around
+//     them; special tokens written in the text (a client's "<|im_end|>", or the chat template's)
+//     become their ids, as transformers' encode does. Hugging Face's matching of added tokens
+//     takes time linear in the text.
+//   - streaming: a textStream feeds a sequence's tokens to a decode stream (constant work per
+//     token: it decodes a window of the last few ids, never the whole reply) and gives out at the
+//     end what it still held back (a character left incomplete, as U+FFFD).
+//   - ids the tokenizer does not know (a model's vocabulary may be larger than its tokenizer's) have
+//     no text: the service never fails a reply over them.
 //
-// Three things that library does not do, or does in a way a public service cannot afford, are
-// done here:
-//   - Added tokens written in the prompt ("<|im_start|>" of a chat template) are dropped by its
-//     encoder when special; Hugging Face's matches them in the raw text first. Its own search for
-//     added tokens is also quadratic in their number (it sorts the rest of the matches at each
-//     one). So the prompt is cut here at every added token of tokenizer.json, in one pass of a
-//     regular expression (Go's regexp runs in time linear in the text), each becomes its id, and
-//     only the text between them goes through the library.
-//   - Its BPE model caches every distinct word it has merged, of any length, up to 10,000 of
-//     them: clients sending long, distinct words would grow the service's memory by hundreds of
-//     megabytes. The cache is turned off; merging a prompt's words again costs little.
-//   - Streaming text token by token is detokenize.go.
-//
-// Nothing here takes a lock: the library's Tokenizer only reads its vocabulary, merges and
-// decoders while encoding and decoding (its BPE cache, the one thing it writes, has its own
-// mutex and is off), so encodes and decodes of any number of requests run at once, and a long
-// prompt being encoded never holds up the streams of others.
+// Nothing here takes a lock that another request waits for: the tokenizer is immutable and its
+// calls run at once from any number of goroutines (the binding's read lock only keeps Close out),
+// and each stream has its own decode stream.
 
 import (
-	"encoding/json"
 	"errors"
-	"fmt"
-	"os"
-	"regexp"
-	"sort"
-	"strings"
 
-	"github.com/sugarme/tokenizer"
-	"github.com/sugarme/tokenizer/model/bpe"
-	"github.com/sugarme/tokenizer/pretrained"
+	pipe "github.com/libpipe/libpipe/bindings/go"
 )
 
 // textCodec turns text into token ids and back. It is safe for concurrent use.
 type textCodec struct {
-	tk *tokenizer.Tokenizer
-	// added matches the text of every added token, longest first, so that the longer of two that
-	// start at the same place wins (Go's regexp prefers the earlier alternative); nil: none.
-	added   *regexp.Regexp
-	addedID map[string]int64
+	tk    *pipe.Tokenizer
+	vocab int64
+	// noChat says why the folder's chat template cannot be used (there is none, or it does not
+	// compile); nil: chat templates render.
+	noChat error
 }
 
 // errTooManyTokens is EncodeAtMost's answer for a text of more tokens than it was allowed.
 var errTooManyTokens = errors.New("more tokens than allowed")
 
-// loadTokenizer reads a tokenizer.json (Hugging Face's `tokenizers` format).
-func loadTokenizer(path string) (*textCodec, error) {
-	tk, err := pretrained.FromFile(path)
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
-	}
-	if m, ok := tk.GetModel().(*bpe.BPE); ok && m.Cache != nil {
-		m.Cache.Capacity = 0 // nothing is stored once the cache is "full" (see above)
-	}
-	data, err := os.ReadFile(path)
+// loadText loads the tokenizer and chat template of a Hugging Face model folder.
+func loadText(modelDir string) (*textCodec, error) {
+	tk, err := pipe.LoadTokenizer(modelDir)
 	if err != nil {
 		return nil, err
 	}
-	var file struct {
-		AddedTokens []struct {
-			ID      int64  `json:"id"`
-			Content string `json:"content"`
-		} `json:"added_tokens"`
-	}
-	if err := json.Unmarshal(data, &file); err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
-	}
-	c := &textCodec{tk: tk, addedID: map[string]int64{}}
-	var contents []string
-	for _, a := range file.AddedTokens {
-		if _, seen := c.addedID[a.Content]; a.Content != "" && !seen {
-			c.addedID[a.Content] = a.ID
-			contents = append(contents, a.Content)
-		}
-	}
-	if len(contents) > 0 {
-		sort.SliceStable(contents, func(i, j int) bool { return len(contents[i]) > len(contents[j]) })
-		quoted := make([]string, len(contents))
-		for i, s := range contents {
-			quoted[i] = regexp.QuoteMeta(s)
-		}
-		if c.added, err = regexp.Compile(strings.Join(quoted, "|")); err != nil {
-			return nil, fmt.Errorf("%s: added tokens: %w", path, err)
-		}
+	c := &textCodec{tk: tk, vocab: tk.VocabSize()}
+	// An empty conversation tells whether the folder has a template that compiles
+	// (ErrInvalidFormat: it has none, or it does not compile). A template that raises for an
+	// empty conversation (ErrInvalidArgument) is there all the same.
+	if _, err := tk.ApplyChatTemplate(nil, true); errors.Is(err, pipe.ErrInvalidFormat) {
+		c.noChat = errors.New(message(err))
 	}
 	return c, nil
 }
 
+// Close frees the tokenizer (streams made from it stay usable).
+func (c *textCodec) Close() { c.tk.Close() }
+
+// StopIDs are the ids that end a generation: generation_config.json's eos_token_id (else
+// config.json's) and the tokenizer's end token, which is also the chat template's end of a turn.
+func (c *textCodec) StopIDs() []int64 { return c.tk.StopIDs() }
+
 // Encode is the token ids of text, without special tokens added around it (as OpenAI's
-// completions take the prompt as it is); added tokens written in it become their ids.
+// completions take the prompt as it is); special tokens written in it become their ids.
 func (c *textCodec) Encode(text string) ([]int64, error) { return c.EncodeAtMost(text, 0) }
 
-// EncodeAtMost is Encode, except that it gives up with errTooManyTokens once the text is known
-// to have more than limit tokens (limit 0: no limit): a prompt that cannot fit the model is not
-// worth encoding to its end. The time it takes is linear in the length of the text.
-func (c *textCodec) EncodeAtMost(text string, limit int) (ids []int64, err error) {
-	defer func() {
-		// The library panics on text its vocabulary cannot cover (a BPE model without an unknown
-		// token): for a server that is a bad prompt, not a crash.
-		if r := recover(); r != nil {
-			ids, err = nil, fmt.Errorf("%v", r)
-		}
-	}()
-	for text != "" {
-		at, end := len(text), len(text)
-		if c.added != nil {
-			if loc := c.added.FindStringIndex(text); loc != nil {
-				at, end = loc[0], loc[1]
-			}
-		}
-		if at > 0 {
-			enc, err := c.tk.EncodeSingle(text[:at], false)
-			if err != nil {
-				return nil, err
-			}
-			for _, id := range enc.Ids {
-				ids = append(ids, int64(id))
-			}
-		}
-		if end > at {
-			ids = append(ids, c.addedID[text[at:end]])
-		}
-		if limit > 0 && len(ids) > limit {
-			return nil, errTooManyTokens
-		}
-		text = text[end:]
+// EncodeAtMost is Encode, failing with errTooManyTokens when the text has more than limit tokens
+// (limit 0: no limit). The time it takes is linear in the length of the text (at most the body
+// limit's 4 MiB).
+func (c *textCodec) EncodeAtMost(text string, limit int) ([]int64, error) {
+	ids, err := c.tk.Encode(text, false)
+	if err != nil {
+		return nil, errors.New(message(err))
+	}
+	if limit > 0 && len(ids) > limit {
+		return nil, errTooManyTokens
 	}
 	return ids, nil
 }
 
-// Decode is the text of ids, special tokens left out.
-func (c *textCodec) Decode(ids []int64) (text string) {
-	defer func() {
-		// Some of the library's decoders panic on no text at all (its Strip indexes the first
-		// character of the empty string that Fuse makes of no token): ids that are all special
-		// tokens. Their text is "".
-		if r := recover(); r != nil {
-			text = ""
-		}
-	}()
-	ints := make([]int, len(ids))
+// known is ids without those outside the tokenizer's vocabulary, which have no text.
+func (c *textCodec) known(ids []int64) []int64 {
 	for i, id := range ids {
-		ints[i] = int(id)
+		if id < 0 || id >= c.vocab {
+			out := append([]int64(nil), ids[:i]...)
+			for _, id := range ids[i+1:] {
+				if id >= 0 && id < c.vocab {
+					out = append(out, id)
+				}
+			}
+			return out
+		}
 	}
-	return c.tk.Decode(ints, true)
+	return ids
+}
+
+// Decode is the text of ids, special tokens left out (Hugging Face's decode with
+// skip_special_tokens): bytes that form no character become U+FFFD.
+func (c *textCodec) Decode(ids []int64) string {
+	text, err := c.tk.Decode(c.known(ids), true)
+	if err != nil {
+		return ""
+	}
+	return text
 }
 
 // TokenText is the text of one token alone, special tokens included (a log-probability's "token"):
-// a byte-level token that holds part of a character gives its bytes as they are.
-func (c *textCodec) TokenText(id int64) (text string) {
-	defer func() {
-		if r := recover(); r != nil { // as Decode
-			text = ""
-		}
-	}()
-	return c.tk.Decode([]int{int(id)}, false)
+// Hugging Face's decode([id]); a token that holds part of a character reads U+FFFD.
+func (c *textCodec) TokenText(id int64) string {
+	if id < 0 || id >= c.vocab {
+		return ""
+	}
+	text, err := c.tk.Decode([]int64{id}, false)
+	if err != nil {
+		return ""
+	}
+	return text
+}
+
+// RenderChat is the prompt of a conversation through the model's chat template, ending where the
+// assistant's reply begins (transformers' apply_chat_template with add_generation_prompt).
+func (c *textCodec) RenderChat(messages []pipe.ChatMessage) (string, error) {
+	if c.noChat != nil {
+		return "", c.noChat
+	}
+	text, err := c.tk.ApplyChatTemplate(messages, true)
+	if err != nil {
+		return "", errors.New(message(err))
+	}
+	return text, nil
+}
+
+// maxPending is how many ids a decode stream holds back at most (pipe_decode_stream_push: after
+// 16 ids that complete no character, what they decode to goes out).
+const maxPending = 16
+
+// textStream turns a sequence's tokens into text, piece by piece, whose concatenation is the
+// text of all of them: a character cut over several tokens comes out once its last byte came.
+// One goroutine at a time; Close it at the end.
+type textStream struct {
+	codec  *textCodec
+	stream *pipe.DecodeStream // nil: the tokenizer was closed; each token then reads alone
+	// The ids pushed since the stream last gave text (at most maxPending): what Flush gives out.
+	pending []int64
+}
+
+func (c *textCodec) newStream() *textStream {
+	s := &textStream{codec: c}
+	s.stream, _ = c.tk.NewDecodeStream(true)
+	return s
+}
+
+// Add takes the next token and returns the text it completes ("" while the held-back tokens end
+// inside a character, or add no text).
+func (s *textStream) Add(id int64) string {
+	if id < 0 || id >= s.codec.vocab {
+		return ""
+	}
+	if s.stream == nil {
+		return s.codec.Decode([]int64{id})
+	}
+	piece, err := s.stream.Push(id)
+	if err != nil {
+		return ""
+	}
+	if piece != "" || len(s.pending)+1 >= maxPending {
+		s.pending = s.pending[:0]
+		return piece
+	}
+	s.pending = append(s.pending, id)
+	return ""
+}
+
+// Flush returns what Add held back at the end of the sequence (a character left incomplete reads
+// U+FFFD, as decoding the whole sequence gives it).
+func (s *textStream) Flush() string {
+	if len(s.pending) == 0 {
+		return ""
+	}
+	text := s.codec.Decode(s.pending)
+	s.pending = s.pending[:0]
+	return text
+}
+
+// Close frees the decode stream.
+func (s *textStream) Close() {
+	if s.stream != nil {
+		s.stream.Close()
+	}
 }

@@ -1,7 +1,8 @@
 package main
 
-// The tokenizer wrapper (tokenizer.go) against prompts made to be slow: encoding takes time linear
-// in the text however many added tokens it holds, and holds no lock that decoding (every stream's
+// Encoding prompts (tokenizer.go, over libpipe's tokenizer) against prompts made to be slow:
+// special tokens written in the text become their ids, encoding takes time linear in the text
+// however many special tokens it holds, and it holds no lock that decoding (every stream's
 // detokenization) needs.
 
 import (
@@ -16,21 +17,21 @@ import (
 
 const imEnd = "<|im_end|>"
 
+// floodCodec is a byte-level tokenizer with three special tokens, ids floodID(0..2).
 func floodCodec(t *testing.T) *textCodec {
 	t.Helper()
-	codec, err := loadTokenizer(writeByteLevelTokenizer(t, t.TempDir(), straddlingMerges,
+	return loadTextFolder(t, writeByteLevelTokenizer(t, t.TempDir(), straddlingMerges,
 		[]string{"<|im_start|>", imEnd, "<|im"}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return codec
 }
 
-// Added tokens become their ids, the longest one where several start at the same place; the text
-// between them goes through the library.
+// floodID is the id of floodCodec's special token i (after the 256 bytes and the merges).
+func floodID(i int) int64 { return int64(256 + len(straddlingMerges) + i) }
+
+// Special tokens written in the text become their ids, the longest one where several start at the
+// same place (as transformers encodes them); decoding leaves them out.
 func TestEncodeAddedTokens(t *testing.T) {
 	codec := floodCodec(t)
-	end, short := codec.addedID[imEnd], codec.addedID["<|im"]
+	end, short := floodID(1), floodID(2)
 	ids, err := codec.Encode("a" + imEnd + "<|im" + "b" + imEnd)
 	if err != nil {
 		t.Fatal(err)
@@ -43,17 +44,18 @@ func TestEncodeAddedTokens(t *testing.T) {
 	}
 }
 
-// Encoding N copies of a special token, alone or between words, takes time linear in N: twice the
-// copies take well under four times as long (the wrapper once rescanned the rest of the text at
-// every match: 8,000 copies took 3.9 s, 32,000 took 61 s). Text between special tokens costs the
-// library about 0.1 ms a piece (it compiles its pre-tokenizer's regular expression each time), so
-// those cases use fewer copies.
+// Encoding N copies of a special token, alone or between words, takes time linear in N: four times
+// the copies take well under sixteen times as long, as they would if it were quadratic (the
+// service's first tokenizer, a Go library wrapped here, once rescanned the rest of the text at
+// every match: 8,000 copies took 3.9 s, 32,000 took 61 s; Hugging Face's finds them all in one
+// pass). The margin is wide both ways: a loaded machine, or allocations that grow with the text,
+// make a linear encode's ratio above 4, never near 16.
 func TestEncodeIsLinear(t *testing.T) {
 	codec := floodCodec(t)
 	for _, c := range []struct {
 		unit string
 		n    int
-	}{{imEnd, 200_000}, {"hi 中😀" + imEnd, 2_000}} {
+	}{{imEnd, 100_000}, {"hi 中😀" + imEnd, 12_500}} {
 		unit, n := c.unit, c.n
 		took := func(copies int) time.Duration {
 			text := strings.Repeat(unit, copies)
@@ -66,7 +68,7 @@ func TestEncodeIsLinear(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if got := countID(ids, codec.addedID[imEnd]); got != copies {
+				if got := countID(ids, floodID(1)); got != copies {
 					t.Fatalf("%d copies of %q encode to %d %s", copies, unit, got, imEnd)
 				}
 				best = min(best, elapsed)
@@ -74,11 +76,11 @@ func TestEncodeIsLinear(t *testing.T) {
 			return best
 		}
 		took(n / 10) // warm up
-		one, two := took(n), took(2*n)
-		ratio := float64(two) / float64(one)
-		t.Logf("%q: %d copies in %v, %d in %v: ratio %.2f", unit, n, one, 2*n, two, ratio)
-		if ratio >= 3 {
-			t.Fatalf("%q: twice the copies took %.2f times as long: encoding is not linear", unit, ratio)
+		one, four := took(n), took(4*n)
+		ratio := float64(four) / float64(one)
+		t.Logf("%q: %d copies in %v, %d in %v: ratio %.2f", unit, n, one, 4*n, four, ratio)
+		if ratio >= 10 {
+			t.Fatalf("%q: four times the copies took %.2f times as long: encoding is not linear", unit, ratio)
 		}
 	}
 }

