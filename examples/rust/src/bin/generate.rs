@@ -1,5 +1,6 @@
 //! Text generation with libpipe from Rust: a language model cut into pipeline stages, text in and
-//! text out through the model's own tokenizer (the `tokenizers` crate reading `tokenizer.json`).
+//! text out through the model's own tokenizer, which libpipe loads from the model folder (no
+//! tokenizer crate here).
 //! Every prompt is submitted at once, so their steps share the pipeline; each answer is printed as
 //! its tokens arrive, in prompt order, one answer per line.
 //!
@@ -10,6 +11,7 @@
 //!                            writes one for a Hugging Face Llama, Qwen2, Mistral or GPT-2 folder)
 //!   model.safetensors        its weights (or model.safetensors.index.json; neither: the decoder's own)
 //!   tokenizer.json           the tokenizer
+//!   tokenizer_config.json    optional: its chat template (for --chat) and special tokens
 //!   generation_config.json   optional: its eos_token_id ends an answer
 //!
 //! Options:
@@ -17,10 +19,10 @@
 //!   --split-at FQN:begin     cut there instead (repeatable)
 //!   --max-new-tokens N       tokens per answer at most (default 64)
 //!   --temperature T, --top-k K, --top-p P, --seed S   sampling (default greedy)
-//!   --chat                   send each prompt as a user turn of a ChatML conversation (the chat
-//!                            format of SmolLM2 and Qwen2), ending with the assistant's turn
-//!   --system TEXT            with --chat: a system turn first (SmolLM2's own template adds
-//!                            "You are a helpful AI assistant named SmolLM, trained by Hugging Face")
+//!   --chat                   send each prompt as a user turn through the model's chat template,
+//!                            ending with the assistant's opening
+//!   --system TEXT            with --chat: a system turn first (without one, SmolLM2's template
+//!                            adds its own)
 //!
 //! Statistics go to stderr. Exit status 2 for a bad command line, 1 for any other error.
 
@@ -32,9 +34,8 @@ use std::process::ExitCode;
 
 use pipe::{
     GenerationOptions, Generator, GeneratorOptions, Model, Plan, PlanOptions, Policy, SessionOptions, StageOptions,
-    Status,
+    Status, Tokenizer,
 };
-use tokenizers::Tokenizer;
 
 type Result<T> = std::result::Result<T, Box<dyn Error>>;
 
@@ -116,8 +117,7 @@ fn parse_args(argv: Vec<String>) -> std::result::Result<Args, String> {
 
 fn run(args: &Args) -> Result<()> {
     let dir = &args.model_dir;
-    let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
-        .map_err(|e| format!("cannot read {}: {e}", dir.join("tokenizer.json").display()))?;
+    let tokenizer = Tokenizer::load(dir)?;
     let model = Model::load(dir.join("decoder.pt"))?;
     let plan_options = if args.split_points.is_empty() {
         PlanOptions::new().stages(args.stages, Policy::Uniform)
@@ -131,20 +131,19 @@ fn run(args: &Args) -> Result<()> {
     }
     let generator = Generator::new(&plan, &session_options, &GeneratorOptions::default())?;
     let info = generator.info()?;
-    let options = GenerationOptions { stop_ids: stop_ids(dir)?, ..args.options.clone() };
+    // The model's stop ids: generation_config.json's eos_token_id and the tokenizer's eos token.
+    let options = GenerationOptions { stop_ids: tokenizer.stop_ids().to_vec(), ..args.options.clone() };
 
     // Submit every prompt; when the generator's queue is full (Busy), print the oldest answer
     // first, which makes room, and submit again.
     let mut answers = VecDeque::new();
     for prompt in &args.prompts {
-        let text = if args.chat { chat(args.system.as_deref(), prompt) } else { prompt.clone() };
-        let ids: Vec<i64> = tokenizer
-            .encode(text.as_str(), !args.chat)
-            .map_err(|e| format!("cannot tokenize {prompt:?}: {e}"))?
-            .get_ids()
-            .iter()
-            .map(|&id| i64::from(id))
-            .collect();
+        // A chat template writes the special tokens itself, so its text is encoded without them.
+        let ids = if args.chat {
+            tokenizer.encode(&chat(&tokenizer, args.system.as_deref(), prompt)?, false)?
+        } else {
+            tokenizer.encode(prompt, true)?
+        };
         loop {
             match generator.generate(&ids, &options) {
                 Ok(generation) => break answers.push_back(generation),
@@ -173,59 +172,34 @@ fn run(args: &Args) -> Result<()> {
     Ok(())
 }
 
-/// Prints one answer as its tokens arrive, then a newline. The text so far is decoded again after
-/// every token and only what it adds is printed: a token may end inside a character (byte-level
-/// tokenizers), which decodes to U+FFFD until the next token completes it.
+/// Prints one answer as its tokens arrive, then a newline. The decode stream gives whole
+/// characters only: a token may end inside one (byte-level tokenizers).
 fn print_answer(tokenizer: &Tokenizer, generation: pipe::Generation) -> Result<()> {
     let mut out = std::io::stdout().lock();
-    let mut ids: Vec<u32> = Vec::new();
-    let mut printed = String::new();
+    let mut stream = tokenizer.decode_stream(true)?;
     for token in generation {
-        let token = token?;
-        ids.push(u32::try_from(token).map_err(|_| format!("token id {token} is not a tokenizer id"))?);
-        let text = tokenizer.decode(&ids, true).map_err(|e| format!("cannot decode {ids:?}: {e}"))?;
-        if text.starts_with(printed.as_str()) && !text.ends_with('\u{FFFD}') {
-            out.write_all(&text.as_bytes()[printed.len()..])?;
-            out.flush()?;
-            printed = text;
-        }
-    }
-    let text = tokenizer.decode(&ids, true).map_err(|e| format!("cannot decode {ids:?}: {e}"))?;
-    if let Some(rest) = text.strip_prefix(printed.as_str()) {
-        out.write_all(rest.as_bytes())?;
+        out.write_all(stream.push(token?)?.as_bytes())?;
+        out.flush()?;
     }
     out.write_all(b"\n")?;
     out.flush()?;
     Ok(())
 }
 
-/// ChatML: a user turn (after a system turn, if any) and the start of the assistant's.
-fn chat(system: Option<&str>, prompt: &str) -> String {
-    let mut text = String::new();
+/// The model's chat template over a user turn (after a system turn, if any), ending with the
+/// assistant's opening.
+fn chat(tokenizer: &Tokenizer, system: Option<&str>, prompt: &str) -> Result<String> {
+    let mut messages = Vec::new();
     if let Some(system) = system {
-        text += &format!("<|im_start|>system\n{system}<|im_end|>\n");
+        messages.push(("system", system));
     }
-    text + &format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
+    messages.push(("user", prompt));
+    Ok(tokenizer.apply_chat_template(&messages, true)?)
 }
 
 /// The checkpoint in MODEL_DIR, if any: sharded (the index) or one file.
 fn weights_file(dir: &Path) -> Option<PathBuf> {
     ["model.safetensors.index.json", "model.safetensors"].iter().map(|name| dir.join(name)).find(|p| p.is_file())
-}
-
-/// generation_config.json's eos_token_id (a number or a list), if the file is there.
-fn stop_ids(dir: &Path) -> Result<Vec<i64>> {
-    let path = dir.join("generation_config.json");
-    if !path.is_file() {
-        return Ok(Vec::new());
-    }
-    let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path)?).map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok(match &config["eos_token_id"] {
-        serde_json::Value::Number(n) => n.as_i64().into_iter().collect(),
-        serde_json::Value::Array(ids) => ids.iter().filter_map(serde_json::Value::as_i64).collect(),
-        _ => Vec::new(),
-    })
 }
 
 #[cfg(test)]
@@ -247,14 +221,5 @@ mod tests {
         for bad in ["dir", "dir --top-k x p", "dir --bogus 1 p", "dir --system s p", "dir p --seed"] {
             assert!(parse_args(argv(bad)).is_err(), "{bad}");
         }
-    }
-
-    #[test]
-    fn chatml() {
-        assert_eq!(chat(None, "hi"), "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
-        assert_eq!(
-            chat(Some("be brief"), "hi"),
-            "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-        );
     }
 }
