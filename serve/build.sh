@@ -10,9 +10,9 @@
 # (default lib), where the installed library is, then $ORIGIN, where it is in the build tree: so
 # both build/pipe-serve and PREFIX/bin/pipe-serve find their libpipe without LD_LIBRARY_PATH.
 #
-# Unlike the binding, this module has third-party dependencies (the tokenizer, the template
-# engine, Prometheus' client): go fetches them through the Go module proxy the first time
-# (checked against go.sum), then finds them in the module cache.
+# Unlike the binding, this module has third-party dependencies (Prometheus' client; the tokenizer
+# and the chat template are libpipe's own): go fetches them through the Go module proxy the first
+# time (checked against go.sum), then finds them in the module cache.
 set -euo pipefail
 
 if [ $# -lt 2 ] || [ $# -gt 3 ]; then
