@@ -2,6 +2,7 @@
  * options, integers, and the two ways an error is reported. */
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,6 +35,38 @@ int parse_int(const char *flag, const char *text, int32_t *out) {
   if (errno != 0 || end == text || *end != '\0' || value < INT32_MIN || value > INT32_MAX)
     return usage_error("%s expects an integer, got '%s'", flag, text);
   *out = (int32_t)value;
+  return 0;
+}
+
+int parse_int64_at_least(const char *command, const char *flag, const char *text, int64_t min, int64_t *out) {
+  char *end = NULL;
+  errno = 0;
+  long long value = strtoll(text, &end, 10);
+  if (errno != 0 || end == text || *end != '\0')
+    return usage_error("%s: %s expects an integer, got '%s'", command, flag, text);
+  if (value < min) return usage_error("%s: %s must be at least %lld, got %lld", command, flag, (long long)min, value);
+  *out = (int64_t)value;
+  return 0;
+}
+
+int parse_number(const char *command, const char *flag, const char *text, double *out) {
+  char *end = NULL;
+  errno = 0;
+  double value = strtod(text, &end);
+  if (errno != 0 || end == text || *end != '\0' || !isfinite(value))
+    return usage_error("%s: %s expects a number, got '%s'", command, flag, text);
+  *out = value;
+  return 0;
+}
+
+int parse_seed(const char *command, const char *text, uint64_t *out) {
+  char *end = NULL;
+  errno = 0;
+  const char *digits = text + strspn(text, " ");
+  unsigned long long value = strtoull(digits, &end, 10);
+  if (*digits == '-' || *digits == '+' || errno != 0 || end == digits || *end != '\0')
+    return usage_error("%s: --seed expects an integer from 0 to 18446744073709551615, got '%s'", command, text);
+  *out = (uint64_t)value;
   return 0;
 }
 

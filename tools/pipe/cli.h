@@ -18,6 +18,7 @@ int cmd_run(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_worker(int argc, char **argv);
 int cmd_generate(int argc, char **argv);
+int cmd_chat(int argc, char **argv);
 
 /* ---- reporting (args.c) ---- */
 /* Prints "pipe: error: <message> (run 'pipe --help' for usage)" and returns 2. */
@@ -29,6 +30,11 @@ int fail(const char *what, pipe_status status);
 /* ---- argument parsing (args.c) ---- */
 /* 0 and *out set, or 2 after a usage error naming `flag`. */
 int parse_int(const char *flag, const char *text, int32_t *out);
+/* The same for `command`'s 64-bit integer at least `min`, a finite number, and a seed (0 .. 2^64-1):
+ * 0 and *out set, or 2 after a usage error naming the command and the flag. */
+int parse_int64_at_least(const char *command, const char *flag, const char *text, int64_t min, int64_t *out);
+int parse_number(const char *command, const char *flag, const char *text, double *out);
+int parse_seed(const char *command, const char *text, uint64_t *out);
 
 #define MAX_SPLIT_POINTS 256
 
@@ -67,6 +73,9 @@ typedef struct {
    * command line; open_pipeline turns them into the options' input_specs. */
   const char *replicated[MAX_REPLICATED];
   int num_replicated;
+  /* chat on a terminal: the local workers ignore SIGINT, which the terminal sends to the whole foreground
+   * process group when Ctrl-C stops a reply (the driver cancels the reply; the workers go on serving). */
+  int workers_ignore_interrupt;
 } session_args;
 
 void init_session_args(session_args *s);

@@ -50,38 +50,6 @@ typedef struct {
   char **texts;              /* each reply decoded, when a tokenizer is loaded */
 } generate_args;
 
-static int parse_int64(const char *flag, const char *text, int64_t min, int64_t *out) {
-  char *end = NULL;
-  errno = 0;
-  long long value = strtoll(text, &end, 10);
-  if (errno != 0 || end == text || *end != '\0')
-    return usage_error("generate: %s expects an integer, got '%s'", flag, text);
-  if (value < min) return usage_error("generate: %s must be at least %lld, got %lld", flag, (long long)min, value);
-  *out = (int64_t)value;
-  return 0;
-}
-
-static int parse_double(const char *flag, const char *text, double *out) {
-  char *end = NULL;
-  errno = 0;
-  double value = strtod(text, &end);
-  if (errno != 0 || end == text || *end != '\0' || !isfinite(value))
-    return usage_error("generate: %s expects a number, got '%s'", flag, text);
-  *out = value;
-  return 0;
-}
-
-static int parse_seed(const char *text, uint64_t *out) {
-  char *end = NULL;
-  errno = 0;
-  const char *digits = text + strspn(text, " ");
-  unsigned long long value = strtoull(digits, &end, 10);
-  if (*digits == '-' || *digits == '+' || errno != 0 || end == digits || *end != '\0')
-    return usage_error("generate: --seed expects an integer from 0 to 18446744073709551615, got '%s'", text);
-  *out = (uint64_t)value;
-  return 0;
-}
-
 /* "1,2,3" (spaces around the ids allowed) into a fresh list. Only the syntax is checked here:
  * libpipe checks the ids against the model's vocabulary. */
 static int parse_ids(const char *flag, const char *text, id_list *out) {
@@ -142,24 +110,24 @@ static int parse_generate_arg(int argc, char **argv, int *i, generate_args *g, s
       ++g->num_prompts;
       return 1;
     }
-    case 1: g->has_max_new_tokens = 1; return parse_int64(a, v, 1, &o->max_new_tokens) ? 2 : 1;
+    case 1: g->has_max_new_tokens = 1; return parse_int64_at_least("generate", a, v, 1, &o->max_new_tokens) ? 2 : 1;
     case 2:
-      if (parse_double(a, v, &o->temperature)) return 2;
+      if (parse_number("generate", a, v, &o->temperature)) return 2;
       if (o->temperature < 0) return usage_error("generate: --temperature must be 0 (greedy) or more, got %s", v);
       g->greedy = o->temperature == 0;
       return 1;
-    case 3: g->sampling_flag = a; return parse_int64(a, v, 0, &o->top_k) ? 2 : 1;
+    case 3: g->sampling_flag = a; return parse_int64_at_least("generate", a, v, 0, &o->top_k) ? 2 : 1;
     case 4:
       g->sampling_flag = a;
-      if (parse_double(a, v, &o->top_p)) return 2;
+      if (parse_number("generate", a, v, &o->top_p)) return 2;
       if (!(o->top_p > 0 && o->top_p <= 1)) return usage_error("generate: --top-p must be in (0, 1], got %s", v);
       return 1;
-    case 5: return parse_seed(v, &o->seed) ? 2 : 1;
+    case 5: return parse_seed("generate", v, &o->seed) ? 2 : 1;
     case 6:
       free(g->stop.ids);
       g->has_stop_ids = 1;
       return parse_ids(a, v, &g->stop) ? 2 : 1;
-    case 7: return parse_int64(a, v, 1, &g->generator.prefill_chunk) ? 2 : 1;
+    case 7: return parse_int64_at_least("generate", a, v, 1, &g->generator.prefill_chunk) ? 2 : 1;
     case 10: g->trace_path = v; return 1;
     case 12: g->prompts[g->num_prompts++].text = v; return 1;
     case 13: g->tokenizer_dir = v; return 1;

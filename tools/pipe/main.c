@@ -58,6 +58,23 @@ static const char usage_text[] =
     "      --trace writes a Chrome trace of the generation: a track per\n"
     "      stage and one of the engine's steps (launch, collect, sample, deliver);\n"
     "      --trace-operators adds each stage slice's time per operator (slower while it runs).\n"
+    "  chat MODEL_DIR_OR_DECODER [SPLIT] [--max-new-tokens N] [--temperature T [--top-k K]\n"
+    "      [--top-p P]] [--seed S] [--system TEXT] [--tokenizer DIR] [--prefill-chunk C]\n"
+    "      [--threads-per-stage T] [--stats]\n"
+    "      A conversation with a decoder: each message is added to the conversation, which the\n"
+    "      model's chat template renders whole (earlier turns are found in the cache, not computed\n"
+    "      again), and the reply is printed as it is generated. MODEL_DIR_OR_DECODER is a Hugging\n"
+    "      Face model folder with a decoder exported into it (`python -m libpipe.export_llm DIR\n"
+    "      DIR/decoder.pt`; decoder.pt, else decoder.pt2, with the folder's model.safetensors and\n"
+    "      tokenizer), or a decoder file with --weights (the tokenizer: --tokenizer DIR, else the\n"
+    "      folder of --weights). On a terminal: type a message and press Enter; Ctrl-C stops a\n"
+    "      reply, Ctrl-D ends the chat. From a pipe: one message per line (empty lines skipped),\n"
+    "      each reply on a line of stdout, until the end of input. A reply ends at the folder's\n"
+    "      stop ids, after --max-new-tokens N (default: none), or when the conversation fills the\n"
+    "      decoder's --max-seq-len (said on stderr; a message that no longer fits is refused).\n"
+    "      Greedy unless --temperature T > 0 (turn i sampled with seed S + i, default S 0).\n"
+    "      --system TEXT opens the conversation with a system message; --stats prints each\n"
+    "      reply's tokens, tokens/s and prompt tokens found in the cache on stderr.\n"
     "  worker --rank R --world-size N --store HOST:PORT [--comm-timeout-ms T] [--threads T]\n"
     "         [--token-file FILE]\n"
     "      Host stages for a session whose driver (a `pipe run`/`bench`/`generate` with\n"
@@ -82,14 +99,14 @@ static const char usage_text[] =
     "                                  output feature) or 4-bit codes (a scale per G = 32 (default),\n"
     "                                  64 or 128 inputs); activations stay in the dtype (default none)\n"
     "\n"
-    "run, bench and generate place the stages with:\n"
+    "run, bench, generate and chat place the stages with:\n"
     "  --devices D0,D1,...|D|auto      one device per stage (cpu, cuda, cuda:N), one device for\n"
     "                                  all, or auto (the visible GPUs in order, else the CPU; over\n"
     "                                  processes each one's own GPU, cuda:LOCAL_RANK under a\n"
     "                                  launcher);\n"
     "                                  default: every stage on the CPU\n"
     "\n"
-    "run, bench and generate spread the stages over processes with:\n"
+    "run, bench, generate and chat spread the stages over processes with:\n"
     "  --processes N                   start N-1 local workers (`pipe worker`) and use them\n"
     "                                  (they share a token made for them; the store on 127.0.0.1)\n"
     "  --world-size N --store HOST:PORT  drive N-1 workers started elsewhere; this process\n"
@@ -130,6 +147,7 @@ int main(int argc, char **argv) {
   if (strcmp(cmd, "run") == 0) return cmd_run(argc - 2, argv + 2);
   if (strcmp(cmd, "bench") == 0) return cmd_bench(argc - 2, argv + 2);
   if (strcmp(cmd, "generate") == 0) return cmd_generate(argc - 2, argv + 2);
+  if (strcmp(cmd, "chat") == 0) return cmd_chat(argc - 2, argv + 2);
   if (strcmp(cmd, "worker") == 0) return cmd_worker(argc - 2, argv + 2);
   return usage_error("unknown command '%s'", cmd);
 }

@@ -61,6 +61,7 @@ int start_workers(local_workers *w, const session_args *s, const char *store) {
       if (getppid() != parent) _exit(1);
       int devnull = open("/dev/null", O_WRONLY);
       if (devnull >= 0) dup2(devnull, STDERR_FILENO);
+      if (s->workers_ignore_interrupt) signal(SIGINT, SIG_IGN); /* async-signal-safe, and kept across execve */
       execve("/proc/self/exe", argv, envp);
       _exit(127);
     }
