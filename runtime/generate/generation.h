@@ -34,7 +34,12 @@ struct GenerationOptions {
   std::vector<int64_t> stop_ids;
   Clock::time_point deadline = Clock::time_point::max();
   bool logprobs = false;     // keep each token's log-probability (TokenLogprobs)
-  int64_t top_logprobs = 0;  // and that many of the likeliest tokens at its position (0..kMaxTopLogprobs; logprobs)
+  int64_t top_logprobs = 0;  // and that many of the likeliest tokens at its position (0..kMaxTopLogprobs; logprobs
+                             // or prompt_logprobs)
+  // Score the prompt too: each prompt token's log-probability given those before it (OpenAI's echo with logprobs,
+  // perplexity). The prompt then goes through the pipeline one token a step, as decode rows do, since the decoder
+  // gives the logits of a row's last token only; nothing of it is taken from the cache (prefix reuse).
+  bool prompt_logprobs = false;
 };
 
 // A generated token's log-probability under the model's distribution at its position (the log-softmax of the
@@ -63,8 +68,9 @@ class Generation {
   // `wake` asks the engine to look at this generation again (after cancel()); it may be called after the engine
   // is gone, so the engine hands a function that holds no reference to it that could dangle.
   // `keeps_logprobs`: the options asked for each token's log-probabilities (GenerationOptions::logprobs).
+  // `keeps_prompt_logprobs`: and the prompt's (GenerationOptions::prompt_logprobs).
   Generation(int64_t prompt_tokens, Clock::time_point submitted, std::function<void()> wake,
-             bool keeps_logprobs = false);
+             bool keeps_logprobs = false, bool keeps_prompt_logprobs = false);
   ~Generation();  // closes the eventfd if abandon() did not
   Generation(const Generation&) = delete;
   Generation& operator=(const Generation&) = delete;
@@ -94,12 +100,20 @@ class Generation {
   // or the generation was not asked for them.
   bool logprobs(size_t index, TokenLogprobs* out);
   bool keeps_logprobs() const { return keeps_logprobs_; }
+  // The log-probabilities of the prompt's token at `position` (1 .. prompt tokens - 1) given the tokens before it;
+  // false for position 0 (nothing precedes it), a position not scored yet (all are once the first token arrived),
+  // or a generation not asked for them.
+  bool prompt_logprobs(size_t position, TokenLogprobs* out);
+  bool keeps_prompt_logprobs() const { return keeps_prompt_logprobs_; }
 
   // ---- The engine's side (its scheduler thread) ----
   // The sequence got its cache slot, holding the first `cached_tokens` of its prompt already.
   void started(Clock::time_point now, int64_t cached_tokens);
   // Appends generated tokens (with their log-probabilities when asked: null or `count` of them) and tells the caller.
   void publish(const int64_t* tokens, size_t count, Clock::time_point now, const TokenLogprobs* logprobs = nullptr);
+  // Records the prompt token at `position`'s log-probabilities (a generation that keeps them); tells nobody: the
+  // caller reads them once the first token (published after them) arrives.
+  void scored(int64_t position, TokenLogprobs logprobs);
   // Ends the sequence (first call only) and tells the caller; `status` Ok for Stop and Length.
   void finish(FinishReason reason, Status status, const std::string& message);
   bool finished();
@@ -114,13 +128,16 @@ class Generation {
   const Clock::time_point submitted_;
   const std::function<void()> wake_;
   const bool keeps_logprobs_;
+  const bool keeps_prompt_logprobs_;
   std::atomic<bool> cancel_requested_{false};
 
   std::mutex mutex_;
   std::condition_variable ended_;
   std::vector<int64_t> tokens_;
-  std::vector<TokenLogprobs> logprobs_;  // one per token when the options asked for them
-  size_t read_ = 0;                      // tokens the caller has read
+  std::vector<TokenLogprobs> logprobs_;         // one per token when the options asked for them
+  std::vector<TokenLogprobs> prompt_logprobs_;  // per prompt position when asked for (0: none)
+  std::vector<bool> prompt_scored_;
+  size_t read_ = 0;  // tokens the caller has read
   FinishReason reason_ = FinishReason::None;
   Status status_ = Status::Ok;
   std::string message_;

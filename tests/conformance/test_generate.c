@@ -40,7 +40,7 @@ _Static_assert(sizeof(pipe_generator_info) == 40 && offsetof(pipe_generator_info
                    offsetof(pipe_generator_info, vocab) == 24 &&
                    offsetof(pipe_generator_info, cache_bytes_per_slot) == 32,
                "pipe_generator_info");
-_Static_assert(sizeof(pipe_generation_options) == 80 && offsetof(pipe_generation_options, struct_size) == 0 &&
+_Static_assert(sizeof(pipe_generation_options) == 88 && offsetof(pipe_generation_options, struct_size) == 0 &&
                    offsetof(pipe_generation_options, max_new_tokens) == 8 &&
                    offsetof(pipe_generation_options, temperature) == 16 &&
                    offsetof(pipe_generation_options, top_k) == 24 && offsetof(pipe_generation_options, top_p) == 32 &&
@@ -48,7 +48,8 @@ _Static_assert(sizeof(pipe_generation_options) == 80 && offsetof(pipe_generation
                    offsetof(pipe_generation_options, num_stop_ids) == 56 &&
                    offsetof(pipe_generation_options, timeout_ms) == 64 &&
                    offsetof(pipe_generation_options, logprobs) == 72 &&
-                   offsetof(pipe_generation_options, top_logprobs) == 76,
+                   offsetof(pipe_generation_options, top_logprobs) == 76 &&
+                   offsetof(pipe_generation_options, prompt_logprobs) == 80,
                "pipe_generation_options");
 _Static_assert(sizeof(pipe_generation_info) == 56 && offsetof(pipe_generation_info, struct_size) == 0 &&
                    offsetof(pipe_generation_info, finish_reason) == 4 &&
@@ -366,6 +367,8 @@ static void init_functions_equal_macros(void **state) {
   assert_int_equal(o.timeout_ms, o_macro.timeout_ms);
   assert_int_equal(o.logprobs, o_macro.logprobs);
   assert_int_equal(o.top_logprobs, o_macro.top_logprobs);
+  assert_int_equal(o.prompt_logprobs, o_macro.prompt_logprobs);
+  assert_int_equal(o.prompt_logprobs, 0);
   assert_int_equal(o.logprobs, 0);
 
   pipe_generation_info i, i_macro = PIPE_GENERATION_INFO_INIT;
@@ -799,7 +802,44 @@ static void greedy_equals_transformers(void **state) {
   lo.logprobs = 0;
   lo.top_logprobs = 2;
   ASSERT_FAILS(pipe_generator_submit(g, ref.prompts[2].ids, ref.prompts[2].len, &lo, &gen), PIPE_ERR_INVALID_ARGUMENT,
-               "set logprobs to 1");
+               "set one to 1");
+
+  /* The prompt scored (0.15): the same greedy tokens, every position after the first scored with its alternatives
+   * most likely first, nothing taken from the cache (prompt 2 is in a slot by now); position 0, positions past the
+   * prompt and a generation that did not ask are refused. The values against transformers': the Python binding's
+   * test. */
+  lo.prompt_logprobs = 1;
+  lo.top_logprobs = 3;
+  ASSERT_OK(pipe_generator_submit(g, ref.prompts[2].ids, ref.prompts[2].len, &lo, &gen));
+  ASSERT_OK(pipe_generation_wait(gen, -1));
+  id_list scored_tokens = {0};
+  assert_int_equal(read_all(gen, &scored_tokens), 1);
+  assert_ids_equal(&scored_tokens, &ref.greedy[2], "prompt 2 scored");
+  assert_int_equal(info_of(gen).cached_tokens, 0);
+  for (size_t pos = 1; pos < ref.prompts[2].len; ++pos) {
+    float logprob = 1, top_lp[4] = {0};
+    int64_t top_ids[4] = {-1, -1, -1, -1};
+    size_t count = 0;
+    ASSERT_OK(pipe_generation_prompt_logprobs(gen, pos, &logprob, top_ids, top_lp, 4, &count));
+    assert_int_equal(count, 3);
+    assert_true(logprob <= 0 && logprob <= top_lp[0] && top_ids[3] == -1);
+    assert_true(top_lp[0] >= top_lp[1] && top_lp[1] >= top_lp[2]);
+    for (size_t k = 0; k < 3; ++k) /* the token's own entry, when it is among the likeliest */
+      if (top_ids[k] == ref.prompts[2].ids[pos]) assert_true(top_lp[k] == logprob);
+  }
+  ASSERT_FAILS(pipe_generation_prompt_logprobs(gen, 0, &unused, NULL, NULL, 0, &unused_count),
+               PIPE_ERR_INVALID_ARGUMENT, "first token has nothing before it");
+  ASSERT_FAILS(pipe_generation_prompt_logprobs(gen, ref.prompts[2].len, &unused, NULL, NULL, 0, &unused_count),
+               PIPE_ERR_INVALID_ARGUMENT, "is not scored");
+  pipe_generation_destroy(gen);
+  gen = submit(g, ref.prompts[2].ids, ref.prompts[2].len, 1);
+  ASSERT_OK(pipe_generation_wait(gen, -1));
+  ASSERT_FAILS(pipe_generation_prompt_logprobs(gen, 1, &unused, NULL, NULL, 0, &unused_count),
+               PIPE_ERR_INVALID_ARGUMENT, "prompt_logprobs = 1");
+  pipe_generation_destroy(gen);
+  lo.prompt_logprobs = 2;
+  ASSERT_FAILS(pipe_generator_submit(g, ref.prompts[2].ids, ref.prompts[2].len, &lo, &gen), PIPE_ERR_INVALID_ARGUMENT,
+               "prompt_logprobs is 2");
   pipe_generator_destroy(g);
 }
 

@@ -11,7 +11,8 @@ writes
     OUT_DIR/tiny_decoder.expected.json   {"prompts": [[ids]], "max_new_tokens": N, "greedy": [[ids]],
                                           "greedy_logprobs": [{"logprob": [x], "top_ids": [[5 ids]],
                                                                "top_logprobs": [[5 x]]}],
-                                          "vocab", "slots", "max_len",
+                                          "prompt_logprobs": [the same, of prompts[i][1:] given what precedes
+                                                               each], "vocab", "slots", "max_len",
                                           "max_len_prompt": [ids], "max_len_greedy": [ids]}
                                          greedy[i]: the N tokens generated after prompts[i], greedy_logprobs[i]
                                          their log-probabilities (log-softmax of transformers' logits) and the
@@ -238,6 +239,14 @@ def logprobs_of(tokens, logits, top=5):
     return {"logprob": lp, "top_ids": top_ids, "top_logprobs": top_lp}
 
 
+def prompt_logprobs_of(hf, prompt, top=5):
+    """Each prompt token's log-probability given those before it (positions 1.., from transformers' logits of one
+    forward over the prompt), as logprobs_of gives them."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0]
+    return logprobs_of(prompt[1:], logits[:-1], top)
+
+
 def make_prompt(n, generator):
     """n random ids, never starting with the gated decoder's marker ids 119..127."""
     p = torch.randint(0, VOCAB, (n,), generator=generator).tolist()
@@ -313,6 +322,7 @@ def generate(out_dir):
         "max_new_tokens": NEW_TOKENS,
         "greedy": greedy,
         "greedy_logprobs": logprobs,
+        "prompt_logprobs": [prompt_logprobs_of(hf, p) for p in prompts],
         "vocab": VOCAB,
         "slots": SLOTS,
         "max_len": MAX_LEN,

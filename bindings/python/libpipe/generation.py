@@ -369,6 +369,7 @@ class Generator(_Closeable):
         tokenizer=None,
         logprobs=False,
         top_logprobs=0,
+        prompt_logprobs=False,
     ):
         """Start generating after `prompt` and return its Generation at once (never waiting: the
         sequence queues while every cache slot is taken).
@@ -385,7 +386,10 @@ class Generator(_Closeable):
         tokenizer) that encodes a str prompt and makes the generation give text. logprobs: keep
         each token's log-probability (Generation.logprobs) under the model's distribution (the
         log-softmax of its logits, before temperature, top_k and top_p), with the top_logprobs
-        (0..20) likeliest tokens at its position.
+        (0..20) likeliest tokens at its position. prompt_logprobs: score the prompt too
+        (Generation.prompt_logprobs: each prompt token's log-probability given those before it,
+        with top_logprobs alternatives; OpenAI's echo, perplexity): the prompt then crosses the
+        pipeline one token a step, and nothing of it is taken from the cache.
 
         InvalidArgumentError for an empty prompt, an id outside 0 .. vocab-1, a prompt that
         leaves no room for one token in max_len, or bad options (the message names them);
@@ -414,9 +418,18 @@ class Generator(_Closeable):
             "logprobs": 1 if logprobs else 0,
             "top_logprobs": _int(top_logprobs, "top_logprobs"),
         }
+        if prompt_logprobs:  # only when asked: a libpipe older than 0.15 knows no such field
+            options["prompt_logprobs"] = 1
         with self._handle.use() as h:
             ptr = _lib().pipe_generator_submit(h, ids, options)
-        return Generation(ptr, self, ids, codec, options["top_logprobs"] if logprobs else None)
+        return Generation(
+            ptr,
+            self,
+            ids,
+            codec,
+            options["top_logprobs"] if logprobs else None,
+            options["top_logprobs"] if prompt_logprobs else None,
+        )
 
     def __repr__(self):
         i = self.info
@@ -454,7 +467,7 @@ class Generation(_Closeable):
     _close_deferred = False  # close once the loop has stopped watching (it still uses the fd)
     _closing = False  # close() has begun: no loop may start watching the fd it is about to close
 
-    def __init__(self, ptr, generator, prompt, codec, top_logprobs=None):
+    def __init__(self, ptr, generator, prompt, codec, top_logprobs=None, prompt_top_logprobs=None):
         self._watch_lock = threading.Lock()
         self._handle = _Handle(ptr, _lib().pipe_generation_destroy, "generation", 0)
         self._generator = generator  # kept alive while the sequence may go on
@@ -467,6 +480,8 @@ class Generation(_Closeable):
         self._ids = []  # every token read from libpipe
         self._top_logprobs = top_logprobs  # None: no log-probabilities asked for
         self._logprobs = []  # a TokenLogprobs per token read, when asked (read with it: the C side goes at the end)
+        self._prompt_top_logprobs = prompt_top_logprobs  # None: the prompt is not scored
+        self._prompt_logprobs = None  # [None, TokenLogprobs per prompt position 1..], read with the first token
         self._next = 0  # tokens iteration has handed out (or fed to the text stream)
         self._flushed = False  # the text stream's tail was handed out
         self._ended = False  # the sequence finished and every token was read
@@ -485,6 +500,14 @@ class Generation(_Closeable):
         with self._handle.use() as h:  # raises if the generation was closed
             while True:
                 ids, finished = lib.pipe_generation_read(h, _READ_CHUNK)
+                if self._prompt_top_logprobs is not None and self._prompt_logprobs is None and (ids or finished):
+                    # Every position is scored before the first token is published (or the end told).
+                    scored = [None]
+                    with contextlib.suppress(InvalidArgumentError):  # a generation that failed before the end
+                        for position in range(1, len(self.prompt)):
+                            logprob, top = lib.pipe_generation_prompt_logprobs(h, position, self._prompt_top_logprobs)
+                            scored.append(TokenLogprobs(logprob, top))
+                    self._prompt_logprobs = scored
                 if self._top_logprobs is not None:
                     for index in range(len(self._ids), len(self._ids) + len(ids)):
                         logprob, top = lib.pipe_generation_logprobs(h, index, self._top_logprobs)
@@ -632,6 +655,22 @@ class Generation(_Closeable):
             with contextlib.suppress(InvalidArgumentError):
                 self._pull_locked()
             return list(self._logprobs)
+
+    @property
+    def prompt_logprobs(self):
+        """The prompt's scores (generate(prompt_logprobs=True)): None for its first token, which
+        nothing precedes, then a TokenLogprobs per prompt token: its log-probability given the
+        tokens before it and the likeliest tokens there. None until the first token arrived (all
+        are scored by then); a list cut short when the generation failed before its prompt was
+        scored. InvalidArgumentError when generate() was not asked for them."""
+        if self._prompt_top_logprobs is None:
+            raise InvalidArgumentError(
+                Status.INVALID_ARGUMENT, "this generation did not score its prompt (generate(prompt_logprobs=True))"
+            )
+        with self._lock:
+            with contextlib.suppress(InvalidArgumentError):
+                self._pull_locked()
+            return None if self._prompt_logprobs is None else list(self._prompt_logprobs)
 
     @property
     def text(self):

@@ -466,7 +466,8 @@ LIBPIPE_INT64_OUTPUT(pad)
 }
 %typemap(freearg) (int64_t *tokens, size_t capacity, size_t *count) { free(buffer$argnum); }
 
-/* pipe_generation_logprobs: the arguments are the token's index and how many of the likeliest
+/* pipe_generation_logprobs and pipe_generation_prompt_logprobs: the arguments are the token's index
+ * (the prompt position) and how many of the likeliest
  * tokens to give (at most 20); the result [logprob, ((id, logprob), ...)]. */
 %typemap(in, numinputs=0) float *logprob (float lp = 0) { $1 = &lp; }
 %typemap(argout) float *logprob { $result = SWIG_Python_AppendOutput($result, PyFloat_FromDouble((double)*$1)); }
@@ -744,14 +745,15 @@ LIBPIPE_INT64_OUTPUT(pad)
 }
 
 /* None or a dict with the fields of pipe_generation_options ("max_new_tokens", "temperature",
- * "top_k", "top_p", "seed", "timeout_ms", "logprobs", "top_logprobs", and "stop_ids" as a sequence
+ * "top_k", "top_p", "seed", "timeout_ms", "logprobs", "top_logprobs", "prompt_logprobs", and "stop_ids" as a sequence
  * of ints, copied into an array kept for the call). Absent keys keep libpipe's defaults. */
 %typemap(in) const pipe_generation_options * (pipe_generation_options tmp, int64_t *stop = NULL) {
   if ($input == Py_None) {
     $1 = NULL;
   } else {
     static const char *const allowed[] = {"max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                                          "stop_ids", "timeout_ms", "logprobs", "top_logprobs", NULL};
+                                          "stop_ids", "timeout_ms", "logprobs", "top_logprobs", "prompt_logprobs",
+                                          NULL};
     if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "generation options must be a dict or None");
     if (libpipe_check_keys($input, allowed, "generation") < 0) SWIG_fail;
     if (LIBPIPE_INIT(pipe_generation_options_init, &tmp) < 0) SWIG_fail;
@@ -762,7 +764,8 @@ LIBPIPE_INT64_OUTPUT(pad)
         libpipe_dict_uint64($input, "seed", &tmp.seed) < 0 ||
         libpipe_dict_int64($input, "timeout_ms", &tmp.timeout_ms) < 0 ||
         libpipe_dict_int32($input, "logprobs", &tmp.logprobs) < 0 ||
-        libpipe_dict_int32($input, "top_logprobs", &tmp.top_logprobs) < 0)
+        libpipe_dict_int32($input, "top_logprobs", &tmp.top_logprobs) < 0 ||
+        libpipe_dict_int32($input, "prompt_logprobs", &tmp.prompt_logprobs) < 0)
       SWIG_fail;
     PyObject *ids = PyDict_GetItemString($input, "stop_ids");
     if (ids && ids != Py_None) {

@@ -101,6 +101,29 @@ def test_logprobs_equal_the_log_softmax_of_transformers_logits(tiny_generator, d
         tiny_generator.generate(cases(decoder_expected)[0][0], logprobs=True, top_logprobs=21)
 
 
+def test_prompt_logprobs_equal_the_log_softmax_of_transformers_logits(tiny_generator, decoder_expected):
+    # Each prompt token scored given those before it (echo, perplexity), several prompts at once so that their
+    # one-token rows share steps with each other and with a plain prompt's chunk; the tokens that follow stay greedy.
+    n = decoder_expected["max_new_tokens"]
+    scored = [
+        tiny_generator.generate(prompt, max_new_tokens=n, prompt_logprobs=True, top_logprobs=5)
+        for prompt, _ in cases(decoder_expected)
+    ]
+    plain_prompt, plain_want = cases(decoder_expected)[0]
+    plain = tiny_generator.generate(plain_prompt, max_new_tokens=n)
+    assert plain.wait() == plain_want
+    for generation, (prompt, want), ref in zip(scored, cases(decoder_expected), decoder_expected["prompt_logprobs"]):
+        assert generation.wait() == want
+        assert generation.info.cached_tokens == 0
+        got = generation.prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None
+        for position, lp in enumerate(got[1:], start=1):
+            assert lp.logprob == pytest.approx(ref["logprob"][position - 1], abs=1e-4)
+            assert [x for _, x in lp.top] == pytest.approx(ref["top_logprobs"][position - 1], abs=1e-4)
+    with pytest.raises(libpipe.InvalidArgumentError, match="prompt_logprobs=True"):
+        plain.prompt_logprobs
+
+
 def test_prompts_as_numpy_and_torch_integers(tiny_generator, decoder_expected):
     torch = pytest.importorskip("torch")
     prompt, want, n = first_case(decoder_expected)
