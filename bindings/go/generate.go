@@ -279,18 +279,23 @@ type GenerationOptions struct {
 	// log-softmax of the logits, before Temperature, TopK and TopP), read with
 	// Generation.Logprobs.
 	Logprobs bool
-	// With Logprobs: also the log-probabilities of this many of the likeliest tokens at each
-	// position, 0..20 (as OpenAI's API allows).
+	// With Logprobs or PromptLogprobs: also the log-probabilities of this many of the likeliest
+	// tokens at each position, 0..20 (as OpenAI's API allows).
 	TopLogprobs int
+	// Score the prompt too (libpipe >= 0.15): each prompt token's log-probability given the
+	// tokens before it, with TopLogprobs alternatives, read with Generation.PromptLogprobs
+	// (OpenAI's echo with logprobs; perplexity). The prompt then crosses the pipeline one token a
+	// step, like generated tokens, and none of it is taken from a cache slot (prefix reuse).
+	PromptLogprobs bool
 }
 
 // MaxTopLogprobs is the most alternatives GenerationOptions.TopLogprobs may ask for.
 const MaxTopLogprobs = 20
 
-// TokenLogprobs is a generated token's log-probability under the model's distribution at its
-// position (the log-softmax of the logits, before temperature, top-k and top-p: what the model
-// said, whatever the sampler chose), and the likeliest tokens there, most likely first
-// (GenerationOptions.TopLogprobs of them).
+// TokenLogprobs is a generated (or prompt) token's log-probability under the model's
+// distribution at its position (the log-softmax of the logits, before temperature, top-k and
+// top-p: what the model said, whatever the sampler chose), and the likeliest tokens there, most
+// likely first (GenerationOptions.TopLogprobs of them).
 type TokenLogprobs struct {
 	Logprob float32
 	Top     []TokenLogprob
@@ -366,13 +371,19 @@ type generationCore struct {
 	cancelled   chan struct{} // closed by Cancel
 	cancelOnce  sync.Once
 	tokens      chan int64
-	topLogprobs int // alternatives per token, with logprobs
+	topLogprobs int // alternatives per token, with logprobs or promptLogprobs
 	logprobs    bool
-	lpMu        sync.Mutex      // guards lps
-	lps         []TokenLogprobs // one per token read from libpipe, with logprobs
-	ended       chan struct{}   // closed after err is written, before tokens is closed
-	err         error           // how it ended
-	final       GenerationInfo  // the last info, kept once ptr is destroyed
+	// With promptLogprobs: the prompt's length, and whether its scores were read (with the first
+	// token, or the end).
+	promptLogprobs bool
+	promptLen      int
+	promptRead     bool
+	lpMu           sync.Mutex      // guards lps and plps
+	lps            []TokenLogprobs // one per token read from libpipe, with logprobs
+	plps           []TokenLogprobs // one per prompt token (entry 0 empty), with promptLogprobs
+	ended          chan struct{}   // closed after err is written, before tokens is closed
+	err            error           // how it ended
+	final          GenerationInfo  // the last info, kept once ptr is destroyed
 }
 
 // Generate starts generating after prompt (token ids, copied) and returns at once: the tokens
@@ -419,12 +430,17 @@ func (g *Generator) Generate(ctx context.Context, prompt []int64, opts *Generati
 		return nil, errorf(op, StatusInvalidArgument, "TopLogprobs is %d; give 0..%d", opts.TopLogprobs,
 			MaxTopLogprobs)
 	}
-	if opts.TopLogprobs > 0 && !opts.Logprobs {
-		return nil, errorf(op, StatusInvalidArgument, "TopLogprobs is %d but Logprobs is false; set Logprobs as well",
-			opts.TopLogprobs)
+	if opts.TopLogprobs > 0 && !opts.Logprobs && !opts.PromptLogprobs {
+		return nil, errorf(op, StatusInvalidArgument,
+			"TopLogprobs is %d but Logprobs and PromptLogprobs are false; set one of them as well", opts.TopLogprobs)
 	}
 	if opts.Logprobs {
 		o.SetLogprobs(1)
+	}
+	if opts.PromptLogprobs {
+		o.SetPrompt_logprobs(1)
+	}
+	if opts.Logprobs || opts.PromptLogprobs {
 		o.SetTop_logprobs(opts.TopLogprobs)
 	}
 	ptr, err := g.acquire(op)
@@ -437,7 +453,7 @@ func (g *Generator) Generate(ctx context.Context, prompt []int64, opts *Generati
 	if err != nil {
 		return nil, err
 	}
-	return startGeneration(ctx, gptr, ctxDeadline, opts)
+	return startGeneration(ctx, gptr, ctxDeadline, opts, len(prompt))
 }
 
 // generationTimeout is the sequence's timeout_ms: the earlier of timeout and ctx's deadline, in
@@ -462,17 +478,19 @@ func generationTimeout(op string, ctx context.Context, timeout time.Duration) (i
 }
 
 func startGeneration(ctx context.Context, ptr capi.SwigcptrPipe_generation, ctxDeadline bool,
-	opts *GenerationOptions) (*Generation, error) {
+	opts *GenerationOptions, promptLen int) (*Generation, error) {
 	c := &generationCore{
-		logprobs:    opts.Logprobs,
-		topLogprobs: opts.TopLogprobs,
-		ptr:         ptr,
-		ctx:         ctx,
-		ctxDeadline: ctxDeadline,
-		notify:      make(chan struct{}, 1),
-		cancelled:   make(chan struct{}),
-		tokens:      make(chan int64, 16),
-		ended:       make(chan struct{}),
+		logprobs:       opts.Logprobs,
+		topLogprobs:    opts.TopLogprobs,
+		promptLogprobs: opts.PromptLogprobs,
+		promptLen:      promptLen,
+		ptr:            ptr,
+		ctx:            ctx,
+		ctxDeadline:    ctxDeadline,
+		notify:         make(chan struct{}, 1),
+		cancelled:      make(chan struct{}),
+		tokens:         make(chan int64, 16),
+		ended:          make(chan struct{}),
 	}
 	// The callback only wakes the goroutine: it takes no lock and never blocks, since libpipe
 	// calls it on its generator thread (and pipe_generation_destroy waits for it to return).
@@ -558,39 +576,72 @@ func (c *generationCore) run() {
 	c.finish(readErr, dropped)
 }
 
-// read copies the unread tokens into buf without waiting, and keeps their log-probabilities when
-// they were asked for (the C generation, which holds them, is destroyed at the end).
+// read copies the unread tokens into buf without waiting, and keeps their log-probabilities, and
+// the prompt's with the first token (or the end), when they were asked for (the C generation,
+// which holds them, is destroyed at the end).
 func (c *generationCore) read(buf []int64) (int, bool, error) {
 	var n int64
 	var fin int32
 	err := call("pipe_generation_read", func() int { return capi.Pipe_generation_read(c.ptr, buf, &n, &fin) })
-	if err != nil || !c.logprobs || n == 0 {
+	if err != nil {
 		return int(n), fin != 0, err
+	}
+	if c.promptLogprobs && !c.promptRead && (n > 0 || fin != 0) {
+		c.readPrompt() // every position is scored before the first token is published
+	}
+	if !c.logprobs || n == 0 {
+		return int(n), fin != 0, nil
 	}
 	c.lpMu.Lock()
 	defer c.lpMu.Unlock()
-	ids := make([]int64, c.topLogprobs)
-	lps := make([]float32, c.topLogprobs)
 	for i := 0; i < int(n); i++ {
-		var lp float32
-		var count int64
-		index := int64(len(c.lps))
-		err = call("pipe_generation_logprobs", func() int {
-			return capi.Pipego_generation_logprobs(c.ptr, index, &lp, ids, lps, &count)
-		})
+		t, err := c.logprobsOf("pipe_generation_logprobs", len(c.lps), capi.Pipego_generation_logprobs)
 		if err != nil {
 			return int(n), fin != 0, err
-		}
-		t := TokenLogprobs{Logprob: lp}
-		if count > 0 {
-			t.Top = make([]TokenLogprob, count)
-			for j := range t.Top {
-				t.Top[j] = TokenLogprob{ID: ids[j], Logprob: lps[j]}
-			}
 		}
 		c.lps = append(c.lps, t)
 	}
 	return int(n), fin != 0, nil
+}
+
+// readPrompt keeps the prompt's scores: an empty entry for position 0, which nothing precedes,
+// then one per position until the first that libpipe refuses (a generation that failed before
+// its prompt was scored).
+func (c *generationCore) readPrompt() {
+	c.lpMu.Lock()
+	defer c.lpMu.Unlock()
+	c.promptRead = true
+	plps := make([]TokenLogprobs, 1, c.promptLen)
+	for position := 1; position < c.promptLen; position++ {
+		t, err := c.logprobsOf("pipe_generation_prompt_logprobs", position, capi.Pipego_generation_prompt_logprobs)
+		if err != nil {
+			break
+		}
+		plps = append(plps, t)
+	}
+	c.plps = plps
+}
+
+// logprobsOf is entry `index` of fn (pipego_generation_logprobs or its prompt form), with up to
+// topLogprobs alternatives.
+func (c *generationCore) logprobsOf(name string, index int,
+	fn func(capi.Pipe_generation, int64, *float32, []int64, []float32, *int64) int) (TokenLogprobs, error) {
+	ids := make([]int64, c.topLogprobs)
+	lps := make([]float32, c.topLogprobs)
+	var lp float32
+	var count int64
+	err := call(name, func() int { return fn(c.ptr, int64(index), &lp, ids, lps, &count) })
+	if err != nil {
+		return TokenLogprobs{}, err
+	}
+	t := TokenLogprobs{Logprob: lp}
+	if count > 0 {
+		t.Top = make([]TokenLogprob, count)
+		for j := range t.Top {
+			t.Top[j] = TokenLogprob{ID: ids[j], Logprob: lps[j]}
+		}
+	}
+	return t, nil
 }
 
 // finish records how the sequence ended, frees the C generation and closes the channel.
@@ -697,6 +748,23 @@ func (g *Generation) Logprobs() []TokenLogprobs {
 	}
 	// Entries are only ever appended past its length, never changed.
 	return c.lps[:len(c.lps):len(c.lps)]
+}
+
+// PromptLogprobs is the prompt's scores (GenerationOptions.PromptLogprobs; nil without it), indexed
+// by prompt position: entry i is prompt token i's log-probability given the tokens before it, and
+// the likeliest tokens there. Entry 0 is the zero TokenLogprobs (Logprob 0, no Top): nothing
+// precedes the first token, which has no score (OpenAI's echo gives null there). nil until the
+// first token was read from libpipe (every position is scored by then: once one token came from
+// Tokens, or Tokens is closed, it is there); shorter than the prompt when the generation failed
+// before its prompt was scored. Read it and do not change it.
+func (g *Generation) PromptLogprobs() []TokenLogprobs {
+	c := g.core
+	if !c.promptLogprobs {
+		return nil
+	}
+	c.lpMu.Lock()
+	defer c.lpMu.Unlock()
+	return c.plps[:len(c.plps):len(c.plps)]
 }
 
 // Info is the sequence's progress: why it finished, tokens so far, queueing and latency.

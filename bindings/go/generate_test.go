@@ -115,6 +115,12 @@ type decoderExpected struct {
 		TopIDs      [][]int64   `json:"top_ids"`
 		TopLogprobs [][]float64 `json:"top_logprobs"`
 	} `json:"greedy_logprobs"`
+	// Per prompt: the same of each prompt token from position 1 on, given those before it.
+	PromptLogprobs []struct {
+		Logprob     []float64   `json:"logprob"`
+		TopIDs      [][]int64   `json:"top_ids"`
+		TopLogprobs [][]float64 `json:"top_logprobs"`
+	} `json:"prompt_logprobs"`
 	// Every token the cache has room for after MaxLenPrompt.
 	MaxLenPrompt []int64 `json:"max_len_prompt"`
 	MaxLenGreedy []int64 `json:"max_len_greedy"`
@@ -377,6 +383,88 @@ func TestGenerateLogprobsMatchTransformers(t *testing.T) {
 		if _, err := gen.Generate(context.Background(), want.Prompts[0], &bad); !errors.Is(err, pipe.ErrInvalidArgument) {
 			t.Fatalf("%+v: %v, want ErrInvalidArgument", bad, err)
 		}
+	}
+}
+
+// With PromptLogprobs, each prompt token's log-probability given those before it, and the 5
+// likeliest tokens there, equal the log-softmax of transformers' logits of the whole prompt; entry
+// 0 is empty; the tokens that follow stay transformers' greedy ones. Several scored prompts at
+// once, beside a plain one, so that their one-token rows share steps. Without the option
+// PromptLogprobs is nil; TopLogprobs with PromptLogprobs alone is allowed.
+func TestGeneratePromptLogprobsMatchTransformers(t *testing.T) {
+	want := readDecoderExpected(t)
+	if len(want.PromptLogprobs) != len(want.Prompts) {
+		t.Fatalf("tiny_decoder.expected.json has %d prompt_logprobs for %d prompts (an old fixture: "+
+			"tests/models/decoder_models.py writes them)", len(want.PromptLogprobs), len(want.Prompts))
+	}
+	gen := newDecoderGenerator(t, "tiny_decoder.pt", nil)
+	const tol = 1e-4
+	near := func(got float32, want float64) bool { return math.Abs(float64(got)-want) <= tol }
+	gens := make([]*pipe.Generation, len(want.Prompts))
+	for i, p := range want.Prompts {
+		gens[i] = must(gen.Generate(context.Background(), p,
+			&pipe.GenerationOptions{MaxNewTokens: want.MaxNewTokens, PromptLogprobs: true, TopLogprobs: 5}))(t)
+	}
+	plain := must(gen.Generate(context.Background(), want.Prompts[0],
+		&pipe.GenerationOptions{MaxNewTokens: want.MaxNewTokens}))(t)
+	for i, g := range gens {
+		got, err := collect(t, g, fmt.Sprintf("prompt %d", i))
+		if err != nil {
+			t.Fatalf("prompt %d: %v", i, err)
+		}
+		if !slices.Equal(got, want.Greedy[i]) {
+			t.Fatalf("prompt %d: got %v, want %v (transformers)", i, got, want.Greedy[i])
+		}
+		if info := must(g.Info())(t); info.CachedTokens != 0 {
+			t.Fatalf("prompt %d: %d prompt tokens from the cache, yet it was scored", i, info.CachedTokens)
+		}
+		if g.Logprobs() != nil {
+			t.Fatalf("prompt %d: Logprobs without GenerationOptions.Logprobs: %+v", i, g.Logprobs())
+		}
+		lps, ref, prompt := g.PromptLogprobs(), want.PromptLogprobs[i], want.Prompts[i]
+		if len(lps) != len(prompt) || len(ref.Logprob) != len(prompt)-1 {
+			t.Fatalf("prompt %d: %d entries for %d prompt tokens (reference: %d positions)", i, len(lps), len(prompt),
+				len(ref.Logprob))
+		}
+		if lps[0].Logprob != 0 || lps[0].Top != nil {
+			t.Fatalf("prompt %d: entry 0 is %+v, want the zero TokenLogprobs", i, lps[0])
+		}
+		for k, lp := range lps[1:] {
+			if !near(lp.Logprob, ref.Logprob[k]) {
+				t.Fatalf("prompt %d position %d: log-probability %v, want %v", i, k+1, lp.Logprob, ref.Logprob[k])
+			}
+			if len(lp.Top) != 5 {
+				t.Fatalf("prompt %d position %d: top %+v, want 5", i, k+1, lp.Top)
+			}
+			for j, alt := range lp.Top {
+				if !near(alt.Logprob, ref.TopLogprobs[k][j]) {
+					t.Fatalf("prompt %d position %d: top %+v, want log-probabilities %v (ids %v)", i, k+1, lp.Top,
+						ref.TopLogprobs[k], ref.TopIDs[k])
+				}
+			}
+		}
+	}
+	if got, err := collect(t, plain, "without prompt logprobs"); err != nil || !slices.Equal(got, want.Greedy[0]) {
+		t.Fatalf("beside the scored prompts: %v (%v), want %v", got, err, want.Greedy[0])
+	}
+	if lps := plain.PromptLogprobs(); lps != nil {
+		t.Fatalf("PromptLogprobs without GenerationOptions.PromptLogprobs: %+v", lps)
+	}
+	// Both at once, no alternatives: the prompt's scores and the tokens'.
+	i := len(want.Prompts) - 1
+	g := must(gen.Generate(context.Background(), want.Prompts[i],
+		&pipe.GenerationOptions{MaxNewTokens: 2, Logprobs: true, PromptLogprobs: true}))(t)
+	if _, err := collect(t, g, "logprobs and prompt logprobs"); err != nil {
+		t.Fatal(err)
+	}
+	lps, plps := g.Logprobs(), g.PromptLogprobs()
+	if len(lps) != 2 || !near(lps[0].Logprob, want.GreedyLogprobs[i].Logprob[0]) || len(plps) != len(want.Prompts[i]) ||
+		plps[1].Top != nil || !near(plps[1].Logprob, want.PromptLogprobs[i].Logprob[0]) {
+		t.Fatalf("Logprobs and PromptLogprobs without TopLogprobs: %+v, %+v", lps, plps)
+	}
+	if _, err := gen.Generate(context.Background(), want.Prompts[0],
+		&pipe.GenerationOptions{PromptLogprobs: true, TopLogprobs: 21}); !errors.Is(err, pipe.ErrInvalidArgument) {
+		t.Fatalf("TopLogprobs 21: %v, want ErrInvalidArgument", err)
 	}
 }
 
