@@ -13,8 +13,9 @@ use std::path::{Path, PathBuf};
 /// safe crate starts every versioned struct with pipe_*_init, new in 0.6, and its request futures
 /// use pipe_request_on_done and pipe_request_fd, new in 0.7, it binds the generation functions,
 /// new in 0.8, pipe_session_trace_start_with_operators, new in 0.9, pipe_model_format, new in
-/// 0.10, and the tokenizer functions, new in 0.14).
-const MIN_LIBPIPE: &str = "0.14";
+/// 0.10, the tokenizer functions, new in 0.14, and pipe_generation_options.prompt_logprobs with
+/// pipe_generation_prompt_logprobs, new in 0.15).
+const MIN_LIBPIPE: &str = "0.15";
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");

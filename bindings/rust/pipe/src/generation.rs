@@ -72,9 +72,9 @@ pub struct GenerationInfo {
     pub cached_tokens: usize,
 }
 
-/// A generated token's log-probability under the model's distribution at its position (the
-/// log-softmax of the logits, before temperature, top-k and top-p: what the model said, whatever
-/// the sampler then chose), and the likeliest tokens there, most likely first
+/// A generated (or prompt) token's log-probability under the model's distribution at its position
+/// (the log-softmax of the logits, before temperature, top-k and top-p: what the model said,
+/// whatever the sampler then chose), and the likeliest tokens there, most likely first
 /// ([`crate::GenerationOptions::top_logprobs`] of them).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct TokenLogprobs {
@@ -113,6 +113,17 @@ pub struct Generation {
     /// With [`crate::GenerationOptions::logprobs`]: the alternatives asked for per token, and a
     /// [`TokenLogprobs`] per token read from libpipe (collected as they are read).
     logprobs: Option<(usize, Vec<TokenLogprobs>)>,
+    /// With [`crate::GenerationOptions::prompt_logprobs`]: the prompt's scores, read with the
+    /// first token (or the end).
+    prompt_logprobs: Option<PromptLogprobs>,
+}
+
+/// What a generation that scores its prompt keeps.
+struct PromptLogprobs {
+    top: usize,
+    prompt_len: usize,
+    /// Empty until read; then None for position 0 and an entry per position after it.
+    scored: Vec<Option<TokenLogprobs>>,
 }
 
 /// libpipe's generation, owned by the [`Generation`] and its [`CancelHandle`]s together: destroyed
@@ -183,12 +194,26 @@ impl Generation {
     /// `ptr` is a generation libpipe made and nothing else owns.
     pub(crate) unsafe fn from_raw(ptr: NonNull<sys::pipe_generation>) -> Generation {
         let handle = Arc::new(Handle { ptr, events: OnceLock::new() });
-        Generation { handle, pending: VecDeque::new(), finished: false, done: false, logprobs: None }
+        Generation {
+            handle,
+            pending: VecDeque::new(),
+            finished: false,
+            done: false,
+            logprobs: None,
+            prompt_logprobs: None,
+        }
     }
 
     /// Collect each token's log-probabilities, with `top` alternatives, as the tokens are read.
     pub(crate) fn keeping_logprobs(mut self, top: usize) -> Generation {
         self.logprobs = Some((top, Vec::new()));
+        self
+    }
+
+    /// Read the prompt's scores (a prompt of `prompt_len` tokens, `top` alternatives each) with the
+    /// first token.
+    pub(crate) fn keeping_prompt_logprobs(mut self, top: usize, prompt_len: usize) -> Generation {
+        self.prompt_logprobs = Some(PromptLogprobs { top, prompt_len, scored: Vec::new() });
         self
     }
 
@@ -245,6 +270,23 @@ impl Generation {
         }
     }
 
+    /// The prompt's scores, indexed by prompt position: `None` for position 0, which nothing
+    /// precedes (OpenAI's echo gives null there), then each prompt token's log-probability given
+    /// the tokens before it and the likeliest tokens there. Empty until the first token was read
+    /// (every position is scored by then: once the iterator, [`Generation::try_next`] or the
+    /// futures returned a token or the end, it is there); shorter than the prompt when the
+    /// generation failed before its prompt was scored. [`Status::InvalidArgument`] when the
+    /// generation was not asked for them ([`crate::GenerationOptions::prompt_logprobs`]).
+    pub fn prompt_logprobs(&self) -> Result<&[Option<TokenLogprobs>]> {
+        match &self.prompt_logprobs {
+            Some(p) => Ok(&p.scored),
+            None => Err(Error::new(
+                Status::InvalidArgument,
+                "this generation did not score its prompt; generate it with GenerationOptions::prompt_logprobs",
+            )),
+        }
+    }
+
     /// How the sequence ended; None while it is queued or generating.
     pub fn finish_reason(&self) -> Result<Option<FinishReason>> {
         Ok(self.info()?.finish_reason)
@@ -297,9 +339,23 @@ impl Generation {
             sys::pipe_generation_read(self.as_ptr(), chunk.as_mut_ptr(), READ_CHUNK, &mut count, &mut finished)
         })?;
         let count = count.min(READ_CHUNK);
+        if let Some(p) = &mut self.prompt_logprobs {
+            if p.scored.is_empty() && (count > 0 || finished != 0) {
+                // Every position is scored before the first token is published (or the end told);
+                // libpipe refuses a position only of a generation that failed before scoring it.
+                p.scored.push(None);
+                for position in 1..p.prompt_len {
+                    match logprobs_of(self.handle.ptr, position, p.top, true) {
+                        Ok(lp) => p.scored.push(Some(lp)),
+                        Err(e) if e.status == Status::InvalidArgument => break,
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+        }
         if let Some((top, lps)) = &mut self.logprobs {
             for _ in 0..count {
-                lps.push(logprobs_of(self.handle.ptr, lps.len(), *top)?);
+                lps.push(logprobs_of(self.handle.ptr, lps.len(), *top, false)?);
             }
         }
         self.pending.extend(&chunk[..count]);
@@ -319,24 +375,18 @@ impl Generation {
     }
 }
 
-/// Token `index`'s log-probability and its `top` (at most 20) likeliest alternatives.
-fn logprobs_of(ptr: NonNull<sys::pipe_generation>, index: usize, top: usize) -> Result<TokenLogprobs> {
+/// Token `index`'s log-probability and its `top` (at most 20) likeliest alternatives; with
+/// `prompt`, those of the prompt's token at position `index`.
+fn logprobs_of(ptr: NonNull<sys::pipe_generation>, index: usize, top: usize, prompt: bool) -> Result<TokenLogprobs> {
     let mut ids = [0i64; crate::GenerationOptions::MAX_TOP_LOGPROBS];
     let mut lps = [0f32; crate::GenerationOptions::MAX_TOP_LOGPROBS];
     let capacity = top.min(ids.len());
     let mut logprob = 0f32;
     let mut count = 0usize;
-    // SAFETY: thread-safe; `ids` and `lps` hold `capacity` entries each.
+    let read = if prompt { sys::pipe_generation_prompt_logprobs } else { sys::pipe_generation_logprobs };
+    // SAFETY: both thread-safe; `ids` and `lps` hold `capacity` entries each.
     check(unsafe {
-        sys::pipe_generation_logprobs(
-            ptr.as_ptr(),
-            index,
-            &mut logprob,
-            ids.as_mut_ptr(),
-            lps.as_mut_ptr(),
-            capacity,
-            &mut count,
-        )
+        read(ptr.as_ptr(), index, &mut logprob, ids.as_mut_ptr(), lps.as_mut_ptr(), capacity, &mut count)
     })?;
     let count = count.min(capacity);
     let top = ids[..count].iter().zip(&lps[..count]).map(|(&id, &logprob)| TokenLogprob { id, logprob }).collect();

@@ -109,9 +109,16 @@ pub struct GenerationOptions {
     /// log-softmax of the logits, before `temperature`, `top_k` and `top_p`), read with
     /// [`Generation::logprobs`].
     pub logprobs: bool,
-    /// With `logprobs`: also the log-probabilities of this many of the likeliest tokens at each
-    /// position, 0..=20 ([`GenerationOptions::MAX_TOP_LOGPROBS`], as OpenAI's API allows).
+    /// With `logprobs` or `prompt_logprobs`: also the log-probabilities of this many of the
+    /// likeliest tokens at each position, 0..=20 ([`GenerationOptions::MAX_TOP_LOGPROBS`], as
+    /// OpenAI's API allows).
     pub top_logprobs: usize,
+    /// Score the prompt too (libpipe >= 0.15): each prompt token's log-probability given the
+    /// tokens before it, with `top_logprobs` alternatives, read with
+    /// [`Generation::prompt_logprobs`] (OpenAI's echo with logprobs; perplexity). The prompt then
+    /// crosses the pipeline one token a step, like generated tokens, and none of it is taken from
+    /// a cache slot (prefix reuse).
+    pub prompt_logprobs: bool,
 }
 
 impl Default for GenerationOptions {
@@ -129,6 +136,7 @@ impl Default for GenerationOptions {
             timeout: None,
             logprobs: raw.logprobs != 0,
             top_logprobs: usize::try_from(raw.top_logprobs).unwrap_or(0),
+            prompt_logprobs: raw.prompt_logprobs != 0,
         }
     }
 }
@@ -168,7 +176,9 @@ impl GenerationOptions {
             ));
         }
         raw.logprobs = i32::from(self.logprobs);
-        // In range (above); libpipe refuses top_logprobs without logprobs, naming both.
+        raw.prompt_logprobs = i32::from(self.prompt_logprobs);
+        // In range (above); libpipe refuses top_logprobs without logprobs or prompt_logprobs,
+        // naming them.
         raw.top_logprobs = self.top_logprobs as i32;
         Ok(raw)
     }
@@ -346,7 +356,12 @@ impl Generator {
             .ok_or_else(|| Error::new(Status::Internal, "libpipe returned a NULL generation"))?;
         // SAFETY: a generation libpipe just made, owned by nothing else.
         let generation = unsafe { Generation::from_raw(ptr) };
-        Ok(if options.logprobs { generation.keeping_logprobs(options.top_logprobs) } else { generation })
+        let generation = if options.logprobs { generation.keeping_logprobs(options.top_logprobs) } else { generation };
+        Ok(if options.prompt_logprobs {
+            generation.keeping_prompt_logprobs(options.top_logprobs, prompt.len())
+        } else {
+            generation
+        })
     }
 }
 

@@ -105,6 +105,71 @@ fn logprobs_equal_transformers() {
     }
 }
 
+/// With prompt_logprobs, each prompt token's log-probability given those before it, and the 5
+/// likeliest tokens there, equal the log-softmax of transformers' logits of the whole prompt; entry
+/// 0 is None; the tokens that follow stay transformers' greedy ones. Several scored prompts at once,
+/// beside a plain one, so that their one-token rows share steps. Without the option
+/// prompt_logprobs() is refused; top_logprobs with prompt_logprobs alone is allowed.
+#[test]
+fn prompt_logprobs_equal_transformers() {
+    let want = expected();
+    assert_eq!(
+        want.prompt_logprobs.len(),
+        want.prompts.len(),
+        "an old fixture: tests/models/decoder_models.py writes prompt_logprobs"
+    );
+    let generator = tiny_generator();
+    let near = |got: f32, want: f64| (f64::from(got) - want).abs() <= 1e-4;
+    let options = GenerationOptions { prompt_logprobs: true, top_logprobs: 5, ..greedy(want.max_new_tokens) };
+    let mut generations: Vec<Generation> =
+        want.prompts.iter().map(|p| generator.generate(p, &options).unwrap()).collect();
+    let mut plain = generator.generate(&want.prompts[0], &greedy(want.max_new_tokens)).unwrap();
+    for (i, generation) in generations.iter_mut().enumerate() {
+        let (tokens, error) = drain(generation);
+        assert!(error.is_none(), "prompt {i}: {error:?}");
+        assert_eq!(tokens, want.greedy[i], "prompt {i}");
+        assert_eq!(generation.info().unwrap().cached_tokens, 0, "prompt {i}: scored, yet taken from the cache");
+        assert_eq!(generation.logprobs().unwrap_err().status, Status::InvalidArgument);
+        let (got, reference, prompt) =
+            (generation.prompt_logprobs().unwrap(), &want.prompt_logprobs[i], &want.prompts[i]);
+        assert_eq!((got.len(), reference.logprob.len() + 1), (prompt.len(), prompt.len()), "prompt {i}");
+        assert!(got[0].is_none(), "prompt {i}: position 0 is scored: {:?}", got[0]);
+        for (k, lp) in got.iter().enumerate().skip(1) {
+            let lp = lp.as_ref().unwrap_or_else(|| panic!("prompt {i} position {k}: not scored"));
+            let (want_lp, want_top) = (reference.logprob[k - 1], &reference.top_logprobs[k - 1]);
+            assert!(near(lp.logprob, want_lp), "prompt {i} position {k}: {lp:?}, want {want_lp}");
+            assert_eq!(lp.top.len(), 5, "prompt {i} position {k}: {lp:?}");
+            for (j, alt) in lp.top.iter().enumerate() {
+                assert!(
+                    near(alt.logprob, want_top[j]),
+                    "prompt {i} position {k}: {lp:?}, want {want_top:?} (ids {:?})",
+                    reference.top_ids[k - 1]
+                );
+            }
+        }
+    }
+    assert_eq!(drain(&mut plain).0, want.greedy[0]);
+    assert_eq!(plain.prompt_logprobs().unwrap_err().status, Status::InvalidArgument);
+
+    // Read with the first token the iterator returns; both kinds at once, no alternatives.
+    let i = want.prompts.len() - 1;
+    let options = GenerationOptions { logprobs: true, prompt_logprobs: true, ..greedy(2) };
+    let mut generation = generator.generate(&want.prompts[i], &options).unwrap();
+    assert_eq!(generation.next().unwrap().unwrap(), want.greedy[i][0]);
+    let got = generation.prompt_logprobs().unwrap();
+    assert_eq!(got.len(), want.prompts[i].len());
+    let first = got[1].as_ref().unwrap();
+    assert!(first.top.is_empty() && near(first.logprob, want.prompt_logprobs[i].logprob[0]), "{first:?}");
+    assert!(near(generation.logprobs().unwrap()[0].logprob, want.greedy_logprobs[i].logprob[0]));
+    assert_eq!(drain(&mut generation).0.len(), 1);
+
+    let e = generator
+        .generate(&want.prompts[0], &GenerationOptions { prompt_logprobs: true, top_logprobs: 21, ..greedy(1) })
+        .err()
+        .expect("refused");
+    assert_eq!(e.status, Status::InvalidArgument, "{e}");
+}
+
 #[test]
 fn greedy_equals_transformers() {
     let want = expected();
@@ -522,6 +587,7 @@ fn options_default_to_libpipes() {
     assert_eq!(options.max_new_tokens, 16);
     assert_eq!((options.temperature, options.top_k, options.top_p, options.seed), (0.0, 0, 1.0, 0));
     assert!(options.stop_ids.is_empty() && options.timeout.is_none());
+    assert!(!options.logprobs && !options.prompt_logprobs && options.top_logprobs == 0);
     let generator = GeneratorOptions::default();
     assert_eq!(
         generator,

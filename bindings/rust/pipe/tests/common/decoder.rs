@@ -25,6 +25,8 @@ pub struct Expected {
     /// Per prompt: each greedy token's log-probability and the 5 likeliest tokens at its position,
     /// from transformers' logits.
     pub greedy_logprobs: Vec<GreedyLogprobs>,
+    /// Per prompt: the same of each prompt token from position 1 on, given those before it.
+    pub prompt_logprobs: Vec<GreedyLogprobs>,
     pub vocab: usize,
     pub slots: usize,
     pub max_len: usize,
@@ -34,7 +36,7 @@ pub struct Expected {
     pub max_len_greedy: Vec<i64>,
 }
 
-/// One prompt's entry of "greedy_logprobs".
+/// One prompt's entry of "greedy_logprobs" (or "prompt_logprobs").
 pub struct GreedyLogprobs {
     pub logprob: Vec<f64>,
     pub top_ids: Vec<Vec<i64>>,
@@ -46,12 +48,8 @@ pub fn expected() -> Expected {
     let json = json::parse(&text);
     let lists = |key: &str| json.get(key).as_array().iter().map(|v| v.as_ids()).collect::<Vec<_>>();
     let count = |key: &str| json.get(key).as_i64() as usize;
-    Expected {
-        prompts: lists("prompts"),
-        max_new_tokens: count("max_new_tokens"),
-        greedy: lists("greedy"),
-        greedy_logprobs: json
-            .get("greedy_logprobs")
+    let logprobs = |key: &str| {
+        json.get(key)
             .as_array()
             .iter()
             .map(|p| {
@@ -62,7 +60,14 @@ pub fn expected() -> Expected {
                     top_logprobs: p.get("top_logprobs").as_array().iter().map(floats).collect(),
                 }
             })
-            .collect(),
+            .collect()
+    };
+    Expected {
+        prompts: lists("prompts"),
+        max_new_tokens: count("max_new_tokens"),
+        greedy: lists("greedy"),
+        greedy_logprobs: logprobs("greedy_logprobs"),
+        prompt_logprobs: logprobs("prompt_logprobs"),
         vocab: count("vocab"),
         slots: count("slots"),
         max_len: count("max_len"),
