@@ -19,8 +19,9 @@ GGUF's tokenizer (the token counts are printed: they agree for SmolLM2).
     python bench/perplexity.py [--model smollm2|llama1b|DIR] [--dtype fp32 int8 int4] [--reference llamacpp]
                                [--ctx 512] [--chunks 8] [--split-at POINT | --stages 2] [--threads T] [--json OUT]
 
-Run with the project's virtualenv python (scripts/env.sh: LIBPIPE_PYTHON) after scripts/build.sh, with
-bindings/python on PYTHONPATH. The first run with llama.cpp builds llama-perplexity (bench/llamacpp.py).
+Run with the project's virtualenv python (scripts/env.sh: LIBPIPE_PYTHON) after scripts/test.sh (or ctest's
+bindings_python), which installs the Python binding into it. The first run with llama.cpp builds
+llama-perplexity (bench/llamacpp.py).
 """
 
 import argparse
@@ -157,7 +158,7 @@ def main():
         f"{args.ctx}, {args.chunks * (args.ctx - args.ctx // 2 - 1)} tokens scored; model {folder}",
         flush=True,
     )
-    result = {"machine": machine(), "model": folder, "ctx": args.ctx, "chunks": args.chunks, "libpipe": {}}
+    result = {"machine": machine(), "model": str(folder), "ctx": args.ctx, "chunks": args.chunks, "libpipe": {}}
     with tempfile.TemporaryDirectory() as work:
         for precision in args.dtype:
             r = libpipe_perplexity(folder, chunks, args.ctx, precision, cut, args.threads_per_stage, work)
