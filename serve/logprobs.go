@@ -5,7 +5,8 @@ package main
 //	chat:        "logprobs": true, "top_logprobs": 0..20 → choices[].logprobs = {"content": [{"token",
 //	             "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...]}
 //	completions: "logprobs": 0..5 → choices[].logprobs = {"tokens", "token_logprobs",
-//	             "top_logprobs": [{token: logprob, ...}], "text_offset"}
+//	             "top_logprobs": [{token: logprob, ...}], "text_offset"}; with "echo": true the
+//	             prompt's tokens come first, the first with null (echo.go)
 //
 // libpipe gives each generated token's log-probability under the model's distribution (the
 // log-softmax of its logits, before temperature and top_p) and the likeliest tokens there
@@ -28,10 +29,13 @@ const (
 	maxCompletionTopLogprobs = 5
 )
 
-// tokenLogprob is one generated token: its id and what libpipe said of it.
+// tokenLogprob is one generated (or echoed prompt) token: its id and what libpipe said of it;
+// unscored: nothing (the prompt's first token, which nothing precedes: null in the completions'
+// form).
 type tokenLogprob struct {
-	id int64
-	lp pipe.TokenLogprobs
+	id       int64
+	lp       pipe.TokenLogprobs
+	unscored bool
 }
 
 // chatLogprobs reads the chat request's logprobs and top_logprobs into opts.
@@ -107,17 +111,18 @@ func (s *server) chatLogprobsOf(tokens []tokenLogprob) *chatChoiceLogprobs {
 	return out
 }
 
-// completionChoiceLogprobs is the completions API's choices[].logprobs.
+// completionChoiceLogprobs is the completions API's choices[].logprobs; an echoed prompt's first
+// token has null in token_logprobs and top_logprobs.
 type completionChoiceLogprobs struct {
 	Tokens        []string          `json:"tokens"`
-	TokenLogprobs []float32         `json:"token_logprobs"`
+	TokenLogprobs []*float32        `json:"token_logprobs"`
 	TopLogprobs   []orderedLogprobs `json:"top_logprobs"`
 	TextOffset    []int             `json:"text_offset"`
 }
 
 // orderedLogprobs is a {token: logprob} object whose keys keep their order (the likeliest first,
 // then the sampled token when it is not among them); a token whose text an earlier key has is
-// left out.
+// left out. nil is null.
 type orderedLogprobs []struct {
 	token   string
 	logprob float32
@@ -136,6 +141,9 @@ func (o orderedLogprobs) add(token string, logprob float32) orderedLogprobs {
 }
 
 func (o orderedLogprobs) MarshalJSON() ([]byte, error) {
+	if o == nil {
+		return []byte("null"), nil
+	}
 	b := []byte{'{'}
 	for i, e := range o {
 		if i > 0 {
@@ -155,14 +163,20 @@ func (o orderedLogprobs) MarshalJSON() ([]byte, error) {
 }
 
 // completionLogprobsOf is the completions API's logprobs of tokens; offset is the text_offset of
-// the first (the characters of the completion's tokens before it), and the result's next.
+// the first (the characters of the tokens before it: the completion's, after the echoed prompt's),
+// and the result's next.
 func (s *server) completionLogprobsOf(tokens []tokenLogprob, offset *int) *completionChoiceLogprobs {
-	out := &completionChoiceLogprobs{Tokens: make([]string, len(tokens)), TokenLogprobs: make([]float32, len(tokens)),
+	out := &completionChoiceLogprobs{Tokens: make([]string, len(tokens)), TokenLogprobs: make([]*float32, len(tokens)),
 		TopLogprobs: make([]orderedLogprobs, len(tokens)), TextOffset: make([]int, len(tokens))}
 	for i, t := range tokens {
 		text := s.text.TokenText(t.id)
-		out.Tokens[i], out.TokenLogprobs[i], out.TextOffset[i] = text, t.lp.Logprob, *offset
+		out.Tokens[i], out.TextOffset[i] = text, *offset
 		*offset += utf8.RuneCountInString(text)
+		if t.unscored {
+			continue // null, null
+		}
+		lp := t.lp.Logprob
+		out.TokenLogprobs[i] = &lp
 		top := orderedLogprobs{}
 		for _, alt := range t.lp.Top {
 			top = top.add(s.text.TokenText(alt.ID), alt.Logprob)

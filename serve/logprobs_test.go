@@ -261,9 +261,10 @@ func checkLogprobs(t *testing.T, s *service, c completionCase) {
 			completion.Choices[0].Logprobs.TokenLogprobs)
 	}
 
+	prompt, _ := json.Marshal(c.prompt) // one the model's tokenizer encodes (the tiny one has no "a")
 	for _, bad := range []struct{ path, body, param string }{
-		{"/v1/completions", `{"prompt": "a", "logprobs": 6}`, "logprobs"},
-		{"/v1/completions", `{"prompt": "a", "logprobs": -1}`, "logprobs"},
+		{"/v1/completions", fmt.Sprintf(`{"prompt": %s, "logprobs": 6}`, prompt), "logprobs"},
+		{"/v1/completions", fmt.Sprintf(`{"prompt": %s, "logprobs": -1}`, prompt), "logprobs"},
 		{"/v1/chat/completions", `{"messages": [{"role": "user", "content": "a"}], "logprobs": true, "top_logprobs": 21}`,
 			"top_logprobs"},
 		{"/v1/chat/completions", `{"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}`, "top_logprobs"},

@@ -3,13 +3,13 @@ package main
 // The HTTP API, in the shape of OpenAI's completions API:
 //
 //	POST /v1/completions  {"prompt": "...", "max_tokens": 16, "temperature": 1, "top_p": 1,
-//	                       "seed": 7, "stop": ["\n"], "stream": true}
+//	                       "seed": 7, "stop": ["\n"], "stream": true, "echo": false}
 //	    stream: server-sent events, one `data: {"choices":[{"text": "...", "index": 0,
 //	    "finish_reason": null}], ...}` per piece of text, a last one with "finish_reason"
 //	    ("stop": the model's end token or a stop string; "length"), then `data: [DONE]`;
 //	    otherwise one JSON object with the whole text and "usage". With "stream_options":
 //	    {"include_usage": true}, every chunk has "usage": null and one more, with no choice and the
-//	    usage, comes before [DONE].
+//	    usage, comes before [DONE]. "echo": true puts the prompt before the completion (echo.go).
 //	POST /v1/chat/completions  the same over a conversation (chat.go)
 //	GET /v1/models        the one model served
 //	GET /health           {"status": "ok", slots, queue, counters}; 503 while the pipeline is broken
@@ -98,6 +98,7 @@ type completionRequest struct {
 	generationFields
 	Prompt   json.RawMessage `json:"prompt"`
 	Logprobs *int            `json:"logprobs"` // null: none; 0..5: alternatives per token (logprobs.go)
+	Echo     bool            `json:"echo"`     // the prompt before the completion (echo.go)
 }
 
 // decodeRequest reads the body, one JSON object, into v.
@@ -175,9 +176,10 @@ func (s *server) options(f *generationFields, maxParam string, defaultMax int) (
 }
 
 // prompt reads OpenAI's prompt forms: a string, an array of one string, or an array of token ids.
-func (s *server) prompt(raw json.RawMessage) ([]int64, *badRequest) {
+// It gives the token ids and the prompt's text ("" for token ids).
+func (s *server) prompt(raw json.RawMessage) ([]int64, string, *badRequest) {
 	if len(raw) == 0 || string(raw) == "null" {
-		return nil, bad("prompt", "prompt is missing; give the text to complete")
+		return nil, "", bad("prompt", "prompt is missing; give the text to complete")
 	}
 	var text string
 	if err := json.Unmarshal(raw, &text); err != nil {
@@ -186,22 +188,24 @@ func (s *server) prompt(raw json.RawMessage) ([]int64, *badRequest) {
 		switch {
 		case json.Unmarshal(raw, &texts) == nil:
 			if len(texts) != 1 {
-				return nil, bad("prompt", "prompt holds %d texts; this service completes one per request", len(texts))
+				return nil, "", bad("prompt", "prompt holds %d texts; this service completes one per request",
+					len(texts))
 			}
 			text = texts[0]
 		case json.Unmarshal(raw, &ids) == nil:
 			if len(ids) == 0 {
-				return nil, bad("prompt", "prompt is an empty list of token ids")
+				return nil, "", bad("prompt", "prompt is an empty list of token ids")
 			}
-			return ids, nil
+			return ids, "", nil
 		default:
-			return nil, bad("prompt", "prompt must be a string, an array of one string or an array of token ids")
+			return nil, "", bad("prompt", "prompt must be a string, an array of one string or an array of token ids")
 		}
 	}
 	if text == "" {
-		return nil, bad("prompt", "prompt is empty; give the text to complete")
+		return nil, "", bad("prompt", "prompt is empty; give the text to complete")
 	}
-	return s.encode(text, "prompt")
+	ids, berr := s.encode(text, "prompt")
+	return ids, text, berr
 }
 
 // encode is the token ids of a prompt's text; param names the field it came from.
@@ -290,15 +294,35 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 		s.refuse(w, berr)
 		return
 	}
-	prompt, berr := s.prompt(req.Prompt)
+	prompt, promptText, berr := s.prompt(req.Prompt)
 	if berr != nil {
 		s.refuse(w, berr)
 		return
+	}
+	// max_tokens 0 with echo: the prompt scored, not completed; libpipe generates one token at
+	// least, which is dropped (echo.go).
+	scoreOnly := false
+	if req.MaxTokens != nil && *req.MaxTokens < 0 && req.Echo {
+		s.refuse(w, bad("max_tokens", "max_tokens is %d; give at least 1, or 0 to have the prompt scored without a "+
+			"completion", *req.MaxTokens))
+		return
+	}
+	if req.MaxTokens != nil && *req.MaxTokens == 0 {
+		if !req.Echo {
+			s.refuse(w, bad("max_tokens", "max_tokens is 0; give at least 1, or set \"echo\": true to have the "+
+				"prompt scored without a completion"))
+			return
+		}
+		one := 1
+		scoreOnly, req.MaxTokens = true, &one
 	}
 	opts, stops, berr := s.options(&req.generationFields, "max_tokens", 16)
 	if berr != nil {
 		s.refuse(w, berr)
 		return
+	}
+	if scoreOnly {
+		stops = nil // nothing of the completion is kept: nothing to stop
 	}
 	includeUsage, berr := req.streamUsage()
 	if berr != nil {
@@ -308,6 +332,10 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 	if berr := completionLogprobs(req.Logprobs, opts); berr != nil {
 		s.refuse(w, berr)
 		return
+	}
+	var echoed *echo // nil: no echo
+	if req.Echo {
+		echoed = s.newEcho(prompt, promptText, opts)
 	}
 	// The request's context: when the client disconnects, the sequence is cancelled.
 	ctx := r.Context()
@@ -328,19 +356,35 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 		}
 		return s.completionLogprobsOf(tokens, &offset)
 	}
+	// scored is how the completion ended, what it says of its tokens: with scoreOnly, none.
+	scored := func(end ending) ending {
+		if scoreOnly {
+			end.finish, end.tokens, end.logprobs = "length", 0, nil
+		}
+		return end
+	}
 	if !req.Stream {
 		var text strings.Builder
 		var tokens []tokenLogprob
-		end := s.follow(ctx, gen, stops, func(piece string, lps []tokenLogprob) error {
-			text.WriteString(piece)
-			tokens = append(tokens, lps...)
+		end := scored(s.follow(ctx, gen, stops, func(piece string, lps []tokenLogprob) error {
+			if !scoreOnly {
+				text.WriteString(piece)
+				tokens = append(tokens, lps...)
+			}
 			return nil
-		})
+		}))
 		if ctx.Err() != nil || s.failed(w, end) {
 			return
 		}
-		c.Choices = []choice{{Text: text.String(), Index: 0, Logprobs: logprobs(append(tokens, end.logprobs...)),
-			FinishReason: &end.finish}}
+		tokens = append(tokens, end.logprobs...)
+		whole := text.String()
+		if echoed != nil {
+			whole = echoed.text + whole
+			if echoed.scored {
+				tokens = append(echoed.entries(gen.gen.PromptLogprobs()), tokens...)
+			}
+		}
+		c.Choices = []choice{{Text: whole, Index: 0, Logprobs: logprobs(tokens), FinishReason: &end.finish}}
 		c.Usage = tokenUsage(len(prompt), end)
 		writeJSON(w, http.StatusOK, c)
 		return
@@ -349,16 +393,23 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 	if includeUsage {
 		c.Usage = jsonNull
 	}
-	end := s.follow(ctx, gen, stops, func(piece string, lps []tokenLogprob) error {
+	end := scored(s.follow(ctx, gen, stops, func(piece string, lps []tokenLogprob) error {
+		if scoreOnly {
+			return nil
+		}
+		piece, lps = echoed.prepend(gen.gen, piece, lps)
 		c.Choices = []choice{{Text: piece, Index: 0, Logprobs: logprobs(lps)}}
 		return events.send(c)
-	})
+	}))
 	if ctx.Err() != nil || events.failed(end) {
 		return // nobody to tell, or told
 	}
-	c.Choices = []choice{{Text: "", Index: 0, FinishReason: &end.finish}}
-	if len(end.logprobs) > 0 {
-		c.Choices[0].Logprobs = logprobs(end.logprobs)
+	// The last chunk: the echo, when no chunk had text to carry it (a completion without text, or
+	// none: max_tokens 0), and the entries of the tokens that gave no text.
+	text, lps := echoed.prepend(gen.gen, "", end.logprobs)
+	c.Choices = []choice{{Text: text, Index: 0, FinishReason: &end.finish}}
+	if len(lps) > 0 {
+		c.Choices[0].Logprobs = logprobs(lps)
 	}
 	events.send(c)
 	if includeUsage {

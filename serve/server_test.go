@@ -201,9 +201,10 @@ func tinyChat(t *testing.T, e tinyExpected) chatCase {
 }
 
 type tinyExpected struct {
-	Prompts      [][]int64 `json:"prompts"`
-	MaxNewTokens int       `json:"max_new_tokens"`
-	Greedy       [][]int64 `json:"greedy"`
+	Prompts        [][]int64        `json:"prompts"`
+	MaxNewTokens   int              `json:"max_new_tokens"`
+	Greedy         [][]int64        `json:"greedy"`
+	PromptLogprobs []promptLogprobs `json:"prompt_logprobs"`
 }
 
 func readTinyExpected(t *testing.T) tinyExpected {
@@ -467,6 +468,7 @@ type completionCase struct {
 	expectedIDs                     []int64
 	chat                            chatCase
 	ref                             reference
+	echo                            echoCase // echo.go's reference (echo_test.go)
 }
 
 // reference is the reference's text of token ids: transformers' tokenizer's decoding of each start
@@ -559,6 +561,8 @@ func referenceCase(t *testing.T) completionCase {
 				ExpectedTexts  []string         `json:"expected_texts"`
 				ExpectedTokens []string         `json:"expected_tokens"`
 			} `json:"chat"`
+			PromptTokens   []string       `json:"prompt_tokens"`
+			PromptLogprobs promptLogprobs `json:"prompt_logprobs"`
 		}
 		data, err := os.ReadFile(path)
 		if err == nil {
@@ -574,14 +578,19 @@ func referenceCase(t *testing.T) completionCase {
 		ref := reference{texts: map[string]string{}, tokens: map[int64]string{}}
 		ref.add(t, d.ExpectedIDs, d.ExpectedTexts, d.ExpectedTokens)
 		ref.add(t, d.Chat.ExpectedIDs, d.Chat.ExpectedTexts, d.Chat.ExpectedTokens)
+		if len(d.PromptTokens) != len(d.PromptIDs) || len(d.PromptLogprobs.Logprob) != len(d.PromptIDs)-1 {
+			t.Fatalf("%s has no prompt_tokens or prompt_logprobs of its prompt: testdata/smollm2.py wrote an old "+
+				"description", path)
+		}
 		return completionCase{"smollm2", d.ModelDir, d.Decoder, d.Split, d.Prompt, len(d.PromptIDs), d.MaxTokens,
-			d.ExpectedIDs, chatCase{d.Chat.Messages, d.Chat.PromptIDs, d.Chat.MaxTokens, d.Chat.ExpectedIDs}, ref}
+			d.ExpectedIDs, chatCase{d.Chat.Messages, d.Chat.PromptIDs, d.Chat.MaxTokens, d.Chat.ExpectedIDs}, ref,
+			echoCase{d.Prompt, d.PromptIDs, d.PromptTokens, d.PromptLogprobs, d.MaxTokens, d.ExpectedIDs, 5e-4}}
 	}
 	t.Log("no SmolLM2 description (PIPE_SERVE_SMOLLM2): serving the tiny decoder; run.sh reports SKIPPED")
 	e := readTinyExpected(t)
 	return completionCase{"tiny", tinyChatModelDir(t), fixture(t, "tiny_decoder.pt"), "model.layers.1:begin",
 		tinyText(e.Prompts[0]), len(e.Prompts[0]), e.MaxNewTokens, e.Greedy[0], tinyChat(t, e),
-		reference{tiny: true, skip: []int64{tinyEndOfTurn}}}
+		reference{tiny: true, skip: []int64{tinyEndOfTurn}}, tinyEcho(t, e)}
 }
 
 // The streamed completion is the reference's greedy continuation, as text through the model's
@@ -642,6 +651,7 @@ func TestCompletionMatchesTheReference(t *testing.T) {
 	t.Run("OtherRefusals", func(t *testing.T) { checkOtherRefusals(t, s, c) })
 	t.Run("SpecialTokenFlood", func(t *testing.T) { checkSpecialTokenFlood(t, s, c) })
 	t.Run("Logprobs", func(t *testing.T) { checkLogprobs(t, s, c) })
+	t.Run("Echo", func(t *testing.T) { checkEcho(t, s, c) })
 }
 
 // Bad requests get 400 with an OpenAI-style error object naming the field, and the service goes

@@ -103,6 +103,16 @@ func (c *textCodec) Decode(ids []int64) string {
 	return text
 }
 
+// DecodeKeepingSpecial is the text of ids with special tokens kept (an echoed prompt of token
+// ids, as vLLM decodes it).
+func (c *textCodec) DecodeKeepingSpecial(ids []int64) string {
+	text, err := c.tk.Decode(c.known(ids), false)
+	if err != nil {
+		return ""
+	}
+	return text
+}
+
 // TokenText is the text of one token alone, special tokens included (a log-probability's "token"):
 // Hugging Face's decode([id]); a token that holds part of a character reads U+FFFD.
 func (c *textCodec) TokenText(id int64) string {

