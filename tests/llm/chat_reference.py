@@ -20,7 +20,10 @@ import sys
 
 def replies(folder, questions, new_tokens, system=None):
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.utils.logging.disable_progress_bar()
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
