@@ -8,15 +8,19 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/jit/api/module.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "runtime/cpu/panel_gemm.h"
 #include "runtime/cpu/panel_gemm_kernels.h"
+#include "graph_nodes.h"
 #include "runtime/stage/panel_linear.h"
+#include "runtime/stage/torchscript/panel_rewrite.h"
 
 namespace libpipe {
 namespace {
@@ -228,6 +232,44 @@ TEST(PanelLinearInt4, ErrorAgainstTheFloatWeights) {
     EXPECT_LT(product_error, 0.13);
     EXPECT_LT(product_error, weights_only * 1.05);  // the rows' int8 codes add little beside the weights'
   }
+}
+
+// Under int4 the output head (the linear layer whose result the forward returns, through a cast) is int8 by default,
+// as llama.cpp's Q4_0 models keep theirs in 8 or 6 bits; LIBPIPE_QUANTIZE_HEAD=int4 makes it int4 too, =none
+// leaves it float. A linear layer whose result goes on to other operators is no head.
+TEST(PanelLinearInt4, TheOutputHeadIsInt8UnlessAskedOtherwise) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  auto model = [] {
+    at::manual_seed(5);
+    torch::jit::Module m("Int4HeadTest");
+    m.register_parameter("body", at::randn({64, 96}), false);
+    m.register_parameter("inner", at::randn({64, 64}), false);
+    m.register_parameter("head", at::randn({160, 64}), false);
+    m.define(R"(
+def forward(self, x):
+    h = torch.linear(x, self.body)
+    h = torch.relu(torch.linear(h, self.inner))
+    return torch.linear(h, self.head).float()
+)");
+    return m;
+  };
+  struct Case {
+    const char* env;
+    size_t int4, int8, plain;
+  };
+  for (const Case& c : {Case{nullptr, 2, 1, 0}, Case{"int8", 2, 1, 0}, Case{"int4", 3, 0, 0}, Case{"none", 2, 0, 1}}) {
+    if (c.env) setenv("LIBPIPE_QUANTIZE_HEAD", c.env, 1);
+    else unsetenv("LIBPIPE_QUANTIZE_HEAD");
+    torch::jit::Module m = model();
+    EXPECT_EQ(stage::panel_linear_weights(m, stage::WeightQuantization::Int4), 3u);
+    const auto& graph = *m.get_method("forward").graph();
+    const std::string what = std::string("LIBPIPE_QUANTIZE_HEAD=") + (c.env ? c.env : "(unset)");
+    EXPECT_EQ(test::count_nodes(graph, "pipe::panel_linear_int4"), c.int4) << what;
+    EXPECT_EQ(test::count_nodes(graph, "pipe::panel_linear_int8"), c.int8) << what;
+    EXPECT_EQ(test::count_nodes(graph, "pipe::panel_linear"), c.plain) << what;
+  }
+  unsetenv("LIBPIPE_QUANTIZE_HEAD");
 }
 
 }  // namespace

@@ -30,6 +30,35 @@ void collect(torch::jit::Block* block, std::vector<torch::jit::Node*>& linears,
   }
 }
 
+// Whether the linear layer's result is what the forward returns, through dtype casts and copies only: the
+// model's output head (a decoder's lm_head, whose logits are what the sampler reads).
+bool returns_output(const torch::jit::Node* linear) {
+  const torch::jit::Value* v = linear->output();
+  for (int hops = 0; hops < 8; ++hops) {
+    if (v->uses().size() != 1) return false;
+    const torch::jit::Node* user = v->uses()[0].user;
+    if (user == user->owningGraph()->return_node()) return true;
+    const auto kind = user->kind();
+    if (kind != torch::jit::aten::to && kind != torch::jit::aten::contiguous && kind != torch::jit::aten::clone &&
+        kind != torch::jit::prim::TupleConstruct)
+      return false;
+    v = user->output();
+  }
+  return false;
+}
+
+// How the output head's weight is stored under --quantize int4: LIBPIPE_QUANTIZE_HEAD=int4 (as the other
+// layers), int8 (the default) or none (its own dtype). llama.cpp's Q4_0 models keep theirs in 6 or 8 bits too:
+// the logits of every token go through it, and 4-bit codes there cost far more quality than anywhere else
+// (bench/RESULTS.md, perplexity).
+WeightQuantization int4_head() {
+  const char* env = std::getenv("LIBPIPE_QUANTIZE_HEAD");
+  const std::string v = env ? env : "";
+  if (v == "int4") return WeightQuantization::Int4;
+  if (v == "none") return WeightQuantization::None;
+  return WeightQuantization::Int8;
+}
+
 c10::IValue attribute(torch::jit::Module stage, const std::vector<std::string>& path, torch::jit::Module* owner) {
   for (size_t i = 0; i + 1 < path.size(); ++i) stage = stage.attr(path[i]).toModule();
   if (owner) *owner = stage;
@@ -132,6 +161,7 @@ size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quanti
     at::Tensor panels;
     at::Tensor scales;  // int8 panels: each output feature's scale; undefined otherwise
     bool int4 = false;  // int4 panels (their scales inside)
+    bool head = false;  // the model's output head (returns_output) multiplies by it
   };
   std::map<const c10::TensorImpl*, Weight> weights;
   std::vector<const c10::TensorImpl*> order;  // first use first: packing order does not depend on pointers
@@ -146,6 +176,7 @@ size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quanti
       order.push_back(it->first);
     }
     it->second.linears.push_back(node);
+    it->second.head |= returns_output(node);
   }
   if (weights.empty()) return 0;
   // Every other read of those tensors: an embedding lookup can read the panels; anything else keeps the original.
@@ -187,15 +218,17 @@ size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quanti
   std::vector<at::Tensor> tensors;
   for (const auto* impl : order) tensors.push_back(weights.at(impl).tensor);
   // int8 / int4: the weights only linear layers read become codes and scales (a tied embedding, or a weight read
-  // otherwise, keeps its dtype). The arena is sized from the codes' shape alone, and each weight is quantized
-  // just before it is packed: a load never holds more than one weight's codes beside the panels.
+  // otherwise, keeps its dtype; under int4 the output head is int8 unless LIBPIPE_QUANTIZE_HEAD says otherwise). The
+  // arena is sized from the codes' shape alone, and each weight is quantized just before it is packed: a load never
+  // holds more than one weight's codes beside the panels.
   std::vector<bool> to_int8(order.size(), false), to_int4(order.size(), false);
   std::vector<size_t> sizes;
   for (size_t i = 0; i < order.size(); ++i) {
     const Weight& w = weights.at(order[i]);
-    const bool quantized = quantize != WeightQuantization::None && !w.other_reads && w.embeddings.empty();
-    to_int8[i] = quantized && quantize == WeightQuantization::Int8;
-    to_int4[i] = quantized && quantize == WeightQuantization::Int4;
+    const WeightQuantization as = w.head && quantize == WeightQuantization::Int4 ? int4_head() : quantize;
+    const bool quantized = as != WeightQuantization::None && !w.other_reads && w.embeddings.empty();
+    to_int8[i] = quantized && as == WeightQuantization::Int8;
+    to_int4[i] = quantized && as == WeightQuantization::Int4;
     const at::Tensor codes = at::empty(tensors[i].sizes(), at::TensorOptions().dtype(at::kChar).device(at::kMeta));
     sizes.push_back(to_int4[i]   ? PanelArena::int4_bytes(tensors[i].size(0), tensors[i].size(1), group)
                     : to_int8[i] ? PanelArena::bytes_of(codes)
