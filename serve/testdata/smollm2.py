@@ -129,9 +129,9 @@ def main():
         }
 
     generated = greedy(prompt_ids, MAX_TOKENS)
-    chat_ids = tok.apply_chat_template(
-        CHAT_MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True
-    )["input_ids"]
+    chat_ids = tok.apply_chat_template(CHAT_MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
     chat_generated = greedy(chat_ids, CHAT_MAX_TOKENS)
     description = {
         "key": key,
