@@ -33,6 +33,8 @@ int32_t ptxt_apply_chat_template(const ptxt_tokenizer *t, const char *const *rol
 // The stream holds its own reference to the tokenizer.
 void ptxt_stream_new(const ptxt_tokenizer *t, int32_t skip_special, ptxt_stream **out);
 int32_t ptxt_stream_step(ptxt_stream *s, int64_t id, uint8_t **text, size_t *len, uint8_t **err, size_t *err_len);
+// What the stream holds back, decoded (U+FFFD for bytes that form no character); it then holds nothing.
+int32_t ptxt_stream_flush(ptxt_stream *s, uint8_t **text, size_t *len, uint8_t **err, size_t *err_len);
 void ptxt_stream_free(ptxt_stream *s);
 void ptxt_free_bytes(uint8_t *ptr, size_t len);
 void ptxt_free_ids(int64_t *ptr, size_t count);

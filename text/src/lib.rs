@@ -604,40 +604,121 @@ pub struct TextStream {
     ids: Vec<u32>,
     prefix: String,
     prefix_index: usize,
+    /// With clean_up_tokenization_spaces: text decoded but not given out yet, because a clean-up
+    /// rule could still join it with the text that follows (see `clean_up_cut`).
+    held: String,
 }
 
 /// Ids that may wait for a whole character: beyond them the window's text goes out as decode
 /// gives it (with U+FFFD for bytes that are no character), so a step never costs more than this.
 const MAX_PENDING: usize = 16;
 
+/// Where text may be cut for clean_up: the largest k such that clean_up(text[..k] + rest) ==
+/// clean_up(text[..k]) + clean_up(text[k..] + rest) whatever `rest` follows (0: nowhere yet).
+///
+/// Every rule of `clean_up` replaces a pattern that starts with a space and is at most 4 characters
+/// long, and only ever deletes spaces; `str::replace` matches left to right without overlaps, so a
+/// cut is safe when, at every rule in turn, no match can straddle it. That holds at k when
+///   - the 4 characters before k hold no space: a straddling match would start with a space among
+///     the last 3;
+///   - text[k] is a space, text[k - 1] is not an apostrophe, and either text[k - 1] is neither a
+///     space nor "n" or text[k + 1] is none of . ? ! , ' n. A straddling match holds text[k - 1]
+///     (which no rule changes: it is not a space, or a space no rule can delete without matching
+///     across k) followed by what starts the right part. While that is the space, only " ' " fits,
+///     after an apostrophe. A rule deletes the space only when text[k + 1] is one of . ? ! , ' n;
+///     the right part then starts with that character, which fits after a space (" .", " n't",
+///     ...) or after "n" (" n't") only.
+/// tests/conformance/test_text.c and bindings/python/tests/test_text.py check the stream against
+/// decode on ids in any order; the rules were also checked exhaustively on short texts.
+fn clean_up_cut(text: &str) -> usize {
+    let b = text.as_bytes();
+    let mut run = 0; // characters other than a space just before k
+    let mut cut = 0;
+    for (k, c) in text.char_indices() {
+        if k > 0 && (run >= 4 || (c == ' ' && space_cut_is_safe(b[k - 1], b.get(k + 1).copied()))) {
+            cut = k;
+        }
+        run = if c == ' ' { 0 } else { run + 1 };
+    }
+    if run >= 4 {
+        cut = b.len();
+    }
+    cut
+}
+
+/// `clean_up_cut`'s rule for a cut before a space, from the byte before it and the one after it.
+fn space_cut_is_safe(before: u8, after: Option<u8>) -> bool {
+    before != b'\''
+        && (!matches!(before, b' ' | b'n')
+            || matches!(after, Some(a) if !matches!(a, b'.' | b'?' | b'!' | b',' | b'\'' | b'n')))
+}
+
 impl TextStream {
-    /// Hugging Face tokenizers' DecodeStream::step, with the window bounded by MAX_PENDING.
+    /// Hugging Face tokenizers' DecodeStream::step, with the window bounded by MAX_PENDING, and
+    /// clean_up_tokenization_spaces applied as decode applies it.
     fn step(&mut self, id: u32) -> Result<String> {
         self.ids.push(id);
-        let string = self.tokenizer.decode_u32(&self.ids, self.skip_special)?;
+        let string = match self.tokenizer.decode_u32(&self.ids, self.skip_special) {
+            Ok(s) => s,
+            Err(e) => {
+                self.ids.pop();
+                return Err(e);
+            }
+        };
         let pending = self.ids.len() - self.prefix_index;
         let whole = string.len() > self.prefix.len() && !string.ends_with('\u{FFFD}');
         if !whole && pending < MAX_PENDING {
             return Ok(String::new());
         }
+        let text = self.emit(string)?;
+        Ok(self.clean(text))
+    }
+
+    /// What the stream holds back, decoded as it is (U+FFFD for bytes that form no character),
+    /// clean_up_tokenization_spaces applied as at the end of the text; the stream then holds
+    /// nothing and goes on with the ids so far as the context of the next ones.
+    fn flush(&mut self) -> Result<String> {
+        let mut text = std::mem::take(&mut self.held);
+        if self.ids.len() > self.prefix_index {
+            let string = self.tokenizer.decode_u32(&self.ids, self.skip_special)?;
+            text.push_str(&self.emit(string)?);
+        }
+        Ok(if self.tokenizer.clean_up_spaces { clean_up(text) } else { text })
+    }
+
+    /// Gives out the window's text past what was emitted (`string` is the window's decode) and
+    /// slides the window: the ids just emitted become the context of the next ones.
+    fn emit(&mut self, string: String) -> Result<String> {
+        // The ids not emitted yet, which become the next window.
+        self.ids.drain(..self.prefix_index);
         let new_text = match string.strip_prefix(self.prefix.as_str()) {
-            Some(rest) => rest.to_string(),
+            Some(rest) => {
+                let new_text = rest.to_string();
+                self.prefix = self.tokenizer.decode_u32(&self.ids, self.skip_special)?;
+                new_text
+            }
             None => {
-                // The window decodes differently once more ids follow (a decoder that looks at
-                // neighbours): what was emitted stands; restart the window at this id.
-                let alone = self.tokenizer.decode_u32(&[id], self.skip_special)?;
-                self.ids.clear();
-                self.ids.push(id);
-                self.prefix = alone.clone();
-                self.prefix_index = 0;
-                return Ok(alone);
+                // The window no longer decodes to what was emitted followed by more: a decoder that
+                // looks at neighbours, or bytes given out as U+FFFD after MAX_PENDING ids that now
+                // complete a character. What was emitted stands; the ids not emitted yet go out
+                // decoded together, without the context.
+                self.prefix = self.tokenizer.decode_u32(&self.ids, self.skip_special)?;
+                self.prefix.clone()
             }
         };
-        let new_prefix_index = self.ids.len() - self.prefix_index;
-        self.ids.drain(..self.prefix_index);
-        self.prefix = self.tokenizer.decode_u32(&self.ids, self.skip_special)?;
-        self.prefix_index = new_prefix_index;
+        self.prefix_index = self.ids.len();
         Ok(new_text)
+    }
+
+    /// With clean_up_tokenization_spaces, the part of `text` (after what is held) that no text to
+    /// come can change; the rest is held.
+    fn clean(&mut self, text: String) -> String {
+        if !self.tokenizer.clean_up_spaces {
+            return text;
+        }
+        self.held.push_str(&text);
+        let rest = self.held.split_off(clean_up_cut(&self.held));
+        clean_up(std::mem::replace(&mut self.held, rest))
     }
 }
 
@@ -655,6 +736,7 @@ pub unsafe extern "C" fn ptxt_stream_new(t: *const TextTokenizer, skip_special: 
         ids: Vec::new(),
         prefix: String::new(),
         prefix_index: 0,
+        held: String::new(),
     };
     *out = Box::into_raw(Box::new(stream));
 }
@@ -677,6 +759,28 @@ pub unsafe extern "C" fn ptxt_stream_step(
         let s = &mut *s;
         let id = s.tokenizer.check_ids(&[id])?[0];
         let out = s.step(id)?;
+        give_bytes(out.into_bytes(), text, len);
+        Ok(())
+    })
+}
+
+/// Give out what the stream holds back (`text`, freed with ptxt_free_bytes): the ids that complete
+/// no character yet, decoded with U+FFFD for their bytes, and text clean_up_tokenization_spaces
+/// still held. The stream goes on from there.
+///
+/// # Safety
+/// `s` is a live stream used by one thread at a time; outputs are writable.
+#[no_mangle]
+pub unsafe extern "C" fn ptxt_stream_flush(
+    s: *mut TextStream,
+    text: *mut *mut u8,
+    len: *mut usize,
+    err: *mut *mut u8,
+    err_len: *mut usize,
+) -> i32 {
+    guarded(err, err_len, || {
+        let s = &mut *s;
+        let out = s.flush()?;
         give_bytes(out.into_bytes(), text, len);
         Ok(())
     })
