@@ -233,6 +233,17 @@ pipe_status pipe_decode_stream_push(pipe_decode_stream* stream, int64_t id, cons
   });
 }
 
+pipe_status pipe_decode_stream_flush(pipe_decode_stream* stream, const char** text, size_t* length) {
+  return guarded(__func__, [&](const char* fn) {
+    require(stream, fn, "stream");
+    require(text, fn, "text");
+    require(length, fn, "length");
+    RustBytes out, err;
+    check(ptxt_stream_flush(get(stream)->impl, &out.ptr, &out.len, &err.ptr, &err.len), err, fn);
+    lend_text(out, text, length);
+  });
+}
+
 void pipe_decode_stream_destroy(pipe_decode_stream* stream) { delete get(stream); }
 
 }  // extern "C"
