@@ -10,9 +10,11 @@ the folder is what a model's folder holds. libpipe's tokenizer (pipe.h, "Text") 
 transformers' AutoTokenizer on these folders (bindings/python/tests/test_text.py), and the C
 conformance test reads them (tests/conformance/test_text.c).
 
-    python text_tokenizers.py OUT_DIR     # writes OUT_DIR/{gpt2,qwen2,llama,mistral,bare}/
+    python text_tokenizers.py OUT_DIR     # writes OUT_DIR/{gpt2,qwen2,llama,mistral,bare,wordpiece,neighbours}/
 
-(bare/ holds gpt2's tokenizer.json alone.)
+(bare/ holds gpt2's tokenizer.json alone; wordpiece/ is a BERT-like WordPiece tokenizer whose
+tokenizer_config.json asks for clean_up_tokenization_spaces, which transformers' decode applies to
+it; neighbours/ is a tokenizer whose decoder joins neighbouring tokens, see neighbours().)
 
 Besides the folder, each gets two files for the C test: `c-reference-ids.txt`, transformers' ids
 for C_TEXT (with special tokens), and `c-reference-chat.txt`, its chat template's text for C_CHAT.
@@ -210,6 +212,40 @@ def build(style, out):
     return reference
 
 
+def wordpiece(out):
+    """A WordPiece tokenizer (BERT's normalizer and pre-tokenizer, the decoder without its own
+    clean-up) saved by transformers with clean_up_tokenization_spaces: decode applies it."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(cleanup=False)
+    trainer = trainers.WordPieceTrainer(vocab_size=400, special_tokens=["[UNK]", "[PAD]"], show_progress=False)
+    tok.train_from_iterator(_trainer_corpus(), trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", clean_up_tokenization_spaces=True)
+    wrapped.save_pretrained(out)
+    return wrapped
+
+
+# neighbours/'s vocabulary: its decoder writes "X" for "a" followed by "b".
+NEIGHBOURS_VOCAB = {"a": 0, "b": 1, "c": 2, "[UNK]": 3}
+
+
+def neighbours(out):
+    """A tokenizer whose decoder looks at neighbouring tokens: Fuse, then Replace("ab", "X"), so
+    decode(["a"]) is "a" but decode(["a", "b"]) is "X": the text of earlier ids changes with later
+    ones, which a decode stream cannot take back."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab=NEIGHBOURS_VOCAB, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "X")])
+    os.makedirs(out, exist_ok=True)
+    tok.save(os.path.join(out, "tokenizer.json"))
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit("usage: text_tokenizers.py OUT_DIR")
@@ -222,6 +258,8 @@ def main():
         data = src.read()
     with open(os.path.join(bare, "tokenizer.json"), "wb") as dst:
         dst.write(data)
+    wordpiece(os.path.join(sys.argv[1], "wordpiece"))
+    neighbours(os.path.join(sys.argv[1], "neighbours"))
 
 
 if __name__ == "__main__":
