@@ -187,7 +187,8 @@ func (t *Tokenizer) ApplyChatTemplate(messages []ChatMessage, addGenerationPromp
 }
 
 // DecodeStream turns ids fed one at a time into whole UTF-8 characters
-// (pipe_decode_stream_push). Its methods serialize their callers.
+// (pipe_decode_stream_push), and gives what it holds back at the end (Flush). Its methods
+// serialize their callers.
 type DecodeStream struct {
 	mu      sync.Mutex
 	ptr     capi.SwigcptrPipe_decode_stream
@@ -226,6 +227,29 @@ func (s *DecodeStream) Push(id int64) (string, error) {
 		var address uintptr
 		var n int64
 		st := capi.Pipe_decode_stream_push(s.ptr, id, &address, &n)
+		if st == capi.PIPE_OK {
+			text = lentText(address, n)
+		}
+		return st
+	})
+	return text, err
+}
+
+// Flush gives what the stream holds back, as the end of the text (pipe_decode_stream_flush): the
+// ids that complete no character yet, with U+FFFD for their bytes; "" when it holds nothing. Call
+// it when the ids end: Push's pieces and Flush's text put together are the decode of every id. The
+// stream may go on after it (the ids so far stay the context of the next ones).
+func (s *DecodeStream) Flush() (string, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ptr == 0 {
+		return "", closedError("DecodeStream.Flush", "decode stream")
+	}
+	var text string
+	err := call("pipe_decode_stream_flush", func() int {
+		var address uintptr
+		var n int64
+		st := capi.Pipe_decode_stream_flush(s.ptr, &address, &n)
 		if st == capi.PIPE_OK {
 			text = lentText(address, n)
 		}

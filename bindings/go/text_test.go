@@ -75,10 +75,64 @@ func TestTokenizerMatchesTransformers(t *testing.T) {
 			}
 			joined.WriteString(piece)
 		}
+		if tail, err := stream.Flush(); err != nil || tail != "" {
+			t.Fatalf("%s: Flush after whole characters = %q, %v", style, tail, err)
+		}
 		stream.Close()
 		if joined.String() != referenceText {
 			t.Fatalf("%s: stream gave %q", style, joined.String())
 		}
+		if _, err := stream.Flush(); !errors.Is(err, pipe.ErrClosed) {
+			t.Fatalf("%s: Flush after Close: %v", style, err)
+		}
+	}
+}
+
+// A reply cut inside a character: the pushes hold its bytes back, Flush gives them out as U+FFFD,
+// and together they are the decode of the ids; the stream then goes on.
+func TestDecodeStreamFlush(t *testing.T) {
+	// U+1F980 is not in the tokenizers' training text: its bytes are tokens of their own.
+	const text = "a 🦀 b"
+	for _, style := range []string{"gpt2", "qwen2", "llama", "mistral"} {
+		tok, _ := loadStyle(t, style)
+		ids, err := tok.Encode(text, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cut := -1 // the ids up to the emoji's last byte, without it
+		for n := len(ids); n > 0; n-- {
+			if d, _ := tok.Decode(ids[:n], false); strings.HasSuffix(d, "\uFFFD") {
+				cut = n
+				break
+			}
+		}
+		if cut < 0 {
+			t.Fatalf("%s: no prefix of %v ends inside the emoji", style, ids)
+		}
+		stream, err := tok.NewDecodeStream(false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var joined strings.Builder
+		for _, id := range ids[:cut] {
+			piece, err := stream.Push(id)
+			if err != nil {
+				t.Fatal(err)
+			}
+			joined.WriteString(piece)
+		}
+		tail, err := stream.Flush()
+		if err != nil || !strings.HasSuffix(tail, "\uFFFD") {
+			t.Fatalf("%s: Flush = %q, %v; want the cut character as U+FFFD", style, tail, err)
+		}
+		joined.WriteString(tail)
+		if want, _ := tok.Decode(ids[:cut], false); joined.String() != want {
+			t.Fatalf("%s: pushes and Flush gave %q; Decode gives %q", style, joined.String(), want)
+		}
+		if again, err := stream.Flush(); err != nil || again != "" {
+			t.Fatalf("%s: a second Flush = %q, %v", style, again, err)
+		}
+		stream.Close()
 	}
 }
 
