@@ -184,7 +184,8 @@ impl Drop for Tokenizer {
 }
 
 /// Ids in one at a time, whole UTF-8 characters out (pipe_decode_stream_push): what
-/// [`DecodeStream::push`] returns, put together, is the decode of every id fed.
+/// [`DecodeStream::push`] returns, put together with [`DecodeStream::flush`] at the end, is the
+/// decode of every id fed.
 pub struct DecodeStream {
     ptr: NonNull<sys::pipe_decode_stream>,
 }
@@ -201,6 +202,18 @@ impl DecodeStream {
         // SAFETY: exclusive through &mut self; the lent text is copied at once.
         unsafe {
             check(sys::pipe_decode_stream_push(self.ptr.as_ptr(), id, &mut text, &mut n))?;
+            Ok(lent_text(text, n))
+        }
+    }
+
+    /// What the stream holds back, as the end of the text (pipe_decode_stream_flush): ids that
+    /// complete no character yet, with U+FFFD for their bytes; "" when it holds nothing. Call it
+    /// when the ids end; the stream may go on after it (the ids so far stay the context).
+    pub fn flush(&mut self) -> Result<String> {
+        let (mut text, mut n) = (ptr::null(), 0usize);
+        // SAFETY: exclusive through &mut self; the lent text is copied at once.
+        unsafe {
+            check(sys::pipe_decode_stream_flush(self.ptr.as_ptr(), &mut text, &mut n))?;
             Ok(lent_text(text, n))
         }
     }

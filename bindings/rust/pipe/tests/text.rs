@@ -36,6 +36,30 @@ fn matches_transformers() {
         drop(tok); // the stream outlives its tokenizer
         let joined: String = plain.iter().map(|&id| stream.push(id).unwrap()).collect();
         assert_eq!(joined, TEXT, "{style}");
+        assert_eq!(stream.flush().unwrap(), "", "{style}: nothing held back after whole characters");
+    }
+}
+
+/// A reply cut inside a character: the pushes hold its bytes back, flush gives them out as U+FFFD,
+/// and together they are the decode of the ids; a second flush gives nothing.
+#[test]
+fn flush_gives_what_is_held_back() {
+    // U+1F980 is not in the tokenizers' training text: its bytes are tokens of their own.
+    let text = "a \u{1f980} b";
+    for style in ["gpt2", "qwen2", "llama", "mistral"] {
+        let tok = Tokenizer::load(folder(style)).unwrap();
+        let ids = tok.encode(text, false).unwrap();
+        let cut = (1..=ids.len())
+            .rev()
+            .find(|&n| tok.decode(&ids[..n], false).unwrap().ends_with('\u{fffd}'))
+            .unwrap_or_else(|| panic!("{style}: no prefix of {ids:?} ends inside the emoji"));
+        let mut stream = tok.decode_stream(false).unwrap();
+        let mut joined: String = ids[..cut].iter().map(|&id| stream.push(id).unwrap()).collect();
+        let tail = stream.flush().unwrap();
+        assert!(tail.ends_with('\u{fffd}'), "{style}: flush gave {tail:?}");
+        joined.push_str(&tail);
+        assert_eq!(joined, tok.decode(&ids[..cut], false).unwrap(), "{style}");
+        assert_eq!(stream.flush().unwrap(), "", "{style}");
     }
 }
 
