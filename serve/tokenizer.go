@@ -9,8 +9,8 @@ package main
 //     become their ids, as transformers' encode does. Hugging Face's matching of added tokens
 //     takes time linear in the text.
 //   - streaming: a textStream feeds a sequence's tokens to a decode stream (constant work per
-//     token: it decodes a window of the last few ids, never the whole reply) and gives out at the
-//     end what it still held back (a character left incomplete, as U+FFFD).
+//     token: it decodes a window of the last few ids, never the whole reply) and flushes it at the
+//     end for what it still held back (a character left incomplete, as U+FFFD).
 //   - ids the tokenizer does not know (a model's vocabulary may be larger than its tokenizer's) have
 //     no text: the service never fails a reply over them.
 //
@@ -139,18 +139,13 @@ func (c *textCodec) RenderChat(messages []pipe.ChatMessage) (string, error) {
 	return text, nil
 }
 
-// maxPending is how many ids a decode stream holds back at most (pipe_decode_stream_push: after
-// 16 ids that complete no character, what they decode to goes out).
-const maxPending = 16
-
 // textStream turns a sequence's tokens into text, piece by piece, whose concatenation is the
-// text of all of them: a character cut over several tokens comes out once its last byte came.
+// text of all of them: a character cut over several tokens comes out once its last byte came, and
+// what the decode stream still holds back at the end comes out of Flush.
 // One goroutine at a time; Close it at the end.
 type textStream struct {
 	codec  *textCodec
 	stream *pipe.DecodeStream // nil: the tokenizer was closed; each token then reads alone
-	// The ids pushed since the stream last gave text (at most maxPending): what Flush gives out.
-	pending []int64
 }
 
 func (c *textCodec) newStream() *textStream {
@@ -172,22 +167,19 @@ func (s *textStream) Add(id int64) string {
 	if err != nil {
 		return ""
 	}
-	if piece != "" || len(s.pending)+1 >= maxPending {
-		s.pending = s.pending[:0]
-		return piece
-	}
-	s.pending = append(s.pending, id)
-	return ""
+	return piece
 }
 
-// Flush returns what Add held back at the end of the sequence (a character left incomplete reads
-// U+FFFD, as decoding the whole sequence gives it).
+// Flush returns what Add held back at the end of the sequence (pipe_decode_stream_flush: a
+// character left incomplete reads U+FFFD, as decoding the whole sequence gives it).
 func (s *textStream) Flush() string {
-	if len(s.pending) == 0 {
+	if s.stream == nil {
 		return ""
 	}
-	text := s.codec.Decode(s.pending)
-	s.pending = s.pending[:0]
+	text, err := s.stream.Flush()
+	if err != nil {
+		return ""
+	}
 	return text
 }
 
