@@ -4,7 +4,8 @@
     ids = tok.encode("Hello")                            # as transformers' tok.encode("Hello")
     text = tok.decode(ids, skip_special_tokens=True)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
-    stream = tok.decode_stream(skip_special_tokens=True) # then stream.step(id) -> whole characters
+    stream = tok.decode_stream(skip_special_tokens=True) # then stream.step(id) -> whole characters,
+    tail = stream.flush()                                # and at the end what it held back
 
 Hugging Face's tokenizers library (its Rust crate, inside libpipe.so) does the work, so neither
 transformers nor the `tokenizers` package is needed at run time. A Tokenizer may be used by any
@@ -119,7 +120,8 @@ class Tokenizer(_Closeable):
 
 class DecodeStream(_Closeable):
     """Ids in one at a time, text out in whole UTF-8 characters (pipe_decode_stream_push): what
-    step() returns, put together, is the decode of every id fed. Outlives its Tokenizer."""
+    step() returns, put together with flush() at the end, is the decode of every id fed. Outlives
+    its Tokenizer."""
 
     def __init__(self, ptr):
         self._handle = _Handle(ptr, _lib().pipe_decode_stream_destroy, "decode stream", 3)
@@ -129,3 +131,10 @@ class DecodeStream(_Closeable):
         """The characters `token_id` completes; "" while a character waits for its last bytes."""
         with self._lock, self._handle.use() as h:
             return _lib().pipe_decode_stream_push(h, int(token_id))
+
+    def flush(self):
+        """What the stream holds back, as the end of the text (pipe_decode_stream_flush): ids that
+        complete no character yet, with U+FFFD for their bytes; "" when it holds nothing. Call it
+        when the ids end; the stream may go on after it (the ids so far stay the context)."""
+        with self._lock, self._handle.use() as h:
+            return _lib().pipe_decode_stream_flush(h)

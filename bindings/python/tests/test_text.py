@@ -130,19 +130,122 @@ def test_stop_ids_from_generation_config(styles):
     assert len(named) >= 1
 
 
+def stream_text(tok, ids, skip):
+    """The pieces a fresh decode stream gives for ids, and its flush at the end."""
+    with tok.decode_stream(skip_special_tokens=skip) as stream:
+        pieces = [stream.step(i) for i in ids]
+        tail = stream.flush()
+        assert stream.flush() == "", "a second flush gives nothing"
+    return pieces, tail
+
+
+def expected_stream_text(reference, ids, skip):
+    """What a decode stream's pieces and flush give for ids, by pipe.h, from transformers' decode:
+    the decode of all the ids, unless they end inside a character and that decode does not begin
+    with the text of the ids up to the last one that gave text (a byte-fallback decoder makes U+FFFD
+    of every byte of a run of byte tokens that ends inside a character, characters whole before
+    included): then that text, and the ids after it decoded alone."""
+    want = reference.decode(ids, skip_special_tokens=skip)
+    m, given = 0, ""  # the ids that gave text last, and the text up to them
+    for k in range(1, len(ids)):
+        text = reference.decode(ids[:k], skip_special_tokens=skip)
+        if not text.endswith("\ufffd") and len(text.encode()) > len(given.encode()):
+            m, given = k, text
+    if want.startswith(given):
+        return want
+    return given + reference.decode(ids[m:], skip_special_tokens=skip)
+
+
 def test_stream_adds_up_to_decode(styles):
+    """Pieces and the flush put together are transformers' decode, also of the ids cut anywhere
+    inside a character (where the flush gives the cut character's bytes as U+FFFD)."""
+    cuts_inside = 0
     for style, tok, reference in each_tokenizer(styles):
         with tok:
             for text in CORPUS:
                 ids = reference.encode(text, add_special_tokens=True)
                 for skip in (False, True):
-                    stream = tok.decode_stream(skip_special_tokens=skip)
-                    pieces = [stream.step(i) for i in ids]
-                    stream.close()
+                    pieces, tail = stream_text(tok, ids, skip)
                     want = reference.decode(ids, skip_special_tokens=skip)
-                    assert "".join(pieces) == want, (style, text, skip, pieces)
+                    assert "".join(pieces) + tail == want, (style, text, skip, pieces, tail)
+                    assert tail == "", (style, text, skip, tail)  # the text ends with a whole character
                     # Whole characters only: no piece carries a replacement character decode lacks.
                     assert "\ufffd" not in "".join(pieces) or "\ufffd" in want
+                    for n in range(1, len(ids)):
+                        if not reference.decode(ids[:n], skip_special_tokens=skip).endswith("\ufffd"):
+                            continue
+                        cuts_inside += 1
+                        want = expected_stream_text(reference, ids[:n], skip)
+                        if style in ("gpt2", "qwen2"):  # byte-level: always the decode itself
+                            assert want == reference.decode(ids[:n], skip_special_tokens=skip)
+                        pieces, tail = stream_text(tok, ids[:n], skip)
+                        assert "".join(pieces) + tail == want, (style, text, skip, n, pieces, tail)
+                        assert tail.endswith("\ufffd") and "\ufffd" not in "".join(pieces), (style, text, n, pieces)
+    assert cuts_inside > 0, "no cut of the corpus falls inside a character"
+
+
+def test_stream_flush_goes_on(styles):
+    """After a flush the stream holds nothing and continues the text: the ids so far stay the
+    context of the next ones (Llama's and Mistral's decoders drop only the text's first space)."""
+    for style, tok, reference in each_tokenizer(styles):
+        with tok:
+            ids = reference.encode("Hello world, again and again", add_special_tokens=False)
+            with tok.decode_stream() as stream:
+                assert stream.flush() == ""
+                text = ""
+                for i in ids:
+                    text += stream.step(i)
+                    text += stream.flush()
+            assert text == reference.decode(ids), (style, text)
+
+
+def test_stream_restarts_at_ids_not_given_out(styles, tmp_path):
+    """When the window's text stops beginning with what the stream gave out, the ids it held back
+    go out decoded together (transformers' decode of them alone), never lost."""
+    # A byte-fallback tokenizer (Llama's style): 15 skipped <s> and a 4-byte character's first byte
+    # are 16 ids that complete no character, so U+FFFD goes out; the next 3 bytes complete the
+    # character, which the window then decodes to, not beginning with that U+FFFD.
+    _, reference = styles["llama"]
+    with Tokenizer.load(styles["llama"][0]) as tok:
+        crab = [reference.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "\U0001f980".encode()]
+        ids = [reference.bos_token_id] * 15 + crab
+        pieces, tail = stream_text(tok, ids, True)
+        first = reference.decode(ids[:16], skip_special_tokens=True)
+        rest = reference.decode(ids[16:], skip_special_tokens=True)
+        assert (first, rest) == ("\ufffd", "\ufffd" * 3)
+        assert pieces == [""] * 15 + [first, "", "", rest] and tail == "", pieces
+    # A decoder that looks at neighbours: "a" then "b" decode to "X".
+    text_tokenizers.neighbours(str(tmp_path / "neighbours"))
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "neighbours" / "tokenizer.json"))
+    a, b, c = (text_tokenizers.NEIGHBOURS_VOCAB[t] for t in "abc")
+    with Tokenizer.load(tmp_path / "neighbours") as tok:
+        assert reference.decode([a, b, c]) == tok.decode([a, b, c]) == "Xc"
+        pieces, tail = stream_text(tok, [a, b, c], False)
+        assert pieces == [reference.decode([a]), "", reference.decode([b, c])] and tail == "", pieces
+        pieces, tail = stream_text(tok, [a, b], False)  # the flush too
+        assert pieces == [reference.decode([a]), ""] and tail == reference.decode([b]), (pieces, tail)
+
+
+def test_stream_cleans_up_as_decode(tmp_path):
+    """With clean_up_tokenization_spaces (a WordPiece tokenizer), the stream's text is
+    transformers' decode, clean-up included, however the ids follow one another."""
+    import random
+
+    reference = text_tokenizers.wordpiece(str(tmp_path / "wordpiece"))
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path / "wordpiece")
+    sentence = "Hello , world ! It 's a test ; is n't it ? I 'm here . They 've , we 're ' ' n't"
+    ids = reference.encode(sentence, add_special_tokens=False)
+    pool = sorted(set(ids))
+    rng = random.Random(1)
+    with Tokenizer.load(tmp_path / "wordpiece") as tok:
+        pieces, tail = stream_text(tok, ids, False)
+        want = reference.decode(ids)
+        assert "".join(pieces) + tail == want and " ." not in want, (pieces, tail, want)
+        assert sum(1 for p in pieces if p) > len(ids) // 3, "the stream gives text as it comes"
+        for _ in range(500):
+            ids = [rng.choice(pool) for _ in range(rng.randint(1, 24))]
+            pieces, tail = stream_text(tok, ids, False)
+            assert "".join(pieces) + tail == reference.decode(ids), (ids, pieces, tail)
 
 
 def test_errors(styles):
