@@ -426,8 +426,6 @@ static int stream_reply(chat_args *c, pipe_generation *generation, text_buffer *
   if ((st = pipe_decode_stream_create(c->tokenizer, 1, &stream)) != PIPE_OK)
     return fail("chat: cannot decode the reply", st);
   int64_t tokens[256];
-  int64_t *shown = NULL; /* the ids shown, for the reply's final text */
-  size_t num_shown = 0, shown_capacity = 0;
   int rc = TURN_OK;
   *stopped = 0;
   for (int32_t finished = 0; !finished && rc == TURN_OK;) {
@@ -452,18 +450,6 @@ static int stream_reply(chat_args *c, pipe_generation *generation, text_buffer *
     }
     for (size_t k = 0; k < count && !*stopped && rc == TURN_OK; ++k) {
       if (is_stop_id(c, tokens[k])) continue; /* the last token; never shown or kept */
-      if (num_shown == shown_capacity) {
-        size_t grown = shown_capacity ? 2 * shown_capacity : 256;
-        int64_t *ids = realloc(shown, grown * sizeof *ids);
-        if (!ids) {
-          fprintf(stderr, "pipe: error: out of memory\n");
-          rc = TURN_FAILED;
-          break;
-        }
-        shown = ids;
-        shown_capacity = grown;
-      }
-      shown[num_shown++] = tokens[k];
       const char *text = NULL;
       size_t length = 0;
       if ((st = pipe_decode_stream_push(stream, tokens[k], &text, &length)) != PIPE_OK) {
@@ -475,18 +461,17 @@ static int stream_reply(chat_args *c, pipe_generation *generation, text_buffer *
     }
     fflush(stdout);
   }
-  /* A character still cut at the end (never completed) comes out as decode gives it. */
-  if (rc == TURN_OK && !*stopped && num_shown) {
+  /* What the stream still holds (a character never completed, as U+FFFD) ends the reply. */
+  if (rc == TURN_OK && !*stopped) {
     const char *text = NULL;
     size_t length = 0;
-    if ((st = pipe_tokenizer_decode(c->tokenizer, shown, num_shown, 1, &text, &length)) != PIPE_OK) {
+    if ((st = pipe_decode_stream_flush(stream, &text, &length)) != PIPE_OK) {
       rc = fail("chat: cannot decode the reply", st);
-    } else if (length > reply->length && memcmp(text, reply->text, reply->length) == 0) {
-      fwrite(text + reply->length, 1, length - reply->length, stdout);
-      rc = append_text(reply, text + reply->length, length - reply->length) ? TURN_FAILED : TURN_OK;
+    } else {
+      fwrite(text, 1, length, stdout);
+      rc = append_text(reply, text, length) ? TURN_FAILED : TURN_OK;
     }
   }
-  free(shown);
   pipe_decode_stream_destroy(stream);
   return rc;
 }
