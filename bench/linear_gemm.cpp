@@ -3,7 +3,7 @@
 // (cblas_gemm_bf16bf16f32, in the LibTorch wheel), on every linear layer of a model's shape (random
 // weights), for the row counts a decode step (one row per sequence) and a prefill step give them.
 //
-//   cmake --build build --target linear_gemm && build/bench/linear_gemm [smollm2|1b] [repeats] [quantized]
+//   cmake --build build --target linear_gemm && build/bench/linear_gemm [smollm2|1b] [repeats] [quantized|kernels]
 //
 // smollm2: SmolLM2-135M's 210 layers (30 x q, k, v, o, gate, up, down); 1b: a 1B-class Llama's
 // (hidden 2048, 16 layers, 8 of 32 heads' width for k and v, intermediate 8192). All the machine's
@@ -12,7 +12,8 @@
 // `repeats` passes (default 5) over all layers in wall time, as milliseconds, the weights' bytes per
 // second and GFLOP/s; read_bandwidth gives the machine's read bandwidth for scale. Then the quantized panels
 // (`quantized` alone: only them): bfloat16, int8 (pipe::panel_linear_int8) and int4 in groups of 32
-// (pipe::panel_linear_int4) at 1, 8 and 32 rows, as the bytes each streams per second and the time.
+// (pipe::panel_linear_int4) at 1, 8 and 32 rows, as the bytes each streams per second and the time. `kernels` in
+// place of `quantized`: the same three kernels on one thread, layer shape by layer shape, 1 to 256 rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -83,6 +84,51 @@ int main(int argc, char** argv) {
                 best * 1e6);
   }
   const bool only_quantized = argc > 3 && std::string(argv[3]) == "quantized";
+  // `kernels`: the quantized products one layer shape at a time on one thread, each the fastest of `repeats` calls,
+  // summed over the model's layers: the kernels' own speed, steady on a machine that other work shares (a pass
+  // over all layers on every core, as below, is the end-to-end figure but moves with any other load).
+  if (argc > 3 && std::string(argv[3]) == "kernels") {
+    at::set_num_threads(1);
+    std::printf("\none thread, each layer shape the fastest of %d calls, times %d layers\n%5s  %18s  %18s  %18s\n",
+                repeats, layers, "rows", "bf16 ms GMAC/s", "int8 ms GMAC/s", "int4 ms GMAC/s");
+    std::vector<at::Tensor> bf16, int8, int8_scales, int4;
+    double macs_per_row = 0;
+    for (auto [n, k] : shapes) {
+      const at::Tensor w = at::randn({n, k}) * 0.02;
+      macs_per_row += static_cast<double>(n) * k * layers;
+      bf16.push_back(libpipe::stage::to_panels(w.to(at::kBFloat16)));
+      libpipe::stage::Int8Weight q8 = libpipe::stage::quantize_int8(w);
+      libpipe::stage::PanelArena a8({q8.codes});  // the panels keep their arena's memory
+      int8.push_back(a8.pack(0, q8.codes));
+      int8_scales.push_back(q8.scales);
+      const libpipe::stage::Int4Weight q4 = libpipe::stage::quantize_int4(w, 32);
+      libpipe::stage::PanelArena a4(std::vector<size_t>{libpipe::stage::PanelArena::int4_bytes(n, k, 32)});
+      int4.push_back(a4.pack_int4(0, q4, k));
+    }
+    for (int64_t rows : {1, 8, 32, 64, 128, 256}) {
+      double total[3] = {0, 0, 0};
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        const auto [n, k] = shapes[i];
+        const at::Tensor x = at::randn({rows, k}).to(at::kBFloat16);
+        for (int kind = 0; kind < 3; ++kind) {
+          double best = 1e300;
+          for (int r = 0; r < repeats + 1; ++r) {
+            const double start = now();
+            if (kind == 0) libpipe::stage::panel_linear(x, bf16[i], std::nullopt, n, k);
+            else if (kind == 1) libpipe::stage::panel_linear_int8(x, int8[i], int8_scales[i], std::nullopt, n, k);
+            else libpipe::stage::panel_linear_int4(x, int4[i], std::nullopt, n, k, 32);
+            if (r > 0) best = std::min(best, now() - start);
+          }
+          total[kind] += best * layers;
+        }
+      }
+      std::printf("%5lld", static_cast<long long>(rows));
+      for (int kind = 0; kind < 3; ++kind)
+        std::printf("  %9.2f %8.1f", total[kind] * 1e3, macs_per_row * rows / total[kind] / 1e9);
+      std::printf("\n");
+    }
+    return 0;
+  }
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     if (only_quantized) break;
     std::vector<at::Tensor> weights;
