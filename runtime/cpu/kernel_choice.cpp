@@ -60,7 +60,7 @@ const char* class_name(int c) {
 std::string describe(WeightType type, KernelVariant v) {
   std::string s = v.prefetch ? "prefetching" : "no prefetch";
   if (type == WeightType::kBFloat16) s += v.native_bf16 ? ", VDPBF16PS" : ", converted to float32";
-  if (type == WeightType::kInt4) s += v.vnni ? ", VPDPBUSD" : ", VPMADDUBSW";
+  if (type == WeightType::kInt4 || type == WeightType::kInt8) s += v.vnni ? ", VPDPBUSD" : ", VPMADDUBSW";
   return s;
 }
 
@@ -103,7 +103,8 @@ KernelVariant KernelChoice::variant(WeightType type, int slot) {
   } else {
     v.prefetch = fixed_prefetch() == 1;
   }
-  v.vnni = type == WeightType::kInt4 && cpu_has_avx512_vnni();  // not a choice: VPDPBUSD does less work
+  // Not a choice: VPDPBUSD does less work.
+  v.vnni = (type == WeightType::kInt4 || type == WeightType::kInt8) && cpu_has_avx512_vnni();
   if (type == WeightType::kBFloat16 && cpu_has_avx512_bf16())
     v.native_bf16 = dot_is_measured(type) ? rest % 2 == 1 : fixed_dot() == 1;
   return v;

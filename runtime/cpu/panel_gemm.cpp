@@ -115,6 +115,12 @@ void pack_int4_panels(const int8_t* codes, const uint16_t* scales, int64_t n, in
 
 void quantize_rows(const float* x, int64_t ldx, int64_t k, int64_t depth, int8_t* codes, float* scales, int32_t* sums,
                    int64_t row_begin, int64_t row_end) {
+  if (cpu_has_panel_kernels()) return avx512::quantize_rows(x, ldx, k, depth, codes, scales, sums, row_begin, row_end);
+  quantize_rows_scalar(x, ldx, k, depth, codes, scales, sums, row_begin, row_end);
+}
+
+void quantize_rows_scalar(const float* x, int64_t ldx, int64_t k, int64_t depth, int8_t* codes, float* scales,
+                          int32_t* sums, int64_t row_begin, int64_t row_end) {
   const int64_t blocks = depth / kInt4RowBlock;
   for (int64_t r = row_begin; r < row_end; ++r) {
     const float* xr = x + r * ldx;
@@ -137,7 +143,10 @@ void quantize_rows(const float* x, int64_t ldx, int64_t k, int64_t depth, int8_t
   }
 }
 
-int64_t panel_depth(WeightType type, int64_t k) { return type == WeightType::kBFloat16 ? (k + 1) / 2 * 2 : k; }
+int64_t panel_depth(WeightType type, int64_t k) {
+  if (type == WeightType::kInt8) return int4_depth(k, kInt4RowBlock);
+  return type == WeightType::kBFloat16 ? (k + 1) / 2 * 2 : k;
+}
 
 int64_t panel_elements(WeightType type, int64_t n, int64_t k) {
   const int64_t panels = (n + kPanelWidth - 1) / kPanelWidth;
@@ -152,8 +161,19 @@ void pack_panels(WeightType type, const void* weight, int64_t n, int64_t k, void
   char* d = static_cast<char*>(dst);
   for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
     char* out = d + static_cast<size_t>(panel * depth * kPanelWidth) * es;
-    std::memset(out, 0, static_cast<size_t>(depth * kPanelWidth) * es);
     const int64_t rows = std::min(kPanelWidth, n - panel * kPanelWidth);
+    if (type == WeightType::kInt8) {
+      // Per 4 k, 64 outputs x 4 codes: output c's k = 4s + t at byte 4 (64 s + c) + t, as q + 128 (padding: 0 + 128).
+      uint8_t* o = reinterpret_cast<uint8_t*>(out);
+      std::memset(o, 128, static_cast<size_t>(depth * kPanelWidth));
+      for (int64_t c = 0; c < rows; ++c) {
+        const int8_t* src = reinterpret_cast<const int8_t*>(w) + (panel * kPanelWidth + c) * k;
+        for (int64_t i = 0; i < k; ++i)
+          o[((i / 4) * kPanelWidth + c) * 4 + i % 4] = static_cast<uint8_t>(static_cast<int32_t>(src[i]) + 128);
+      }
+      continue;
+    }
+    std::memset(out, 0, static_cast<size_t>(depth * kPanelWidth) * es);
     for (int64_t c = 0; c < rows; ++c) {
       const char* src = w + static_cast<size_t>((panel * kPanelWidth + c) * k) * es;
       if (type == WeightType::kBFloat16) {
@@ -174,10 +194,11 @@ void unpack_row(WeightType type, const void* panels, int64_t /*n*/, int64_t k, i
   const int64_t panel = row / kPanelWidth, c = row % kPanelWidth;
   const char* in = static_cast<const char*>(panels) + static_cast<size_t>(panel * depth * kPanelWidth) * es;
   char* out = static_cast<char*>(dst);
-  if (type == WeightType::kInt8) {  // the codes as stored; the caller applies the row's scale
-    const int8_t* q = reinterpret_cast<const int8_t*>(in);
+  if (type == WeightType::kInt8) {  // the codes q (stored as q + 128); the caller applies the row's scale
+    const uint8_t* q = reinterpret_cast<const uint8_t*>(in);
     int8_t* o = reinterpret_cast<int8_t*>(out);
-    for (int64_t i = 0; i < k; ++i) o[i] = q[i * kPanelWidth + c];
+    for (int64_t i = 0; i < k; ++i)
+      o[i] = static_cast<int8_t>(static_cast<int32_t>(q[((i / 4) * kPanelWidth + c) * 4 + i % 4]) - 128);
     return;
   }
   if (type == WeightType::kFloat32) {

@@ -9,10 +9,18 @@
 //   float32 / float16:  panel b holds outputs 64b .. 64b+63, as [K][64]   (k major, 64 outputs per k)
 //   bfloat16:           panel b as [K/2][64][2]: each output's k and k+1 side by side, the operand
 //                       layout of AVX-512 BF16's VDPBF16PS (a pair of products per lane)
-//   int8:               panel b as [K][64] of signed 8-bit weights, one float32 scale per output feature
-//                       beside them (weight = scale * q, symmetric): a quarter of float32's bytes to stream.
-//                       The rows are float32 (a bfloat16 caller converts its few rows first); each int8
-//                       weight is widened to float32 in registers, so accumulation is float32 as for the others.
+//   int8:               signed 8-bit codes q in [-127, 127], one float32 scale per output feature beside the panels
+//                       (weight = scale * q, symmetric): a quarter of float32's bytes to stream. K is padded to a
+//                       multiple of 32 with zero codes; panel b is K/4 steps of 256 bytes, one per 4 consecutive k:
+//                       four 64-byte vectors, vector j for outputs 16j .. 16j+15, each 32-bit lane one output's 4
+//                       codes (byte t for k = 4s+t), stored as q + 128 (0 .. 255): the unsigned operand of VPDPBUSD.
+//                       The rows are quantized as int4's are (below: quantize_rows, int8 per block of 32 k), and
+//                       the kernel's int32 sums per block, less 128 x the block's sum of row codes, go to float32 as
+//                       scale_x * sum, accumulated over K and multiplied by the output's scale at the end. Without
+//                       AVX512-VNNI each code is split into its low 7 bits and its top bit (VPMADDUBSW would
+//                       saturate at 2 x 255 x 127 per 16-bit pair), which VPMADDUBSW + VPMADDWD multiply exactly:
+//                       the same integer sums, the same bits. Why integers: widening each code to float32 made the
+//                       kernel compute-bound from a few rows (one FMA per 16 products against VPDPBUSD's 64).
 //   int4:               4-bit codes q in [-8, 7] with a float16 scale per (group of G k, output feature), weight =
 //                       scale * q (quantize_int4 in panel_linear.h; G = 32, 64 or 128, K padded to a multiple of
 //                       G with zero codes). Panel b is, per group of G k: the group's 64 scales (128 bytes), then
@@ -31,7 +39,7 @@
 //                       float32 takes ~20 instructions per 32 bytes of weights, compute-bound below the
 //                       memory's speed at one row.
 //
-// A tail panel (N not a multiple of 64) is zero-padded, and K is padded to even for bfloat16. The
+// A tail panel (N not a multiple of 64) is zero-padded, and K is padded to even for bfloat16. The float
 // micro-kernel broadcasts one input element per row and multiplies it into four 16-wide output vectors,
 // so a row of one output panel costs 4 loads for any number of rows: one row streams the weight at the
 // memory's speed, 6 rows at once reuse each load 6 times (compute-bound from ~16 rows).
@@ -71,7 +79,7 @@ struct KernelVariant {
 
 // Elements (of the weight's type) of the panels of an [n, k] weight (not int4: int4_panel_bytes).
 int64_t panel_elements(WeightType type, int64_t n, int64_t k);
-// K as stored (padded to even for bfloat16).
+// K as stored (padded to even for bfloat16, to a multiple of 32 for int8).
 int64_t panel_depth(WeightType type, int64_t k);
 
 // Writes weight [n, k] (row-major, `type`'s element size) as panels into `dst`, which holds
@@ -93,20 +101,24 @@ int64_t int4_panel_bytes(int64_t n, int64_t k, int64_t group);
 // (float16 bits) as int4 panels into `dst` (int4_panel_bytes), panels [panel_begin, panel_end) only.
 void pack_int4_panels(const int8_t* codes, const uint16_t* scales, int64_t n, int64_t k, int64_t group, void* dst,
                       int64_t panel_begin, int64_t panel_end);
-// Rows [row_begin, row_end) of x [m, k] (float32, row stride ldx) as int8 per block of 32 k for the int4 kernel:
-// codes [m, depth] (depth = int4_depth(k, group), the padding zero), and per row and block a float32 scale (the
-// block's largest magnitude at 127; 0 for an all-zero block) and the sum of its codes ([m, depth / 32] each).
-// Nearest rounding, halves away from zero, in scalar code: the same bits on every CPU.
+// Rows [row_begin, row_end) of x [m, k] (float32, row stride ldx) as int8 per block of 32 k for the int4 and int8
+// kernels: codes [m, depth] (depth = int4_depth(k, group) for int4, panel_depth(kInt8, k) for int8; the padding
+// zero), and per row and block a float32 scale (the block's largest magnitude at 127; 0 for an all-zero block) and
+// the sum of its codes ([m, depth / 32] each). Nearest rounding, halves away from zero: quantize_rows_scalar's
+// arithmetic, which the AVX-512 code that runs where the CPU has the kernels matches bit for bit (tested).
 void quantize_rows(const float* x, int64_t ldx, int64_t k, int64_t depth, int8_t* codes, float* scales, int32_t* sums,
                    int64_t row_begin, int64_t row_end);
+void quantize_rows_scalar(const float* x, int64_t ldx, int64_t k, int64_t depth, int8_t* codes, float* scales,
+                          int32_t* sums, int64_t row_begin, int64_t row_end);
 
 struct PanelProduct {
   WeightType type = WeightType::kFloat32;
-  const void* x = nullptr;  // [m, k] rows, `type`'s element type (float32 for int8), row stride ldx elements
+  const void* x = nullptr;  // [m, k] rows, `type`'s element type, row stride ldx elements (not int8 / int4)
   int64_t ldx = 0;
   const void* panels = nullptr;   // pack_panels' output for [n, k]
   const float* scales = nullptr;  // int8: [n], each output feature's scale
-  // int4: x is unused; the rows as quantize_rows made them, k is the padded depth and `group` the weight's group.
+  // int4 and int8: x is unused; the rows as quantize_rows made them, k is the padded depth (panel_depth for int8)
+  // and `group` the int4 weight's group.
   const int8_t* xq = nullptr;
   const float* xscales = nullptr;
   const int32_t* xsums = nullptr;

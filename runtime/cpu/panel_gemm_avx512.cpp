@@ -53,7 +53,7 @@ template <WeightType T>
 inline __m512 load_bias(const void* bias, int64_t col, int64_t valid) {
   if (!bias) return _mm512_setzero_ps();
   const __mmask16 mask = tail_mask(valid);
-  if constexpr (T == WeightType::kFloat32 || T == WeightType::kInt8) {
+  if constexpr (T == WeightType::kFloat32) {
     return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(bias) + col);
   } else {
     const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(bias) + col);
@@ -64,7 +64,7 @@ inline __m512 load_bias(const void* bias, int64_t col, int64_t valid) {
 template <WeightType T>
 inline void store_out(void* out, int64_t index, __m512 v, int64_t valid) {
   const __mmask16 mask = tail_mask(valid);
-  if constexpr (T == WeightType::kFloat32 || T == WeightType::kInt8) {
+  if constexpr (T == WeightType::kFloat32) {
     _mm512_mask_storeu_ps(static_cast<float*>(out) + index, mask, v);
   } else {
     const __m256i h = T == WeightType::kBFloat16 ? f32_to_bf16(v) : f32_to_f16(v);
@@ -87,9 +87,7 @@ void tile(const PanelProduct& p, int64_t row0, const void* w, int j0, int64_t co
   __m512 acc[MR][NZ];
   if (span.first) {
     for (int j = 0; j < NZ; ++j) {
-      // int8: the sums of codes times rows start at zero; scale and bias come at the end.
-      const __m512 b =
-          T == WeightType::kInt8 ? _mm512_setzero_ps() : load_bias<T>(p.bias, col + 16 * j, p.n - col - 16 * j);
+      const __m512 b = load_bias<T>(p.bias, col + 16 * j, p.n - col - 16 * j);
       for (int r = 0; r < MR; ++r) acc[r][j] = b;
     }
   } else {
@@ -104,20 +102,6 @@ void tile(const PanelProduct& p, int64_t row0, const void* w, int j0, int64_t co
       prefetch_panel_row<kPrefetch, NZ>(wp);
       __m512 wv[NZ];
       for (int j = 0; j < NZ; ++j) wv[j] = _mm512_loadu_ps(wp + 16 * j);
-      for (int r = 0; r < MR; ++r) {
-        const __m512 xb = _mm512_set1_ps(x[r * p.ldx + i]);
-        for (int j = 0; j < NZ; ++j) acc[r][j] = _mm512_fmadd_ps(xb, wv[j], acc[r][j]);
-      }
-    }
-  } else if constexpr (T == WeightType::kInt8) {
-    const float* x = static_cast<const float*>(p.x) + row0 * p.ldx;
-    const int8_t* wp = static_cast<const int8_t*>(w) + 16 * j0 + span.i0 * kPanelWidth;
-    for (int64_t i = span.i0; i < span.i1; ++i, wp += kPanelWidth) {
-      prefetch_panel_row<kPrefetch, 1>(wp);  // a row of the panel is one cache line
-      __m512 wv[NZ];
-      for (int j = 0; j < NZ; ++j)
-        wv[j] =
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16 * j))));
       for (int r = 0; r < MR; ++r) {
         const __m512 xb = _mm512_set1_ps(x[r * p.ldx + i]);
         for (int j = 0; j < NZ; ++j) acc[r][j] = _mm512_fmadd_ps(xb, wv[j], acc[r][j]);
@@ -175,14 +159,6 @@ void tile(const PanelProduct& p, int64_t row0, const void* w, int j0, int64_t co
     }
   }
   if (span.last) {
-    if constexpr (T == WeightType::kInt8) {
-      for (int j = 0; j < NZ; ++j) {
-        const int64_t valid = p.n - col - 16 * j;
-        const __m512 scale = _mm512_maskz_loadu_ps(tail_mask(valid), p.scales + col + 16 * j);
-        const __m512 b = load_bias<T>(p.bias, col + 16 * j, valid);
-        for (int r = 0; r < MR; ++r) acc[r][j] = _mm512_fmadd_ps(acc[r][j], scale, b);
-      }
-    }
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NZ; ++j)
         store_out<T>(p.out, (row0 + r) * p.ldo + col + 16 * j, acc[r][j], p.n - col - 16 * j);
@@ -255,7 +231,7 @@ template <WeightType T, bool kNativeBf16, bool kPrefetch>
 void product(const PanelProduct& p, int64_t unit_begin, int64_t unit_end) {
   const int64_t depth = panel_depth(T, p.k);
   const int64_t panel_size = depth * kPanelWidth;  // elements
-  const size_t element = T == WeightType::kFloat32 ? 4 : T == WeightType::kInt8 ? 1 : 2;
+  const size_t element = T == WeightType::kFloat32 ? 4 : 2;
   constexpr int64_t kUnitsPerPanel = kPanelWidth / kUnitWidth;
   for (int64_t u = unit_begin; u < unit_end;) {
     const int64_t panel = u / kUnitsPerPanel;
@@ -269,6 +245,44 @@ void product(const PanelProduct& p, int64_t unit_begin, int64_t unit_end) {
 
 }  // namespace
 
+void quantize_rows(const float* x, int64_t ldx, int64_t k, int64_t depth, int8_t* codes, float* scales, int32_t* sums,
+                   int64_t row_begin, int64_t row_end) {
+  // The scalar code's arithmetic (panel_gemm.cpp), 16 at a time: the same maximum (VMAXPS returns its second operand
+  // for a NaN, as std::max keeps the maximum so far), the same float32 scale, inverse and products, and rounding to
+  // nearest with halves away from zero done exactly: truncate, then step away from zero where the dropped fraction
+  // (exact: |v| < 2^23) is at least a half.
+  const int64_t blocks = depth / kInt4RowBlock;
+  const __m512 sign_bit = _mm512_set1_ps(-0.0f), half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+  const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const float* xr = x + r * ldx;
+    int8_t* q = codes + r * depth;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t i0 = b * kInt4RowBlock;
+      __m512 v[2];
+      __m512 amax = _mm512_setzero_ps();
+      for (int h = 0; h < 2; ++h) {
+        v[h] = _mm512_maskz_loadu_ps(first(k - i0 - 16 * h), xr + i0 + 16 * h);
+        amax = _mm512_max_ps(_mm512_andnot_ps(sign_bit, v[h]), amax);
+      }
+      const float scale = _mm512_reduce_max_ps(amax) / 127.0f;
+      const float inverse = scale > 0 ? 1.0f / scale : 0.0f;
+      __m512i sum = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m512 y = _mm512_mul_ps(v[h], _mm512_set1_ps(inverse));
+        const __m512 t = _mm512_roundscale_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __mmask16 up = _mm512_cmp_ps_mask(_mm512_andnot_ps(sign_bit, _mm512_sub_ps(y, t)), half, _CMP_GE_OQ);
+        const __m512 rounded = _mm512_mask_add_ps(t, up, t, _mm512_or_ps(one, _mm512_and_ps(sign_bit, y)));
+        const __m512i c = _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvttps_epi32(rounded)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i0 + 16 * h), _mm512_cvtepi32_epi8(c));
+        sum = _mm512_add_epi32(sum, c);
+      }
+      scales[r * blocks + b] = scale;
+      sums[r * blocks + b] = _mm512_reduce_add_epi32(sum);
+    }
+  }
+}
+
 void panel_product(const PanelProduct& p, int64_t unit_begin, int64_t unit_end, KernelVariant v) {
   switch (p.type) {
     case WeightType::kFloat32:
@@ -277,9 +291,7 @@ void panel_product(const PanelProduct& p, int64_t unit_begin, int64_t unit_end, 
     case WeightType::kFloat16:
       return v.prefetch ? product<WeightType::kFloat16, false, true>(p, unit_begin, unit_end)
                         : product<WeightType::kFloat16, false, false>(p, unit_begin, unit_end);
-    case WeightType::kInt8:
-      return v.prefetch ? product<WeightType::kInt8, false, true>(p, unit_begin, unit_end)
-                        : product<WeightType::kInt8, false, false>(p, unit_begin, unit_end);
+    case WeightType::kInt8: return int8_product(p, unit_begin, unit_end, v);
     case WeightType::kInt4: return int4_product(p, unit_begin, unit_end, v);
     case WeightType::kBFloat16:
       if (v.native_bf16)

@@ -164,8 +164,9 @@ std::vector<at::Tensor> linear_group_op(const at::Tensor& input, const std::vect
   return outs;
 }
 
-// A product by int8 panels (to_int8_panels): the rows go to float32 (a few rows of a decode step: nothing beside
-// the weights' stream) and the result back to the input's dtype.
+// A product by int8 panels (to_int8_panels): the rows go to float32, then to int8 per block of 32 as for int4 (on
+// the calling thread: the same codes for any sharing), multiplied in integers per 16 outputs; the result back to the
+// input's dtype.
 at::Tensor linear_int8_op(const at::Tensor& input, const at::Tensor& panels, const at::Tensor& scales,
                           const std::optional<at::Tensor>& bias, int64_t out_features, int64_t in_features) {
   if (panels.scalar_type() != at::kChar || panels.dim() != 1 || !panels.is_contiguous() ||
@@ -194,29 +195,37 @@ at::Tensor linear_int8_op(const at::Tensor& input, const at::Tensor& panels, con
   const at::Tensor bias_values = b ? b->to(at::kFloat).contiguous() : at::Tensor();
   std::vector<int64_t> sizes = input.sizes().vec();
   sizes.back() = out_features;
-  at::Tensor out = at::empty({x.size(0), out_features}, input.options().dtype(at::kFloat));
-  if (x.size(0) > 0) {
+  const int64_t m = x.size(0), depth = cpu::panel_depth(WeightType::kInt8, in_features);
+  at::Tensor out = at::empty({m, out_features}, input.options().dtype(at::kFloat));
+  if (m > 0) {
+    const int64_t blocks = depth / cpu::kInt4RowBlock;
+    at::Tensor codes = at::empty({m, depth}, at::TensorOptions().dtype(at::kChar));
+    at::Tensor row_scales = at::empty({m, blocks}, at::TensorOptions().dtype(at::kFloat));
+    at::Tensor sums = at::empty({m, blocks}, at::TensorOptions().dtype(at::kInt));
+    cpu::quantize_rows(x.data_ptr<float>(), in_features, in_features, depth, codes.data_ptr<int8_t>(),
+                       row_scales.data_ptr<float>(), sums.data_ptr<int32_t>(), 0, m);
     cpu::PanelProduct p;
     p.type = WeightType::kInt8;
-    p.x = x.data_ptr();
-    p.ldx = in_features;
+    p.xq = codes.data_ptr<int8_t>();
+    p.xscales = row_scales.data_ptr<float>();
+    p.xsums = sums.data_ptr<int32_t>();
     p.panels = panels.data_ptr();
     p.scales = scales.data_ptr<float>();
     p.bias = b ? bias_values.data_ptr() : nullptr;
     p.out = out.data_ptr();
     p.ldo = out_features;
-    p.m = x.size(0);
+    p.m = m;
     p.n = out_features;
-    p.k = in_features;
-    const int64_t unit_bytes = cpu::kUnitWidth * in_features;
+    p.k = depth;
+    const int64_t unit_bytes = cpu::kUnitWidth * depth;
     SpareCores::for_ranges(cpu::panel_units(out_features), kMinBytesPerPiece / std::max<int64_t>(unit_bytes, 1),
                            kMaxUnitsPerPiece, [&](int64_t begin, int64_t end) { cpu::panel_product(p, begin, end); });
   }
   return out.to(input.scalar_type()).view(sizes);
 }
 
-// A product by int4 panels: the rows to float32, then to int8 per block of 32 (each row by one thread, in scalar
-// code: the same codes on every CPU and for any sharing), multiplied in integers per 16 outputs.
+// A product by int4 panels: the rows to float32, then to int8 per block of 32 (each row by one thread, the same
+// codes on every CPU and for any sharing), multiplied in integers per 16 outputs.
 at::Tensor linear_int4_op(const at::Tensor& input, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                           int64_t out_features, int64_t in_features, int64_t group) {
   if (!valid_int4_group(group))

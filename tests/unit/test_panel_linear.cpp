@@ -6,8 +6,10 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/jit/api/module.h>
 
+#include <cstdio>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "graph_nodes.h"
@@ -209,7 +211,8 @@ TEST(PanelLinear, WrongInputsAreRefusedWithWhatWasWrong) {
 
 // Three linear layers, one with a bias, one whose weight the forward computes (not an attribute: never
 // rewritten), and a weight also read by an embedding lookup and one also read by another operator.
-torch::jit::Module layers(int64_t k, int64_t n, at::ScalarType dtype, uint64_t seed = 1) {
+// int8_rows: w2's rows as the int8 kernel quantizes them (quantized_rows below), for a reference of an int8 w2.
+torch::jit::Module layers(int64_t k, int64_t n, at::ScalarType dtype, uint64_t seed = 1, bool int8_rows = false) {
   at::manual_seed(seed);
   torch::jit::Module m("PanelLinearTest");
   m.register_parameter("w1", at::randn({n, k}).to(dtype), false);
@@ -218,8 +221,21 @@ torch::jit::Module layers(int64_t k, int64_t n, at::ScalarType dtype, uint64_t s
   m.register_parameter("tied", at::randn({50, k}).to(dtype), false);
   m.register_parameter("shared", at::randn({k, k}).to(dtype), false);
   m.define(R"(
+def rows(self, h):
+    m = h.size(0)
+    k = h.size(1)
+    depth = (k + 31) // 32 * 32
+    b = torch.constant_pad_nd(h.float(), [0, depth - k]).view([m, depth // 32, 32])
+    s = b.abs().amax(2, True) / torch.full([1], 127.0)
+    v = (b * torch.where(s > 0, 1.0 / s, torch.zeros_like(s))).double()
+    c = (torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(-127, 127)
+    return (c * s.double()).view([m, depth])[:, :k].to(h.dtype)
+)");
+  m.define(std::string(R"(
 def forward(self, x, ids):
     h = torch.linear(x, self.w1, self.b1)
+)") + (int8_rows ? "    h = self.rows(h)\n" : "") +
+           R"(
     h = torch.linear(h, self.w2)
     h = torch.linear(h, self.shared) + self.shared.sum()
     e = torch.embedding(self.tied, ids)
@@ -259,12 +275,25 @@ TEST(PanelLinear, AStageHoldsOneCopyOfEachWeightAndEqualsTheModel) {
   }
 }
 
-// int8 weights: the codes and scales of quantize_int8, the product by their panels against float32 arithmetic on
-// the dequantized weight (scales[:, None] * codes), on odd shapes, every row count class, float32 and bfloat16
-// rows, with and without a bias.
+// int8 weights: the codes and scales of quantize_int8, the product by their panels against float64 arithmetic on
+// the dequantized weight (scales[:, None] * codes) and the rows quantized as the kernel's contract says, on odd
+// shapes, every row count class, float32 and bfloat16 rows, with and without a bias.
 at::Tensor int8_panels(const at::Tensor& codes) {
   stage::PanelArena arena({codes});
   return arena.pack(0, codes);
+}
+
+// The rows as the int8 and int4 kernels see them (panel_gemm.h's quantize_rows), computed here with tensors: per
+// block of 32 k (zero-padded), scale = max |x| / 127 and code = x * (1 / scale) rounded to nearest, halves away
+// from zero, in float32 as the contract's scalar code does; returned as codes x scale in float64, [m, k].
+at::Tensor quantized_rows(const at::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1), depth = (k + 31) / 32 * 32;
+  const at::Tensor blocks = at::constant_pad_nd(x.to(at::kFloat), {0, depth - k}).view({m, depth / 32, 32});
+  const at::Tensor scale = blocks.abs().amax(2, true) / at::full({}, 127.0f);  // a division, as the kernel's
+  const at::Tensor inverse = at::where(scale > 0, 1.0f / scale, at::zeros_like(scale));
+  const at::Tensor v = (blocks * inverse).to(at::kDouble);
+  const at::Tensor codes = (at::sign(v) * at::floor(v.abs() + 0.5)).clamp(-127, 127);
+  return (codes * scale.to(at::kDouble)).view({m, depth}).narrow(1, 0, k);
 }
 
 TEST(PanelLinearInt8, QuantizationIsWithinHalfAStepOfEachWeight) {
@@ -280,6 +309,20 @@ TEST(PanelLinearInt8, QuantizationIsWithinHalfAStepOfEachWeight) {
   EXPECT_TRUE((zeros.scales == 1).all().item<bool>());
 }
 
+TEST(PanelLinearInt8, PanelsHoldTheCodesAndGiveThemBack) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  const int64_t n = 70, k = 37;  // a tail panel of 6 outputs; K padded to 64
+  const auto q = stage::quantize_int8(at::randn({n, k}));
+  const at::Tensor panels = int8_panels(q.codes);
+  EXPECT_EQ(panels.numel(), 2 * 64 * 64);
+  for (int64_t row : {0, 5, 63, 64, 69}) {
+    at::Tensor back = at::empty({k}, at::kChar);
+    cpu::unpack_row(cpu::WeightType::kInt8, panels.data_ptr(), n, k, row, back.data_ptr());
+    EXPECT_TRUE(at::equal(back, q.codes[row])) << "row " << row;
+  }
+}
+
 TEST(PanelLinearInt8, ProductsEqualTheDequantizedWeightOnOddShapes) {
   SKIP_WITHOUT_PANELS();
   c10::InferenceMode guard;
@@ -288,7 +331,7 @@ TEST(PanelLinearInt8, ProductsEqualTheDequantizedWeightOnOddShapes) {
       const at::Tensor w = at::randn({n, k});
       const auto q = stage::quantize_int8(w);
       const at::Tensor panels = int8_panels(q.codes);
-      const at::Tensor dequantized = q.scales.unsqueeze(1) * q.codes.to(at::kFloat);
+      const at::Tensor dequantized = q.scales.unsqueeze(1).to(at::kDouble) * q.codes.to(at::kDouble);
       const at::Tensor bias = at::randn({n});
       for (int64_t m : {1, 3, 6, 7, 13, 50}) {
         for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
@@ -297,9 +340,9 @@ TEST(PanelLinearInt8, ProductsEqualTheDequantizedWeightOnOddShapes) {
             const std::optional<at::Tensor> b = with_bias ? std::optional<at::Tensor>(bias.to(dtype)) : std::nullopt;
             const at::Tensor got = stage::panel_linear_int8(x, panels, q.scales, b, n, k);
             ASSERT_EQ(got.scalar_type(), dtype);
-            const at::Tensor want = reference_linear(x.to(at::kFloat), dequantized,
-                                                     with_bias ? bias.to(dtype).to(at::kFloat) : at::Tensor())
-                                        .to(dtype);
+            const at::Tensor want =
+                at::linear(quantized_rows(x), dequantized, with_bias ? bias.to(dtype).to(at::kDouble) : at::Tensor())
+                    .to(dtype);
             expect_close(got, want,
                          std::to_string(m) + " x " + std::to_string(k) + " by " + std::to_string(n) + ", " +
                              c10::toString(dtype) + (with_bias ? ", bias" : ""));
@@ -308,6 +351,110 @@ TEST(PanelLinearInt8, ProductsEqualTheDequantizedWeightOnOddShapes) {
       }
     }
   }
+}
+
+// The int8 kernel itself (VPDPBUSD or VPMADDUBSW, prefetching or not) on the rows as quantize_rows makes them.
+at::Tensor int8_kernel(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales, const at::Tensor& bias,
+                       int64_t n, bool vnni, bool prefetch, int64_t unit_begin = 0, int64_t unit_end = -1,
+                       at::Tensor out = {}) {
+  const int64_t m = x.size(0), k = x.size(1), depth = cpu::panel_depth(cpu::WeightType::kInt8, k);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor codes = at::empty({m, depth}, at::kChar), row_scales = at::empty({m, depth / 32}),
+             sums = at::empty({m, depth / 32}, at::kInt);
+  cpu::quantize_rows(xf.data_ptr<float>(), k, k, depth, codes.data_ptr<int8_t>(), row_scales.data_ptr<float>(),
+                     sums.data_ptr<int32_t>(), 0, m);
+  if (!out.defined()) out = at::full({m, n}, 7.0);
+  cpu::PanelProduct p;
+  p.type = cpu::WeightType::kInt8;
+  p.xq = codes.data_ptr<int8_t>();
+  p.xscales = row_scales.data_ptr<float>();
+  p.xsums = sums.data_ptr<int32_t>();
+  p.panels = panels.data_ptr();
+  p.scales = scales.data_ptr<float>();
+  p.bias = bias.defined() ? bias.data_ptr() : nullptr;
+  p.out = out.data_ptr();
+  p.ldo = n;
+  p.m = m;
+  p.n = n;
+  p.k = depth;
+  cpu::KernelVariant variant;
+  variant.vnni = vnni;
+  variant.prefetch = prefetch;
+  cpu::avx512::int8_product(p, unit_begin, unit_end < 0 ? cpu::panel_units(n) : unit_end, variant);
+  return out;
+}
+
+// The same bits from either kernel, with or without prefetching, for any tiling of the rows and any sharing of the
+// units between threads; codes of both extremes (-127 and 127, stored as 1 and 255) against rows of both extremes,
+// where VPMADDUBSW alone would saturate.
+TEST(PanelLinearInt8, EveryKernelRowCountAndSharingGivesTheSameBits) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  at::manual_seed(7);
+  const int64_t n = 200, k = 300;  // 13 units, the last of 8 features; K padded to 320
+  at::Tensor w = at::randn({n, k});
+  w.narrow(1, 0, 32).copy_(at::where(at::randn({n, 32}) > 0, at::ones({n, 32}), -at::ones({n, 32})) * 10);
+  const auto q = stage::quantize_int8(w);
+  ASSERT_EQ(q.codes.narrow(1, 0, 32).abs().min().item<int>(), 127);
+  const at::Tensor panels = int8_panels(q.codes);
+  at::Tensor x = at::randn({40, k});
+  x.narrow(1, 0, 32).fill_(-3.0);  // codes -127 against weights of 127: pairs of -2 x 255 x 127 in VPMADDUBSW terms
+  x.narrow(1, 32, 32).fill_(2.0);
+  const at::Tensor bias = at::randn({n});
+  const at::Tensor whole = int8_kernel(x, panels, q.scales, bias, n, false, false);
+  const at::Tensor reference = at::linear(
+      quantized_rows(x), q.scales.unsqueeze(1).to(at::kDouble) * q.codes.to(at::kDouble), bias.to(at::kDouble));
+  EXPECT_LE((whole - reference).abs().max().item<double>(), 1e-5 * (reference.abs().max().item<double>() + 1));
+  EXPECT_TRUE(at::equal(int8_kernel(x, panels, q.scales, bias, n, false, true), whole)) << "prefetching";
+  if (cpu::cpu_has_avx512_vnni()) {
+    EXPECT_TRUE(at::equal(int8_kernel(x, panels, q.scales, bias, n, true, false), whole)) << "VPDPBUSD";
+    EXPECT_TRUE(at::equal(int8_kernel(x, panels, q.scales, bias, n, true, true), whole)) << "VPDPBUSD, prefetching";
+  }
+  for (int64_t m : {1, 2, 3, 4, 5, 13}) {
+    for (int64_t row = 0; row + m <= 40; row += 11) {
+      EXPECT_TRUE(
+          at::equal(int8_kernel(x.narrow(0, row, m), panels, q.scales, bias, n, false, false), whole.narrow(0, row, m)))
+          << m << " rows from " << row;
+      if (cpu::cpu_has_avx512_vnni())
+        EXPECT_TRUE(at::equal(int8_kernel(x.narrow(0, row, m), panels, q.scales, bias, n, true, false),
+                              whole.narrow(0, row, m)))
+            << m << " rows from " << row << ", VPDPBUSD";
+    }
+  }
+  at::Tensor shared = at::full({40, n}, 7.0);
+  const bool vnni = cpu::cpu_has_avx512_vnni();
+  std::thread first([&] { int8_kernel(x, panels, q.scales, bias, n, vnni, false, 0, 5, shared); });
+  std::thread second([&] { int8_kernel(x, panels, q.scales, bias, n, vnni, false, 5, 13, shared); });
+  first.join();
+  second.join();
+  EXPECT_TRUE(at::equal(shared, whole)) << "two threads";
+  at::Tensor part = at::full({40, n}, 7.0);
+  int8_kernel(x, panels, q.scales, bias, n, false, false, 3, 6, part);
+  EXPECT_TRUE(at::equal(part.narrow(1, 48, 48), whole.narrow(1, 48, 48)));
+  EXPECT_TRUE(at::all(part.narrow(1, 0, 48) == 7).item<bool>());
+  EXPECT_TRUE(at::all(part.narrow(1, 96, n - 96) == 7).item<bool>());
+}
+
+// How far int8 weights and rows move a product from float32 (printed for the record, loosely bounded): Gaussian
+// weights and rows, K = 2048.
+TEST(PanelLinearInt8, ErrorAgainstTheFloatWeights) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  at::manual_seed(11);
+  const int64_t n = 256, k = 2048;
+  const at::Tensor w = at::randn({n, k}), x = at::randn({4, k});
+  const at::Tensor exact = at::linear(x.to(at::kDouble), w.to(at::kDouble));
+  const auto q = stage::quantize_int8(w);
+  const at::Tensor dequantized = q.scales.unsqueeze(1).to(at::kDouble) * q.codes.to(at::kDouble);
+  const double product_error =
+      ((stage::panel_linear_int8(x, int8_panels(q.codes), q.scales, std::nullopt, n, k).to(at::kDouble) - exact)
+           .norm() /
+       exact.norm())
+          .item<double>();
+  const double weights_only =
+      ((at::linear(x.to(at::kDouble), dequantized) - exact).norm() / exact.norm()).item<double>();
+  std::printf("int8: product %.5f relative RMS (%.5f from the weights alone)\n", product_error, weights_only);
+  EXPECT_LT(product_error, 0.02);
 }
 
 TEST(PanelLinearInt8, WrongInputsAreRefusedWithWhatWasWrong) {
@@ -325,13 +472,14 @@ TEST(PanelLinearInt8, WrongInputsAreRefusedWithWhatWasWrong) {
 
 // A stage rewritten with int8 weights: the weights only linear layers read become int8 panels and their
 // products pipe::panel_linear_int8; a tied embedding and a weight read otherwise keep their dtype; the stage
-// equals the model whose quantized weights are replaced by their dequantized values.
+// equals the model whose quantized weights are replaced by their dequantized values and whose rows into them are
+// quantized as the kernel's are.
 TEST(PanelLinearInt8, AStageWithInt8WeightsEqualsTheDequantizedModel) {
   SKIP_WITHOUT_PANELS();
   c10::InferenceMode guard;
   const int64_t k = 96, n = 160;
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-    torch::jit::Module rewritten = layers(k, n, dtype), reference = layers(k, n, dtype);
+    torch::jit::Module rewritten = layers(k, n, dtype), reference = layers(k, n, dtype, 1, true);
     EXPECT_EQ(stage::panel_linear_weights(rewritten, stage::WeightQuantization::Int8), 4u);
     const auto& graph = *rewritten.get_method("forward").graph();
     EXPECT_EQ(count_nodes(graph, "pipe::panel_linear_int8"), 1u);  // w2: w1 and shared are read otherwise

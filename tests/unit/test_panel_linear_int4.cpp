@@ -88,6 +88,36 @@ at::Tensor kernel(const at::Tensor& x, const Quantized& w, const at::Tensor& bia
   return out;
 }
 
+// The rows' codes, scales and sums from the AVX-512 code equal the scalar code's bit for bit: random rows, halves
+// (x * inverse exactly k + 0.5, either sign), zeros, a NaN, tails of K and padded blocks.
+TEST(PanelLinearInt4, RowQuantizationIsTheSameInAVX512AndScalarCode) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  at::manual_seed(5);
+  for (int64_t k : {1, 31, 32, 100, 576}) {
+    const int64_t depth = (k + 127) / 128 * 128, blocks = depth / 32, m = 9;
+    at::Tensor x = at::randn({m, k}) * at::rand({m, 1}) * 10;
+    x[1].fill_(0);
+    x[2] = at::randint(-254, 255, {k}).to(at::kFloat) * 0.5f;  // halves: the largest magnitude 127 maps to 127
+    x[2][0] = 127;
+    x[3] = -x[2];
+    x[4][k / 2] = std::nanf("");
+    x[5] = x[5] * 1e-30;
+    std::vector<at::Tensor> got, want;
+    for (bool vector : {true, false}) {
+      at::Tensor codes = at::full({m, depth}, 99, at::kChar), scales = at::empty({m, blocks}),
+                 sums = at::empty({m, blocks}, at::kInt);
+      (vector ? cpu::quantize_rows : cpu::quantize_rows_scalar)(x.data_ptr<float>(), k, k, depth,
+                                                                codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                                                                sums.data_ptr<int32_t>(), 0, m);
+      (vector ? got : want) = {codes, scales, sums};
+    }
+    EXPECT_TRUE(at::equal(got[0], want[0])) << "codes, k " << k;
+    EXPECT_TRUE(at::equal(got[1].view(at::kInt), want[1].view(at::kInt))) << "scales, k " << k;
+    EXPECT_TRUE(at::equal(got[2], want[2])) << "sums, k " << k;
+  }
+}
+
 TEST(PanelLinearInt4, QuantizationIsQ4_0sWithFloat16Scales) {
   c10::InferenceMode guard;
   // One group of 32: the largest magnitude (-3.2) is code -8, so the scale is 0.4; 3.0 rounds to 7.5 -> clamps at 7.
