@@ -1,7 +1,8 @@
 """8-bit weights (`--quantize int8`), end to end through `pipe`: a model split in stages, in float32 and
 bfloat16, in one process and over two, computes what eager PyTorch computes with each linear layer's weight
 replaced by its dequantized int8 value (a float32 scale per output feature, the largest magnitude at 127, codes
-rounded to the nearest), TorchScript models and exported programs alike; a weight that something besides linear
+rounded to the nearest) and its input rounded as the int8 kernel rounds it (int8 per block of 32, as for int4
+below), TorchScript models and exported programs alike; a weight that something besides linear
 layers reads keeps its dtype; an unknown quantization is refused.
 
 4-bit weights (`--quantize int4[:G]`) the same way, against eager PyTorch with each such weight dequantized as
@@ -54,10 +55,15 @@ def model_and_reference(tmp_path, dtype):
     reference.load_state_dict(model.state_dict())
     with torch.no_grad():
         reference = reference.to(dtype)
-        # up and down are read by linear layers only; out's weight is read by sum() too: it stays as it is.
-        for layer in (reference.up, reference.down):
-            layer.weight.copy_(dequantized(layer.weight.to(dtype)).to(dtype))
-        want = reference(x.to(dtype)).float()
+
+        # up and down are read by linear layers only: their weights dequantized, their inputs rounded as the int8
+        # kernel rounds its rows (int8_rows); out's weight is read by sum() too: it stays as it is.
+        def linear(layer, h):
+            bias = None if layer.bias is None else layer.bias.float()
+            return F.linear(int8_rows(h), dequantized(layer.weight.to(dtype)), bias).to(dtype)
+
+        h = linear(reference.down, torch.relu(linear(reference.up, x.to(dtype))))
+        want = (reference.out(h) + reference.out.weight.sum(0)).float()
         plain = model.to(dtype)(x.to(dtype)).float()
     return want, plain
 
@@ -116,7 +122,8 @@ def int4_dequantized(weight, group):
 
 
 def int8_rows(x):
-    """The rows as the int4 kernel multiplies them: int8 per block of 32, the block's largest magnitude at 127."""
+    """The rows as the int8 and int4 kernels multiply them: int8 per block of 32, the block's largest magnitude at
+    127."""
     k = x.shape[-1]
     depth = -(-k // 32) * 32
     v = F.pad(x.float().reshape(-1, k), (0, depth - k)).view(-1, depth // 32, 32)
