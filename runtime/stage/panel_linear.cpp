@@ -164,6 +164,28 @@ std::vector<at::Tensor> linear_group_op(const at::Tensor& input, const std::vect
   return outs;
 }
 
+// A product's rows as quantize_rows makes them, in buffers of the calling thread that only grow: a decode step's 210
+// products (SmolLM2) would otherwise allocate three tensors each. The helpers that share the product read them
+// while the calling thread waits for them in SpareCores::for_ranges.
+struct QuantizedRows {
+  std::vector<int8_t> codes;
+  std::vector<float> scales;
+  std::vector<int32_t> sums;
+};
+
+QuantizedRows& quantize_rows_here(const at::Tensor& x, int64_t in_features, int64_t depth) {
+  thread_local QuantizedRows rows;
+  const int64_t m = x.size(0), blocks = depth / cpu::kInt4RowBlock;
+  if (rows.codes.size() < static_cast<size_t>(m * depth)) rows.codes.resize(m * depth);
+  if (rows.scales.size() < static_cast<size_t>(m * blocks)) {
+    rows.scales.resize(m * blocks);
+    rows.sums.resize(m * blocks);
+  }
+  cpu::quantize_rows(x.data_ptr<float>(), in_features, in_features, depth, rows.codes.data(), rows.scales.data(),
+                     rows.sums.data(), 0, m);
+  return rows;
+}
+
 // A product by int8 panels (to_int8_panels): the rows go to float32, then to int8 per block of 32 as for int4 (on
 // the calling thread: the same codes for any sharing), multiplied in integers per 16 outputs; the result back to the
 // input's dtype.
@@ -198,17 +220,12 @@ at::Tensor linear_int8_op(const at::Tensor& input, const at::Tensor& panels, con
   const int64_t m = x.size(0), depth = cpu::panel_depth(WeightType::kInt8, in_features);
   at::Tensor out = at::empty({m, out_features}, input.options().dtype(at::kFloat));
   if (m > 0) {
-    const int64_t blocks = depth / cpu::kInt4RowBlock;
-    at::Tensor codes = at::empty({m, depth}, at::TensorOptions().dtype(at::kChar));
-    at::Tensor row_scales = at::empty({m, blocks}, at::TensorOptions().dtype(at::kFloat));
-    at::Tensor sums = at::empty({m, blocks}, at::TensorOptions().dtype(at::kInt));
-    cpu::quantize_rows(x.data_ptr<float>(), in_features, in_features, depth, codes.data_ptr<int8_t>(),
-                       row_scales.data_ptr<float>(), sums.data_ptr<int32_t>(), 0, m);
+    const QuantizedRows& rows = quantize_rows_here(x, in_features, depth);
     cpu::PanelProduct p;
     p.type = WeightType::kInt8;
-    p.xq = codes.data_ptr<int8_t>();
-    p.xscales = row_scales.data_ptr<float>();
-    p.xsums = sums.data_ptr<int32_t>();
+    p.xq = rows.codes.data();
+    p.xscales = rows.scales.data();
+    p.xsums = rows.sums.data();
     p.panels = panels.data_ptr();
     p.scales = scales.data_ptr<float>();
     p.bias = b ? bias_values.data_ptr() : nullptr;
@@ -257,20 +274,12 @@ at::Tensor linear_int4_op(const at::Tensor& input, const at::Tensor& panels, con
   const int64_t m = x.size(0), depth = cpu::int4_depth(in_features, group);
   at::Tensor out = at::empty({m, out_features}, input.options().dtype(at::kFloat));
   if (m > 0) {
-    const int64_t blocks = depth / cpu::kInt4RowBlock;
-    at::Tensor codes = at::empty({m, depth}, at::TensorOptions().dtype(at::kChar));
-    at::Tensor scales = at::empty({m, blocks}, at::TensorOptions().dtype(at::kFloat));
-    at::Tensor sums = at::empty({m, blocks}, at::TensorOptions().dtype(at::kInt));
-    const auto quantize = [&](int64_t begin, int64_t end) {
-      cpu::quantize_rows(x.data_ptr<float>(), in_features, in_features, depth, codes.data_ptr<int8_t>(),
-                         scales.data_ptr<float>(), sums.data_ptr<int32_t>(), begin, end);
-    };
-    quantize(0, m);  // m x k steps: little beside the product's m x k x n
+    const QuantizedRows& rows = quantize_rows_here(x, in_features, depth);
     cpu::PanelProduct p;
     p.type = WeightType::kInt4;
-    p.xq = codes.data_ptr<int8_t>();
-    p.xscales = scales.data_ptr<float>();
-    p.xsums = sums.data_ptr<int32_t>();
+    p.xq = rows.codes.data();
+    p.xscales = rows.scales.data();
+    p.xsums = rows.sums.data();
     p.group = group;
     p.panels = panels.data_ptr();
     p.bias = b ? bias_values.data_ptr() : nullptr;
