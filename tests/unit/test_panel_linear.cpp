@@ -415,10 +415,11 @@ TEST(PanelLinearInt8, EveryKernelRowCountAndSharingGivesTheSameBits) {
       EXPECT_TRUE(
           at::equal(int8_kernel(x.narrow(0, row, m), panels, q.scales, bias, n, false, false), whole.narrow(0, row, m)))
           << m << " rows from " << row;
-      if (cpu::cpu_has_avx512_vnni())
+      if (cpu::cpu_has_avx512_vnni()) {
         EXPECT_TRUE(at::equal(int8_kernel(x.narrow(0, row, m), panels, q.scales, bias, n, true, false),
                               whole.narrow(0, row, m)))
             << m << " rows from " << row << ", VPDPBUSD";
+      }
     }
   }
   at::Tensor shared = at::full({40, n}, 7.0);
