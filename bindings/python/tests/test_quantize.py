@@ -1,5 +1,6 @@
 """quantize="int8" (libpipe >= 0.13): the option reaches pipe_stage_options, a split model runs with 8-bit
-linear weights and equals eager PyTorch with those weights dequantized; a value pipe.h does not define is
+linear weights and equals eager PyTorch with those weights dequantized and each layer's rows rounded to int8
+per block of 32 as the kernel rounds them; a value pipe.h does not define is
 refused before libpipe sees it. quantize="int4:64" (libpipe >= 0.14) the same way, with its group size, against
 the weights dequantized as Q4_0 and the rows rounded to int8 per block of 32 as the int4 kernel rounds them."""
 
@@ -31,9 +32,9 @@ def test_int8_weights_equal_the_dequantized_model(tmp_path):
     x = torch.randn(6, 64)
     with torch.no_grad():
         torch.jit.trace(model, (x,)).save(str(tmp_path / "mlp.pt"))
-        for layer in (model.up, model.down):
-            layer.weight.copy_(dequantized(layer.weight))
-        want = model(x)
+        # The int8 kernel rounds each layer's rows to int8 per block of 32 too (int8_rows, below).
+        h = torch.relu(torch.nn.functional.linear(int8_rows(x), dequantized(model.up.weight), model.up.bias))
+        want = torch.nn.functional.linear(int8_rows(h), dequantized(model.down.weight), model.down.bias)
     with libpipe.Model.load(tmp_path / "mlp.pt") as m, m.split(split_at=["down:begin"]) as plan:
         with plan.session(quantize="int8") as session:
             got = session.run(x, output_type="torch")["output"]
