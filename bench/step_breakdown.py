@@ -21,7 +21,8 @@ it is not rewritten), cache gather (index_select of the rows' slots, gone where 
 rotary, element-wise, embedding) and the interpreter (the slice beyond its operators' sum). Also
 the stages' busy fractions over the wave and tokens/s of the plain wave.
 
-    python bench/step_breakdown.py [--concurrency 1 32] [--dtype fp32|bf16] [--prompt-tokens 128] [--new-tokens 64]
+    python bench/step_breakdown.py [--concurrency 1 32] [--dtype fp32|bf16] [--quantize int8|int4]
+                                   [--prompt-tokens 128] [--new-tokens 64]
                                    [--split-at model.layers.16:begin] [--trace DIR] [--out FILE]
 
 Run with the project's virtualenv python (scripts/env.sh: LIBPIPE_PYTHON) after scripts/build.sh
@@ -202,7 +203,9 @@ def run_one(Generator, folder, weights, tokenizer, c, args, work):
     cut = {"split_at": args.split_at} if args.split_at else {"stages": args.stages}
     # A bf16 skeleton takes the checkpoint's float32 weights cast at load, as `pipe generate --dtype bf16` does.
     dtype = {"bf16": "bfloat16"}.get(args.dtype)
-    with Generator(skeleton, weights=weights, dtype=dtype, **cut) as g:
+    # --quantize: the float32 skeleton's linear layers stored as 8- or 4-bit codes at load (bench/generate.py's int8 and
+    # int4 rows).
+    with Generator(skeleton, weights=weights, dtype=dtype, quantize=args.quantize, **cut) as g:
         stages = g.session.num_stages
         vocab = g.info.vocab
         wave(g, prompts, args.new_tokens)  # warm-up: TorchScript's profiling runs, the allocator
@@ -251,6 +254,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the skeleton's and the weights' dtype")
+    ap.add_argument("--quantize", help="the linear layers' weights at load: int8, int4, int4:64 (with --dtype fp32)")
     ap.add_argument("--split-at", action="append", default=[])
     ap.add_argument("--trace", help="keep the traces (trace-C<C>.json, trace-ops-C<C>.json) in this folder")
     ap.add_argument("--out", help="also write the figures to this JSON file")
