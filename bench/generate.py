@@ -468,8 +468,15 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
                 d: f32 if d == "fp32" else llamacpp.converted_gguf(bin_dir, f32, GGUF_TYPES[d]) for d in args.dtype
             }
         else:
-            # Another model: its Hugging Face folder through the same tree's convert_hf_to_gguf.py.
-            models = {d: llamacpp.hf_gguf(folder, GGUF_TYPES[d]) for d in args.dtype}
+            # Another model: its Hugging Face folder through the same tree's convert_hf_to_gguf.py (F32, BF16); Q8_0
+            # and Q4_0 by llama-quantize from that F32 file, as for SmolLM2 (the converter has no Q4_0, and its
+            # q8_0 would not keep what llama-quantize keeps in higher precision).
+            models = {
+                d: llamacpp.converted_gguf(bin_dir, llamacpp.hf_gguf(folder, "F32"), GGUF_TYPES[d])
+                if d in ("int8", "int4")
+                else llamacpp.hf_gguf(folder, GGUF_TYPES[d])
+                for d in args.dtype
+            }
     except llamacpp.LlamaCppError as e:
         sys.exit(f"generate.py: llama.cpp: {e}")
     length, new = args.prompt_tokens, args.new_tokens
