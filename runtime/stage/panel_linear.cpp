@@ -186,113 +186,175 @@ QuantizedRows& quantize_rows_here(const at::Tensor& x, int64_t in_features, int6
   return rows;
 }
 
-// A product by int8 panels (to_int8_panels): the rows go to float32, then to int8 per block of 32 as for int4 (on
-// the calling thread: the same codes for any sharing), multiplied in integers per 16 outputs; the result back to the
-// input's dtype.
-at::Tensor linear_int8_op(const at::Tensor& input, const at::Tensor& panels, const at::Tensor& scales,
-                          const std::optional<at::Tensor>& bias, int64_t out_features, int64_t in_features) {
+// Refusals of the quantized products, in the words of aten::linear where users know them. `op` names the operator.
+void check_quantized_input(const std::string& op, const at::Tensor& input, int64_t in_features) {
+  if (!input.device().is_cpu() || !at::isFloatingType(input.scalar_type()))
+    throw Error(Status::InvalidArgument, op + ": the input must be floating on the CPU, not " +
+                                             c10::toString(input.scalar_type()) + " on " + input.device().str());
+  if (input.dim() < 1 || input.size(-1) != in_features)
+    throw Error(Status::InvalidArgument,
+                op + ": mat1 and mat2 shapes cannot be multiplied: the input's last dimension is " +
+                    (input.dim() ? std::to_string(input.size(-1)) : std::string("missing")) + ", the layer takes " +
+                    std::to_string(in_features) + " features");
+}
+
+const at::Tensor* checked_bias(const std::string& op, const std::optional<at::Tensor>& bias, int64_t out_features) {
+  const at::Tensor* b = bias && bias->defined() ? &*bias : nullptr;
+  if (b && (b->numel() != out_features || !b->device().is_cpu() || !at::isFloatingType(b->scalar_type())))
+    throw Error(Status::InvalidArgument,
+                op + ": the bias must be " + std::to_string(out_features) + " floating values on the CPU");
+  return b;
+}
+
+void check_int8_panels(const std::string& op, const at::Tensor& panels, const at::Tensor& scales, int64_t out_features,
+                       int64_t in_features) {
   if (panels.scalar_type() != at::kChar || panels.dim() != 1 || !panels.is_contiguous() ||
       panels.numel() != cpu::panel_elements(WeightType::kInt8, out_features, in_features))
-    throw Error(Status::InvalidArgument, "pipe::panel_linear_int8: the panels do not hold a " +
-                                             std::to_string(out_features) + " x " + std::to_string(in_features) +
+    throw Error(Status::InvalidArgument, op + ": the panels do not hold a " + std::to_string(out_features) + " x " +
+                                             std::to_string(in_features) +
                                              " int8 weight (make them with to_int8_panels)");
   if (scales.scalar_type() != at::kFloat || scales.numel() != out_features || !scales.is_contiguous() ||
       !scales.device().is_cpu())
-    throw Error(Status::InvalidArgument, "pipe::panel_linear_int8: the scales must be " + std::to_string(out_features) +
-                                             " contiguous float32 values on the CPU");
-  if (!input.device().is_cpu() || !at::isFloatingType(input.scalar_type()))
-    throw Error(Status::InvalidArgument, std::string("pipe::panel_linear_int8: the input must be floating on the "
-                                                     "CPU, not ") +
-                                             c10::toString(input.scalar_type()) + " on " + input.device().str());
-  if (input.dim() < 1 || input.size(-1) != in_features)
     throw Error(Status::InvalidArgument,
-                "pipe::panel_linear_int8: mat1 and mat2 shapes cannot be multiplied: the input's last dimension is " +
-                    (input.dim() ? std::to_string(input.size(-1)) : std::string("missing")) + ", the layer takes " +
-                    std::to_string(in_features) + " features");
-  const at::Tensor* b = bias && bias->defined() ? &*bias : nullptr;
-  if (b && (b->numel() != out_features || !b->device().is_cpu() || !at::isFloatingType(b->scalar_type())))
-    throw Error(Status::InvalidArgument, "pipe::panel_linear_int8: the bias must be " + std::to_string(out_features) +
-                                             " floating values on the CPU");
-  const at::Tensor x = input.reshape({-1, in_features}).to(at::kFloat).contiguous();
-  const at::Tensor bias_values = b ? b->to(at::kFloat).contiguous() : at::Tensor();
-  std::vector<int64_t> sizes = input.sizes().vec();
-  sizes.back() = out_features;
-  const int64_t m = x.size(0), depth = cpu::panel_depth(WeightType::kInt8, in_features);
-  at::Tensor out = at::empty({m, out_features}, input.options().dtype(at::kFloat));
-  if (m > 0) {
-    const QuantizedRows& rows = quantize_rows_here(x, in_features, depth);
-    cpu::PanelProduct p;
-    p.type = WeightType::kInt8;
-    p.xq = rows.codes.data();
-    p.xscales = rows.scales.data();
-    p.xsums = rows.sums.data();
-    p.panels = panels.data_ptr();
-    p.scales = scales.data_ptr<float>();
-    p.bias = b ? bias_values.data_ptr() : nullptr;
-    p.out = out.data_ptr();
-    p.ldo = out_features;
-    p.m = m;
-    p.n = out_features;
-    p.k = depth;
-    const int64_t unit_bytes = cpu::kUnitWidth * depth;
-    SpareCores::for_ranges(cpu::panel_units(out_features), kMinBytesPerPiece / std::max<int64_t>(unit_bytes, 1),
-                           kMaxUnitsPerPiece, [&](int64_t begin, int64_t end) { cpu::panel_product(p, begin, end); });
-  }
-  return out.to(input.scalar_type()).view(sizes);
+                op + ": the scales must be " + std::to_string(out_features) + " contiguous float32 values on the CPU");
 }
 
-// A product by int4 panels: the rows to float32, then to int8 per block of 32 (each row by one thread, the same
-// codes on every CPU and for any sharing), multiplied in integers per 16 outputs.
-at::Tensor linear_int4_op(const at::Tensor& input, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                          int64_t out_features, int64_t in_features, int64_t group) {
+void check_int4_panels(const std::string& op, const at::Tensor& panels, int64_t out_features, int64_t in_features,
+                       int64_t group) {
   if (!valid_int4_group(group))
-    throw Error(Status::InvalidArgument,
-                "pipe::panel_linear_int4: the group size is " + std::to_string(group) + ", not 32, 64 or 128");
+    throw Error(Status::InvalidArgument, op + ": the group size is " + std::to_string(group) + ", not 32, 64 or 128");
   if (panels.scalar_type() != at::kByte || panels.dim() != 1 || !panels.is_contiguous() || out_features <= 0 ||
       in_features <= 0 || panels.numel() != cpu::int4_panel_bytes(out_features, in_features, group))
-    throw Error(Status::InvalidArgument, "pipe::panel_linear_int4: the panels do not hold a " +
-                                             std::to_string(out_features) + " x " + std::to_string(in_features) +
-                                             " int4 weight in groups of " + std::to_string(group) +
-                                             " (make them with PanelArena::pack_int4)");
-  if (!input.device().is_cpu() || !at::isFloatingType(input.scalar_type()))
-    throw Error(Status::InvalidArgument, std::string("pipe::panel_linear_int4: the input must be floating on the "
-                                                     "CPU, not ") +
-                                             c10::toString(input.scalar_type()) + " on " + input.device().str());
-  if (input.dim() < 1 || input.size(-1) != in_features)
-    throw Error(Status::InvalidArgument,
-                "pipe::panel_linear_int4: mat1 and mat2 shapes cannot be multiplied: the input's last dimension is " +
-                    (input.dim() ? std::to_string(input.size(-1)) : std::string("missing")) + ", the layer takes " +
-                    std::to_string(in_features) + " features");
-  const at::Tensor* b = bias && bias->defined() ? &*bias : nullptr;
-  if (b && (b->numel() != out_features || !b->device().is_cpu() || !at::isFloatingType(b->scalar_type())))
-    throw Error(Status::InvalidArgument, "pipe::panel_linear_int4: the bias must be " + std::to_string(out_features) +
-                                             " floating values on the CPU");
+    throw Error(Status::InvalidArgument, op + ": the panels do not hold a " + std::to_string(out_features) + " x " +
+                                             std::to_string(in_features) + " int4 weight in groups of " +
+                                             std::to_string(group) + " (make them with PanelArena::pack_int4)");
+}
+
+// One layer of a quantized product, checked.
+struct QuantizedLayer {
+  const at::Tensor* panels;
+  const at::Tensor* scales;  // int8: a float32 scale per output feature; int4: null (the panels hold theirs)
+  const at::Tensor* bias;    // null: none
+  int64_t out_features;
+};
+
+// Products of one input by quantized panels of one kind (int8, or int4 in groups of `group`): the rows go to
+// float32, then to int8 per block of 32 once, on the calling thread (the same codes for any sharing); each layer is
+// multiplied in integers per 16 outputs, all of them in one hand-over to the lent cores. A unit's outputs are
+// computed as for its layer alone, so grouping layers changes no bit. The results come back in the input's dtype.
+std::vector<at::Tensor> quantized_products(const at::Tensor& input, WeightType type,
+                                           const std::vector<QuantizedLayer>& layers, int64_t in_features,
+                                           int64_t group) {
   const at::Tensor x = input.reshape({-1, in_features}).to(at::kFloat).contiguous();
-  const at::Tensor bias_values = b ? b->to(at::kFloat).contiguous() : at::Tensor();
-  std::vector<int64_t> sizes = input.sizes().vec();
-  sizes.back() = out_features;
-  const int64_t m = x.size(0), depth = cpu::int4_depth(in_features, group);
-  at::Tensor out = at::empty({m, out_features}, input.options().dtype(at::kFloat));
+  const int64_t m = x.size(0);
+  const int64_t depth = type == WeightType::kInt4 ? cpu::int4_depth(in_features, group)
+                                                  : cpu::panel_depth(WeightType::kInt8, in_features);
+  std::vector<at::Tensor> outs, bias_values;
+  std::vector<cpu::PanelProduct> products;
+  std::vector<int64_t> first_unit;  // of each layer, in the units of all
+  int64_t units = 0;
+  for (const QuantizedLayer& layer : layers) {
+    outs.push_back(at::empty({m, layer.out_features}, input.options().dtype(at::kFloat)));
+    bias_values.push_back(layer.bias ? layer.bias->to(at::kFloat).contiguous() : at::Tensor());
+    cpu::PanelProduct p;
+    p.type = type;
+    p.group = type == WeightType::kInt4 ? group : 0;
+    p.panels = layer.panels->data_ptr();
+    p.scales = layer.scales ? layer.scales->data_ptr<float>() : nullptr;
+    p.bias = layer.bias ? bias_values.back().data_ptr() : nullptr;
+    p.out = outs.back().data_ptr();
+    p.ldo = layer.out_features;
+    p.m = m;
+    p.n = layer.out_features;
+    p.k = depth;
+    products.push_back(p);
+    first_unit.push_back(units);
+    units += cpu::panel_units(layer.out_features);
+  }
   if (m > 0) {
     const QuantizedRows& rows = quantize_rows_here(x, in_features, depth);
-    cpu::PanelProduct p;
-    p.type = WeightType::kInt4;
-    p.xq = rows.codes.data();
-    p.xscales = rows.scales.data();
-    p.xsums = rows.sums.data();
-    p.group = group;
-    p.panels = panels.data_ptr();
-    p.bias = b ? bias_values.data_ptr() : nullptr;
-    p.out = out.data_ptr();
-    p.ldo = out_features;
-    p.m = m;
-    p.n = out_features;
-    p.k = depth;
-    const int64_t unit_bytes = cpu::kUnitWidth * depth / 2;
-    SpareCores::for_ranges(cpu::panel_units(out_features), kMinBytesPerPiece / std::max<int64_t>(unit_bytes, 1),
-                           kMaxUnitsPerPiece, [&](int64_t begin, int64_t end) { cpu::panel_product(p, begin, end); });
+    for (cpu::PanelProduct& p : products) {
+      p.xq = rows.codes.data();
+      p.xscales = rows.scales.data();
+      p.xsums = rows.sums.data();
+    }
+    const int64_t unit_bytes = type == WeightType::kInt4 ? cpu::kUnitWidth * depth / 2 : cpu::kUnitWidth * depth;
+    SpareCores::for_ranges(units, kMinBytesPerPiece / std::max<int64_t>(unit_bytes, 1), kMaxUnitsPerPiece,
+                           [&](int64_t begin, int64_t end) {
+                             for (size_t i = 0; i < products.size(); ++i) {
+                               const int64_t lo = std::max(begin, first_unit[i]);
+                               const int64_t hi = std::min(end, first_unit[i] + cpu::panel_units(products[i].n));
+                               if (lo < hi) cpu::panel_product(products[i], lo - first_unit[i], hi - first_unit[i]);
+                             }
+                           });
   }
-  return out.to(input.scalar_type()).view(sizes);
+  std::vector<int64_t> sizes = input.sizes().vec();
+  for (size_t i = 0; i < outs.size(); ++i) {
+    sizes.back() = layers[i].out_features;
+    outs[i] = outs[i].to(input.scalar_type()).view(sizes);
+  }
+  return outs;
+}
+
+// A product by int8 panels (to_int8_panels): rows quantized per block of 32 as for int4, see quantized_products.
+at::Tensor linear_int8_op(const at::Tensor& input, const at::Tensor& panels, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& bias, int64_t out_features, int64_t in_features) {
+  const std::string op = "pipe::panel_linear_int8";
+  check_int8_panels(op, panels, scales, out_features, in_features);
+  check_quantized_input(op, input, in_features);
+  const at::Tensor* b = checked_bias(op, bias, out_features);
+  return quantized_products(input, WeightType::kInt8, {{&panels, &scales, b, out_features}}, in_features, 0)[0];
+}
+
+// A product by int4 panels (PanelArena::pack_int4), see quantized_products.
+at::Tensor linear_int4_op(const at::Tensor& input, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                          int64_t out_features, int64_t in_features, int64_t group) {
+  const std::string op = "pipe::panel_linear_int4";
+  check_int4_panels(op, panels, out_features, in_features, group);
+  check_quantized_input(op, input, in_features);
+  const at::Tensor* b = checked_bias(op, bias, out_features);
+  return quantized_products(input, WeightType::kInt4, {{&panels, nullptr, b, out_features}}, in_features, group)[0];
+}
+
+// Several int8 products of one input (a layer's q, k and v; gate and up) as one: the rows quantized once, one
+// hand-over to the lent cores and one wait for them instead of one per product; the same bits as one by one.
+std::vector<at::Tensor> linear_int8_group_op(const at::Tensor& input, const std::vector<at::Tensor>& panels,
+                                             const std::vector<at::Tensor>& scales,
+                                             const std::vector<std::optional<at::Tensor>>& biases,
+                                             const std::vector<int64_t>& out_features, int64_t in_features) {
+  const std::string op = "pipe::panel_linear_int8_group";
+  if (panels.empty() || panels.size() != scales.size() || panels.size() != biases.size() ||
+      panels.size() != out_features.size())
+    throw Error(Status::InvalidArgument, op + ": " + std::to_string(panels.size()) + " panels, " +
+                                             std::to_string(scales.size()) + " scales, " +
+                                             std::to_string(biases.size()) + " biases and " +
+                                             std::to_string(out_features.size()) + " output sizes: give one of each");
+  check_quantized_input(op, input, in_features);
+  std::vector<QuantizedLayer> layers;
+  for (size_t i = 0; i < panels.size(); ++i) {
+    check_int8_panels(op, panels[i], scales[i], out_features[i], in_features);
+    layers.push_back({&panels[i], &scales[i], checked_bias(op, biases[i], out_features[i]), out_features[i]});
+  }
+  return quantized_products(input, WeightType::kInt8, layers, in_features, 0);
+}
+
+// The same for int4 products of one group size.
+std::vector<at::Tensor> linear_int4_group_op(const at::Tensor& input, const std::vector<at::Tensor>& panels,
+                                             const std::vector<std::optional<at::Tensor>>& biases,
+                                             const std::vector<int64_t>& out_features, int64_t in_features,
+                                             int64_t group) {
+  const std::string op = "pipe::panel_linear_int4_group";
+  if (panels.empty() || panels.size() != biases.size() || panels.size() != out_features.size())
+    throw Error(Status::InvalidArgument, op + ": " + std::to_string(panels.size()) + " panels, " +
+                                             std::to_string(biases.size()) + " biases and " +
+                                             std::to_string(out_features.size()) + " output sizes: give one of each");
+  check_quantized_input(op, input, in_features);
+  std::vector<QuantizedLayer> layers;
+  for (size_t i = 0; i < panels.size(); ++i) {
+    check_int4_panels(op, panels[i], out_features[i], in_features, group);
+    layers.push_back({&panels[i], nullptr, checked_bias(op, biases[i], out_features[i]), out_features[i]});
+  }
+  return quantized_products(input, WeightType::kInt4, layers, in_features, group);
 }
 
 at::Tensor embedding_op(const at::Tensor& panels, const at::Tensor& indices, int64_t num_embeddings,
@@ -347,6 +409,14 @@ void register_panel_ops_once() {
                           "int[] out_features, int in_features) -> Tensor[]",
                           c10::AliasAnalysisKind::FROM_SCHEMA),
             &linear_group_op);
+    lib.def(torch::schema("pipe::panel_linear_int8_group(Tensor input, Tensor[] panels, Tensor[] scales, "
+                          "Tensor?[] biases, int[] out_features, int in_features) -> Tensor[]",
+                          c10::AliasAnalysisKind::FROM_SCHEMA),
+            &linear_int8_group_op);
+    lib.def(torch::schema("pipe::panel_linear_int4_group(Tensor input, Tensor[] panels, Tensor?[] biases, "
+                          "int[] out_features, int in_features, int group) -> Tensor[]",
+                          c10::AliasAnalysisKind::FROM_SCHEMA),
+            &linear_int4_group_op);
     return true;
   }();
   (void)once;

@@ -78,8 +78,9 @@ at::Tensor panel_linear_int8(const at::Tensor& input, const at::Tensor& panels, 
 // Whether to_panels can pack `weight` (2-d, non-empty, a supported dtype, on the CPU).
 bool can_pack(const at::Tensor& weight);
 
-// Registers pipe::panel_linear, pipe::panel_linear_int8, pipe::panel_embedding and pipe::panel_linear_group (once
-// per process).
+// Registers pipe::panel_linear, pipe::panel_linear_int8, pipe::panel_linear_int4, pipe::panel_embedding and the
+// grouped products of one input, pipe::panel_linear_group, pipe::panel_linear_int8_group and
+// pipe::panel_linear_int4_group (once per process).
 void register_panel_ops();
 
 // Panels of several weights in one buffer on huge pages, each a tensor that keeps the buffer alive; the

@@ -550,6 +550,65 @@ def forward(self, x):
   }
 }
 
+// Under int8 and int4 the products of one input become one pipe::panel_linear_int8_group / _int4_group (the rows
+// quantized once, one hand-over to the lent cores): the same bits as the products one by one, each close to its
+// dequantized weight's product; a product of another input stays alone.
+TEST(PanelLinear, QuantizedProductsOfOneInputAreGroupedWithTheSameBits) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  const int64_t k = 80;  // not a multiple of 32: padded depth
+  auto attention = [&] {
+    at::manual_seed(11);
+    torch::jit::Module m("QuantizedGroupTest");
+    m.register_parameter("q", at::randn({96, k}), false);
+    m.register_parameter("qb", at::randn({96}), false);
+    m.register_parameter("k", at::randn({40, k}), false);  // 40: a partial unit of 16 outputs
+    m.register_parameter("v", at::randn({40, k}), false);
+    m.register_parameter("o", at::randn({k, 96}), false);
+    // Nothing returns a product as it is: the output head's rule (int8 under int4) stays out of this test.
+    m.define(R"(
+def forward(self, x):
+    q = torch.linear(x, self.q, self.qb)
+    s = q.sum()
+    k = torch.linear(x, self.k)
+    v = torch.linear(x, self.v)
+    return torch.linear(q, self.o) * 2 + s, k * 2, v * 3
+)");
+    return m;
+  };
+  struct Case {
+    stage::WeightQuantization as;
+    const char *single, *grouped;
+  };
+  for (const Case& c :
+       {Case{stage::WeightQuantization::Int8, "pipe::panel_linear_int8", "pipe::panel_linear_int8_group"},
+        Case{stage::WeightQuantization::Int4, "pipe::panel_linear_int4", "pipe::panel_linear_int4_group"}}) {
+    torch::jit::Module grouped = attention(), alone = attention(), plain = attention();
+    EXPECT_EQ(stage::panel_linear_weights(grouped, c.as), 4u);
+    setenv("LIBPIPE_GROUPED_LINEAR", "0", 1);
+    EXPECT_EQ(stage::panel_linear_weights(alone, c.as), 4u);
+    unsetenv("LIBPIPE_GROUPED_LINEAR");
+    EXPECT_EQ(count_nodes(*grouped.get_method("forward").graph(), c.grouped), 1u) << c.grouped;
+    EXPECT_EQ(count_nodes(*grouped.get_method("forward").graph(), c.single), 1u) << c.single;  // o: another input
+    EXPECT_EQ(count_nodes(*alone.get_method("forward").graph(), c.single), 4u) << c.single;
+    for (int64_t rows : {1, 3, 7, 50}) {
+      const at::Tensor x = at::randn({rows, k});
+      const auto got = grouped.forward({x}).toTuple()->elements();
+      const auto one_by_one = alone.forward({x}).toTuple()->elements();
+      const auto want = plain.forward({x}).toTuple()->elements();
+      for (size_t i = 0; i < got.size(); ++i) {
+        const std::string what =
+            std::string(c.grouped) + " output " + std::to_string(i) + ", " + std::to_string(rows) + " rows";
+        EXPECT_TRUE(at::equal(got[i].toTensor(), one_by_one[i].toTensor())) << what;
+        // Against the float weights: the codes' error (4 bits: a few percent of the outputs' scale).
+        const at::Tensor err = (got[i].toTensor() - want[i].toTensor()).abs().max();
+        const at::Tensor scale = want[i].toTensor().abs().max();
+        EXPECT_LT(err.item<double>(), 0.15 * scale.item<double>()) << what;
+      }
+    }
+  }
+}
+
 // A product shared with a lent core gives the same bits as on one thread.
 TEST(PanelLinear, SharedWithLentCoresGivesTheSameBits) {
   SKIP_WITHOUT_PANELS();

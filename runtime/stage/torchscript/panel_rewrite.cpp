@@ -10,8 +10,10 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "runtime/graph/torchscript/model.h"
@@ -78,53 +80,96 @@ bool grouping_enabled() {
   return !(env && std::strcmp(env, "0") == 0);
 }
 
-// Products of one input in one block (a layer's q, k and v; gate and up) become one pipe::panel_linear_group at the
-// first of them, each output as before. Their panels and biases must be attributes (read again there) or no bias.
+// Where each kind of product (pipe::panel_linear, _int8, _int4) has its panels, scales, bias and sizes, and the
+// grouped operator that takes several of them.
+struct ProductKind {
+  c10::Symbol single, grouped;
+  int scales;  // the input holding the int8 scales, or -1
+  int bias, out_features, in_features;
+  int group;  // the input holding int4's group size, or -1
+};
+
+const std::vector<ProductKind>& product_kinds() {
+  static const std::vector<ProductKind> kinds = {
+      {c10::Symbol::fromQualString("pipe::panel_linear"), c10::Symbol::fromQualString("pipe::panel_linear_group"), -1,
+       2, 3, 4, -1},
+      {c10::Symbol::fromQualString("pipe::panel_linear_int8"),
+       c10::Symbol::fromQualString("pipe::panel_linear_int8_group"), 2, 3, 4, 5, -1},
+      {c10::Symbol::fromQualString("pipe::panel_linear_int4"),
+       c10::Symbol::fromQualString("pipe::panel_linear_int4_group"), -1, 2, 3, 4, 5},
+  };
+  return kinds;
+}
+
+// Products of one input in one block (a layer's q, k and v; gate and up) of one kind, in features and (int4) group
+// become one grouped product at the first of them (pipe::panel_linear_group, _int8_group, _int4_group), each output
+// as before. Their panels, scales and biases must be attributes (read again there) or no bias.
 size_t group_linears(torch::jit::Graph& graph, torch::jit::Value* self) {
-  const auto kind = c10::Symbol::fromQualString("pipe::panel_linear");
-  std::map<std::pair<torch::jit::Block*, torch::jit::Value*>, std::vector<torch::jit::Node*>> by_input;
-  std::vector<std::pair<torch::jit::Block*, torch::jit::Value*>> order;
+  struct Key {
+    torch::jit::Block* block;
+    torch::jit::Value* input;
+    size_t kind;
+    int64_t in_features, group;
+    bool operator<(const Key& o) const {
+      return std::tie(block, input, kind, in_features, group) <
+             std::tie(o.block, o.input, o.kind, o.in_features, o.group);
+    }
+  };
+  const std::vector<ProductKind>& kinds = product_kinds();
+  std::map<Key, std::vector<torch::jit::Node*>> by_key;
+  std::vector<Key> order;
+  auto from_self = [&](torch::jit::Value* v) { return !graph::attribute_path(v, self).empty(); };
   std::function<void(torch::jit::Block*)> collect_products = [&](torch::jit::Block* block) {
     for (torch::jit::Node* n : block->nodes()) {
       for (torch::jit::Block* b : n->blocks()) collect_products(b);
-      if (n->kind() != kind) continue;
+      const auto kind =
+          std::find_if(kinds.begin(), kinds.end(), [&](const ProductKind& k) { return k.single == n->kind(); });
+      if (kind == kinds.end()) continue;
       const bool bias_ok =
-          n->input(2)->type()->kind() == c10::TypeKind::NoneType || !graph::attribute_path(n->input(2), self).empty();
-      if (!bias_ok || graph::attribute_path(n->input(1), self).empty() || !torch::jit::toIValue(n->input(3)) ||
-          !torch::jit::toIValue(n->input(4)))
+          n->input(kind->bias)->type()->kind() == c10::TypeKind::NoneType || from_self(n->input(kind->bias));
+      const auto in_features = torch::jit::toIValue(n->input(kind->in_features));
+      const auto group =
+          kind->group < 0 ? std::optional<c10::IValue>(int64_t{0}) : torch::jit::toIValue(n->input(kind->group));
+      if (!bias_ok || !from_self(n->input(1)) || (kind->scales >= 0 && !from_self(n->input(kind->scales))) ||
+          !torch::jit::toIValue(n->input(kind->out_features)) || !in_features || !group)
         continue;
-      auto key = std::make_pair(block, n->input(0));
-      auto [it, fresh] = by_input.try_emplace(key);
+      const Key key{block, n->input(0), static_cast<size_t>(kind - kinds.begin()), in_features->toInt(),
+                    group->toInt()};
+      auto [it, fresh] = by_key.try_emplace(key);
       if (fresh) order.push_back(key);
       it->second.push_back(n);
     }
   };
   collect_products(graph.block());
   size_t grouped = 0;
-  for (const auto& key : order) {
-    std::vector<torch::jit::Node*>& nodes = by_input[key];
-    const int64_t in_features = torch::jit::toIValue(nodes[0]->input(4))->toInt();
-    std::vector<torch::jit::Node*> group;
-    for (torch::jit::Node* n : nodes)
-      if (torch::jit::toIValue(n->input(4))->toInt() == in_features) group.push_back(n);
+  for (const Key& key : order) {
+    const std::vector<torch::jit::Node*>& group = by_key[key];
     if (group.size() < 2) continue;
+    const ProductKind& kind = kinds[key.kind];
     // In block order (collect visits them so), the first is where every input of the group exists: the shared
     // input, and the attributes read again from `self`.
     torch::jit::WithInsertPoint here(group.front());
-    std::vector<torch::jit::Value*> panels, biases;
+    auto reread = [&](torch::jit::Value* v) { return get_attr_path(graph, self, graph::attribute_path(v, self)); };
+    std::vector<torch::jit::Value*> panels, scales, biases;
     std::vector<int64_t> out_features;
     for (torch::jit::Node* n : group) {
-      panels.push_back(get_attr_path(graph, self, graph::attribute_path(n->input(1), self)));
-      biases.push_back(n->input(2)->type()->kind() == c10::TypeKind::NoneType
+      panels.push_back(reread(n->input(1)));
+      if (kind.scales >= 0) scales.push_back(reread(n->input(kind.scales)));
+      biases.push_back(n->input(kind.bias)->type()->kind() == c10::TypeKind::NoneType
                            ? graph.insertConstant(c10::IValue())
-                           : get_attr_path(graph, self, graph::attribute_path(n->input(2), self)));
-      out_features.push_back(torch::jit::toIValue(n->input(3))->toInt());
+                           : reread(n->input(kind.bias)));
+      out_features.push_back(torch::jit::toIValue(n->input(kind.out_features))->toInt());
     }
-    torch::jit::Value* panel_list = graph.insertNode(graph.createList(c10::TensorType::get(), panels))->output();
-    torch::jit::Value* bias_list =
-        graph.insertNode(graph.createList(c10::OptionalType::create(c10::TensorType::get()), biases))->output();
-    torch::jit::Value* outs = graph.insert(c10::Symbol::fromQualString("pipe::panel_linear_group"),
-                                           {key.second, panel_list, bias_list, out_features, in_features});
+    auto list = [&](const c10::TypePtr& type, const std::vector<torch::jit::Value*>& values) {
+      return graph.insertNode(graph.createList(type, values))->output();
+    };
+    std::vector<torch::jit::NamedValue> args = {key.input, list(c10::TensorType::get(), panels)};
+    if (kind.scales >= 0) args.emplace_back(list(c10::TensorType::get(), scales));
+    args.emplace_back(list(c10::OptionalType::create(c10::TensorType::get()), biases));
+    args.emplace_back(out_features);
+    args.emplace_back(key.in_features);
+    if (kind.group >= 0) args.emplace_back(key.group);
+    torch::jit::Value* outs = graph.insert(kind.grouped, args);
     torch::jit::Node* unpack = graph.insertNode(graph.createListUnpack(outs, group.size()));
     for (size_t i = 0; i < group.size(); ++i) {
       unpack->output(i)->setType(group[i]->output()->type());
