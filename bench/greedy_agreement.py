@@ -129,16 +129,10 @@ def libpipe_outputs(folder, skeletons, prompts, new_tokens, precision, cut, thre
     if precision == "bf16":
         options["dtype"] = "bfloat16"
     skeleton = skeletons["bf16" if precision == "bf16" else "fp32"]
-    # int4-head-int4: the output head in 4 bits too, read by the quantizer when the generator is created.
-    head = os.environ.pop("LIBPIPE_QUANTIZE_HEAD", None)
+    # int4-head-int4: the output head in 4 bits too (libpipe keeps it in int8 under int4 otherwise).
     if precision == "int4-head-int4":
-        os.environ["LIBPIPE_QUANTIZE_HEAD"] = "int4"
-    try:
-        generator = libpipe.Generator(skeleton, weights=checkpoint(folder), threads_per_stage=threads, **cut, **options)
-    finally:
-        os.environ.pop("LIBPIPE_QUANTIZE_HEAD", None)
-        if head is not None:
-            os.environ["LIBPIPE_QUANTIZE_HEAD"] = head
+        options["quantize_head"] = "int4"
+    generator = libpipe.Generator(skeleton, weights=checkpoint(folder), threads_per_stage=threads, **cut, **options)
     with generator:
         start = time.perf_counter()
         generations = [generator.generate(p, max_new_tokens=new_tokens, stop_ids=[EOS]) for p in prompts]
@@ -199,7 +193,7 @@ def main():
         default=["fp32", "bf16", "int8", "int4", "int4-head-int4"],
         choices=["fp32", "bf16", "int8", "int4", "int4-head-int4"],
         help="libpipe's precisions (fp32, the reference, is always run); int4-head-int4: int4 with the output head "
-        "in 4 bits too (LIBPIPE_QUANTIZE_HEAD=int4), which libpipe keeps in int8 otherwise",
+        "in 4 bits too (the Generator's quantize_head=int4), which libpipe keeps in int8 otherwise",
     )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"the first N of the {len(PROMPTS)}")

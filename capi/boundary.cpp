@@ -108,10 +108,30 @@ libpipe::stage::StageOptions stage_options(const pipe_stage_options* o, const ch
                         " is not PIPE_QUANTIZE_NONE, PIPE_QUANTIZE_INT8 or PIPE_QUANTIZE_INT4");
     }
   }
+  if (PIPE_HAS(quantize_head) && o->quantize_head != PIPE_QUANTIZE_HEAD_DEFAULT) {
+    using libpipe::stage::WeightQuantization;
+    switch (o->quantize_head) {
+      case PIPE_QUANTIZE_HEAD_INT8: opts.quantize_head = WeightQuantization::Int8; break;
+      case PIPE_QUANTIZE_HEAD_INT4: opts.quantize_head = WeightQuantization::Int4; break;
+      case PIPE_QUANTIZE_HEAD_NONE: opts.quantize_head = WeightQuantization::None; break;
+      default:
+        throw Error(Status::InvalidArgument, std::string(function) + ": stage options quantize_head " +
+                                                 std::to_string(o->quantize_head) +
+                                                 " is not PIPE_QUANTIZE_HEAD_DEFAULT, _INT8, _INT4 or _NONE");
+    }
+    // The head's storage is a choice among quantized weights: alone it would quantize one layer of a float model.
+    if (opts.quantize == WeightQuantization::None)
+      throw Error(Status::InvalidArgument,
+                  std::string(function) + ": stage options quantize_head " + std::to_string(o->quantize_head) +
+                      " needs quantized weights: set quantize to PIPE_QUANTIZE_INT8 or PIPE_QUANTIZE_INT4 too, or "
+                      "leave quantize_head PIPE_QUANTIZE_HEAD_DEFAULT");
+  }
   if (PIPE_HAS(quantize_group) && o->quantize_group != 0) {
-    if (opts.quantize != libpipe::stage::WeightQuantization::Int4)
-      throw Error(Status::InvalidArgument, std::string(function) + ": stage options quantize_group " +
-                                               std::to_string(o->quantize_group) + " is for PIPE_QUANTIZE_INT4 only");
+    if (opts.quantize != libpipe::stage::WeightQuantization::Int4 &&
+        opts.quantize_head != libpipe::stage::WeightQuantization::Int4)
+      throw Error(Status::InvalidArgument,
+                  std::string(function) + ": stage options quantize_group " + std::to_string(o->quantize_group) +
+                      " is for PIPE_QUANTIZE_INT4 only (quantize, or quantize_head PIPE_QUANTIZE_HEAD_INT4)");
     if (o->quantize_group != 32 && o->quantize_group != 64 && o->quantize_group != 128)
       throw Error(Status::InvalidArgument, std::string(function) + ": stage options quantize_group " +
                                                std::to_string(o->quantize_group) + " is not 32, 64 or 128 (or 0: 32)");

@@ -35,7 +35,19 @@ from collections import namedtuple
 
 # Integer constants of pipe.h by group: PIPE_<GROUP>_<NAME>. A new group must be added here
 # (and given a name in each binding) before the generator accepts the header.
-ENUM_GROUPS = ("DTYPE", "CHUNK", "TRANSPORT", "MICROBATCHING", "OUTPUTS", "NAMES", "LOG", "FINISH", "MODEL", "QUANTIZE")
+ENUM_GROUPS = (
+    "DTYPE",
+    "CHUNK",
+    "TRANSPORT",
+    "MICROBATCHING",
+    "OUTPUTS",
+    "NAMES",
+    "LOG",
+    "FINISH",
+    "MODEL",
+    "QUANTIZE_HEAD",
+    "QUANTIZE",
+)
 
 # Words Go writes in capitals, as the binding named them before they were generated (StatusOK,
 # StatusIO); Rust names are plain camel case (Status::Io).

@@ -325,6 +325,27 @@ func TestStageOptions(t *testing.T) {
 	asError(t, err, pipe.StatusInvalidArgument)
 	_, err = d.plan.NewSession(&pipe.SessionOptions{Stage: &pipe.StageOptions{Quantize: 7}})
 	asError(t, err, pipe.StatusInvalidArgument)
+
+	// The output head's storage (libpipe >= 0.16): each choice passes with quantized weights (the demo's last
+	// layer is its head), is libpipe's InvalidArgument without them, and an unknown one is refused here.
+	for _, head := range []pipe.HeadQuantization{pipe.QuantizeHeadInt8, pipe.QuantizeHeadInt4, pipe.QuantizeHeadNone} {
+		s, err := d.plan.NewSession(&pipe.SessionOptions{Stage: &pipe.StageOptions{Quantize: pipe.QuantizeInt8, QuantizeHead: head}})
+		if err != nil {
+			asError(t, err, pipe.StatusUnsupported)
+		} else {
+			out := must(s.Run(context.Background(), d.x))(t).Get("output")
+			if diff := maxAbsDiff(t, out, d.expected); diff > 0.5 {
+				t.Fatalf("int8 weights, head %d: max |diff| = %g", head, diff)
+			}
+			s.Close()
+		}
+		_, err = d.plan.NewSession(&pipe.SessionOptions{Stage: &pipe.StageOptions{QuantizeHead: head}})
+		if pe := asError(t, err, pipe.StatusInvalidArgument); !strings.Contains(pe.Message, "quantize_head") {
+			t.Fatalf("head %d without quantized weights: %q", head, pe.Message)
+		}
+	}
+	_, err = d.plan.NewSession(&pipe.SessionOptions{Stage: &pipe.StageOptions{Quantize: pipe.QuantizeInt8, QuantizeHead: 9}})
+	asError(t, err, pipe.StatusInvalidArgument)
 }
 
 func TestErrors(t *testing.T) {

@@ -33,9 +33,28 @@ type StageOptions struct {
 	// Quantize stores CPU stages' linear layers' weights as 8-bit codes (QuantizeInt8, libpipe >= 0.13)
 	// or 4-bit codes (QuantizeInt4, libpipe >= 0.14); the zero value keeps them as they are.
 	Quantize Quantization
-	// QuantizeGroup is QuantizeInt4's inputs per scale: 32, 64 or 128; 0 means 32.
+	// QuantizeGroup is QuantizeInt4's inputs per scale: 32, 64 or 128; 0 means 32. Also the groups of a
+	// head QuantizeHead makes 4-bit.
 	QuantizeGroup int
+	// QuantizeHead is how the output head (the linear layer whose result the model returns, a decoder's
+	// lm_head) is stored when Quantize is set (libpipe >= 0.16): the zero value as the other weights under
+	// QuantizeInt8 and 8-bit under QuantizeInt4. Without Quantize anything else is ErrInvalidArgument.
+	QuantizeHead HeadQuantization
 }
+
+// HeadQuantization is how CPU stages store the output head (pipe.h's PIPE_QUANTIZE_HEAD_*).
+type HeadQuantization int32
+
+const (
+	// QuantizeHeadDefault stores the head as the other weights under QuantizeInt8, as 8-bit codes under QuantizeInt4.
+	QuantizeHeadDefault HeadQuantization = HeadQuantization(capi.PIPE_QUANTIZE_HEAD_DEFAULT)
+	// QuantizeHeadInt8 stores it as 8-bit codes with a scale per output feature.
+	QuantizeHeadInt8 HeadQuantization = HeadQuantization(capi.PIPE_QUANTIZE_HEAD_INT8)
+	// QuantizeHeadInt4 stores it as 4-bit codes in groups of StageOptions.QuantizeGroup inputs.
+	QuantizeHeadInt4 HeadQuantization = HeadQuantization(capi.PIPE_QUANTIZE_HEAD_INT4)
+	// QuantizeHeadNone keeps it in the stage's dtype.
+	QuantizeHeadNone HeadQuantization = HeadQuantization(capi.PIPE_QUANTIZE_HEAD_NONE)
+)
 
 // Quantization is how CPU stages store their linear layers' weights (pipe.h's PIPE_QUANTIZE_*).
 type Quantization int32
@@ -262,6 +281,11 @@ func newStageOptions(op string, opts *StageOptions) (capi.Pipe_stage_options, er
 	if opts.Quantize != QuantizeNone && opts.Quantize != QuantizeInt8 && opts.Quantize != QuantizeInt4 {
 		return nil, errorf(op, StatusInvalidArgument, "stage quantization must be QuantizeNone, QuantizeInt8 or QuantizeInt4, not %d", opts.Quantize)
 	}
+	switch opts.QuantizeHead {
+	case QuantizeHeadDefault, QuantizeHeadInt8, QuantizeHeadInt4, QuantizeHeadNone:
+	default:
+		return nil, errorf(op, StatusInvalidArgument, "stage head quantization must be QuantizeHeadDefault, QuantizeHeadInt8, QuantizeHeadInt4 or QuantizeHeadNone, not %d", opts.QuantizeHead)
+	}
 	so := capi.NewPipe_stage_options()
 	if so.Swigcptr() == 0 {
 		return nil, errorf(op, StatusOutOfMemory, "cannot allocate stage options")
@@ -269,6 +293,7 @@ func newStageOptions(op string, opts *StageOptions) (capi.Pipe_stage_options, er
 	so.SetDtype(dtype)
 	so.SetQuantize(int(opts.Quantize))
 	so.SetQuantize_group(int64(opts.QuantizeGroup))
+	so.SetQuantize_head(int(opts.QuantizeHead))
 	so.Set_weights_path(opts.Weights)
 	return so, nil
 }

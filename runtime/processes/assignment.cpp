@@ -54,6 +54,10 @@ comm::Message encode_assignment(const WorkerAssignment& a) {
                          : a.quantize == stage::WeightQuantization::Int4 ? "int4"
                                                                          : "none"},
             {"quantize_group", a.quantize_group},
+            {"quantize_head", !a.quantize_head                                      ? "default"
+                              : *a.quantize_head == stage::WeightQuantization::Int8 ? "int8"
+                              : *a.quantize_head == stage::WeightQuantization::Int4 ? "int4"
+                                                                                    : "none"},
             {"heartbeat_interval_ms", a.heartbeat_interval.count()}};
   comm::Message m;
   m.kind = comm::Kind::Setup;
@@ -100,6 +104,13 @@ WorkerAssignment decode_assignment(const comm::Message& m) {
                  : quantize == "int4" ? stage::WeightQuantization::Int4
                                       : stage::WeightQuantization::None;
     a.quantize_group = j.value("quantize_group", int64_t{0});
+    const std::string head = j.value("quantize_head", std::string("default"));
+    if (head == "int8") a.quantize_head = stage::WeightQuantization::Int8;
+    else if (head == "int4") a.quantize_head = stage::WeightQuantization::Int4;
+    else if (head == "none") a.quantize_head = stage::WeightQuantization::None;
+    else if (head != "default")
+      throw Error(Status::Communication, "the driver's stage assignment asks for an output head stored as '" + head +
+                                             "', which this worker does not know");
     if (a.quantize_group != 0 && a.quantize_group != 32 && a.quantize_group != 64 && a.quantize_group != 128)
       throw Error(Status::Communication, "the driver's stage assignment asks for int4 groups of " +
                                              std::to_string(a.quantize_group) + " inputs, not 32, 64 or 128");

@@ -34,7 +34,8 @@ struct WorkerAssignment {
   std::string weights;  // checkpoint each worker reads; empty: inside the modules
   std::optional<at::ScalarType> dtype;
   stage::WeightQuantization quantize = stage::WeightQuantization::None;
-  int64_t quantize_group = 0;  // int4: inputs per scale (0: the default)
+  int64_t quantize_group = 0;                              // int4: inputs per scale (0: the default)
+  std::optional<stage::WeightQuantization> quantize_head;  // nullopt: the default (stage::head_quantization)
   // How often the worker sends its heartbeat: set from the driver's comm timeout, which judges it.
   std::chrono::milliseconds heartbeat_interval{1000};
 };

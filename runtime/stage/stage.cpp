@@ -18,6 +18,12 @@ const StageFormat& stages_of(io::ModelFormat format) {
 
 }  // namespace
 
+WeightQuantization head_quantization(const StageOptions& options) {
+  if (options.quantize == WeightQuantization::None) return WeightQuantization::None;
+  if (options.quantize_head) return *options.quantize_head;
+  return options.quantize == WeightQuantization::Int4 ? WeightQuantization::Int8 : options.quantize;
+}
+
 std::unique_ptr<Stage> build_stage(const graph::Plan& plan, size_t index, const BuildOptions& build) {
   return stages_of(plan.model().format()).build(plan, index, build);
 }

@@ -39,10 +39,18 @@ struct StageOptions {
   // Linear layers' weights of CPU stages with the CPU rewrites (BuildOptions::cpu_rewrites); activations stay
   // in `dtype`.
   WeightQuantization quantize = WeightQuantization::None;
-  int64_t quantize_group = 0;  // Int4: inputs per scale, 32, 64 or 128; 0: 32
+  int64_t quantize_group = 0;  // Int4 (the weights' or the head's): inputs per scale, 32, 64 or 128; 0: 32
+  // The output head's storage (the linear layer whose result the forward returns); nullopt: head_quantization's
+  // default. Meaningful only when `quantize` is not None.
+  std::optional<WeightQuantization> quantize_head;
   // Called as each tensor is loaded: (stage, bytes loaded so far, bytes the stage needs).
   std::function<void(size_t, uint64_t, uint64_t)> progress;
 };
+
+// How the output head of a stage built with `options` is stored: quantize_head if given (and `quantize` is not
+// None), else as the other weights, except int8 under int4: every token's logits go through the head, and 4-bit
+// codes there cost far more quality than anywhere else (bench/RESULTS.md, "Perplexity"). None without `quantize`.
+WeightQuantization head_quantization(const StageOptions& options);
 
 // How a stage is built for running: its weights (from the model, or the checkpoint in
 // `options.weights`, open as `checkpoint`), its dtype and its device. `cpu_rewrites` applies the

@@ -8,7 +8,11 @@ layers reads keeps its dtype; an unknown quantization is refused.
 4-bit weights (`--quantize int4[:G]`) the same way, against eager PyTorch with each such weight dequantized as
 llama.cpp's Q4_0 does (per output feature and group of G inputs, the value of largest magnitude is code -8, the
 scale rounded to float16) and each such layer's input rounded as the int4 kernel rounds it (int8 per block of 32,
-the block's largest magnitude at 127): what is left is float32 summation order."""
+the block's largest magnitude at 127): what is left is float32 summation order.
+
+The output head (`--quantize-head int8|int4|none`): the linear layer whose result the model returns is stored as
+the option says, int8 under `--quantize int4` by default, in TorchScript models and exported programs alike, each
+against its own dequantized reference; the option without `--quantize`, or with an unknown value, is refused."""
 
 import pytest
 import torch
@@ -193,3 +197,75 @@ def test_what_cannot_be_quantized_is_refused(tmp_path):
     args = ["--input", tmp_path / "in.safetensors", "--output", tmp_path / "out.safetensors"]
     assert_one_line_error(pipe("run", tmp_path / "model.pt", *args, "--quantize", "int3"), "--quantize", "int3")
     assert_one_line_error(pipe("run", tmp_path / "model.pt", *args, "--quantize", "int4:48"), "--quantize", "int4:48")
+
+
+class Head(torch.nn.Module):
+    """A body layer and an output head: the head's result is what forward returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(WIDTH, 2 * WIDTH)
+        self.head = torch.nn.Linear(2 * WIDTH, 3 * WIDTH)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.up(x)))
+
+
+def stored(layer, h, as_):
+    """The layer as libpipe computes it with its weight stored as `as_` ("int8", "int4", "none")."""
+    if as_ == "none":
+        return F.linear(h, layer.weight, layer.bias)
+    weight = dequantized(layer.weight) if as_ == "int8" else int4_dequantized(layer.weight, 32)
+    return F.linear(int8_rows(h), weight, layer.bias)
+
+
+@pytest.mark.parametrize("suffix", ["pt", "pt2"])
+def test_the_output_head_is_stored_as_asked(tmp_path, suffix):
+    torch.manual_seed(0)
+    model = Head().eval()
+    x = torch.randn(5, WIDTH)
+    save_file({"x": x}, str(tmp_path / "in.safetensors"))
+    with torch.no_grad():
+        if suffix == "pt":
+            torch.jit.trace(model, (x,)).save(str(tmp_path / "model.pt"))
+        else:
+            torch.export.save(torch.export.export(model, (x,)), str(tmp_path / "model.pt2"))
+    cases = [  # flags, then how up and head are stored
+        (["--quantize", "int4"], "int4", "int8"),
+        (["--quantize", "int4", "--quantize-head", "int4"], "int4", "int4"),
+        (["--quantize", "int4", "--quantize-head", "none"], "int4", "none"),
+        (["--quantize", "int8"], "int8", "int8"),
+        (["--quantize", "int8", "--quantize-head", "int4"], "int8", "int4"),
+    ]
+    with torch.no_grad():
+        candidates = {
+            (up, head): stored(model.head, torch.relu(stored(model.up, x, up)), head)
+            for up in ("int8", "int4", "none")
+            for head in ("int8", "int4", "none")
+        }
+    for flags, up, head in cases:
+        out = tmp_path / "out.safetensors"
+        result = pipe(
+            "run", tmp_path / f"model.{suffix}", "--split-at", "head:begin", "--input", tmp_path / "in.safetensors",
+            "--output", out, *flags,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        got = load_file(out)["output"]
+        # The reference of the storage asked for is the nearest, by far: what is left is float32 summation order, and
+        # where that makes an int8 code of the head's input (rounded per block of 32 by the kernel) round the other
+        # way, about 5e-4 here; storing any layer otherwise moves the results by 4e-3 or more.
+        distance = {k: (got - want).abs().max().item() for k, want in candidates.items()}
+        assert distance[(up, head)] < 1e-3, (flags, distance)
+        assert all(d > 4 * distance[(up, head)] for k, d in distance.items() if k != (up, head)), (flags, distance)
+
+
+def test_a_head_choice_needs_quantized_weights(tmp_path):
+    model_and_reference(tmp_path, torch.float32)
+    args = ["--input", tmp_path / "in.safetensors", "--output", tmp_path / "out.safetensors"]
+    for command in (["run", tmp_path / "model.pt", *args], ["split", tmp_path / "model.pt"]):
+        result = pipe(*command, "--quantize-head", "int4")
+        assert result.returncode == 2, result.stderr
+        assert "--quantize-head needs --quantize" in result.stderr
+    result = pipe("run", tmp_path / "model.pt", *args, "--quantize", "int4", "--quantize-head", "int2")
+    assert result.returncode == 2, result.stderr
+    assert "--quantize-head takes int8, int4 or none, not 'int2'" in result.stderr

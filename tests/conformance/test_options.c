@@ -37,7 +37,7 @@ typedef struct {
 } versioned;
 
 static const versioned stage_options_v = {
-    "pipe_stage_options", "PIPE_STAGE_OPTIONS_INIT", "pipe_stage_options_init", {32, 40, 48}, 36};
+    "pipe_stage_options", "PIPE_STAGE_OPTIONS_INIT", "pipe_stage_options_init", {32, 40, 48, 56}, 36};
 static const versioned session_options_v = {"pipe_session_options",
                                             "PIPE_SESSION_OPTIONS_INIT",
                                             "pipe_session_options_init",
@@ -122,7 +122,8 @@ static void init_gives_the_macros_defaults(void **state) {
     FIELD_EQ(got, want, progress_user_data);
     FIELD_EQ(got, want, quantize);
     FIELD_EQ(got, want, quantize_group);
-    ASSERT_LAST_FIELD(pipe_stage_options, quantize_group);
+    FIELD_EQ(got, want, quantize_head);
+    ASSERT_LAST_FIELD(pipe_stage_options, quantize_head);
   }
   {
     pipe_session_options got, want = PIPE_SESSION_OPTIONS_INIT;
@@ -305,6 +306,71 @@ static void close_fixture(fixture *f) {
   pipe_model_destroy(f->model);
 }
 
+/* pipe_stage_options.quantize_head (0.16): a value outside PIPE_QUANTIZE_HEAD_*, or any but the default without
+ * quantized weights, is PIPE_ERR_INVALID_ARGUMENT naming the field and what to do, with no session made; each
+ * value with int8 or int4 weights passes the options' checks (the session is made where the CPU has AVX-512, else
+ * refused for that reason only), and so does quantize_group with an int4 head under int8 weights. */
+static void quantize_head_needs_quantized_weights(void **state) {
+  (void)state;
+  fixture f;
+  open_fixture(&f);
+  const struct {
+    int32_t quantize, head;
+    int64_t group;
+    const char *message; /* NULL: accepted */
+  } cases[] = {
+      {PIPE_QUANTIZE_NONE, PIPE_QUANTIZE_HEAD_INT8, 0, "set quantize to PIPE_QUANTIZE_INT8 or PIPE_QUANTIZE_INT4"},
+      {PIPE_QUANTIZE_NONE, PIPE_QUANTIZE_HEAD_INT4, 0, "needs quantized weights"},
+      {PIPE_QUANTIZE_NONE, PIPE_QUANTIZE_HEAD_NONE, 0, "leave quantize_head PIPE_QUANTIZE_HEAD_DEFAULT"},
+      {PIPE_QUANTIZE_INT8, 4, 0, "quantize_head 4 is not PIPE_QUANTIZE_HEAD_DEFAULT"},
+      {PIPE_QUANTIZE_INT4, -1, 0, "quantize_head -1 is not"},
+      {PIPE_QUANTIZE_INT8, PIPE_QUANTIZE_HEAD_INT8, 64, "quantize_group 64 is for PIPE_QUANTIZE_INT4 only"},
+      {PIPE_QUANTIZE_INT8, PIPE_QUANTIZE_HEAD_DEFAULT, 0, NULL},
+      {PIPE_QUANTIZE_INT8, PIPE_QUANTIZE_HEAD_INT4, 64, NULL},
+      {PIPE_QUANTIZE_INT8, PIPE_QUANTIZE_HEAD_NONE, 0, NULL},
+      {PIPE_QUANTIZE_INT4, PIPE_QUANTIZE_HEAD_INT4, 128, NULL},
+      {PIPE_QUANTIZE_INT4, PIPE_QUANTIZE_HEAD_INT8, 0, NULL},
+      {PIPE_QUANTIZE_INT4, PIPE_QUANTIZE_HEAD_NONE, 0, NULL},
+  };
+  for (size_t i = 0; i < COUNT(cases); ++i) {
+    pipe_stage_options so = PIPE_STAGE_OPTIONS_INIT;
+    pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
+    pipe_session *s = NULL;
+    so.quantize = cases[i].quantize;
+    so.quantize_head = cases[i].head;
+    so.quantize_group = cases[i].group;
+    o.stage_options = &so;
+    const pipe_status st = pipe_session_create(f.plan, &o, &s);
+    if (cases[i].message) {
+      if (st != PIPE_ERR_INVALID_ARGUMENT || !strstr(pipe_last_error(), cases[i].message) ||
+          !strstr(pipe_last_error(), "quantize_"))
+        fail_msg("case %zu: %s: %s (expected PIPE_ERR_INVALID_ARGUMENT saying '%s')", i, pipe_status_string(st),
+                 pipe_last_error(), cases[i].message);
+      assert_null(s);
+    } else if (st == PIPE_ERR_UNSUPPORTED) {
+      if (!strstr(pipe_last_error(), "AVX-512")) fail_msg("case %zu: %s", i, pipe_last_error());
+    } else {
+      if (st != PIPE_OK) fail_msg("case %zu: %s: %s", i, pipe_status_string(st), pipe_last_error());
+      pipe_session_destroy(s);
+    }
+  }
+  /* A 0.14 caller's struct ends before quantize_head: whatever lies beyond is not read. */
+  {
+    union {
+      pipe_stage_options so;
+      unsigned char bytes[sizeof(pipe_stage_options)];
+    } buf;
+    memset(&buf, GUARD, sizeof buf);
+    ASSERT_OK(pipe_stage_options_init(&buf.so, offsetof(pipe_stage_options, quantize_head)));
+    pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
+    pipe_session *s = NULL;
+    o.stage_options = &buf.so;
+    ASSERT_OK(pipe_session_create(f.plan, &o, &s));
+    pipe_session_destroy(s);
+  }
+  close_fixture(&f);
+}
+
 /* Each function first accepts a struct from init (every historical size, for the session
  * options), so a refusal below is the size's doing, then refuses each bogus size. */
 static void consumers_refuse_sizes_no_version_had(void **state) {
@@ -423,10 +489,9 @@ static void consumers_refuse_sizes_no_version_had(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(init_gives_the_macros_defaults),
-      cmocka_unit_test(older_sizes_get_only_their_fields),
-      cmocka_unit_test(init_refuses_sizes_no_version_had),
-      cmocka_unit_test(consumers_refuse_sizes_no_version_had),
+      cmocka_unit_test(init_gives_the_macros_defaults),        cmocka_unit_test(older_sizes_get_only_their_fields),
+      cmocka_unit_test(init_refuses_sizes_no_version_had),     cmocka_unit_test(consumers_refuse_sizes_no_version_had),
+      cmocka_unit_test(quantize_head_needs_quantized_weights),
   };
   return cmocka_run_group_tests_name("options", tests, NULL, NULL);
 }

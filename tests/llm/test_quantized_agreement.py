@@ -54,7 +54,7 @@ MAX_LEN = 96  # the chat template's system prompt (~30 tokens) + a question + th
 # - int8 with its scales 5% off: 0.24, 10% off: 0.18, 2% off: 0.34; int4's weights instead of int8's: 0.18.
 #   INT8_BOUND fails all of them but 2% off, and lies 2.3 standard deviations of the mean below int8's.
 # - int4 with its scales off by 2x, 0.5x or the sign: 0.00 (every first token differs). INT4_BOUND fails those and
-#   lies 2.1 standard deviations below int4's. The head in 4 bits too (LIBPIPE_QUANTIZE_HEAD=int4) gives 0.11 here,
+#   lies 2.1 standard deviations below int4's. The head in 4 bits too (quantize_head="int4") gives 0.11 here,
 #   but only because of one short answer, and 0.113 against int4's 0.114 on the benchmark's 32 questions: greedy
 #   agreement does not tell it from int4's own rounding; test_quantized_quality.py's perplexity bound does.
 INT8_BOUND = 0.30

@@ -11,7 +11,7 @@
 #include <torch/csrc/jit/api/module.h>
 
 #include <cmath>
-#include <cstdlib>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +20,7 @@
 #include "runtime/cpu/panel_gemm_kernels.h"
 #include "graph_nodes.h"
 #include "runtime/stage/panel_linear.h"
+#include "runtime/stage/stage.h"
 #include "runtime/stage/torchscript/panel_rewrite.h"
 
 namespace libpipe {
@@ -264,9 +265,10 @@ TEST(PanelLinearInt4, ErrorAgainstTheFloatWeights) {
   }
 }
 
-// Under int4 the output head (the linear layer whose result the forward returns, through a cast) is int8 by default,
-// as llama.cpp's Q4_0 models keep theirs in 8 or 6 bits; LIBPIPE_QUANTIZE_HEAD=int4 makes it int4 too, =none
-// leaves it float. A linear layer whose result goes on to other operators is no head.
+// The output head (the linear layer whose result the forward returns, through a cast) is stored as
+// StageOptions::quantize_head says (pipe_stage_options.quantize_head), through head_quantization: by default as the
+// other weights under int8 and int8 under int4, as llama.cpp's Q4_0 models keep theirs in 8 or 6 bits. A linear
+// layer whose result goes on to other operators is no head.
 TEST(PanelLinearInt4, TheOutputHeadIsInt8UnlessAskedOtherwise) {
   SKIP_WITHOUT_PANELS();
   c10::InferenceMode guard;
@@ -284,22 +286,32 @@ def forward(self, x):
 )");
     return m;
   };
+  using Q = stage::WeightQuantization;
   struct Case {
-    const char* env;
+    Q quantize;
+    std::optional<Q> head;
+    const char* what;
     size_t int4, int8, plain;
   };
-  for (const Case& c : {Case{nullptr, 2, 1, 0}, Case{"int8", 2, 1, 0}, Case{"int4", 3, 0, 0}, Case{"none", 2, 0, 1}}) {
-    if (c.env) setenv("LIBPIPE_QUANTIZE_HEAD", c.env, 1);
-    else unsetenv("LIBPIPE_QUANTIZE_HEAD");
+  for (const Case& c :
+       {Case{Q::Int4, std::nullopt, "int4, head default", 2, 1, 0}, Case{Q::Int4, Q::Int8, "int4, head int8", 2, 1, 0},
+        Case{Q::Int4, Q::Int4, "int4, head int4", 3, 0, 0}, Case{Q::Int4, Q::None, "int4, head none", 2, 0, 1},
+        Case{Q::Int8, std::nullopt, "int8, head default", 0, 3, 0}, Case{Q::Int8, Q::Int4, "int8, head int4", 1, 2, 0},
+        Case{Q::Int8, Q::None, "int8, head none", 0, 2, 1}}) {
+    stage::StageOptions options;
+    options.quantize = c.quantize;
+    options.quantize_head = c.head;
     torch::jit::Module m = model();
-    EXPECT_EQ(stage::panel_linear_weights(m, stage::WeightQuantization::Int4), 3u);
+    EXPECT_EQ(stage::panel_linear_weights(m, options.quantize, 0, options.quantize_head), 3u) << c.what;
     const auto& graph = *m.get_method("forward").graph();
-    const std::string what = std::string("LIBPIPE_QUANTIZE_HEAD=") + (c.env ? c.env : "(unset)");
-    EXPECT_EQ(test::count_nodes(graph, "pipe::panel_linear_int4"), c.int4) << what;
-    EXPECT_EQ(test::count_nodes(graph, "pipe::panel_linear_int8"), c.int8) << what;
-    EXPECT_EQ(test::count_nodes(graph, "pipe::panel_linear"), c.plain) << what;
+    EXPECT_EQ(test::count_nodes(graph, "pipe::panel_linear_int4"), c.int4) << c.what;
+    EXPECT_EQ(test::count_nodes(graph, "pipe::panel_linear_int8"), c.int8) << c.what;
+    EXPECT_EQ(test::count_nodes(graph, "pipe::panel_linear"), c.plain) << c.what;
   }
-  unsetenv("LIBPIPE_QUANTIZE_HEAD");
+  // Without quantized weights there is no head to store otherwise.
+  stage::StageOptions plain;
+  plain.quantize_head = Q::Int4;
+  EXPECT_EQ(stage::head_quantization(plain), Q::None);
 }
 
 }  // namespace

@@ -84,7 +84,8 @@ static void show_progress(void *user_data, size_t stage, uint64_t done, uint64_t
 int parse_split_arg(int argc, char **argv, int *i, split_args *s) {
   const char *a = argv[*i];
   if (strcmp(a, "--split-at") != 0 && strcmp(a, "--stages") != 0 && strcmp(a, "--policy") != 0 &&
-      strcmp(a, "--weights") != 0 && strcmp(a, "--dtype") != 0 && strcmp(a, "--quantize") != 0)
+      strcmp(a, "--weights") != 0 && strcmp(a, "--dtype") != 0 && strcmp(a, "--quantize") != 0 &&
+      strcmp(a, "--quantize-head") != 0)
     return 0;
   if (*i + 1 >= argc) return usage_error("%s needs a value", a);
   const char *v = argv[++*i];
@@ -105,6 +106,11 @@ int parse_split_arg(int argc, char **argv, int *i, split_args *s) {
       s->weights.quantize_group = atoi(v + 5);
     } else if (strcmp(v, "none") == 0) s->weights.quantize = PIPE_QUANTIZE_NONE;
     else return usage_error("--quantize takes int8, int4, int4:32, int4:64, int4:128 or none, not '%s'", v);
+  } else if (strcmp(a, "--quantize-head") == 0) {
+    if (strcmp(v, "int8") == 0) s->weights.quantize_head = PIPE_QUANTIZE_HEAD_INT8;
+    else if (strcmp(v, "int4") == 0) s->weights.quantize_head = PIPE_QUANTIZE_HEAD_INT4;
+    else if (strcmp(v, "none") == 0) s->weights.quantize_head = PIPE_QUANTIZE_HEAD_NONE;
+    else return usage_error("--quantize-head takes int8, int4 or none, not '%s'", v);
   } else if (strcmp(a, "--split-at") == 0) {
     if (s->num_points == MAX_SPLIT_POINTS) return usage_error("at most %d --split-at", MAX_SPLIT_POINTS);
     s->points[s->num_points++] = v;
@@ -119,6 +125,9 @@ int parse_split_arg(int argc, char **argv, int *i, split_args *s) {
 
 int check_split_args(const char *cmd, const split_args *split) {
   if (split->policy && !split->has_stages) return usage_error("%s: --policy needs --stages N", cmd);
+  /* The head's storage is a choice among quantized weights (pipe_stage_options.quantize_head). */
+  if (split->weights.quantize_head != PIPE_QUANTIZE_HEAD_DEFAULT && split->weights.quantize == PIPE_QUANTIZE_NONE)
+    return usage_error("%s: --quantize-head needs --quantize int8 or int4 (the other weights' storage)", cmd);
   return 0;
 }
 

@@ -261,8 +261,8 @@ class Generator(_Closeable):
 
     model: a Plan, a Model (cut with split_at / stages / policy, as Model.split cuts it) or the
     path of a decoder's TorchScript file (loaded, then cut likewise). The session options are
-    Plan.session's (threads_per_stage, max_inflight, dtype, weights, quantize, transport, world_size, store,
-    comm_timeout, devices, outputs; the defaults are pipe.h's); the generator has no micro-batching
+    Plan.session's (threads_per_stage, max_inflight, dtype, weights, quantize, quantize_head, transport,
+    world_size, store, comm_timeout, devices, outputs; the defaults are pipe.h's); the generator has no micro-batching
     options (a step is one micro-batch). Generator options, 0 meaning libpipe's default:
     max_queued (sequences that may wait for a free cache slot; one more raises BusyError; 0: 4 x
     slots), prefill_chunk (tokens per step, all rows together, so that a long prompt does not
@@ -287,6 +287,7 @@ class Generator(_Closeable):
         dtype=None,
         weights=None,
         quantize=None,
+        quantize_head=None,
         transport=_name_of(_constants.TRANSPORT, _SESSION_DEFAULTS["transport"]).lower(),
         world_size=_SESSION_DEFAULTS["world_size"],
         store=None,
@@ -305,6 +306,7 @@ class Generator(_Closeable):
             dtype=dtype,
             weights=weights,
             quantize=quantize,
+            quantize_head=quantize_head,
             transport=transport,
             world_size=world_size,
             store=store,

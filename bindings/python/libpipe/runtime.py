@@ -551,6 +551,7 @@ class Plan(_Closeable):
         dtype=None,
         weights=None,
         quantize=None,
+        quantize_head=None,
         transport=_name_of(_constants.TRANSPORT, _SESSION_DEFAULTS["transport"]).lower(),
         world_size=_SESSION_DEFAULTS["world_size"],
         store=None,
@@ -576,7 +577,10 @@ class Plan(_Closeable):
         quantize (libpipe >= 0.13): "int8" stores CPU stages' linear layers' weights as 8-bit codes with
         a scale per output feature (activations stay in dtype); "int4" (libpipe >= 0.14) as 4-bit codes
         with a float16 scale per group of 32 inputs and output feature (llama.cpp's Q4_0), "int4:64" and
-        "int4:128" in groups of 64 or 128; None: as they are.
+        "int4:128" in groups of 64 or 128; None: as they are. quantize_head (libpipe >= 0.16), with
+        quantize: how the output head (the linear layer whose result the model returns, a decoder's
+        lm_head) is stored: "int8", "int4" (in quantize's groups) or "none" (unquantized); None: as the
+        other weights under int8, "int8" under int4.
 
         Devices (libpipe >= 0.5): devices places the stages: "cpu,cuda:0" (one per stage), "cuda:0"
         (every stage), "auto" (the visible GPUs in order, else the CPU), or None (every stage on
@@ -614,6 +618,7 @@ class Plan(_Closeable):
             dtype=dtype,
             weights=weights,
             quantize=quantize,
+            quantize_head=quantize_head,
             transport=transport,
             world_size=world_size,
             store=store,
@@ -659,6 +664,7 @@ def _session_options(
     outputs,
     token=None,
     quantize=None,
+    quantize_head=None,
 ):
     """The options of pipe_session_create that Plan.session and Generator share, checked, as the
     dict the native module takes (Plan.session adds the micro-batching ones)."""
@@ -688,7 +694,7 @@ def _session_options(
         options["store"] = _store(store)
     if token is not None:
         options["token"] = _token(token)
-    options.update(_stage_options(dtype, weights, quantize) or {})
+    options.update(_stage_options(dtype, weights, quantize, quantize_head) or {})
     return options
 
 
@@ -698,8 +704,12 @@ if "int4" in _QUANTIZATIONS:
     _QUANTIZATIONS.update({f"int4:{g}": _QUANTIZATIONS["int4"] for g in (32, 64, 128)})
 
 
-def _stage_options(dtype, weights, quantize=None):
-    if dtype is None and weights is None and quantize is None:
+# quantize_head=: pipe.h's PIPE_QUANTIZE_HEAD_* by lower-case name ("int4"); None: the default.
+_HEAD_QUANTIZATIONS = {n.lower(): v for n, v in _constants.QUANTIZE_HEAD.items() if n != "DEFAULT"}
+
+
+def _stage_options(dtype, weights, quantize=None, quantize_head=None):
+    if dtype is None and weights is None and quantize is None and quantize_head is None:
         return None
     if dtype not in _DTYPES:
         raise InvalidArgumentError(
@@ -713,6 +723,14 @@ def _stage_options(dtype, weights, quantize=None):
     options = {"dtype": _DTYPES[dtype], "quantize": _QUANTIZATIONS[quantize]}
     if quantize is not None and quantize.startswith("int4:"):
         options["quantize_group"] = int(quantize[len("int4:") :])
+    if quantize_head is not None:
+        if quantize_head not in _HEAD_QUANTIZATIONS:
+            raise InvalidArgumentError(
+                Status.INVALID_ARGUMENT,
+                f"quantize_head must be one of {sorted(_HEAD_QUANTIZATIONS)} or None, not {quantize_head!r}",
+            )
+        # libpipe refuses a head choice without quantized weights, saying what to do.
+        options["quantize_head"] = _HEAD_QUANTIZATIONS[quantize_head]
     if weights is not None:
         options["weights"] = os.fsdecode(os.fspath(weights))
     return options

@@ -191,7 +191,8 @@ static int libpipe_init_status(pipe_status status) {
   return -1;
 }
 
-/* Stage options from a dict {"dtype": int, "weights": str, "quantize": int, "quantize_group": int}. `keep` receives a reference
+/* Stage options from a dict {"dtype": int, "weights": str, "quantize": int, "quantize_group": int,
+ * "quantize_head": int}. `keep` receives a reference
  * that keeps the weights string alive for the call. */
 static int libpipe_stage_options(PyObject *d, pipe_stage_options *options, PyObject **keep) {
   if (LIBPIPE_INIT(pipe_stage_options_init, options) < 0) return -1;
@@ -200,6 +201,7 @@ static int libpipe_stage_options(PyObject *d, pipe_stage_options *options, PyObj
   int32_t group = 0;
   if (libpipe_dict_int32(d, "quantize_group", &group) < 0) return -1;
   options->quantize_group = group;
+  if (libpipe_dict_int32(d, "quantize_head", &options->quantize_head) < 0) return -1;
   PyObject *weights = PyDict_GetItemString(d, "weights");
   if (weights && weights != Py_None) {
     PyObject *bytes = PyUnicode_EncodeFSDefault(weights);
@@ -622,12 +624,12 @@ LIBPIPE_INT64_OUTPUT(pad)
   }
 }
 
-/* None or {"dtype": int, "weights": str, "quantize": int, "quantize_group": int}. */
+/* None or {"dtype": int, "weights": str, "quantize": int, "quantize_group": int, "quantize_head": int}. */
 %typemap(in) const pipe_stage_options * (pipe_stage_options tmp, PyObject *keep = NULL) {
   if ($input == Py_None) {
     $1 = NULL;
   } else {
-    static const char *const allowed[] = {"dtype", "weights", "quantize", "quantize_group", NULL};
+    static const char *const allowed[] = {"dtype", "weights", "quantize", "quantize_group", "quantize_head", NULL};
     if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "stage options must be a dict or None");
     if (libpipe_check_keys($input, allowed, "stage") < 0) SWIG_fail;
     if (libpipe_stage_options($input, &tmp, &keep) < 0) SWIG_fail;
@@ -639,7 +641,7 @@ LIBPIPE_INT64_OUTPUT(pad)
 /* None or a dict with the fields of pipe_session_options (specs as lists of (kind, dim);
  * "microbatching" as PIPE_MICROBATCHING_ADAPTIVE / _FIXED and "transport" as PIPE_TRANSPORT_*,
  * which libpipe checks; "store" and "devices" strs kept alive for the call; "outputs" as
- * PIPE_OUTPUTS_*), plus "dtype", "weights", "quantize" and "quantize_group" for
+ * PIPE_OUTPUTS_*), plus "dtype", "weights", "quantize", "quantize_group" and "quantize_head" for
  * the stage options. Absent keys keep libpipe's defaults (pipe_session_options_init). */
 %typemap(in) const pipe_session_options * (libpipe_session_options_holder tmp, libpipe_session_options_holder *holder = NULL) {
   memset(&tmp, 0, sizeof tmp);
@@ -649,7 +651,8 @@ LIBPIPE_INT64_OUTPUT(pad)
   } else {
     static const char *const allowed[] = {"num_microbatches", "threads_per_stage", "max_inflight",
                                           "microbatching", "input_specs", "output_specs", "dtype",
-                                          "weights", "quantize", "quantize_group", "transport", "world_size", "store",
+                                          "weights", "quantize", "quantize_group", "quantize_head", "transport",
+                                          "world_size", "store",
                                           "comm_timeout_ms", "devices", "outputs", "token", NULL};
     if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "session options must be a dict or None");
     if (libpipe_check_keys($input, allowed, "session") < 0) SWIG_fail;

@@ -2,7 +2,9 @@
 linear weights and equals eager PyTorch with those weights dequantized and each layer's rows rounded to int8
 per block of 32 as the kernel rounds them; a value pipe.h does not define is
 refused before libpipe sees it. quantize="int4:64" (libpipe >= 0.14) the same way, with its group size, against
-the weights dequantized as Q4_0 and the rows rounded to int8 per block of 32 as the int4 kernel rounds them."""
+the weights dequantized as Q4_0 and the rows rounded to int8 per block of 32 as the int4 kernel rounds them.
+quantize_head= (libpipe >= 0.16) reaches pipe_stage_options: the exported program's head follows it as the
+TorchScript model's does, and a value pipe.h does not define, or one without quantize, is refused."""
 
 import pytest
 import torch
@@ -54,10 +56,9 @@ def int8_rows(x):
     return (torch.where(scale > 0, torch.round(v / scale), torch.zeros_like(v)) * scale).view(x.shape)
 
 
-def test_int4_weights_equal_the_dequantized_model(tmp_path, monkeypatch):
-    # `down` gives the model's output: under int4 such a layer is 8-bit unless LIBPIPE_QUANTIZE_HEAD=int4 (as
-    # llama.cpp keeps a model's output layer in 8 bits; tests/unit/test_panel_linear_int4.cpp tests the rule).
-    monkeypatch.setenv("LIBPIPE_QUANTIZE_HEAD", "int4")
+def test_int4_weights_equal_the_dequantized_model(tmp_path):
+    # `down` gives the model's output: under int4 such a layer is 8-bit unless quantize_head="int4" (as llama.cpp
+    # keeps a model's output layer in 8 bits; tests/unit/test_panel_linear_int4.cpp tests the rule).
     torch.manual_seed(0)
     model = Mlp().eval()
     x = torch.randn(6, 64)
@@ -66,7 +67,7 @@ def test_int4_weights_equal_the_dequantized_model(tmp_path, monkeypatch):
         h = torch.relu(torch.nn.functional.linear(int8_rows(x), int4_dequantized(model.up.weight, 64), model.up.bias))
         want = torch.nn.functional.linear(int8_rows(h), int4_dequantized(model.down.weight, 64), model.down.bias)
     with libpipe.Model.load(tmp_path / "mlp.pt") as m, m.split(split_at=["down:begin"]) as plan:
-        with plan.session(quantize="int4:64") as session:
+        with plan.session(quantize="int4:64", quantize_head="int4") as session:
             got = session.run(x, output_type="torch")["output"]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -76,3 +77,42 @@ def test_unknown_quantization_is_refused(demo_plan):
         demo_plan.session(quantize="int3")
     with pytest.raises(libpipe.InvalidArgumentError, match="quantize must be one of"):
         demo_plan.session(quantize="int4:48")
+
+
+@pytest.mark.parametrize("suffix", ["pt", "pt2"])
+def test_the_output_head_follows_quantize_head(tmp_path, suffix):
+    # Under int4 `down`, whose result the forward returns, is 8-bit by default, 4-bit with quantize_head="int4",
+    # float with "none": in a TorchScript model and in an exported program alike.
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    x = torch.randn(6, 64)
+    path = tmp_path / f"mlp.{suffix}"
+    with torch.no_grad():
+        if suffix == "pt":
+            torch.jit.trace(model, (x,)).save(str(path))
+        else:
+            torch.export.save(torch.export.export(model, (x,)), str(path))
+        h = torch.relu(torch.nn.functional.linear(int8_rows(x), int4_dequantized(model.up.weight, 32), model.up.bias))
+        want = {
+            None: torch.nn.functional.linear(int8_rows(h), dequantized(model.down.weight), model.down.bias),
+            "int4": torch.nn.functional.linear(int8_rows(h), int4_dequantized(model.down.weight, 32), model.down.bias),
+            "none": torch.nn.functional.linear(h, model.down.weight, model.down.bias),
+        }
+    with libpipe.Model.load(path) as m, m.split(split_at=["down:begin"]) as plan:
+        for head in want:
+            with plan.session(quantize="int4", quantize_head=head) as session:
+                got = session.run(x, output_type="torch")["output"]
+            # Its own reference is the nearest, by far: float32 summation order is left, and where that rounds an
+            # int8 code of down's input (per block of 32, in the kernel) the other way, a few 1e-4; another storage
+            # of the head moves the results by 5e-3 or more.
+            distance = {k: (got - reference).abs().max().item() for k, reference in want.items()}
+            assert distance[head] < 1e-3, (head, distance)
+            assert all(d > 4 * distance[head] for k, d in distance.items() if k != head), (head, distance)
+
+
+def test_a_head_choice_is_checked(demo_plan):
+    with pytest.raises(libpipe.InvalidArgumentError, match="quantize_head must be one of"):
+        demo_plan.session(quantize="int4", quantize_head="int2")
+    # libpipe's own refusal: a head choice without quantized weights.
+    with pytest.raises(libpipe.InvalidArgumentError, match="set quantize to PIPE_QUANTIZE_INT8 or PIPE_QUANTIZE_INT4"):
+        demo_plan.session(quantize_head="int8")

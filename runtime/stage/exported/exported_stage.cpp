@@ -220,23 +220,66 @@ std::pair<Json, Json> write_weights(Pt2Writer& writer, const ExportedModel& sour
   return {Json{{"config", weights}}, Json{{"config", constants}}};
 }
 
-// On a CPU stage, each aten.linear of a float32, bfloat16 or float16 parameter calls
-// pipe::linear_packed_on_demand (same arguments), which multiplies by the weight's panels, as TorchScript
-// stages' linear layers do (panel_linear.h); the stage packs on its first run. With int8 weights, a parameter
-// only linear layers read calls pipe::linear_int8_on_demand (int4: pipe::linear_int4_on_demand, in the stage's
-// PanelWeights::int4_group), which quantizes it on first use. Returns the number
-// of layers rewritten.
-size_t pack_linear_layers(Json& program, const ExportedModel& source, const std::vector<size_t>& weight_ids,
-                          WeightQuantization quantize) {
-  if (!register_linear_packed_on_demand()) return 0;
+// The linear layers of `graph` whose result is what the program returns, through dtype casts and copies only (each
+// value on the way read once): the output head, as returns_output decides for TorchScript stages
+// (torchscript/panel_rewrite.cpp), so that both formats store it alike. By the linear's output name.
+std::set<std::string> output_heads(const Json& graph) {
+  std::map<std::string, int> reads;
+  std::map<std::string, const Json*> reader;
+  std::set<std::string> returned;
+  for (const Json& node : graph["nodes"])
+    graph::exported::for_each_input_ref(node, [&](const std::string& name, RefKind) {
+      ++reads[name];
+      reader[name] = &node;
+    });
+  for (const Json& out : graph["outputs"])
+    graph::exported::for_each_ref(out, [&](const std::string& name, RefKind) {
+      ++reads[name];
+      returned.insert(name);
+    });
+  auto passes_on = [](const Json& node) {
+    const std::string op = graph::exported::operator_name(node.value("target", std::string())).name;
+    return op == "aten::_to_copy" || op == "aten::to" || op == "aten::clone" || op == "aten::contiguous" ||
+           op == "aten::alias";
+  };
+  std::set<std::string> heads;
+  for (const Json& node : graph["nodes"]) {
+    if (node.value("target", std::string()) != "torch.ops.aten.linear.default") continue;
+    std::vector<std::string> outs;
+    graph::exported::for_each_output_ref(node, [&](const std::string& name, RefKind) { outs.push_back(name); });
+    if (outs.size() != 1) continue;
+    std::string v = outs[0];
+    for (int hops = 0; hops < 8; ++hops) {
+      if (reads[v] != 1) break;
+      if (returned.count(v)) {
+        heads.insert(outs[0]);
+        break;
+      }
+      const Json& user = *reader.at(v);
+      std::vector<std::string> next;
+      graph::exported::for_each_output_ref(user, [&](const std::string& name, RefKind) { next.push_back(name); });
+      if (!passes_on(user) || next.size() != 1) break;
+      v = next[0];
+    }
+  }
+  return heads;
+}
+
+// How a CPU stage stores the weight of each linear layer pack_linear_layers rewrites, by the weight's placeholder: a
+// float32, bfloat16 or float16 2-d parameter nothing writes. With quantized weights, those only linear layers read
+// (as the weight) become codes; a weight read otherwise (a tied embedding) keeps its dtype, as in TorchScript
+// stages; the output head's (output_heads: a weight any layer giving the output multiplies by) is stored as `head`
+// says. Not there: layers left as aten.linear.
+std::map<std::string, WeightQuantization> linear_storage(const Json& program, const ExportedModel& source,
+                                                         const std::vector<size_t>& weight_ids,
+                                                         WeightQuantization quantize, WeightQuantization head) {
   std::map<std::string, const Weight*> by_placeholder;
   for (size_t id : weight_ids)
     if (source.attributes().at(id).writers.empty())
       by_placeholder[source.weights()[id].placeholder] = &source.weights()[id];
-  // With int8 weights, those only linear layers read (as the weight) are quantized; a weight read otherwise (a
-  // tied embedding) keeps its dtype, as in TorchScript stages.
+  const Json& graph = program["graph_module"]["graph"];
   std::map<std::string, bool> linear_only;
-  for (const Json& node : program["graph_module"]["graph"]["nodes"]) {
+  for (const Json& node : graph["nodes"]) {
     const bool linear = node.value("target", std::string()) == "torch.ops.aten.linear.default";
     for (const auto& input : node.value("inputs", Json::array())) {
       const bool as_weight = linear && input.value("name", std::string()) == "weight";
@@ -246,8 +289,19 @@ size_t pack_linear_layers(Json& program, const ExportedModel& source, const std:
       });
     }
   }
-  size_t rewritten = 0;
-  for (Json& node : program["graph_module"]["graph"]["nodes"]) {
+  const std::set<std::string> heads = output_heads(graph);
+  std::set<std::string> head_weights;
+  for (const Json& node : graph["nodes"]) {
+    if (node.value("target", std::string()) != "torch.ops.aten.linear.default" || !node.contains("inputs")) continue;
+    bool is_head = false;
+    graph::exported::for_each_output_ref(node, [&](const std::string& name, RefKind) { is_head |= heads.count(name); });
+    if (!is_head) continue;
+    for (const auto& input : node["inputs"])
+      if (input.value("name", std::string()) == "weight" && input["arg"].contains("as_tensor"))
+        head_weights.insert(input["arg"]["as_tensor"].value("name", std::string()));
+  }
+  std::map<std::string, WeightQuantization> out;
+  for (const Json& node : graph["nodes"]) {
     if (node.value("target", std::string()) != "torch.ops.aten.linear.default" || !node.contains("inputs")) continue;
     for (const auto& input : node["inputs"]) {
       if (input.value("name", std::string()) != "weight" || !input["arg"].contains("as_tensor")) continue;
@@ -257,10 +311,34 @@ size_t pack_linear_layers(Json& program, const ExportedModel& source, const std:
            w->second->meta.dtype != at::kHalf) ||
           w->second->meta.sizes.size() != 2)
         break;
-      const bool quantized = quantize != WeightQuantization::None && linear_only[w->first];
-      node["target"] = !quantized                             ? "torch.ops.pipe.linear_packed_on_demand.default"
-                       : quantize == WeightQuantization::Int8 ? "torch.ops.pipe.linear_int8_on_demand.default"
-                                                              : "torch.ops.pipe.linear_int4_on_demand.default";
+      const WeightQuantization as =
+          quantize != WeightQuantization::None && head_weights.count(w->first) ? head : quantize;
+      out[w->first] = linear_only[w->first] ? as : WeightQuantization::None;
+    }
+  }
+  return out;
+}
+
+// On a CPU stage, each aten.linear of a float32, bfloat16 or float16 parameter calls
+// pipe::linear_packed_on_demand (same arguments), which multiplies by the weight's panels, as TorchScript
+// stages' linear layers do (panel_linear.h); the stage packs on its first run. With int8 weights, a parameter
+// only linear layers read calls pipe::linear_int8_on_demand (int4: pipe::linear_int4_on_demand, in the stage's
+// PanelWeights::int4_group), which quantizes it on first use. The output head's weight (output_heads) is stored as
+// `head` says instead (head_quantization in stage.h). Returns the number of layers rewritten.
+size_t pack_linear_layers(Json& program, const ExportedModel& source, const std::vector<size_t>& weight_ids,
+                          WeightQuantization quantize, WeightQuantization head) {
+  if (!register_linear_packed_on_demand()) return 0;
+  const std::map<std::string, WeightQuantization> storage = linear_storage(program, source, weight_ids, quantize, head);
+  size_t rewritten = 0;
+  for (Json& node : program["graph_module"]["graph"]["nodes"]) {
+    if (node.value("target", std::string()) != "torch.ops.aten.linear.default" || !node.contains("inputs")) continue;
+    for (const auto& input : node["inputs"]) {
+      if (input.value("name", std::string()) != "weight" || !input["arg"].contains("as_tensor")) continue;
+      auto w = storage.find(input["arg"]["as_tensor"].value("name", std::string()));
+      if (w == storage.end()) break;
+      node["target"] = w->second == WeightQuantization::None   ? "torch.ops.pipe.linear_packed_on_demand.default"
+                       : w->second == WeightQuantization::Int8 ? "torch.ops.pipe.linear_int8_on_demand.default"
+                                                               : "torch.ops.pipe.linear_int4_on_demand.default";
       ++rewritten;
     }
   }
@@ -274,7 +352,8 @@ void write_archive(Pt2Writer& writer, Json program, const ExportedModel& source,
   place_devices(program["graph_module"]["graph"], where);
   auto [weights, constants] =
       write_weights(writer, source, weight_ids, stage, options, checkpoint, leave_out, where, tied);
-  if (cpu_rewrites && device.is_cpu()) pack_linear_layers(program, source, weight_ids, options.quantize);
+  if (cpu_rewrites && device.is_cpu())
+    pack_linear_layers(program, source, weight_ids, options.quantize, head_quantization(options));
   writer.add("models/model.json", program.dump());
   writer.add("data/weights/model_weights_config.json", weights.dump());
   writer.add("data/constants/model_constants_config.json", constants.dump());

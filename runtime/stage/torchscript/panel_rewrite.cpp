@@ -49,18 +49,6 @@ bool returns_output(const torch::jit::Node* linear) {
   return false;
 }
 
-// How the output head's weight is stored under --quantize int4: LIBPIPE_QUANTIZE_HEAD=int4 (as the other
-// layers), int8 (the default) or none (its own dtype). llama.cpp's Q4_0 models keep theirs in 6 or 8 bits too:
-// the logits of every token go through it, and 4-bit codes there cost far more quality than anywhere else
-// (bench/RESULTS.md, perplexity).
-WeightQuantization int4_head() {
-  const char* env = std::getenv("LIBPIPE_QUANTIZE_HEAD");
-  const std::string v = env ? env : "";
-  if (v == "int4") return WeightQuantization::Int4;
-  if (v == "none") return WeightQuantization::None;
-  return WeightQuantization::Int8;
-}
-
 c10::IValue attribute(torch::jit::Module stage, const std::vector<std::string>& path, torch::jit::Module* owner) {
   for (size_t i = 0; i + 1 < path.size(); ++i) stage = stage.attr(path[i]).toModule();
   if (owner) *owner = stage;
@@ -182,51 +170,51 @@ size_t group_linears(torch::jit::Graph& graph, torch::jit::Value* self) {
   return grouped;
 }
 
-}  // namespace
-
-size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quantize, int64_t group) {
-  if (group == 0) group = kDefaultInt4Group;
-  if (!panel_linear_available()) return 0;
-  auto forward = stage.find_method("forward");
-  if (!forward) return 0;
-  std::shared_ptr<torch::jit::Graph> graph = forward->graph();
-  const torch::jit::Value* self = graph->inputs()[0];
-  std::set<std::vector<std::string>> written;
-  for (const auto& w : graph::in_place_writes(*graph)) written.insert(w.path);
-
-  std::vector<torch::jit::Node*> linears, getattrs;
-  collect(graph->block(), linears, getattrs);
-
-  // The weights to pack, by tensor (a tied weight is one), with the layers that multiply by it.
-  struct Weight {
-    at::Tensor tensor;
-    std::vector<torch::jit::Node*> linears;
-    std::vector<torch::jit::Node*> embeddings;
-    bool other_reads = false;  // read by anything but those: the original must stay
-    at::Tensor panels;
-    at::Tensor scales;  // int8 panels: each output feature's scale; undefined otherwise
-    bool int4 = false;  // int4 panels (their scales inside)
-    bool head = false;  // the model's output head (returns_output) multiplies by it
-  };
+// The weights of `stage`'s linear layers that panel_linear_weights packs, by tensor (a tied weight is one), with the
+// layers that multiply by it and what else reads it. `packable` says which tensors can be packed (can_pack for a
+// stage about to be rewritten; shape and dtype alone for one whose weights are still to be loaded).
+struct Weight {
+  at::Tensor tensor;
+  std::vector<torch::jit::Node*> linears;
+  std::vector<torch::jit::Node*> embeddings;
+  bool other_reads = false;  // read by anything but those: the original must stay
+  at::Tensor panels;
+  at::Tensor scales;  // int8 panels: each output feature's scale; undefined otherwise
+  bool int4 = false;  // int4 panels (their scales inside)
+  bool head = false;  // the model's output head (returns_output) multiplies by it
+};
+struct LinearWeights {
   std::map<const c10::TensorImpl*, Weight> weights;
   std::vector<const c10::TensorImpl*> order;  // first use first: packing order does not depend on pointers
+  std::vector<torch::jit::Node*> getattrs;
+};
+
+LinearWeights linear_weights(torch::jit::Module& stage, torch::jit::Graph& graph,
+                             const std::function<bool(const at::Tensor&)>& packable) {
+  LinearWeights out;
+  const torch::jit::Value* self = graph.inputs()[0];
+  std::set<std::vector<std::string>> written;
+  for (const auto& w : graph::in_place_writes(graph)) written.insert(w.path);
+
+  std::vector<torch::jit::Node*> linears;
+  collect(graph.block(), linears, out.getattrs);
+  auto& weights = out.weights;
   for (torch::jit::Node* node : linears) {
     const std::vector<std::string> path = graph::attribute_path(node->input(1), self);
     if (path.empty() || written.count(path)) continue;  // computed, or changing: not a constant weight
     const c10::IValue value = attribute(stage, path, nullptr);
-    if (!value.isTensor() || !can_pack(value.toTensor())) continue;
+    if (!value.isTensor() || !packable(value.toTensor())) continue;
     auto [it, fresh] = weights.try_emplace(value.toTensor().unsafeGetTensorImpl());
     if (fresh) {
       it->second.tensor = value.toTensor();
-      order.push_back(it->first);
+      out.order.push_back(it->first);
     }
     it->second.linears.push_back(node);
     it->second.head |= returns_output(node);
   }
-  if (weights.empty()) return 0;
+  if (weights.empty()) return out;
   // Every other read of those tensors: an embedding lookup can read the panels; anything else keeps the original.
-  std::set<const torch::jit::Node*> rewritable(linears.begin(), linears.end());
-  for (torch::jit::Node* get : getattrs) {
+  for (torch::jit::Node* get : out.getattrs) {
     if (!get->output()->type()->isSubtypeOf(*c10::TensorType::get())) continue;
     const std::vector<std::string> path = graph::attribute_path(get->output(), self);
     if (path.empty()) continue;
@@ -246,6 +234,35 @@ size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quanti
       it->second.other_reads = true;
     }
   }
+  return out;
+}
+
+// How `w` is stored: the weights only linear layers read become codes (a tied embedding, or a weight read
+// otherwise, keeps its dtype); the output head as `head` says.
+WeightQuantization storage(const Weight& w, WeightQuantization quantize, WeightQuantization head) {
+  const WeightQuantization as = w.head && quantize != WeightQuantization::None ? head : quantize;
+  return !w.other_reads && w.embeddings.empty() ? as : WeightQuantization::None;
+}
+
+}  // namespace
+
+size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quantize, int64_t group,
+                            std::optional<WeightQuantization> head_option) {
+  if (group == 0) group = kDefaultInt4Group;
+  StageOptions options;
+  options.quantize = quantize;
+  options.quantize_head = head_option;
+  const WeightQuantization head = head_quantization(options);
+  if (!panel_linear_available()) return 0;
+  auto forward = stage.find_method("forward");
+  if (!forward) return 0;
+  std::shared_ptr<torch::jit::Graph> graph = forward->graph();
+  const torch::jit::Value* self = graph->inputs()[0];
+  LinearWeights found = linear_weights(stage, *graph, [](const at::Tensor& t) { return can_pack(t); });
+  auto& weights = found.weights;
+  const auto& order = found.order;
+  const auto& getattrs = found.getattrs;
+  if (weights.empty()) return 0;
 
   register_panel_ops();
   // Paths that read each weight, so that an original nothing else reads can go as soon as its panels exist:
@@ -263,17 +280,15 @@ size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quanti
   std::vector<at::Tensor> tensors;
   for (const auto* impl : order) tensors.push_back(weights.at(impl).tensor);
   // int8 / int4: the weights only linear layers read become codes and scales (a tied embedding, or a weight read
-  // otherwise, keeps its dtype; under int4 the output head is int8 unless LIBPIPE_QUANTIZE_HEAD says otherwise). The
+  // otherwise, keeps its dtype; the output head is stored as `head` says). The
   // arena is sized from the codes' shape alone, and each weight is quantized just before it is packed: a load never
   // holds more than one weight's codes beside the panels.
   std::vector<bool> to_int8(order.size(), false), to_int4(order.size(), false);
   std::vector<size_t> sizes;
   for (size_t i = 0; i < order.size(); ++i) {
-    const Weight& w = weights.at(order[i]);
-    const WeightQuantization as = w.head && quantize == WeightQuantization::Int4 ? int4_head() : quantize;
-    const bool quantized = as != WeightQuantization::None && !w.other_reads && w.embeddings.empty();
-    to_int8[i] = quantized && as == WeightQuantization::Int8;
-    to_int4[i] = quantized && as == WeightQuantization::Int4;
+    const WeightQuantization as = storage(weights.at(order[i]), quantize, head);
+    to_int8[i] = as == WeightQuantization::Int8;
+    to_int4[i] = as == WeightQuantization::Int4;
     const at::Tensor codes = at::empty(tensors[i].sizes(), at::TensorOptions().dtype(at::kChar).device(at::kMeta));
     sizes.push_back(to_int4[i]   ? PanelArena::int4_bytes(tensors[i].size(0), tensors[i].size(1), group)
                     : to_int8[i] ? PanelArena::bytes_of(codes)

@@ -7,6 +7,7 @@
 #include <torch/csrc/jit/api/module.h>
 
 #include <cstddef>
+#include <optional>
 
 #include "runtime/stage/stage.h"
 
@@ -15,9 +16,11 @@ namespace libpipe::stage {
 // Rewrites the stage's forward as above. Call after its weights are loaded and placed, before its first
 // run. With `quantize` Int8, the weights that only linear layers read become int8 panels with a scale per
 // output feature (quantize_int8), multiplied by pipe::panel_linear_int8; with Int4, int4 panels in groups of
-// `group` inputs (quantize_int4; 0: 32), multiplied by pipe::panel_linear_int4; those are not grouped. Returns the
-// number of linear layers rewritten; never throws for a layer it leaves alone.
+// `group` inputs (quantize_int4; 0: 32), multiplied by pipe::panel_linear_int4; those are not grouped. The output
+// head (the linear layer whose result the forward returns, through casts and copies) is stored as head_quantization
+// (stage.h) says for `quantize` and `head` (StageOptions::quantize_head; nullopt: the default). Returns the number
+// of linear layers rewritten; never throws for a layer it leaves alone.
 size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quantize = WeightQuantization::None,
-                            int64_t group = 0);
+                            int64_t group = 0, std::optional<WeightQuantization> head = std::nullopt);
 
 }  // namespace libpipe::stage

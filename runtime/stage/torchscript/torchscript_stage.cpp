@@ -28,7 +28,7 @@ std::unique_ptr<Stage> finish(torch::jit::Module module, const BuildOptions& bui
                     (build.device.is_cpu() ? ", without AVX-512 or with LIBPIPE_PACKED_LINEAR=0" : "") +
                     "); leave the weights unquantized");
   if (build.cpu_rewrites && build.device.is_cpu()) {
-    panel_linear_weights(module, quantize, build.options->quantize_group);
+    panel_linear_weights(module, quantize, build.options->quantize_group, build.options->quantize_head);
     fuse_cache_attention(module);
     fuse_cache_writes(module);
     fuse_elementwise(module);

@@ -136,6 +136,22 @@ pub enum Quantization {
     Int4 { group: i64 },
 }
 
+/// How CPU stages store the output head, the linear layer whose result the model returns (a decoder's
+/// `lm_head`), when the weights are quantized (pipe.h's `PIPE_QUANTIZE_HEAD_*`; libpipe >= 0.16).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum HeadQuantization {
+    /// As the other weights under [`Quantization::Int8`], 8-bit under [`Quantization::Int4`]: every token's
+    /// logits go through the head, and 4-bit codes there cost far more quality than anywhere else.
+    #[default]
+    Default,
+    /// 8-bit codes with a float32 scale per output feature.
+    Int8,
+    /// 4-bit codes in the groups of [`Quantization::Int4`] (32 under [`Quantization::Int8`]).
+    Int4,
+    /// The stage's dtype, unquantized.
+    None,
+}
+
 /// How each stage gets its weights.
 #[derive(Clone, Debug, Default)]
 pub struct StageOptions {
@@ -143,6 +159,9 @@ pub struct StageOptions {
     /// A .safetensors file or a *.safetensors.index.json; None keeps the model's own weights.
     pub weights: Option<PathBuf>,
     pub quantize: Quantization,
+    /// The output head's storage; anything but [`HeadQuantization::Default`] without `quantize` is
+    /// [`Status::InvalidArgument`](crate::Status::InvalidArgument) (libpipe >= 0.16).
+    pub quantize_head: HeadQuantization,
 }
 
 /// A pipe_stage_options and the C string it points into.
@@ -168,6 +187,12 @@ impl StageOptions {
         if let Quantization::Int4 { group } = self.quantize {
             raw.quantize_group = group;
         }
+        raw.quantize_head = match self.quantize_head {
+            HeadQuantization::Default => sys::PIPE_QUANTIZE_HEAD_DEFAULT,
+            HeadQuantization::Int8 => sys::PIPE_QUANTIZE_HEAD_INT8,
+            HeadQuantization::Int4 => sys::PIPE_QUANTIZE_HEAD_INT4,
+            HeadQuantization::None => sys::PIPE_QUANTIZE_HEAD_NONE,
+        };
         let weights = self.weights.as_deref().map(crate::path_cstring).transpose()?;
         // The CString's heap buffer does not move when the CString does.
         raw.weights = weights.as_ref().map_or(ptr::null(), |c| c.as_ptr());

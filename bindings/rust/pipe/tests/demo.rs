@@ -171,3 +171,30 @@ fn int4_weights_give_the_result_to_their_precision() {
     let err = Session::new(&plan, &SessionOptions::new().stage_options(bad)).err().unwrap();
     assert_eq!(err.status, Status::InvalidArgument, "{err}");
 }
+
+// The output head's storage (libpipe >= 0.16): each choice passes with quantized weights (the demo's last layer is
+// its head; a CPU without AVX-512 refuses quantized weights with Unsupported), and is refused without them.
+#[test]
+fn the_head_quantization_needs_quantized_weights() {
+    let model = Model::load(fixture("demo.pt")).unwrap();
+    let plan = Plan::new(&model, &PlanOptions::new().split_point("blocks.2:begin")).unwrap();
+    for head in [pipe::HeadQuantization::Int8, pipe::HeadQuantization::Int4, pipe::HeadQuantization::None] {
+        let stage = pipe::StageOptions {
+            quantize: pipe::Quantization::Int4 { group: 32 },
+            quantize_head: head,
+            ..Default::default()
+        };
+        match Session::new(&plan, &SessionOptions::new().stage_options(stage)) {
+            Err(e) => assert_eq!(e.status, Status::Unsupported, "{e}"),
+            Ok(session) => {
+                let outputs = session.run(&[demo_input()]).unwrap();
+                let diff = max_abs_diff(&outputs[0].1, &demo_reference());
+                assert!(diff <= 0.5, "head {head:?}: max |diff| = {diff}");
+            }
+        }
+        let alone = pipe::StageOptions { quantize_head: head, ..Default::default() };
+        let err = Session::new(&plan, &SessionOptions::new().stage_options(alone)).err().unwrap();
+        assert_eq!(err.status, Status::InvalidArgument, "{err}");
+        assert!(err.message.contains("quantize_head"), "{err}");
+    }
+}
