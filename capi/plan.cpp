@@ -147,6 +147,16 @@ pipe_status pipe_plan_save_stage(const pipe_plan* plan, size_t stage, const pipe
   });
 }
 
+pipe_status pipe_plan_stage_weight_bytes(const pipe_plan* plan, size_t stage, const pipe_stage_options* options,
+                                         uint64_t* bytes) {
+  return guarded(__func__, [&](const char* fn) {
+    require(plan, fn, "plan");
+    require(bytes, fn, "bytes");
+    require_index(stage, get(plan)->impl->num_stages(), fn, "stage");
+    *bytes = libpipe::stage::stored_weight_bytes(*get(plan)->impl, stage, stage_options(options, fn));
+  });
+}
+
 pipe_status pipe_plan_describe(const pipe_plan* plan, const char** json) {
   return guarded(__func__, [&](const char* fn) {
     require(plan, fn, "plan");

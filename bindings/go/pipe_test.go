@@ -346,6 +346,22 @@ func TestStageOptions(t *testing.T) {
 	}
 	_, err = d.plan.NewSession(&pipe.SessionOptions{Stage: &pipe.StageOptions{Quantize: pipe.QuantizeInt8, QuantizeHead: 9}})
 	asError(t, err, pipe.StatusInvalidArgument)
+
+	// The bytes a stage stores (libpipe >= 0.16): float panels hold at least the model's bytes, 8-bit codes fewer
+	// (where the CPU stores them at all); options a session refuses are refused here too.
+	last := d.plan.NumStages() - 1
+	info := must(d.plan.Stage(last))(t)
+	plain := must(d.plan.StageWeightBytes(last, nil))(t)
+	if plain < info.ParamBytes {
+		t.Fatalf("stage %d stores %d bytes as float panels, fewer than its %d", last, plain, info.ParamBytes)
+	}
+	if int8Bytes, err := d.plan.StageWeightBytes(last, &pipe.StageOptions{Quantize: pipe.QuantizeInt8}); err != nil {
+		asError(t, err, pipe.StatusUnsupported)
+	} else if int8Bytes >= plain {
+		t.Fatalf("stage %d stores %d bytes as int8, not fewer than %d as float", last, int8Bytes, plain)
+	}
+	_, err = d.plan.StageWeightBytes(last, &pipe.StageOptions{QuantizeHead: pipe.QuantizeHeadInt4})
+	asError(t, err, pipe.StatusInvalidArgument)
 }
 
 func TestErrors(t *testing.T) {

@@ -260,6 +260,32 @@ func (p *Plan) SaveStage(i int, path string, opts *StageOptions) error {
 	return call("pipe_plan_save_stage", func() int { return capi.Pipe_plan_save_stage(ptr, int64(i), so, path) })
 }
 
+// StageWeightBytes is the bytes stage i's parameters and buffers would take as a CPU stage built with opts
+// (nil: the model's own weights), linear layers' weights as panels or codes as opts.Quantize and opts.QuantizeHead
+// say (libpipe >= 0.16; pipe_plan_stage_weight_bytes): worked out from the shapes, nothing loaded. ErrUnsupported
+// for quantized weights where the CPU has no kernels for them; ErrInvalidArgument for options a session refuses.
+func (p *Plan) StageWeightBytes(i int, opts *StageOptions) (uint64, error) {
+	ptr, err := p.acquire("Plan.StageWeightBytes")
+	if err != nil {
+		return 0, err
+	}
+	defer p.mu.RUnlock()
+	so, err := newStageOptions("Plan.StageWeightBytes", opts)
+	if err != nil {
+		return 0, err
+	}
+	if so != nil {
+		defer capi.DeletePipe_stage_options(so)
+	}
+	var bytes uint64
+	if err := call("pipe_plan_stage_weight_bytes", func() int {
+		return capi.Pipe_plan_stage_weight_bytes(ptr, int64(i), so, &bytes)
+	}); err != nil {
+		return 0, err
+	}
+	return bytes, nil
+}
+
 // newStageOptions builds the C struct (nil for nil opts); the caller deletes it.
 func newStageOptions(op string, opts *StageOptions) (capi.Pipe_stage_options, error) {
 	if opts == nil {

@@ -44,9 +44,10 @@ std::optional<WeightType> stored_type(at::ScalarType t) {
   return t == at::kChar ? std::optional<WeightType>(WeightType::kInt8) : weight_type(t);
 }
 
-bool packable_weight(const at::Tensor& w) {
-  return w.defined() && w.device().is_cpu() && w.dim() == 2 && w.numel() > 0 && weight_type(w.scalar_type()) &&
-         w.size(0) <= std::numeric_limits<int32_t>::max() && w.size(1) <= std::numeric_limits<int32_t>::max();
+bool packable_weight(const at::Tensor& w, bool any_device = false) {
+  return w.defined() && (any_device || w.device().is_cpu()) && w.dim() == 2 && w.numel() > 0 &&
+         weight_type(w.scalar_type()) && w.size(0) <= std::numeric_limits<int32_t>::max() &&
+         w.size(1) <= std::numeric_limits<int32_t>::max();
 }
 
 // Refuses what aten::linear would refuse (with its words where users know them), and panels of another shape.
@@ -510,7 +511,18 @@ bool panel_linear_available() {
   return !(env && std::strcmp(env, "0") == 0);
 }
 
-bool can_pack(const at::Tensor& weight) { return packable_weight(weight); }
+bool can_pack(const at::Tensor& weight, bool any_device) { return packable_weight(weight, any_device); }
+
+size_t stored_panel_bytes(int64_t n, int64_t k, at::ScalarType dtype, WeightQuantization as, int64_t group) {
+  const auto meta = [&](at::ScalarType t) { return at::empty({n, k}, at::TensorOptions().dtype(t).device(at::kMeta)); };
+  switch (as) {
+    case WeightQuantization::Int4: return PanelArena::int4_bytes(n, k, group ? group : kDefaultInt4Group);
+    case WeightQuantization::Int8:
+      return PanelArena::bytes_of(meta(at::kChar)) + static_cast<size_t>(n) * sizeof(float);
+    case WeightQuantization::None: break;
+  }
+  return PanelArena::bytes_of(meta(dtype));
+}
 
 void register_panel_ops() { register_panel_ops_once(); }
 

@@ -30,6 +30,8 @@
 #include <optional>
 #include <vector>
 
+#include "runtime/stage/stage.h"
+
 namespace libpipe::cpu {
 class HugePageBuffer;
 }  // namespace libpipe::cpu
@@ -75,8 +77,14 @@ at::Tensor panel_linear_int4(const at::Tensor& input, const at::Tensor& panels, 
 at::Tensor panel_linear_int8(const at::Tensor& input, const at::Tensor& panels, const at::Tensor& scales,
                              const std::optional<at::Tensor>& bias, int64_t out_features, int64_t in_features);
 
-// Whether to_panels can pack `weight` (2-d, non-empty, a supported dtype, on the CPU).
-bool can_pack(const at::Tensor& weight);
+// Whether to_panels can pack `weight` (2-d, non-empty, a supported dtype, on the CPU; `any_device`: wherever it is,
+// for a weight still to be loaded).
+bool can_pack(const at::Tensor& weight, bool any_device = false);
+
+// The bytes an [n, k] weight of `dtype` (float32, bfloat16 or float16) takes as panels stored `as`, as PanelArena and
+// PanelWeights make them: unquantized, the panels in `dtype`; int8, the codes' panels and a float32 scale per output
+// feature; int4, the panels with their float16 scales inside, in groups of `group` inputs (0: 32).
+size_t stored_panel_bytes(int64_t n, int64_t k, at::ScalarType dtype, WeightQuantization as, int64_t group);
 
 // Registers pipe::panel_linear, pipe::panel_linear_int8, pipe::panel_linear_int4, pipe::panel_embedding and the
 // grouped products of one input, pipe::panel_linear_group, pipe::panel_linear_int8_group and

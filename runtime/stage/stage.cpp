@@ -2,6 +2,7 @@
 
 #include "runtime/error.h"
 #include "runtime/io/archive_check.h"
+#include "runtime/stage/panel_linear.h"
 #include "runtime/stage/stage_format.h"
 
 namespace libpipe::stage {
@@ -22,6 +23,14 @@ WeightQuantization head_quantization(const StageOptions& options) {
   if (options.quantize == WeightQuantization::None) return WeightQuantization::None;
   if (options.quantize_head) return *options.quantize_head;
   return options.quantize == WeightQuantization::Int4 ? WeightQuantization::Int8 : options.quantize;
+}
+
+uint64_t stored_weight_bytes(const graph::Plan& plan, size_t index, const StageOptions& options) {
+  if (options.quantize != WeightQuantization::None && !panel_linear_available())
+    throw Error(Status::Unsupported,
+                "quantized weights are for CPU stages on a CPU with AVX-512 (this one has none, or "
+                "LIBPIPE_PACKED_LINEAR=0): no stage would store them; leave the weights unquantized");
+  return stages_of(plan.model().format()).stored_bytes(plan, index, options);
 }
 
 std::unique_ptr<Stage> build_stage(const graph::Plan& plan, size_t index, const BuildOptions& build) {

@@ -52,6 +52,13 @@ struct StageOptions {
 // codes there cost far more quality than anywhere else (bench/RESULTS.md, "Perplexity"). None without `quantize`.
 WeightQuantization head_quantization(const StageOptions& options);
 
+// The bytes stage `index`'s parameters and buffers take once built as a CPU stage with `options` (the CPU rewrites
+// on): floating tensors in options.dtype, linear layers' weights as panels, int8 or int4 codes as options.quantize
+// and head_quantization say, worked out by the same analysis the build runs, from shapes and dtypes alone (nothing
+// is loaded or quantized). An exported program's stage keeps its originals beside the panels, and they count.
+// Throws Error(Unsupported) for quantized weights where the CPU has no kernels for them, as building would.
+uint64_t stored_weight_bytes(const graph::Plan& plan, size_t index, const StageOptions& options);
+
 // How a stage is built for running: its weights (from the model, or the checkpoint in
 // `options.weights`, open as `checkpoint`), its dtype and its device. `cpu_rewrites` applies the
 // CPU rewrites (linear layers on panels, both formats; for TorchScript stages also attention from the

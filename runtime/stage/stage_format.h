@@ -27,6 +27,8 @@ class StageFormat {
                             const StageOptions& options, Checkpoint* checkpoint) const = 0;
   virtual std::unique_ptr<Stage> receive(ShippedStage shipped, size_t index, const BuildOptions& build,
                                          const std::string& what) const = 0;
+  // As stage.h's stored_weight_bytes says, without its checks.
+  virtual uint64_t stored_bytes(const graph::Plan& plan, size_t index, const StageOptions& options) const = 0;
 };
 
 // Each defined in its format's folder.

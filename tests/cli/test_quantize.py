@@ -14,6 +14,8 @@ The output head (`--quantize-head int8|int4|none`): the linear layer whose resul
 the option says, int8 under `--quantize int4` by default, in TorchScript models and exported programs alike, each
 against its own dequantized reference; the option without `--quantize`, or with an unknown value, is refused."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -269,3 +271,54 @@ def test_a_head_choice_needs_quantized_weights(tmp_path):
     result = pipe("run", tmp_path / "model.pt", *args, "--quantize", "int4", "--quantize-head", "int2")
     assert result.returncode == 2, result.stderr
     assert "--quantize-head takes int8, int4 or none, not 'int2'" in result.stderr
+
+
+def panel_bytes(n, k, as_, group=32):
+    """Bytes of an [n, k] float32 weight as libpipe's CPU stages store it (runtime/cpu/panel_gemm.h): panels of 64
+    output features; int8 codes with K padded to 32 and a float32 scale per output feature; int4 codes two to a byte
+    with K padded to the group and a float16 scale per group and output feature inside the panels."""
+    panels = -(-n // 64)
+    if as_ == "none":
+        return panels * 64 * k * 4
+    if as_ == "int8":
+        return panels * 64 * (-(-k // 32) * 32) + n * 4
+    depth = -(-k // group) * group
+    return panels * (depth // group * 2 * 64 + depth * 64 // 2)
+
+
+@pytest.mark.parametrize("suffix", ["pt", "pt2"])
+def test_split_reports_each_stages_bytes_as_stored(tmp_path, suffix):
+    # Worked out here from the layers' shapes, independently of libpipe's arithmetic; an exported program's stage
+    # keeps its original weights beside the panels it makes on its first run.
+    torch.manual_seed(0)
+    model = Head().eval()
+    x = torch.randn(5, WIDTH)
+    with torch.no_grad():
+        if suffix == "pt":
+            torch.jit.trace(model, (x,)).save(str(tmp_path / "model.pt"))
+        else:
+            torch.export.save(torch.export.export(model, (x,)), str(tmp_path / "model.pt2"))
+    up, head = model.up, model.head
+    originals = [4 * (layer.weight.numel() if suffix == "pt2" else 0) for layer in (up, head)]
+    cases = [  # flags, how up and head are stored
+        (["--quantize", "int4"], "int4", "int8"),
+        (["--quantize", "int4", "--quantize-head", "int4"], "int4", "int4"),
+        (["--quantize", "int8", "--quantize-head", "none"], "int8", "none"),
+        (["--dtype", "fp32"], "none", "none"),
+    ]
+    for flags, up_as, head_as in cases:
+        result = pipe("split", tmp_path / f"model.{suffix}", "--split-at", "head:begin", "--json", *flags)
+        assert result.returncode == 0, result.stderr
+        stages = json.loads(result.stdout)["stages"]
+        want = [
+            panel_bytes(*up.weight.shape, up_as) + 4 * up.bias.numel() + originals[0],
+            panel_bytes(*head.weight.shape, head_as) + 4 * head.bias.numel() + originals[1],
+        ]
+        assert [s["weight_bytes"] for s in stages] == want, flags
+        assert [s["param_bytes"] for s in stages] == [4 * sum(p.numel() for p in m.parameters()) for m in (up, head)]
+    text = pipe("split", tmp_path / f"model.{suffix}", "--split-at", "head:begin", "--quantize", "int4")
+    assert text.returncode == 0, text.stderr
+    stored = panel_bytes(*up.weight.shape, "int4") + 4 * up.bias.numel() + originals[0]
+    assert f"MiB, {stored / 2**20:.2f} MiB as int4\n" in text.stdout, text.stdout
+    plain = pipe("split", tmp_path / f"model.{suffix}", "--split-at", "head:begin", "--json")
+    assert "weight_bytes" not in plain.stdout

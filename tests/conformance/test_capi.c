@@ -982,6 +982,38 @@ static void remaining_null_arguments(void **state) {
   ASSERT_FAILS(pipe_plan_stage_param_bytes(NULL, 0, &u), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
   ASSERT_FAILS(pipe_plan_stage_param_bytes(l.plan, 0, NULL), PIPE_ERR_INVALID_ARGUMENT, "bytes is NULL");
   ASSERT_FAILS(pipe_plan_stage_param_bytes(l.plan, 4, &u), PIPE_ERR_INVALID_ARGUMENT, "stage 4 is out of range");
+  {
+    /* pipe_plan_stage_weight_bytes (0.16): its arguments, and stage options as a session refuses them, with
+     * nothing written; tests/cli/test_quantize.py checks the numbers against the layers' shapes. */
+    pipe_stage_options so = PIPE_STAGE_OPTIONS_INIT;
+    u = 7;
+    ASSERT_FAILS(pipe_plan_stage_weight_bytes(NULL, 0, NULL, &u), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
+    ASSERT_FAILS(pipe_plan_stage_weight_bytes(l.plan, 0, NULL, NULL), PIPE_ERR_INVALID_ARGUMENT, "bytes is NULL");
+    ASSERT_FAILS(pipe_plan_stage_weight_bytes(l.plan, 4, NULL, &u), PIPE_ERR_INVALID_ARGUMENT,
+                 "stage 4 is out of range");
+    so.quantize_head = PIPE_QUANTIZE_HEAD_INT4;
+    ASSERT_FAILS(pipe_plan_stage_weight_bytes(l.plan, 0, &so, &u), PIPE_ERR_INVALID_ARGUMENT,
+                 "needs quantized weights");
+    so.struct_size = 20;
+    ASSERT_FAILS(pipe_plan_stage_weight_bytes(l.plan, 0, &so, &u), PIPE_ERR_INVALID_ARGUMENT,
+                 "PIPE_STAGE_OPTIONS_INIT");
+    assert_int_equal(u, 7);
+    /* Stage 1 (lin1 and mm_param1): float weights hold at least the model's bytes (panels pad them); 8-bit codes
+     * fewer, where the CPU stores them at all. */
+    uint64_t model_bytes = 0, plain = 0, int8 = 0;
+    ASSERT_OK(pipe_plan_stage_param_bytes(l.plan, 1, &model_bytes));
+    ASSERT_OK(pipe_plan_stage_weight_bytes(l.plan, 1, NULL, &plain));
+    assert_true(plain >= model_bytes);
+    pipe_stage_options q = PIPE_STAGE_OPTIONS_INIT;
+    q.quantize = PIPE_QUANTIZE_INT8;
+    const pipe_status st = pipe_plan_stage_weight_bytes(l.plan, 1, &q, &int8);
+    if (st == PIPE_ERR_UNSUPPORTED) {
+      assert_non_null(strstr(pipe_last_error(), "AVX-512"));
+    } else {
+      assert_int_equal(st, PIPE_OK);
+      assert_true(int8 < plain);
+    }
+  }
   ASSERT_FAILS(pipe_plan_stage_estimated_ms(NULL, 0, &d), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");
   ASSERT_FAILS(pipe_plan_stage_estimated_ms(l.plan, 0, NULL), PIPE_ERR_INVALID_ARGUMENT, "ms is NULL");
   ASSERT_FAILS(pipe_plan_describe(NULL, &str), PIPE_ERR_INVALID_ARGUMENT, "plan is NULL");

@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "runtime/cpu/panel_gemm.h"
@@ -312,6 +313,54 @@ def forward(self, x):
   stage::StageOptions plain;
   plain.quantize_head = Q::Int4;
   EXPECT_EQ(stage::head_quantization(plain), Q::None);
+}
+
+// stored_bytes (pipe_plan_stage_weight_bytes) predicts, before the rewrite, the bytes the stage's tensors hold after
+// it: the panels, int8 scales and biases, the originals freed (a weight read by anything else stays beside its
+// panels); for each storage of the weights and the head.
+TEST(PanelLinearInt4, StoredBytesAreTheRewrittenStagesTensors) {
+  SKIP_WITHOUT_PANELS();
+  c10::InferenceMode guard;
+  auto model = [] {
+    at::manual_seed(6);
+    torch::jit::Module m("StoredBytesTest");
+    m.register_parameter("body", at::randn({72, 100}), false);
+    m.register_parameter("body_bias", at::randn({72}), false);
+    m.register_parameter("shared", at::randn({40, 72}), false);  // also read by sum(): stays beside its panels
+    m.register_parameter("head", at::randn({130, 40}), false);
+    m.define(R"(
+def forward(self, x):
+    h = torch.relu(torch.linear(x, self.body, self.body_bias))
+    h = torch.linear(h, self.shared) + self.shared.sum()
+    return torch.linear(h, self.head)
+)");
+    return m;
+  };
+  auto held = [](const torch::jit::Module& m) {
+    uint64_t bytes = 0;
+    for (const auto& p : m.named_parameters()) bytes += p.value.nbytes();
+    for (const auto& b : m.named_buffers()) bytes += b.value.nbytes();
+    return bytes;
+  };
+  using Q = stage::WeightQuantization;
+  for (const auto& [quantize, head, group] : {std::tuple<Q, std::optional<Q>, int64_t>{Q::None, std::nullopt, 0},
+                                              {Q::Int8, std::nullopt, 0},
+                                              {Q::Int8, Q::Int4, 64},
+                                              {Q::Int4, std::nullopt, 0},
+                                              {Q::Int4, Q::Int4, 128},
+                                              {Q::Int4, Q::None, 32}}) {
+    stage::StageOptions options;
+    options.quantize = quantize;
+    options.quantize_head = head;
+    options.quantize_group = group;
+    torch::jit::Module m = model();
+    const uint64_t predicted = stage::stored_bytes(m, options);
+    stage::panel_linear_weights(m, quantize, group, head);
+    const std::string what = "quantize " + std::to_string(static_cast<int>(quantize)) + ", head " +
+                             (head ? std::to_string(static_cast<int>(*head)) : "default") + ", group " +
+                             std::to_string(group);
+    EXPECT_EQ(predicted, held(m)) << what;
+  }
 }
 
 }  // namespace

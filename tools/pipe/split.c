@@ -1,5 +1,6 @@
 /* pipe split MODEL [SPLIT]: the plan, as text or JSON, optionally timed on inputs, and each
- * stage saved as a standalone TorchScript file. */
+ * stage saved as a standalone TorchScript file. With --dtype, --quantize or --quantize-head, each
+ * stage's bytes as a CPU stage stores them too (pipe_plan_stage_weight_bytes). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,8 +23,64 @@ static pipe_status print_names(const pipe_plan *plan, size_t stage, int32_t kind
   return PIPE_OK;
 }
 
+/* Whether the options change how the stages store their weights: then their bytes as stored are worth a report. */
+static int stores_otherwise(const pipe_stage_options *o) {
+  return o->dtype != PIPE_DTYPE_KEEP || o->quantize != PIPE_QUANTIZE_NONE ||
+         o->quantize_head != PIPE_QUANTIZE_HEAD_DEFAULT;
+}
+
+/* How the options store the weights, for the text output: "int4:64, head int8, bf16". */
+static void describe_storage(const pipe_stage_options *o, char *out, size_t size) {
+  static const char *const dtypes[] = {"", "fp32", "fp16", "bf16"};
+  static const char *const heads[] = {"", "int8", "int4", "none"};
+  char quantize[32] = "";
+  if (o->quantize == PIPE_QUANTIZE_INT8) snprintf(quantize, sizeof quantize, "int8");
+  if (o->quantize == PIPE_QUANTIZE_INT4)
+    snprintf(quantize, sizeof quantize, o->quantize_group ? "int4:%lld" : "int4", (long long)o->quantize_group);
+  const char *dtype = o->dtype > 0 && o->dtype < 4 ? dtypes[o->dtype] : "";
+  const char *head = o->quantize_head > 0 && o->quantize_head < 4 ? heads[o->quantize_head] : "";
+  snprintf(out, size, "%s%s%s%s%s%s", quantize, *head ? ", head " : "", head, *quantize && *dtype ? ", " : "", dtype,
+           *quantize || *dtype ? "" : "as they are");
+}
+
+/* `json` (pipe_plan_describe's) with "weight_bytes": bytes[i] added to each object of its "stages" array, written
+ * to stdout. A small scan that knows strings and nesting: the key goes before the brace that closes each entry. */
+static void print_json_with_weight_bytes(const char *json, const uint64_t *bytes, size_t num_stages) {
+  int depth = 0, in_string = 0, escaped = 0, in_stages = 0;
+  size_t entry = 0;
+  const char *key_start = NULL;
+  char last_key[64] = "";
+  for (const char *c = json; *c; ++c) {
+    if (in_string) {
+      if (escaped) escaped = 0;
+      else if (*c == '\\') escaped = 1;
+      else if (*c == '"') {
+        in_string = 0;
+        if (depth == 1 && key_start) snprintf(last_key, sizeof last_key, "%.*s", (int)(c - key_start), key_start);
+      }
+      putchar(*c);
+      continue;
+    }
+    if (*c == '"') {
+      in_string = 1;
+      key_start = c + 1;
+    } else if (*c == '{' || *c == '[') {
+      ++depth;
+      if (depth == 2 && *c == '[' && strcmp(last_key, "stages") == 0) in_stages = 1;
+    } else if (*c == '}' || *c == ']') {
+      if (in_stages && depth == 3 && *c == '}' && entry < num_stages)
+        printf(",\"weight_bytes\":%llu", (unsigned long long)bytes[entry++]);
+      if (depth == 2) in_stages = 0;
+      --depth;
+    }
+    putchar(*c);
+  }
+  putchar('\n');
+}
+
 /* The plan as text; the status of the first call that failed, else PIPE_OK. */
-static pipe_status print_plan(const char *model_path, const pipe_plan *plan) {
+static pipe_status print_plan(const char *model_path, const pipe_plan *plan, const pipe_stage_options *storage,
+                              const uint64_t *stored) {
   size_t stages = 0;
   pipe_status st = pipe_plan_num_stages(plan, &stages);
   if (st != PIPE_OK) return st;
@@ -39,6 +96,11 @@ static pipe_status print_plan(const char *model_path, const pipe_plan *plan) {
         (st = pipe_plan_stage_estimated_ms(plan, s, &ms)) != PIPE_OK)
       return st;
     printf("  stage %zu: %zu parameters, %zu buffers, %.2f MiB", s, params, buffers, (double)bytes / (1024.0 * 1024.0));
+    if (stored) {
+      char how[96];
+      describe_storage(storage, how, sizeof how);
+      printf(", %.2f MiB as %s", (double)stored[s] / (1024.0 * 1024.0), how);
+    }
     if (ms >= 0) {
       printf(", %.3f ms", ms);
       total += ms;
@@ -89,6 +151,8 @@ int cmd_split(int argc, char **argv) {
   pipe_tensor_list *in = NULL;
   const DLManagedTensor **args = NULL;
   size_t num_args = 0;
+  uint64_t *stored = NULL; /* each stage's bytes as stored, when the options change them */
+  size_t num_stored = 0;
   pipe_status st = pipe_model_load(model_path, &model);
   if (st != PIPE_OK) {
     fail("cannot load model", st);
@@ -96,14 +160,34 @@ int cmd_split(int argc, char **argv) {
   }
   if (in_path && read_inputs(model, in_path, &in, &args, &num_args) != 0) goto done;
   if (make_plan(model, &split, args, num_args, &plan) != 0) goto done;
+  if (stores_otherwise(&split.weights)) {
+    size_t stages = 0;
+    if ((st = pipe_plan_num_stages(plan, &stages)) != PIPE_OK) {
+      fail("cannot count the plan's stages", st);
+      goto done;
+    }
+    stored = calloc(stages ? stages : 1, sizeof *stored);
+    if (!stored) {
+      fprintf(stderr, "pipe: error: out of memory\n");
+      goto done;
+    }
+    for (size_t s = 0; s < stages; ++s) {
+      if ((st = pipe_plan_stage_weight_bytes(plan, s, &split.weights, &stored[s])) != PIPE_OK) {
+        fail("cannot work out the stages' bytes as stored", st);
+        goto done;
+      }
+    }
+    num_stored = stages;
+  }
   if (json) {
     const char *text = NULL;
     if ((st = pipe_plan_describe(plan, &text)) != PIPE_OK) {
       fail("cannot describe the plan", st);
       goto done;
     }
-    printf("%s\n", text);
-  } else if ((st = print_plan(model_path, plan)) != PIPE_OK) {
+    if (stored) print_json_with_weight_bytes(text, stored, num_stored);
+    else printf("%s\n", text);
+  } else if ((st = print_plan(model_path, plan, &split.weights, stored)) != PIPE_OK) {
     fail("cannot describe the plan", st);
     goto done;
   }
@@ -139,6 +223,7 @@ int cmd_split(int argc, char **argv) {
   }
   rc = 0;
 done:
+  free(stored);
   free(args);
   pipe_tensor_list_destroy(in);
   pipe_plan_destroy(plan);

@@ -532,6 +532,13 @@ class Plan(_Closeable):
             n = lib.pipe_plan_stage_count_names(h, stage, _NAMES_PARAMETERS)
             return [lib.pipe_plan_stage_name(h, stage, _NAMES_PARAMETERS, i) for i in range(n)]
 
+    def stage_weight_bytes(self, stage, *, dtype=None, quantize=None, quantize_head=None):
+        """Bytes stage `stage`'s parameters and buffers would take as a CPU stage built with these options (as
+        Plan.session takes them; libpipe >= 0.16): linear layers' weights as panels or codes, worked out from the
+        shapes with nothing loaded. UnsupportedError for quantized weights where the CPU has no kernels for them."""
+        with self._handle.use() as h:
+            return _lib().pipe_plan_stage_weight_bytes(h, stage, _stage_options(dtype, None, quantize, quantize_head))
+
     def save_stage(self, stage, path, *, dtype=None, weights=None):
         """Save stage `stage` as a standalone model of the plan's format, holding only its own weights:
         a TorchScript file (torch.jit.load reloads it) or, for an exported program, a .pt2 with one

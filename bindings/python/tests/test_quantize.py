@@ -116,3 +116,27 @@ def test_a_head_choice_is_checked(demo_plan):
     # libpipe's own refusal: a head choice without quantized weights.
     with pytest.raises(libpipe.InvalidArgumentError, match="set quantize to PIPE_QUANTIZE_INT8 or PIPE_QUANTIZE_INT4"):
         demo_plan.session(quantize_head="int8")
+
+
+def test_stage_weight_bytes_follow_the_layers_shapes(tmp_path):
+    # Mlp's layers (64 -> 128 -> 64) as the CPU stages store them: panels of 64 outputs; int8 a byte per weight and
+    # a float32 scale per output; int4 half a byte per weight and a float16 scale per group of 32 inputs and output.
+    # The head (`down`) is int8 under int4 by default.
+    torch.manual_seed(0)
+    x = torch.randn(6, 64)
+    with torch.no_grad():
+        torch.jit.trace(Mlp().eval(), (x,)).save(str(tmp_path / "mlp.pt"))
+
+    def linear(n, k, as_):
+        return {"none": n * k * 4, "int8": n * k + n * 4, "int4": n * k // 2 + n * (k // 32) * 2}[as_] + n * 4
+
+    with libpipe.Model.load(tmp_path / "mlp.pt") as m, m.split(split_at=["down:begin"]) as plan:
+        assert [plan.stage_weight_bytes(s) for s in range(2)] == [linear(128, 64, "none"), linear(64, 128, "none")]
+        assert [plan.stage_weight_bytes(s, quantize="int4") for s in range(2)] == [
+            linear(128, 64, "int4"),
+            linear(64, 128, "int8"),
+        ]
+        assert plan.stage_weight_bytes(1, quantize="int4", quantize_head="int4") == linear(64, 128, "int4")
+        assert plan.stage_weight_bytes(1, quantize="int8", quantize_head="none") == linear(64, 128, "none")
+        with pytest.raises(libpipe.InvalidArgumentError, match="needs quantized weights"):
+            plan.stage_weight_bytes(0, quantize_head="int8")

@@ -667,6 +667,33 @@ class ExportedStages final : public StageFormat {
         ExportedModel::from_archive(graph::exported::Pt2Archive::from_bytes(std::move(shipped.bytes), what));
     return receive_exported_stage(*received, build, tied, what);
   }
+  uint64_t stored_bytes(const graph::Plan& plan, size_t index, const StageOptions& options) const override {
+    const ExportedModel& model = graph::exported::exported_model(plan);
+    check_dtype(model, options);
+    std::vector<size_t> weight_ids;
+    const Json program = stage_program(model, plan, index, weight_ids);
+    // nativert holds every weight as the program has it (one tensor under several names once); the panels
+    // pack_linear_layers' layers make on their first run come on top.
+    uint64_t total = 0;
+    std::set<std::string> seen;
+    for (size_t id : weight_ids) {
+      const Weight& w = model.weights()[id];
+      if (seen.insert(w.identity.empty() ? w.placeholder : w.identity).second) total += w.meta.nbytes;
+    }
+    if (!panel_linear_available()) return total;
+    const WeightQuantization head = head_quantization(options);
+    std::set<std::string> packed;
+    for (const auto& [placeholder, as] : linear_storage(program, model, weight_ids, options.quantize, head)) {
+      for (size_t id : weight_ids) {
+        const Weight& w = model.weights()[id];
+        if (w.placeholder != placeholder || !packed.insert(w.identity.empty() ? w.placeholder : w.identity).second)
+          continue;
+        const int64_t n = w.meta.sizes[0].size, k = w.meta.sizes[1].size;
+        if (n > 0 && k > 0) total += stored_panel_bytes(n, k, w.meta.dtype, as, options.quantize_group);
+      }
+    }
+    return total;
+  }
 };
 
 }  // namespace

@@ -371,4 +371,37 @@ size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quanti
   return rewritten;
 }
 
+uint64_t stored_bytes(torch::jit::Module& stage, const StageOptions& options) {
+  // Each tensor as load_stage_weights leaves it: floating ones cast to the stage's dtype.
+  const auto dtype_of = [&](const at::Tensor& t) {
+    return options.dtype && at::isFloatingType(t.scalar_type()) ? *options.dtype : t.scalar_type();
+  };
+  std::map<const c10::TensorImpl*, Weight> weights;
+  auto forward = stage.find_method("forward");
+  if (forward && panel_linear_available())
+    // can_pack but for the device: the weights may still be on the meta device, to be loaded from a checkpoint.
+    weights = linear_weights(stage, *forward->graph(), [&](const at::Tensor& t) {
+                return can_pack(at::empty(t.sizes(), at::TensorOptions().dtype(dtype_of(t)).device(at::kMeta)),
+                                /*any_device=*/true);
+              }).weights;
+  const WeightQuantization head = head_quantization(options);
+  const int64_t group = options.quantize_group ? options.quantize_group : kDefaultInt4Group;
+  uint64_t total = 0;
+  std::set<const c10::TensorImpl*> seen;  // a tensor under several names (tied) is stored once
+  auto add = [&](const at::Tensor& t) {
+    if (!t.defined() || !seen.insert(t.unsafeGetTensorImpl()).second) return;
+    const uint64_t plain = static_cast<uint64_t>(t.numel()) * c10::elementSize(dtype_of(t));
+    auto it = weights.find(t.unsafeGetTensorImpl());
+    if (it == weights.end()) {
+      total += plain;
+      return;
+    }
+    total += stored_panel_bytes(t.size(0), t.size(1), dtype_of(t), storage(it->second, options.quantize, head), group);
+    if (it->second.other_reads) total += plain;  // the original stays beside its panels
+  };
+  for (const auto& p : stage.named_parameters()) add(p.value);
+  for (const auto& b : stage.named_buffers()) add(b.value);
+  return total;
+}
+
 }  // namespace libpipe::stage

@@ -23,4 +23,11 @@ namespace libpipe::stage {
 size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quantize = WeightQuantization::None,
                             int64_t group = 0, std::optional<WeightQuantization> head = std::nullopt);
 
+// The bytes `stage`'s parameters and buffers take once loaded with `options` (floating ones cast to its dtype) and
+// rewritten by panel_linear_weights(stage, options.quantize, options.quantize_group, options.quantize_head): the
+// same analysis picks the weights that become panels (stored_panel_bytes), codes, or stay beside them. `stage` is
+// build_stage_module's, before its weights are loaded (meta tensors will do). Where panels are unavailable, each
+// tensor at the dtype. Tied tensors count once.
+uint64_t stored_bytes(torch::jit::Module& stage, const StageOptions& options);
+
 }  // namespace libpipe::stage

@@ -108,6 +108,11 @@ class TorchScriptStages final : public StageFormat {
                                  const std::string& what) const override {
     return receive_torchscript_stage(shipped, index, build, what);
   }
+  uint64_t stored_bytes(const graph::Plan& plan, size_t index, const StageOptions& options) const override {
+    // The module as a build makes it, before its weights are loaded: the rewrite's analysis reads shapes only.
+    auto module = build_stage_module(plan, index, c10::Device(c10::kCPU), options.dtype);
+    return stage::stored_bytes(module, options);
+  }
 };
 
 }  // namespace

@@ -270,6 +270,19 @@ impl Plan {
         Ok(b)
     }
 
+    /// Bytes stage `stage`'s parameters and buffers would take as a CPU stage built with `options` (None: the
+    /// model's own weights), linear layers' weights as panels or codes as `quantize` and `quantize_head` say,
+    /// worked out from the shapes with nothing loaded (libpipe >= 0.16). [`Status::Unsupported`] for quantized
+    /// weights where the CPU has no kernels for them; [`Status::InvalidArgument`] for options a session refuses.
+    pub fn weight_bytes(&self, stage: usize, options: Option<&StageOptions>) -> Result<u64> {
+        let raw = options.map(StageOptions::to_raw).transpose()?;
+        let opts = raw.as_ref().map_or(ptr::null(), |r| &r.raw as *const _);
+        let mut b = 0u64;
+        // SAFETY: thread-safe; the options outlive the call.
+        check(unsafe { sys::pipe_plan_stage_weight_bytes(self.as_ptr(), stage, opts, &mut b) })?;
+        Ok(b)
+    }
+
     /// Measured time of stage `stage` on the example inputs in milliseconds; None when the plan
     /// was made without example inputs.
     pub fn estimated_ms(&self, stage: usize) -> Result<Option<f64>> {

@@ -193,8 +193,25 @@ fn the_head_quantization_needs_quantized_weights() {
             }
         }
         let alone = pipe::StageOptions { quantize_head: head, ..Default::default() };
-        let err = Session::new(&plan, &SessionOptions::new().stage_options(alone)).err().unwrap();
+        let err = Session::new(&plan, &SessionOptions::new().stage_options(alone.clone())).err().unwrap();
         assert_eq!(err.status, Status::InvalidArgument, "{err}");
         assert!(err.message.contains("quantize_head"), "{err}");
+        let err = plan.weight_bytes(1, Some(&alone)).err().unwrap();
+        assert_eq!(err.status, Status::InvalidArgument, "{err}");
+    }
+}
+
+// The bytes a stage stores (libpipe >= 0.16): float panels hold at least the model's bytes, 8-bit codes fewer (a CPU
+// without AVX-512 refuses them with Unsupported).
+#[test]
+fn weight_bytes_follow_the_storage() {
+    let model = Model::load(fixture("demo.pt")).unwrap();
+    let plan = Plan::new(&model, &PlanOptions::new().split_point("blocks.2:begin")).unwrap();
+    let plain = plan.weight_bytes(1, None).unwrap();
+    assert!(plain >= plan.param_bytes(1).unwrap());
+    let int8 = pipe::StageOptions { quantize: pipe::Quantization::Int8, ..Default::default() };
+    match plan.weight_bytes(1, Some(&int8)) {
+        Err(e) => assert_eq!(e.status, Status::Unsupported, "{e}"),
+        Ok(bytes) => assert!(bytes < plain, "{bytes} as int8, {plain} as float"),
     }
 }
