@@ -386,6 +386,36 @@ at::Tensor embedding_op(const at::Tensor& panels, const at::Tensor& indices, int
   return out;
 }
 
+at::Tensor embedding_int8_op(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& indices,
+                             at::ScalarType dtype) {
+  if (codes.scalar_type() != at::kChar || codes.dim() != 2 || !codes.is_contiguous() ||
+      scales.scalar_type() != at::kFloat || scales.dim() != 1 || scales.size(0) != codes.size(0) ||
+      !scales.is_contiguous())
+    throw Error(Status::InvalidArgument,
+                "pipe::embedding_int8: the table is not 2-d int8 codes with a float32 scale per row (quantize_int8)");
+  if (indices.scalar_type() != at::kLong && indices.scalar_type() != at::kInt)
+    throw Error(Status::InvalidArgument, std::string("pipe::embedding_int8: indices must be int64 or int32, not ") +
+                                             c10::toString(indices.scalar_type()));
+  const int64_t rows = codes.size(0), dim = codes.size(1);
+  const at::Tensor ids = indices.to(at::kLong).contiguous();
+  std::vector<int64_t> sizes = ids.sizes().vec();
+  sizes.push_back(dim);
+  // float32 first, as the reference dequantizes (code * scale), then the table's dtype in one rounding.
+  at::Tensor out = at::empty({ids.numel(), dim}, at::kFloat);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int8_t* c = codes.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    if (id[i] < 0 || id[i] >= rows)
+      throw Error(Status::InvalidArgument, "pipe::embedding_int8: index out of range in self: " +
+                                               std::to_string(id[i]) + " is not in 0 .. " + std::to_string(rows - 1));
+    const int8_t* row = c + id[i] * dim;
+    for (int64_t j = 0; j < dim; ++j) o[i * dim + j] = static_cast<float>(row[j]) * s[id[i]];
+  }
+  return out.to(dtype).view(sizes);
+}
+
 void register_panel_ops_once() {
   static const bool once = [] {
     if (c10::Dispatcher::singleton().findSchema({"pipe::panel_linear", ""}).has_value()) return true;
@@ -406,6 +436,10 @@ void register_panel_ops_once() {
                           "int embedding_dim) -> Tensor",
                           c10::AliasAnalysisKind::FROM_SCHEMA),
             &embedding_op);
+    lib.def(torch::schema("pipe::embedding_int8(Tensor codes, Tensor scales, Tensor indices, ScalarType dtype) -> "
+                          "Tensor",
+                          c10::AliasAnalysisKind::FROM_SCHEMA),
+            &embedding_int8_op);
     lib.def(torch::schema("pipe::panel_linear_group(Tensor input, Tensor[] panels, Tensor?[] biases, "
                           "int[] out_features, int in_features) -> Tensor[]",
                           c10::AliasAnalysisKind::FROM_SCHEMA),
@@ -610,6 +644,11 @@ at::Tensor panel_linear_int8(const at::Tensor& input, const at::Tensor& panels, 
 at::Tensor panel_embedding(const at::Tensor& panels, const at::Tensor& indices, int64_t num_embeddings,
                            int64_t embedding_dim) {
   return embedding_op(panels, indices, num_embeddings, embedding_dim);
+}
+
+at::Tensor embedding_int8(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& indices,
+                          at::ScalarType dtype) {
+  return embedding_int8_op(codes, scales, indices, dtype);
 }
 
 PanelWeights::Use::Use(PanelWeights& weights) : previous_(current_weights) { current_weights = &weights; }

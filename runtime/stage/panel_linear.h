@@ -86,7 +86,8 @@ bool can_pack(const at::Tensor& weight, bool any_device = false);
 // feature; int4, the panels with their float16 scales inside, in groups of `group` inputs (0: 32).
 size_t stored_panel_bytes(int64_t n, int64_t k, at::ScalarType dtype, WeightQuantization as, int64_t group);
 
-// Registers pipe::panel_linear, pipe::panel_linear_int8, pipe::panel_linear_int4, pipe::panel_embedding and the
+// Registers pipe::panel_linear, pipe::panel_linear_int8, pipe::panel_linear_int4, pipe::panel_embedding,
+// pipe::embedding_int8 and the
 // grouped products of one input, pipe::panel_linear_group, pipe::panel_linear_int8_group and
 // pipe::panel_linear_int4_group (once per process).
 void register_panel_ops();
@@ -124,6 +125,11 @@ at::Tensor panel_linear(const at::Tensor& input, const at::Tensor& panels, const
                         int64_t out_features, int64_t in_features);
 at::Tensor panel_embedding(const at::Tensor& panels, const at::Tensor& indices, int64_t num_embeddings,
                            int64_t embedding_dim);
+// pipe::embedding_int8: aten::embedding(weight, indices) for a table stored as quantize_int8(weight) (a float32
+// scale per row), each selected row dequantized to float32 (code * scale) and then cast to `dtype`, the table's.
+// Indices out of range are refused as aten's ("index out of range in self").
+at::Tensor embedding_int8(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& indices,
+                          at::ScalarType dtype);
 
 // For stages whose weights another runtime holds (exported programs, run by nativert), where nothing
 // can be added to the stage after load: such a program calls pipe::linear_packed_on_demand(input,

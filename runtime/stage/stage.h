@@ -43,6 +43,9 @@ struct StageOptions {
   // The output head's storage (the linear layer whose result the forward returns); nullopt: head_quantization's
   // default. Meaningful only when `quantize` is not None.
   std::optional<WeightQuantization> quantize_head;
+  // Embedding tables that only aten::embedding reads, of CPU stages with the CPU rewrites: None (their dtype) or
+  // Int8 (codes with a float32 scale per row, pipe::embedding_int8). Independent of `quantize`.
+  WeightQuantization quantize_embedding = WeightQuantization::None;
   // Called as each tensor is loaded: (stage, bytes loaded so far, bytes the stage needs).
   std::function<void(size_t, uint64_t, uint64_t)> progress;
 };

@@ -237,6 +237,48 @@ LinearWeights linear_weights(torch::jit::Module& stage, torch::jit::Graph& graph
   return out;
 }
 
+// An embedding table quantize_embeddings stores as int8: a 2-d floating tensor that nothing writes and that only
+// aten::embedding reads, as its weight. A table tied to a linear layer of the stage (a head sharing the embedding's
+// weight), or read any other way, is not one: its other reader needs the original (or, for a tied head,
+// panel_linear_weights' panels).
+struct EmbeddingTable {
+  at::Tensor tensor;
+  std::set<std::vector<std::string>> paths;  // every name the forward reads it by
+  std::vector<torch::jit::Node*> lookups;
+  bool other_reads = false;
+};
+
+std::map<const c10::TensorImpl*, EmbeddingTable> embedding_tables(torch::jit::Module& stage, torch::jit::Graph& graph) {
+  const torch::jit::Value* self = graph.inputs()[0];
+  std::set<std::vector<std::string>> written;
+  for (const auto& w : graph::in_place_writes(graph)) written.insert(w.path);
+  std::vector<torch::jit::Node*> linears, getattrs;
+  collect(graph.block(), linears, getattrs);
+  std::map<const c10::TensorImpl*, EmbeddingTable> tables;
+  for (torch::jit::Node* get : getattrs) {
+    if (!get->output()->type()->isSubtypeOf(*c10::TensorType::get())) continue;
+    const std::vector<std::string> path = graph::attribute_path(get->output(), self);
+    if (path.empty()) continue;
+    const c10::IValue value = attribute(stage, path, nullptr);
+    if (!value.isTensor()) continue;
+    EmbeddingTable& t = tables[value.toTensor().unsafeGetTensorImpl()];
+    t.tensor = value.toTensor();
+    t.paths.insert(path);
+    if (written.count(path)) t.other_reads = true;
+    for (const torch::jit::Use& use : get->output()->uses()) {
+      if (use.user->kind() == torch::jit::aten::embedding && use.offset == 0) t.lookups.push_back(use.user);
+      else t.other_reads = true;
+    }
+  }
+  for (auto it = tables.begin(); it != tables.end();) {
+    const at::Tensor& t = it->second.tensor;
+    const bool table = !it->second.other_reads && !it->second.lookups.empty() && t.dim() == 2 && t.numel() > 0 &&
+                       at::isFloatingType(t.scalar_type());
+    it = table ? std::next(it) : tables.erase(it);
+  }
+  return tables;
+}
+
 // How `w` is stored: the weights only linear layers read become codes (a tied embedding, or a weight read
 // otherwise, keeps its dtype); the output head as `head` says.
 WeightQuantization storage(const Weight& w, WeightQuantization quantize, WeightQuantization head) {
@@ -371,6 +413,48 @@ size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quanti
   return rewritten;
 }
 
+size_t quantize_embeddings(torch::jit::Module& stage) {
+  auto forward = stage.find_method("forward");
+  if (!forward) return 0;
+  std::shared_ptr<torch::jit::Graph> graph = forward->graph();
+  const torch::jit::Value* self = graph->inputs()[0];
+  std::map<const c10::TensorImpl*, EmbeddingTable> tables = embedding_tables(stage, *graph);
+  if (tables.empty()) return 0;
+  register_panel_ops();
+  for (auto& [impl, t] : tables) {
+    const at::ScalarType dtype = t.tensor.scalar_type();
+    Int8Weight q = quantize_int8(t.tensor);
+    for (torch::jit::Node* node : t.lookups) {
+      torch::jit::WithInsertPoint here(node);
+      // The codes and scales as buffers beside the table, in the module that holds it.
+      torch::jit::Value* weight = node->input(0);
+      const std::vector<std::string> path = graph::attribute_path(weight, self);
+      torch::jit::Module owner;
+      attribute(stage, path, &owner);
+      auto buffer = [&](const std::string& suffix, const at::Tensor& tensor) {
+        const std::string name = path.back() + suffix;
+        if (!owner.hasattr(name)) owner.register_buffer(name, tensor);
+        return graph->insertGetAttr(weight->node()->input(0), name);
+      };
+      torch::jit::Value* out =
+          graph->insert(c10::Symbol::fromQualString("pipe::embedding_int8"),
+                        {buffer("_codes", q.codes), buffer("_scales", q.scales), node->input(1), c10::IValue(dtype)});
+      node->output()->replaceAllUsesWith(out);
+      node->destroy();
+    }
+    // Nothing reads the original any more: the stage keeps only the codes (checkpoint.cpp drops a checkpoint view's
+    // pages with it).
+    for (const auto& path : t.paths) {
+      torch::jit::Module owner;
+      attribute(stage, path, &owner);
+      owner._ivalue()->setAttr(path.back(), at::empty({0}, t.tensor.options()));
+    }
+    t.tensor = at::Tensor();
+  }
+  malloc_trim(0);
+  return tables.size();
+}
+
 uint64_t stored_bytes(torch::jit::Module& stage, const StageOptions& options) {
   // Each tensor as load_stage_weights leaves it: floating ones cast to the stage's dtype.
   const auto dtype_of = [&](const at::Tensor& t) {
@@ -384,6 +468,9 @@ uint64_t stored_bytes(torch::jit::Module& stage, const StageOptions& options) {
                 return can_pack(at::empty(t.sizes(), at::TensorOptions().dtype(dtype_of(t)).device(at::kMeta)),
                                 /*any_device=*/true);
               }).weights;
+  std::map<const c10::TensorImpl*, EmbeddingTable> tables;
+  if (forward && options.quantize_embedding == WeightQuantization::Int8)
+    tables = embedding_tables(stage, *forward->graph());
   const WeightQuantization head = head_quantization(options);
   const int64_t group = options.quantize_group ? options.quantize_group : kDefaultInt4Group;
   uint64_t total = 0;
@@ -391,6 +478,10 @@ uint64_t stored_bytes(torch::jit::Module& stage, const StageOptions& options) {
   auto add = [&](const at::Tensor& t) {
     if (!t.defined() || !seen.insert(t.unsafeGetTensorImpl()).second) return;
     const uint64_t plain = static_cast<uint64_t>(t.numel()) * c10::elementSize(dtype_of(t));
+    if (tables.count(t.unsafeGetTensorImpl())) {  // int8 codes and a float32 scale per row
+      total += static_cast<uint64_t>(t.numel()) + static_cast<uint64_t>(t.size(0)) * sizeof(float);
+      return;
+    }
     auto it = weights.find(t.unsafeGetTensorImpl());
     if (it == weights.end()) {
       total += plain;

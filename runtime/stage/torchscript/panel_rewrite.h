@@ -23,11 +23,17 @@ namespace libpipe::stage {
 size_t panel_linear_weights(torch::jit::Module& stage, WeightQuantization quantize = WeightQuantization::None,
                             int64_t group = 0, std::optional<WeightQuantization> head = std::nullopt);
 
+// StageOptions::quantize_embedding Int8: each embedding table that only aten::embedding reads (not tied to a linear
+// layer of the stage, nothing writing it) becomes int8 codes with a float32 scale per row (quantize_int8), looked up
+// by pipe::embedding_int8 in the table's dtype; the original is dropped. Returns the number of tables quantized.
+size_t quantize_embeddings(torch::jit::Module& stage);
+
 // The bytes `stage`'s parameters and buffers take once loaded with `options` (floating ones cast to its dtype) and
 // rewritten by panel_linear_weights(stage, options.quantize, options.quantize_group, options.quantize_head): the
 // same analysis picks the weights that become panels (stored_panel_bytes), codes, or stay beside them. `stage` is
 // build_stage_module's, before its weights are loaded (meta tensors will do). Where panels are unavailable, each
-// tensor at the dtype. Tied tensors count once.
+// tensor at the dtype. Embedding tables quantize_embeddings would quantize (options.quantize_embedding) count as
+// their int8 codes and a float32 scale per row, panels or not. Tied tensors count once.
 uint64_t stored_bytes(torch::jit::Module& stage, const StageOptions& options);
 
 }  // namespace libpipe::stage
