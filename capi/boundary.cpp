@@ -126,6 +126,18 @@ libpipe::stage::StageOptions stage_options(const pipe_stage_options* o, const ch
                       " needs quantized weights: set quantize to PIPE_QUANTIZE_INT8 or PIPE_QUANTIZE_INT4 too, or "
                       "leave quantize_head PIPE_QUANTIZE_HEAD_DEFAULT");
   }
+  if (PIPE_HAS(quantize_embedding)) {
+    switch (o->quantize_embedding) {
+      case PIPE_QUANTIZE_EMBEDDING_NONE: break;
+      case PIPE_QUANTIZE_EMBEDDING_INT8: opts.quantize_embedding = libpipe::stage::WeightQuantization::Int8; break;
+      default:
+        throw Error(Status::InvalidArgument,
+                    std::string(function) + ": stage options quantize_embedding " +
+                        std::to_string(o->quantize_embedding) +
+                        " is not PIPE_QUANTIZE_EMBEDDING_NONE or PIPE_QUANTIZE_EMBEDDING_INT8: "
+                        "set one of those (NONE keeps the embedding's dtype)");
+    }
+  }
   if (PIPE_HAS(quantize_group) && o->quantize_group != 0) {
     if (opts.quantize != libpipe::stage::WeightQuantization::Int4 &&
         opts.quantize_head != libpipe::stage::WeightQuantization::Int4)

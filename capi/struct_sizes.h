@@ -35,6 +35,8 @@ inline constexpr uint32_t kStageOptionsSizes[] = {
     layout_size(PIPE_FIELD_END(pipe_stage_options, quantize_group), alignof(pipe_stage_options)),
     // 0.16.0 (56): + quantize_head.
     layout_size(PIPE_FIELD_END(pipe_stage_options, quantize_head), alignof(pipe_stage_options)),
+    // 0.17.0 (64): + quantize_embedding.
+    layout_size(PIPE_FIELD_END(pipe_stage_options, quantize_embedding), alignof(pipe_stage_options)),
 };
 
 inline constexpr uint32_t kSessionOptionsSizes[] = {
@@ -140,7 +142,7 @@ static_assert(last(kLaunchInfoSizes) == sizeof(pipe_launch_info), "list pipe_lau
 #if UINTPTR_MAX == UINT64_MAX && defined(__LP64__)
 // The sizes each version's header gave on LP64, as recorded above.
 static_assert(kStageOptionsSizes[0] == 32 && kStageOptionsSizes[1] == 40 && kStageOptionsSizes[2] == 48 &&
-              kStageOptionsSizes[3] == 56);
+              kStageOptionsSizes[3] == 56 && kStageOptionsSizes[4] == 64);
 static_assert(kSessionOptionsSizes[0] == 12 && kSessionOptionsSizes[1] == 48 && kSessionOptionsSizes[2] == 56 &&
               kSessionOptionsSizes[3] == 64 && kSessionOptionsSizes[4] == 88 && kSessionOptionsSizes[5] == 104 &&
               kSessionOptionsSizes[6] == 112);

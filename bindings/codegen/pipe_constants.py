@@ -46,6 +46,7 @@ ENUM_GROUPS = (
     "FINISH",
     "MODEL",
     "QUANTIZE_HEAD",
+    "QUANTIZE_EMBEDDING",
     "QUANTIZE",
 )
 

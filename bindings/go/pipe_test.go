@@ -347,6 +347,21 @@ func TestStageOptions(t *testing.T) {
 	_, err = d.plan.NewSession(&pipe.SessionOptions{Stage: &pipe.StageOptions{Quantize: pipe.QuantizeInt8, QuantizeHead: 9}})
 	asError(t, err, pipe.StatusInvalidArgument)
 
+	// The embedding's storage (libpipe >= 0.17) reaches libpipe without quantized weights: the demo has no
+	// embedding table, so its results are the float model's; an unknown value is refused here.
+	{
+		s := must(d.plan.NewSession(&pipe.SessionOptions{Stage: &pipe.StageOptions{QuantizeEmbedding: pipe.QuantizeEmbeddingInt8}}))(t)
+		out := must(s.Run(context.Background(), d.x))(t).Get("output")
+		if diff := maxAbsDiff(t, out, d.expected); diff > 1e-4 {
+			t.Fatalf("int8 embedding: max |diff| = %g", diff)
+		}
+		s.Close()
+		_, err = d.plan.NewSession(&pipe.SessionOptions{Stage: &pipe.StageOptions{QuantizeEmbedding: 2}})
+		if pe := asError(t, err, pipe.StatusInvalidArgument); !strings.Contains(pe.Message, "QuantizeEmbeddingInt8") {
+			t.Fatalf("embedding quantization 2: %q", pe.Message)
+		}
+	}
+
 	// The bytes a stage stores (libpipe >= 0.16): float panels hold at least the model's bytes, 8-bit codes fewer
 	// (where the CPU stores them at all); options a session refuses are refused here too.
 	last := d.plan.NumStages() - 1

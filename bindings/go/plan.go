@@ -40,7 +40,21 @@ type StageOptions struct {
 	// lm_head) is stored when Quantize is set (libpipe >= 0.16): the zero value as the other weights under
 	// QuantizeInt8 and 8-bit under QuantizeInt4. Without Quantize anything else is ErrInvalidArgument.
 	QuantizeHead HeadQuantization
+	// QuantizeEmbedding stores CPU stages' embedding tables as 8-bit codes with a float32 scale per row
+	// (QuantizeEmbeddingInt8, libpipe >= 0.17), with or without Quantize: it saves memory, not time. A table
+	// tied to a linear layer of its stage keeps its dtype; exported (.pt2) models refuse it (ErrUnsupported).
+	QuantizeEmbedding EmbeddingQuantization
 }
+
+// EmbeddingQuantization is how CPU stages store embedding tables (pipe.h's PIPE_QUANTIZE_EMBEDDING_*).
+type EmbeddingQuantization int32
+
+const (
+	// QuantizeEmbeddingNone keeps the table in its dtype.
+	QuantizeEmbeddingNone EmbeddingQuantization = EmbeddingQuantization(capi.PIPE_QUANTIZE_EMBEDDING_NONE)
+	// QuantizeEmbeddingInt8 stores it as 8-bit codes with a float32 scale per row (token).
+	QuantizeEmbeddingInt8 EmbeddingQuantization = EmbeddingQuantization(capi.PIPE_QUANTIZE_EMBEDDING_INT8)
+)
 
 // HeadQuantization is how CPU stages store the output head (pipe.h's PIPE_QUANTIZE_HEAD_*).
 type HeadQuantization int32
@@ -262,7 +276,7 @@ func (p *Plan) SaveStage(i int, path string, opts *StageOptions) error {
 
 // StageWeightBytes is the bytes stage i's parameters and buffers would take as a CPU stage built with opts
 // (nil: the model's own weights), linear layers' weights as panels or codes as opts.Quantize and opts.QuantizeHead
-// say (libpipe >= 0.16; pipe_plan_stage_weight_bytes): worked out from the shapes, nothing loaded. ErrUnsupported
+// say (libpipe >= 0.16; pipe_plan_stage_weight_bytes), an int8 embedding as its codes and scales (0.17): worked out from the shapes, nothing loaded. ErrUnsupported
 // for quantized weights where the CPU has no kernels for them; ErrInvalidArgument for options a session refuses.
 func (p *Plan) StageWeightBytes(i int, opts *StageOptions) (uint64, error) {
 	ptr, err := p.acquire("Plan.StageWeightBytes")
@@ -312,6 +326,9 @@ func newStageOptions(op string, opts *StageOptions) (capi.Pipe_stage_options, er
 	default:
 		return nil, errorf(op, StatusInvalidArgument, "stage head quantization must be QuantizeHeadDefault, QuantizeHeadInt8, QuantizeHeadInt4 or QuantizeHeadNone, not %d", opts.QuantizeHead)
 	}
+	if opts.QuantizeEmbedding != QuantizeEmbeddingNone && opts.QuantizeEmbedding != QuantizeEmbeddingInt8 {
+		return nil, errorf(op, StatusInvalidArgument, "stage embedding quantization must be QuantizeEmbeddingNone or QuantizeEmbeddingInt8, not %d", opts.QuantizeEmbedding)
+	}
 	so := capi.NewPipe_stage_options()
 	if so.Swigcptr() == 0 {
 		return nil, errorf(op, StatusOutOfMemory, "cannot allocate stage options")
@@ -320,6 +337,7 @@ func newStageOptions(op string, opts *StageOptions) (capi.Pipe_stage_options, er
 	so.SetQuantize(int(opts.Quantize))
 	so.SetQuantize_group(int64(opts.QuantizeGroup))
 	so.SetQuantize_head(int(opts.QuantizeHead))
+	so.SetQuantize_embedding(int64(opts.QuantizeEmbedding))
 	so.Set_weights_path(opts.Weights)
 	return so, nil
 }

@@ -58,6 +58,7 @@ comm::Message encode_assignment(const WorkerAssignment& a) {
                               : *a.quantize_head == stage::WeightQuantization::Int8 ? "int8"
                               : *a.quantize_head == stage::WeightQuantization::Int4 ? "int4"
                                                                                     : "none"},
+            {"quantize_embedding", a.quantize_embedding == stage::WeightQuantization::Int8 ? "int8" : "none"},
             {"heartbeat_interval_ms", a.heartbeat_interval.count()}};
   comm::Message m;
   m.kind = comm::Kind::Setup;
@@ -110,6 +111,11 @@ WorkerAssignment decode_assignment(const comm::Message& m) {
     else if (head == "none") a.quantize_head = stage::WeightQuantization::None;
     else if (head != "default")
       throw Error(Status::Communication, "the driver's stage assignment asks for an output head stored as '" + head +
+                                             "', which this worker does not know");
+    const std::string embedding = j.value("quantize_embedding", std::string("none"));
+    if (embedding == "int8") a.quantize_embedding = stage::WeightQuantization::Int8;
+    else if (embedding != "none")
+      throw Error(Status::Communication, "the driver's stage assignment asks for an embedding stored as '" + embedding +
                                              "', which this worker does not know");
     if (a.quantize_group != 0 && a.quantize_group != 32 && a.quantize_group != 64 && a.quantize_group != 128)
       throw Error(Status::Communication, "the driver's stage assignment asks for int4 groups of " +

@@ -36,6 +36,7 @@ struct WorkerAssignment {
   stage::WeightQuantization quantize = stage::WeightQuantization::None;
   int64_t quantize_group = 0;                              // int4: inputs per scale (0: the default)
   std::optional<stage::WeightQuantization> quantize_head;  // nullopt: the default (stage::head_quantization)
+  stage::WeightQuantization quantize_embedding = stage::WeightQuantization::None;  // None or Int8
   // How often the worker sends its heartbeat: set from the driver's comm timeout, which judges it.
   std::chrono::milliseconds heartbeat_interval{1000};
 };

@@ -103,6 +103,7 @@ WorkerGroup::WorkerGroup(const graph::Plan& plan, const std::vector<std::pair<si
     a.quantize = stage_options.quantize;
     a.quantize_group = stage_options.quantize_group;
     a.quantize_head = stage_options.quantize_head;
+    a.quantize_embedding = stage_options.quantize_embedding;
     for (size_t s = ranges[r].first; s < ranges[r].second; ++s) {
       a.stages.push_back(stage_io(plan, s));
       a.devices.push_back(devices_.at(s));

@@ -60,6 +60,7 @@ std::vector<std::unique_ptr<stage::Stage>> load_stages(WorkerAssignment& a, int 
   options.quantize = a.quantize;
   options.quantize_group = a.quantize_group;
   options.quantize_head = a.quantize_head;
+  options.quantize_embedding = a.quantize_embedding;
   for (size_t i = 0; i < a.stages.size(); ++i) {
     stage::BuildOptions build;
     build.options = &options;

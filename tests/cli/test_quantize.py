@@ -12,7 +12,12 @@ the block's largest magnitude at 127): what is left is float32 summation order.
 
 The output head (`--quantize-head int8|int4|none`): the linear layer whose result the model returns is stored as
 the option says, int8 under `--quantize int4` by default, in TorchScript models and exported programs alike, each
-against its own dequantized reference; the option without `--quantize`, or with an unknown value, is refused."""
+against its own dequantized reference; the option without `--quantize`, or with an unknown value, is refused.
+
+8-bit embeddings (`--quantize-embedding int8`), with or without `--quantize`: the table as int8 codes with a float32
+scale per row, against eager PyTorch with the embedding dequantized the same way; a table tied to the head keeps its
+dtype in one stage and is quantized in the embedding's stage of a split; exported programs and unknown values are
+refused."""
 
 import json
 
@@ -322,3 +327,84 @@ def test_split_reports_each_stages_bytes_as_stored(tmp_path, suffix):
     assert f"MiB, {stored / 2**20:.2f} MiB as int4\n" in text.stdout, text.stdout
     plain = pipe("split", tmp_path / f"model.{suffix}", "--split-at", "head:begin", "--json")
     assert "weight_bytes" not in plain.stdout
+
+
+VOCAB = 80
+
+
+class Embedder(torch.nn.Module):
+    """A token embedding and an output head, tied or not."""
+
+    def __init__(self, tied):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.embed(ids)))
+
+
+def embedding_model(tmp_path, tied):
+    torch.manual_seed(0)
+    model = Embedder(tied).eval()
+    ids = torch.randint(0, VOCAB, (3, 7))
+    save_file({"ids": ids}, str(tmp_path / "in.safetensors"))
+    with torch.no_grad():
+        torch.jit.trace(model, (ids,)).save(str(tmp_path / "model.pt"))
+        # The issue's rule in float64: per row (token), scale = max |w| / 127, codes = round(w / scale).
+        w = model.embed.weight.double()
+        scale = w.abs().amax(1, keepdim=True) / 127
+        table = (torch.round(w / scale) * scale).float()
+        want = F.linear(torch.relu(F.embedding(ids, table)), model.head.weight)
+        plain = model(ids)
+    return want, plain
+
+
+@pytest.mark.parametrize(
+    "tied,flags",
+    [(False, []), (False, ["--quantize", "int8"]), (True, ["--split-at", "head:begin"])]
+    + ([] if SANITIZED else [(True, ["--split-at", "head:begin", "--processes", "2"])]),
+)
+def test_an_int8_embedding_computes_the_dequantized_model(tmp_path, tied, flags):
+    want, plain = embedding_model(tmp_path, tied)
+    out = tmp_path / "out.safetensors"
+    result = pipe(
+        "run", tmp_path / "model.pt", "--input", tmp_path / "in.safetensors", "--output", out,
+        "--quantize-embedding", "int8", *flags,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    got = load_file(out)["output"]
+    if "--quantize" in flags:
+        # The head is int8 too: its own rounding comes on top, the embedding's reference still far the nearest.
+        assert (got - want).abs().max() < 0.2 * (plain - want).abs().max(), flags
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert (plain - want).abs().max() > 1e-3  # not the float table's results
+
+
+def test_a_table_tied_to_the_head_in_its_stage_keeps_its_dtype(tmp_path):
+    want, plain = embedding_model(tmp_path, tied=True)
+    out = tmp_path / "out.safetensors"
+    result = pipe(
+        "run", tmp_path / "model.pt", "--input", tmp_path / "in.safetensors", "--output", out,
+        "--quantize-embedding", "int8",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    torch.testing.assert_close(load_file(out)["output"], plain, rtol=1e-5, atol=1e-5)
+
+
+def test_what_cannot_have_an_int8_embedding_is_refused(tmp_path):
+    embedding_model(tmp_path, tied=False)
+    args = ["--input", tmp_path / "in.safetensors", "--output", tmp_path / "out.safetensors"]
+    result = pipe("run", tmp_path / "model.pt", *args, "--quantize-embedding", "int4")
+    assert result.returncode != 0
+    assert "--quantize-embedding takes int8 or none, not 'int4'" in result.stderr
+    torch.manual_seed(0)
+    ids = load_file(tmp_path / "in.safetensors")["ids"]
+    with torch.no_grad():
+        torch.export.save(torch.export.export(Embedder(False).eval(), (ids,)), str(tmp_path / "model.pt2"))
+    assert_one_line_error(
+        pipe("run", tmp_path / "model.pt2", *args, "--quantize-embedding", "int8"), "not exported (.pt2) ones"
+    )

@@ -40,17 +40,19 @@ _Static_assert(PIPE_CHUNK_DEFAULT == 0 && PIPE_CHUNK_SPLIT == 1 && PIPE_CHUNK_RE
 _Static_assert(sizeof(pipe_chunk_spec) == 8 && offsetof(pipe_chunk_spec, kind) == 0 &&
                    offsetof(pipe_chunk_spec, dim) == 4,
                "pipe_chunk_spec");
-_Static_assert(sizeof(pipe_stage_options) == 56 && offsetof(pipe_stage_options, struct_size) == 0 &&
+_Static_assert(sizeof(pipe_stage_options) == 64 && offsetof(pipe_stage_options, struct_size) == 0 &&
                    offsetof(pipe_stage_options, dtype) == 4 && offsetof(pipe_stage_options, weights) == 8 &&
                    offsetof(pipe_stage_options, progress) == 16 &&
                    offsetof(pipe_stage_options, progress_user_data) == 24 &&
                    offsetof(pipe_stage_options, quantize) == 32 && offsetof(pipe_stage_options, quantize_group) == 40 &&
-                   offsetof(pipe_stage_options, quantize_head) == 48,
+                   offsetof(pipe_stage_options, quantize_head) == 48 &&
+                   offsetof(pipe_stage_options, quantize_embedding) == 56,
                "pipe_stage_options");
 _Static_assert(PIPE_QUANTIZE_NONE == 0 && PIPE_QUANTIZE_INT8 == 1 && PIPE_QUANTIZE_INT4 == 2, "quantization kinds");
 _Static_assert(PIPE_QUANTIZE_HEAD_DEFAULT == 0 && PIPE_QUANTIZE_HEAD_INT8 == PIPE_QUANTIZE_INT8 &&
                    PIPE_QUANTIZE_HEAD_INT4 == PIPE_QUANTIZE_INT4 && PIPE_QUANTIZE_HEAD_NONE == 3,
                "head quantization kinds");
+_Static_assert(PIPE_QUANTIZE_EMBEDDING_NONE == 0 && PIPE_QUANTIZE_EMBEDDING_INT8 == 1, "embedding quantization kinds");
 _Static_assert(PIPE_DTYPE_KEEP == 0 && PIPE_DTYPE_FLOAT32 == 1 && PIPE_DTYPE_FLOAT16 == 2 && PIPE_DTYPE_BFLOAT16 == 3,
                "dtypes");
 _Static_assert(

@@ -37,7 +37,7 @@ typedef struct {
 } versioned;
 
 static const versioned stage_options_v = {
-    "pipe_stage_options", "PIPE_STAGE_OPTIONS_INIT", "pipe_stage_options_init", {32, 40, 48, 56}, 36};
+    "pipe_stage_options", "PIPE_STAGE_OPTIONS_INIT", "pipe_stage_options_init", {32, 40, 48, 56, 64}, 36};
 static const versioned session_options_v = {"pipe_session_options",
                                             "PIPE_SESSION_OPTIONS_INIT",
                                             "pipe_session_options_init",
@@ -123,7 +123,8 @@ static void init_gives_the_macros_defaults(void **state) {
     FIELD_EQ(got, want, quantize);
     FIELD_EQ(got, want, quantize_group);
     FIELD_EQ(got, want, quantize_head);
-    ASSERT_LAST_FIELD(pipe_stage_options, quantize_head);
+    FIELD_EQ(got, want, quantize_embedding);
+    ASSERT_LAST_FIELD(pipe_stage_options, quantize_embedding);
   }
   {
     pipe_session_options got, want = PIPE_SESSION_OPTIONS_INIT;
@@ -371,6 +372,96 @@ static void quantize_head_needs_quantized_weights(void **state) {
   close_fixture(&f);
 }
 
+/* pipe_stage_options.quantize_embedding (0.17): a value outside PIPE_QUANTIZE_EMBEDDING_* is PIPE_ERR_INVALID_ARGUMENT
+ * naming the field and the values to set, from pipe_session_create and pipe_plan_stage_weight_bytes alike, with
+ * no session made; PIPE_QUANTIZE_EMBEDDING_INT8 is accepted alone (a memory choice, no quantize needed) and with
+ * quantized weights; an exported (.pt2) model refuses it with PIPE_ERR_UNSUPPORTED saying what to do; a 0.16
+ * caller's struct, which ends before the field, is not read past its end. */
+static void quantize_embedding_values(void **state) {
+  (void)state;
+  fixture f;
+  open_fixture(&f);
+  const struct {
+    int32_t quantize;
+    int64_t embedding;
+    const char *message; /* NULL: accepted */
+  } cases[] = {
+      {PIPE_QUANTIZE_NONE, 2,
+       "quantize_embedding 2 is not PIPE_QUANTIZE_EMBEDDING_NONE or PIPE_QUANTIZE_EMBEDDING_INT8"},
+      {PIPE_QUANTIZE_INT8, -1, "quantize_embedding -1 is not"},
+      {PIPE_QUANTIZE_NONE, (int64_t)1 << 32, "quantize_embedding 4294967296 is not"},
+      {PIPE_QUANTIZE_NONE, PIPE_QUANTIZE_EMBEDDING_NONE, NULL},
+      {PIPE_QUANTIZE_NONE, PIPE_QUANTIZE_EMBEDDING_INT8, NULL},
+      {PIPE_QUANTIZE_INT8, PIPE_QUANTIZE_EMBEDDING_INT8, NULL},
+      {PIPE_QUANTIZE_INT4, PIPE_QUANTIZE_EMBEDDING_INT8, NULL},
+  };
+  for (size_t i = 0; i < COUNT(cases); ++i) {
+    pipe_stage_options so = PIPE_STAGE_OPTIONS_INIT;
+    pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
+    pipe_session *s = NULL;
+    uint64_t bytes = 7;
+    so.quantize = cases[i].quantize;
+    so.quantize_embedding = cases[i].embedding;
+    o.stage_options = &so;
+    const pipe_status st = pipe_session_create(f.plan, &o, &s);
+    if (cases[i].message) {
+      if (st != PIPE_ERR_INVALID_ARGUMENT || !strstr(pipe_last_error(), cases[i].message))
+        fail_msg("case %zu: %s: %s (expected PIPE_ERR_INVALID_ARGUMENT saying '%s')", i, pipe_status_string(st),
+                 pipe_last_error(), cases[i].message);
+      assert_null(s);
+      if (pipe_plan_stage_weight_bytes(f.plan, 0, &so, &bytes) != PIPE_ERR_INVALID_ARGUMENT ||
+          !strstr(pipe_last_error(), cases[i].message))
+        fail_msg("case %zu: pipe_plan_stage_weight_bytes: %s", i, pipe_last_error());
+      assert_int_equal(bytes, 7);
+    } else if (st == PIPE_ERR_UNSUPPORTED && cases[i].quantize != PIPE_QUANTIZE_NONE) {
+      if (!strstr(pipe_last_error(), "AVX-512")) fail_msg("case %zu: %s", i, pipe_last_error());
+    } else {
+      if (st != PIPE_OK) fail_msg("case %zu: %s: %s", i, pipe_status_string(st), pipe_last_error());
+      pipe_session_destroy(s);
+    }
+  }
+  /* A 0.16 caller's struct ends before quantize_embedding: whatever lies beyond is not read. */
+  {
+    union {
+      pipe_stage_options so;
+      unsigned char bytes[sizeof(pipe_stage_options)];
+    } buf;
+    memset(&buf, GUARD, sizeof buf);
+    ASSERT_OK(pipe_stage_options_init(&buf.so, offsetof(pipe_stage_options, quantize_embedding)));
+    pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
+    pipe_session *s = NULL;
+    o.stage_options = &buf.so;
+    ASSERT_OK(pipe_session_create(f.plan, &o, &s));
+    pipe_session_destroy(s);
+  }
+  close_fixture(&f);
+  /* An exported program runs its graph as archived: no lookup to rewrite. */
+  {
+    const char *dir = getenv("PIPE_TEST_MODELS");
+    char path[4096];
+    pipe_model *model = NULL;
+    pipe_plan *plan = NULL;
+    pipe_session *s = NULL;
+    snprintf(path, sizeof path, "%s/exported/example_code.pt2", dir ? dir : ".");
+    ASSERT_OK(pipe_model_load(path, &model));
+    ASSERT_OK(pipe_plan_create(model, NULL, &plan));
+    pipe_stage_options so = PIPE_STAGE_OPTIONS_INIT;
+    pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
+    so.quantize_embedding = PIPE_QUANTIZE_EMBEDDING_INT8;
+    o.stage_options = &so;
+    const pipe_status st = pipe_session_create(plan, &o, &s);
+    if (st != PIPE_ERR_UNSUPPORTED || !strstr(pipe_last_error(), "not exported (.pt2) ones") ||
+        !strstr(pipe_last_error(), "PIPE_QUANTIZE_EMBEDDING_NONE"))
+      fail_msg("exported: %s: %s", pipe_status_string(st), pipe_last_error());
+    assert_null(s);
+    uint64_t bytes = 0;
+    if (pipe_plan_stage_weight_bytes(plan, 0, &so, &bytes) != PIPE_ERR_UNSUPPORTED)
+      fail_msg("exported weight bytes: %s", pipe_last_error());
+    pipe_plan_destroy(plan);
+    pipe_model_destroy(model);
+  }
+}
+
 /* Each function first accepts a struct from init (every historical size, for the session
  * options), so a refusal below is the size's doing, then refuses each bogus size. */
 static void consumers_refuse_sizes_no_version_had(void **state) {
@@ -491,7 +582,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(init_gives_the_macros_defaults),        cmocka_unit_test(older_sizes_get_only_their_fields),
       cmocka_unit_test(init_refuses_sizes_no_version_had),     cmocka_unit_test(consumers_refuse_sizes_no_version_had),
-      cmocka_unit_test(quantize_head_needs_quantized_weights),
+      cmocka_unit_test(quantize_head_needs_quantized_weights), cmocka_unit_test(quantize_embedding_values),
   };
   return cmocka_run_group_tests_name("options", tests, NULL, NULL);
 }

@@ -85,7 +85,7 @@ int parse_split_arg(int argc, char **argv, int *i, split_args *s) {
   const char *a = argv[*i];
   if (strcmp(a, "--split-at") != 0 && strcmp(a, "--stages") != 0 && strcmp(a, "--policy") != 0 &&
       strcmp(a, "--weights") != 0 && strcmp(a, "--dtype") != 0 && strcmp(a, "--quantize") != 0 &&
-      strcmp(a, "--quantize-head") != 0)
+      strcmp(a, "--quantize-head") != 0 && strcmp(a, "--quantize-embedding") != 0)
     return 0;
   if (*i + 1 >= argc) return usage_error("%s needs a value", a);
   const char *v = argv[++*i];
@@ -111,6 +111,10 @@ int parse_split_arg(int argc, char **argv, int *i, split_args *s) {
     else if (strcmp(v, "int4") == 0) s->weights.quantize_head = PIPE_QUANTIZE_HEAD_INT4;
     else if (strcmp(v, "none") == 0) s->weights.quantize_head = PIPE_QUANTIZE_HEAD_NONE;
     else return usage_error("--quantize-head takes int8, int4 or none, not '%s'", v);
+  } else if (strcmp(a, "--quantize-embedding") == 0) {
+    if (strcmp(v, "int8") == 0) s->weights.quantize_embedding = PIPE_QUANTIZE_EMBEDDING_INT8;
+    else if (strcmp(v, "none") == 0) s->weights.quantize_embedding = PIPE_QUANTIZE_EMBEDDING_NONE;
+    else return usage_error("--quantize-embedding takes int8 or none, not '%s'", v);
   } else if (strcmp(a, "--split-at") == 0) {
     if (s->num_points == MAX_SPLIT_POINTS) return usage_error("at most %d --split-at", MAX_SPLIT_POINTS);
     s->points[s->num_points++] = v;

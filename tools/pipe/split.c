@@ -1,5 +1,5 @@
 /* pipe split MODEL [SPLIT]: the plan, as text or JSON, optionally timed on inputs, and each
- * stage saved as a standalone TorchScript file. With --dtype, --quantize or --quantize-head, each
+ * stage saved as a standalone TorchScript file. With --dtype, --quantize, --quantize-head or --quantize-embedding, each
  * stage's bytes as a CPU stage stores them too (pipe_plan_stage_weight_bytes). */
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,10 +26,10 @@ static pipe_status print_names(const pipe_plan *plan, size_t stage, int32_t kind
 /* Whether the options change how the stages store their weights: then their bytes as stored are worth a report. */
 static int stores_otherwise(const pipe_stage_options *o) {
   return o->dtype != PIPE_DTYPE_KEEP || o->quantize != PIPE_QUANTIZE_NONE ||
-         o->quantize_head != PIPE_QUANTIZE_HEAD_DEFAULT;
+         o->quantize_head != PIPE_QUANTIZE_HEAD_DEFAULT || o->quantize_embedding != PIPE_QUANTIZE_EMBEDDING_NONE;
 }
 
-/* How the options store the weights, for the text output: "int4:64, head int8, bf16". */
+/* How the options store the weights, for the text output: "int4:64, head int8, embedding int8, bf16". */
 static void describe_storage(const pipe_stage_options *o, char *out, size_t size) {
   static const char *const dtypes[] = {"", "fp32", "fp16", "bf16"};
   static const char *const heads[] = {"", "int8", "int4", "none"};
@@ -39,8 +39,10 @@ static void describe_storage(const pipe_stage_options *o, char *out, size_t size
     snprintf(quantize, sizeof quantize, o->quantize_group ? "int4:%lld" : "int4", (long long)o->quantize_group);
   const char *dtype = o->dtype > 0 && o->dtype < 4 ? dtypes[o->dtype] : "";
   const char *head = o->quantize_head > 0 && o->quantize_head < 4 ? heads[o->quantize_head] : "";
-  snprintf(out, size, "%s%s%s%s%s%s", quantize, *head ? ", head " : "", head, *quantize && *dtype ? ", " : "", dtype,
-           *quantize || *dtype ? "" : "as they are");
+  const char *embedding = o->quantize_embedding == PIPE_QUANTIZE_EMBEDDING_INT8 ? "embedding int8" : "";
+  snprintf(out, size, "%s%s%s%s%s%s%s%s", quantize, *head ? ", head " : "", head, *quantize && *embedding ? ", " : "",
+           embedding, (*quantize || *embedding) && *dtype ? ", " : "", dtype,
+           *quantize || *embedding || *dtype ? "" : "as they are");
 }
 
 /* `json` (pipe_plan_describe's) with "weight_bytes": bytes[i] added to each object of its "stages" array, written

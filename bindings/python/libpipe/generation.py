@@ -261,10 +261,10 @@ class Generator(_Closeable):
 
     model: a Plan, a Model (cut with split_at / stages / policy, as Model.split cuts it) or the
     path of a decoder's TorchScript file (loaded, then cut likewise). The session options are
-    Plan.session's (threads_per_stage, max_inflight, dtype, weights, quantize, quantize_head, transport,
-    world_size, store, comm_timeout, devices, outputs; the defaults are pipe.h's); the generator has no micro-batching
-    options (a step is one micro-batch). Generator options, 0 meaning libpipe's default:
-    max_queued (sequences that may wait for a free cache slot; one more raises BusyError; 0: 4 x
+    Plan.session's (threads_per_stage, max_inflight, dtype, weights, quantize, quantize_head,
+    quantize_embedding, transport, world_size, store, comm_timeout, devices, outputs; the defaults are
+    pipe.h's); the generator has no micro-batching options (a step is one micro-batch). Generator
+    options, 0 meaning libpipe's default: max_queued (sequences that may wait for a free cache slot; one more raises BusyError; 0: 4 x
     slots), prefill_chunk (tokens per step, all rows together, so that a long prompt does not
     stall the others' decoding; 0: 256), steps_in_flight (steps in the pipeline at once; 0: one per
     stage, or per core when stages share the cores), max_rows_per_step (sequences per step; 0: slots).
@@ -288,6 +288,7 @@ class Generator(_Closeable):
         weights=None,
         quantize=None,
         quantize_head=None,
+        quantize_embedding=None,
         transport=_name_of(_constants.TRANSPORT, _SESSION_DEFAULTS["transport"]).lower(),
         world_size=_SESSION_DEFAULTS["world_size"],
         store=None,
@@ -307,6 +308,7 @@ class Generator(_Closeable):
             weights=weights,
             quantize=quantize,
             quantize_head=quantize_head,
+            quantize_embedding=quantize_embedding,
             transport=transport,
             world_size=world_size,
             store=store,

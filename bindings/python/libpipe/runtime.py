@@ -532,12 +532,15 @@ class Plan(_Closeable):
             n = lib.pipe_plan_stage_count_names(h, stage, _NAMES_PARAMETERS)
             return [lib.pipe_plan_stage_name(h, stage, _NAMES_PARAMETERS, i) for i in range(n)]
 
-    def stage_weight_bytes(self, stage, *, dtype=None, quantize=None, quantize_head=None):
+    def stage_weight_bytes(self, stage, *, dtype=None, quantize=None, quantize_head=None, quantize_embedding=None):
         """Bytes stage `stage`'s parameters and buffers would take as a CPU stage built with these options (as
         Plan.session takes them; libpipe >= 0.16): linear layers' weights as panels or codes, worked out from the
-        shapes with nothing loaded. UnsupportedError for quantized weights where the CPU has no kernels for them."""
+        shapes with nothing loaded; an int8 embedding (libpipe >= 0.17) as its codes and scales. UnsupportedError
+        for quantized weights where the CPU has no kernels for them."""
         with self._handle.use() as h:
-            return _lib().pipe_plan_stage_weight_bytes(h, stage, _stage_options(dtype, None, quantize, quantize_head))
+            return _lib().pipe_plan_stage_weight_bytes(
+                h, stage, _stage_options(dtype, None, quantize, quantize_head, quantize_embedding)
+            )
 
     def save_stage(self, stage, path, *, dtype=None, weights=None):
         """Save stage `stage` as a standalone model of the plan's format, holding only its own weights:
@@ -559,6 +562,7 @@ class Plan(_Closeable):
         weights=None,
         quantize=None,
         quantize_head=None,
+        quantize_embedding=None,
         transport=_name_of(_constants.TRANSPORT, _SESSION_DEFAULTS["transport"]).lower(),
         world_size=_SESSION_DEFAULTS["world_size"],
         store=None,
@@ -587,7 +591,10 @@ class Plan(_Closeable):
         "int4:128" in groups of 64 or 128; None: as they are. quantize_head (libpipe >= 0.16), with
         quantize: how the output head (the linear layer whose result the model returns, a decoder's
         lm_head) is stored: "int8", "int4" (in quantize's groups) or "none" (unquantized); None: as the
-        other weights under int8, "int8" under int4.
+        other weights under int8, "int8" under int4. quantize_embedding (libpipe >= 0.17), with or without
+        quantize (it saves memory, not time): "int8" stores CPU stages' embedding tables as 8-bit codes with a
+        float32 scale per row (a table tied to a linear layer of its stage keeps its dtype; TorchScript models
+        only); None or "none": as they are.
 
         Devices (libpipe >= 0.5): devices places the stages: "cpu,cuda:0" (one per stage), "cuda:0"
         (every stage), "auto" (the visible GPUs in order, else the CPU), or None (every stage on
@@ -626,6 +633,7 @@ class Plan(_Closeable):
             weights=weights,
             quantize=quantize,
             quantize_head=quantize_head,
+            quantize_embedding=quantize_embedding,
             transport=transport,
             world_size=world_size,
             store=store,
@@ -672,6 +680,7 @@ def _session_options(
     token=None,
     quantize=None,
     quantize_head=None,
+    quantize_embedding=None,
 ):
     """The options of pipe_session_create that Plan.session and Generator share, checked, as the
     dict the native module takes (Plan.session adds the micro-batching ones)."""
@@ -701,7 +710,7 @@ def _session_options(
         options["store"] = _store(store)
     if token is not None:
         options["token"] = _token(token)
-    options.update(_stage_options(dtype, weights, quantize, quantize_head) or {})
+    options.update(_stage_options(dtype, weights, quantize, quantize_head, quantize_embedding) or {})
     return options
 
 
@@ -715,8 +724,12 @@ if "int4" in _QUANTIZATIONS:
 _HEAD_QUANTIZATIONS = {n.lower(): v for n, v in _constants.QUANTIZE_HEAD.items() if n != "DEFAULT"}
 
 
-def _stage_options(dtype, weights, quantize=None, quantize_head=None):
-    if dtype is None and weights is None and quantize is None and quantize_head is None:
+# quantize_embedding=: pipe.h's PIPE_QUANTIZE_EMBEDDING_* by lower-case name ("int8"); None: "none".
+_EMBEDDING_QUANTIZATIONS = {n.lower(): v for n, v in _constants.QUANTIZE_EMBEDDING.items()}
+
+
+def _stage_options(dtype, weights, quantize=None, quantize_head=None, quantize_embedding=None):
+    if dtype is None and weights is None and quantize is None and quantize_head is None and quantize_embedding is None:
         return None
     if dtype not in _DTYPES:
         raise InvalidArgumentError(
@@ -738,6 +751,14 @@ def _stage_options(dtype, weights, quantize=None, quantize_head=None):
             )
         # libpipe refuses a head choice without quantized weights, saying what to do.
         options["quantize_head"] = _HEAD_QUANTIZATIONS[quantize_head]
+    if quantize_embedding is not None:
+        if quantize_embedding not in _EMBEDDING_QUANTIZATIONS:
+            raise InvalidArgumentError(
+                Status.INVALID_ARGUMENT,
+                f"quantize_embedding must be one of {sorted(_EMBEDDING_QUANTIZATIONS)} or None, "
+                f"not {quantize_embedding!r}",
+            )
+        options["quantize_embedding"] = _EMBEDDING_QUANTIZATIONS[quantize_embedding]
     if weights is not None:
         options["weights"] = os.fsdecode(os.fspath(weights))
     return options

@@ -192,7 +192,7 @@ static int libpipe_init_status(pipe_status status) {
 }
 
 /* Stage options from a dict {"dtype": int, "weights": str, "quantize": int, "quantize_group": int,
- * "quantize_head": int}. `keep` receives a reference
+ * "quantize_head": int, "quantize_embedding": int}. `keep` receives a reference
  * that keeps the weights string alive for the call. */
 static int libpipe_stage_options(PyObject *d, pipe_stage_options *options, PyObject **keep) {
   if (LIBPIPE_INIT(pipe_stage_options_init, options) < 0) return -1;
@@ -202,6 +202,9 @@ static int libpipe_stage_options(PyObject *d, pipe_stage_options *options, PyObj
   if (libpipe_dict_int32(d, "quantize_group", &group) < 0) return -1;
   options->quantize_group = group;
   if (libpipe_dict_int32(d, "quantize_head", &options->quantize_head) < 0) return -1;
+  int32_t embedding = PIPE_QUANTIZE_EMBEDDING_NONE;
+  if (libpipe_dict_int32(d, "quantize_embedding", &embedding) < 0) return -1;
+  options->quantize_embedding = embedding;
   PyObject *weights = PyDict_GetItemString(d, "weights");
   if (weights && weights != Py_None) {
     PyObject *bytes = PyUnicode_EncodeFSDefault(weights);
@@ -624,12 +627,14 @@ LIBPIPE_INT64_OUTPUT(pad)
   }
 }
 
-/* None or {"dtype": int, "weights": str, "quantize": int, "quantize_group": int, "quantize_head": int}. */
+/* None or {"dtype": int, "weights": str, "quantize": int, "quantize_group": int, "quantize_head": int,
+ * "quantize_embedding": int}. */
 %typemap(in) const pipe_stage_options * (pipe_stage_options tmp, PyObject *keep = NULL) {
   if ($input == Py_None) {
     $1 = NULL;
   } else {
-    static const char *const allowed[] = {"dtype", "weights", "quantize", "quantize_group", "quantize_head", NULL};
+    static const char *const allowed[] = {"dtype",         "weights",           "quantize", "quantize_group",
+                                          "quantize_head", "quantize_embedding", NULL};
     if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "stage options must be a dict or None");
     if (libpipe_check_keys($input, allowed, "stage") < 0) SWIG_fail;
     if (libpipe_stage_options($input, &tmp, &keep) < 0) SWIG_fail;
@@ -641,7 +646,7 @@ LIBPIPE_INT64_OUTPUT(pad)
 /* None or a dict with the fields of pipe_session_options (specs as lists of (kind, dim);
  * "microbatching" as PIPE_MICROBATCHING_ADAPTIVE / _FIXED and "transport" as PIPE_TRANSPORT_*,
  * which libpipe checks; "store" and "devices" strs kept alive for the call; "outputs" as
- * PIPE_OUTPUTS_*), plus "dtype", "weights", "quantize", "quantize_group" and "quantize_head" for
+ * PIPE_OUTPUTS_*), plus "dtype", "weights", "quantize", "quantize_group", "quantize_head" and "quantize_embedding" for
  * the stage options. Absent keys keep libpipe's defaults (pipe_session_options_init). */
 %typemap(in) const pipe_session_options * (libpipe_session_options_holder tmp, libpipe_session_options_holder *holder = NULL) {
   memset(&tmp, 0, sizeof tmp);
@@ -651,7 +656,7 @@ LIBPIPE_INT64_OUTPUT(pad)
   } else {
     static const char *const allowed[] = {"num_microbatches", "threads_per_stage", "max_inflight",
                                           "microbatching", "input_specs", "output_specs", "dtype",
-                                          "weights", "quantize", "quantize_group", "quantize_head", "transport",
+                                          "weights", "quantize", "quantize_group", "quantize_head", "quantize_embedding", "transport",
                                           "world_size", "store",
                                           "comm_timeout_ms", "devices", "outputs", "token", NULL};
     if (!PyDict_Check($input)) SWIG_exception_fail(SWIG_TypeError, "session options must be a dict or None");

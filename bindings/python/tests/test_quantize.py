@@ -140,3 +140,25 @@ def test_stage_weight_bytes_follow_the_layers_shapes(tmp_path):
         assert plan.stage_weight_bytes(1, quantize="int8", quantize_head="none") == linear(64, 128, "none")
         with pytest.raises(libpipe.InvalidArgumentError, match="needs quantized weights"):
             plan.stage_weight_bytes(0, quantize_head="int8")
+
+
+def test_an_int8_embedding_equals_the_dequantized_table(tmp_path):
+    # quantize_embedding="int8" (libpipe >= 0.17), without quantize: the table as int8 codes with a float32 scale per
+    # row, the rest as it is; against the model with its table dequantized in float64.
+    torch.manual_seed(0)
+    embed, head = torch.nn.Embedding(50, 32), torch.nn.Linear(32, 50, bias=False)
+    model = torch.nn.Sequential(embed, head).eval()
+    ids = torch.randint(0, 50, (2, 9))
+    path = tmp_path / "embed.pt"
+    with torch.no_grad():
+        torch.jit.trace(model, (ids,)).save(str(path))
+        w = embed.weight.double()
+        scale = w.abs().amax(1, keepdim=True) / 127
+        want = torch.nn.functional.linear(torch.nn.functional.embedding(ids, (torch.round(w / scale) * scale).float()),
+                                          head.weight)  # fmt: skip
+    with libpipe.Model.load(path) as m, m.split(split_at=["1:begin"]) as plan:
+        with plan.session(quantize_embedding="int8") as session:
+            got = session.run(ids, output_type="torch")["output"]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        with pytest.raises(libpipe.InvalidArgumentError, match="quantize_embedding must be one of"):
+            plan.session(quantize_embedding="int4")

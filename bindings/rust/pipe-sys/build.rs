@@ -14,8 +14,9 @@ use std::path::{Path, PathBuf};
 /// use pipe_request_on_done and pipe_request_fd, new in 0.7, it binds the generation functions,
 /// new in 0.8, pipe_session_trace_start_with_operators, new in 0.9, pipe_model_format, new in
 /// 0.10, the tokenizer functions, new in 0.14, and pipe_generation_options.prompt_logprobs with
-/// pipe_generation_prompt_logprobs, new in 0.15, and pipe_stage_options.quantize_head, new in 0.16).
-const MIN_LIBPIPE: &str = "0.16";
+/// pipe_generation_prompt_logprobs, new in 0.15, pipe_stage_options.quantize_head, new in 0.16, and
+/// pipe_stage_options.quantize_embedding, new in 0.17).
+const MIN_LIBPIPE: &str = "0.17";
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");

@@ -630,8 +630,18 @@ AliasGroups exported_stage_aliases(const ExportedModel& model, const graph::Plan
 
 namespace {
 
+// An int8 embedding is a rewrite of a TorchScript graph (quantize_embeddings): nativert runs an exported program
+// as the archive has it, and its aten::embedding would have no table left to read.
+void refuse_embedding_quantization(const StageOptions& options) {
+  if (options.quantize_embedding != WeightQuantization::None)
+    throw Error(Status::Unsupported,
+                "int8 embeddings are for TorchScript stages, not exported (.pt2) ones; leave quantize_embedding "
+                "PIPE_QUANTIZE_EMBEDDING_NONE (pipe --quantize-embedding none)");
+}
+
 // Quantized weights are the CPU panels' (pack_linear_layers).
 void refuse_quantization(const BuildOptions& build) {
+  refuse_embedding_quantization(*build.options);
   if (build.options->quantize != WeightQuantization::None &&
       (!build.cpu_rewrites || !build.device.is_cpu() || !register_linear_packed_on_demand()))
     throw Error(Status::Unsupported, "quantized weights are for CPU stages on a CPU with AVX-512 (this stage runs on " +
@@ -668,6 +678,7 @@ class ExportedStages final : public StageFormat {
     return receive_exported_stage(*received, build, tied, what);
   }
   uint64_t stored_bytes(const graph::Plan& plan, size_t index, const StageOptions& options) const override {
+    refuse_embedding_quantization(options);
     const ExportedModel& model = graph::exported::exported_model(plan);
     check_dtype(model, options);
     std::vector<size_t> weight_ids;

@@ -27,7 +27,13 @@ std::unique_ptr<Stage> finish(torch::jit::Module module, const BuildOptions& bui
                 "quantized weights are for CPU stages on a CPU with AVX-512 (this stage runs on " + build.device.str() +
                     (build.device.is_cpu() ? ", without AVX-512 or with LIBPIPE_PACKED_LINEAR=0" : "") +
                     "); leave the weights unquantized");
+  // The int8 lookup is plain C++ (no panel kernels), but it is one of the CPU rewrites.
+  if (build.options->quantize_embedding != WeightQuantization::None && (!build.cpu_rewrites || !build.device.is_cpu()))
+    throw Error(Status::Unsupported, "int8 embeddings are for CPU stages (this stage runs on " + build.device.str() +
+                                         (build.device.is_cpu() ? ", without the CPU rewrites" : "") +
+                                         "); leave the embedding unquantized");
   if (build.cpu_rewrites && build.device.is_cpu()) {
+    if (build.options->quantize_embedding == WeightQuantization::Int8) quantize_embeddings(module);
     panel_linear_weights(module, quantize, build.options->quantize_group, build.options->quantize_head);
     fuse_cache_attention(module);
     fuse_cache_writes(module);

@@ -120,7 +120,9 @@ pub use generator::{GenerationOptions, Generator, GeneratorInfo, GeneratorOption
 pub use list::TensorList;
 pub use log::{reset_log_callback, set_log_callback, LogLevel};
 pub use model::{Model, ModelFormat, ModuleInfo};
-pub use plan::{HeadQuantization, Names, Plan, PlanOptions, Policy, Quantization, StageOptions, WeightDType};
+pub use plan::{
+    EmbeddingQuantization, HeadQuantization, Names, Plan, PlanOptions, Policy, Quantization, StageOptions, WeightDType,
+};
 pub use session::{ChunkSpec, Microbatching, Request, RunOptions, Session, SessionOptions, StageStats, Transport};
 pub use tensor::{AppendSource, DType, Element, ManagedTensor, Tensor, TensorRef};
 pub use text::{DecodeStream, Tokenizer};

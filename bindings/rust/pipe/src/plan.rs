@@ -152,6 +152,18 @@ pub enum HeadQuantization {
     None,
 }
 
+/// How CPU stages store embedding tables (pipe.h's `PIPE_QUANTIZE_EMBEDDING_*`; libpipe >= 0.17), with or
+/// without [`StageOptions::quantize`]: it saves memory, not time. A table tied to a linear layer of its stage
+/// keeps its dtype; exported (.pt2) models refuse it ([`Status::Unsupported`](crate::Status::Unsupported)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum EmbeddingQuantization {
+    /// The table's dtype.
+    #[default]
+    None,
+    /// 8-bit codes with a float32 scale per row (token).
+    Int8,
+}
+
 /// How each stage gets its weights.
 #[derive(Clone, Debug, Default)]
 pub struct StageOptions {
@@ -162,6 +174,8 @@ pub struct StageOptions {
     /// The output head's storage; anything but [`HeadQuantization::Default`] without `quantize` is
     /// [`Status::InvalidArgument`](crate::Status::InvalidArgument) (libpipe >= 0.16).
     pub quantize_head: HeadQuantization,
+    /// The embedding tables' storage (libpipe >= 0.17).
+    pub quantize_embedding: EmbeddingQuantization,
 }
 
 /// A pipe_stage_options and the C string it points into.
@@ -193,6 +207,10 @@ impl StageOptions {
             HeadQuantization::Int4 => sys::PIPE_QUANTIZE_HEAD_INT4,
             HeadQuantization::None => sys::PIPE_QUANTIZE_HEAD_NONE,
         };
+        raw.quantize_embedding = i64::from(match self.quantize_embedding {
+            EmbeddingQuantization::None => sys::PIPE_QUANTIZE_EMBEDDING_NONE,
+            EmbeddingQuantization::Int8 => sys::PIPE_QUANTIZE_EMBEDDING_INT8,
+        });
         let weights = self.weights.as_deref().map(crate::path_cstring).transpose()?;
         // The CString's heap buffer does not move when the CString does.
         raw.weights = weights.as_ref().map_or(ptr::null(), |c| c.as_ptr());

@@ -201,6 +201,19 @@ fn the_head_quantization_needs_quantized_weights() {
     }
 }
 
+// The embedding's storage (libpipe >= 0.17) reaches libpipe without quantized weights: the demo has no embedding
+// table, so its results are the float model's.
+#[test]
+fn the_embedding_quantization_is_taken_alone() {
+    let model = Model::load(fixture("demo.pt")).unwrap();
+    let plan = Plan::new(&model, &PlanOptions::new().split_point("blocks.2:begin")).unwrap();
+    let stage = pipe::StageOptions { quantize_embedding: pipe::EmbeddingQuantization::Int8, ..Default::default() };
+    let session = Session::new(&plan, &SessionOptions::new().stage_options(stage)).unwrap();
+    let outputs = session.run(&[demo_input()]).unwrap();
+    let diff = max_abs_diff(&outputs[0].1, &demo_reference());
+    assert!(diff <= 1e-4, "max |diff| = {diff}");
+}
+
 // The bytes a stage stores (libpipe >= 0.16): float panels hold at least the model's bytes, 8-bit codes fewer (a CPU
 // without AVX-512 refuses them with Unsupported).
 #[test]
