@@ -62,7 +62,7 @@ TEST(EmbeddingInt8, RowsAreTheDequantizedReference) {
     EXPECT_EQ(test::count_nodes(graph, "pipe::embedding_int8"), 1u) << what;
     EXPECT_EQ(test::count_nodes(graph, "aten::embedding"), 0u) << what;
     EXPECT_EQ(m.attr("embed").toTensor().numel(), 0) << what << ": the original is dropped";
-    const at::Tensor ids = at::tensor({{3, 7, 49}, {0, 3, 12}}, at::kLong);
+    const at::Tensor ids = at::tensor(std::vector<int64_t>{3, 7, 49, 0, 3, 12}).view({2, 3});
     const at::Tensor rows = m.forward({ids}).toTuple()->elements()[0].toTensor();
     ASSERT_EQ(rows.scalar_type(), dtype) << what;
     ASSERT_EQ(rows.sizes(), (std::vector<int64_t>{2, 3, 24})) << what;
@@ -82,15 +82,15 @@ TEST(EmbeddingInt8, IndicesOutOfRangeAreRefused) {
   ASSERT_EQ(stage::quantize_embeddings(m), 1u);
   for (int64_t bad : {int64_t{50}, int64_t{-1}}) {
     try {
-      m.forward({at::tensor({1, bad}, at::kLong)});
+      m.forward({at::tensor(std::vector<int64_t>{1, bad})});
       ADD_FAILURE() << bad << " was looked up";
     } catch (const std::exception& e) {
       EXPECT_NE(std::string(e.what()).find("index out of range in self"), std::string::npos) << e.what();
     }
   }
   const stage::Int8Weight q = stage::quantize_int8(at::randn({4, 8}));
-  EXPECT_THROW(stage::embedding_int8(q.codes, q.scales, at::tensor({4}, at::kLong), at::kFloat), Error);
-  EXPECT_THROW(stage::embedding_int8(q.codes, q.scales, at::tensor({0.5}), at::kFloat), Error);
+  EXPECT_THROW(stage::embedding_int8(q.codes, q.scales, at::tensor(std::vector<int64_t>{4}), at::kFloat), Error);
+  EXPECT_THROW(stage::embedding_int8(q.codes, q.scales, at::tensor(std::vector<double>{0.5}), at::kFloat), Error);
 }
 
 // A table the stage's linear layer also reads (a head tied to the embedding) keeps today's storage: the option
@@ -106,7 +106,7 @@ def forward(self, ids):
     f = torch.embedding(self.other, ids) * self.other.sum()
     return torch.linear(e + f, self.shared)
 )");
-  const at::Tensor ids = at::tensor({1, 5, 19}, at::kLong);
+  const at::Tensor ids = at::tensor(std::vector<int64_t>{1, 5, 19});
   const at::Tensor before = m.forward({ids}).toTensor();
   EXPECT_EQ(stage::quantize_embeddings(m), 0u);
   const auto& graph = *m.get_method("forward").graph();
