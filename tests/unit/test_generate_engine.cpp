@@ -325,7 +325,9 @@ TEST(Engine, LogprobsEqualTheLogSoftmaxOfTransformersLogits) {
         EXPECT_NEAR(lp.top_logprobs[k], ref.top_logprobs[i][t][k], 1e-4);
         const auto& want = ref.top_logprobs[i][t];
         const bool apart = (k == 0 || want[k - 1] - want[k] > 1e-3) && (k == 4 || want[k] - want[k + 1] > 1e-3);
-        if (apart) EXPECT_EQ(lp.top_ids[k], ref.top_ids[i][t][k]);
+        if (apart) {
+          EXPECT_EQ(lp.top_ids[k], ref.top_ids[i][t][k]);
+        }
       }
     }
     TokenLogprobs none;
