@@ -377,11 +377,29 @@ static void print_ids(const id_list *ids) {
   for (size_t k = 0; k < ids->len; ++k) printf("%s%lld", k ? " " : "", (long long)ids->ids[k]);
 }
 
+/* This process's peak resident memory in MiB: VmHWM, the high-water mark of its own address space. Not
+ * getrusage's ru_maxrss: Linux carries that over from the address space an exec replaced, so a `pipe` started by
+ * a benchmark holding a 5 GB model reported 5 GB for a 135M model. ru_maxrss only where /proc is absent. */
+static double own_peak_rss_mib(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  if (f) {
+    char line[256];
+    long long kib = -1;
+    while (kib < 0 && fgets(line, sizeof line, f))
+      if (sscanf(line, "VmHWM: %lld kB", &kib) != 1) kib = -1;
+    fclose(f);
+    if (kib >= 0) return (double)kib / 1024.0;
+  }
+  struct rusage u;
+  return getrusage(RUSAGE_SELF, &u) == 0 ? (double)u.ru_maxrss / 1024.0 : 0.0; /* ru_maxrss is in KiB */
+}
+
 /* Peak resident memory in MiB: of this process, and of the largest worker process it started and has
- * waited for (0 without workers). */
+ * waited for (0 without workers). A worker's figure is getrusage's: the larger of its own peak and what this
+ * process held in anonymous memory when it forked the worker, which is before any weight is loaded. */
 static void peak_rss_mib(double *self, double *workers) {
   struct rusage u;
-  *self = getrusage(RUSAGE_SELF, &u) == 0 ? (double)u.ru_maxrss / 1024.0 : 0.0; /* ru_maxrss is in KiB */
+  *self = own_peak_rss_mib();
   *workers = getrusage(RUSAGE_CHILDREN, &u) == 0 ? (double)u.ru_maxrss / 1024.0 : 0.0;
 }
 
