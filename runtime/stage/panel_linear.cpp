@@ -16,6 +16,7 @@
 #include "runtime/error.h"
 #include "runtime/log.h"
 #include "runtime/stage/spare_cores.h"
+#include "runtime/stage/warm_ahead.h"
 
 namespace libpipe::stage {
 
@@ -104,6 +105,7 @@ at::Tensor linear_op(const at::Tensor& input, const at::Tensor& panels, const st
     const int64_t unit_bytes = cpu::kUnitWidth * in_features * static_cast<int64_t>(panels.element_size());
     SpareCores::for_ranges(cpu::panel_units(out_features), kMinBytesPerPiece / std::max<int64_t>(unit_bytes, 1),
                            kMaxUnitsPerPiece, [&](int64_t begin, int64_t end) { cpu::panel_product(p, begin, end); });
+    warm_next_product({panels});
   }
   return out.view(sizes);
 }
@@ -157,6 +159,7 @@ std::vector<at::Tensor> linear_group_op(const at::Tensor& input, const std::vect
                                if (lo < hi) cpu::panel_product(products[i], lo - first_unit[i], hi - first_unit[i]);
                              }
                            });
+    warm_next_product(panels);
   }
   for (size_t i = 0; i < outs.size(); ++i) {
     sizes.back() = out_features[i];
@@ -288,6 +291,9 @@ std::vector<at::Tensor> quantized_products(const at::Tensor& input, WeightType t
                                if (lo < hi) cpu::panel_product(products[i], lo - first_unit[i], hi - first_unit[i]);
                              }
                            });
+    std::vector<at::Tensor> weights;
+    for (const QuantizedLayer& layer : layers) weights.push_back(*layer.panels);
+    warm_next_product(weights);
   }
   std::vector<int64_t> sizes = input.sizes().vec();
   for (size_t i = 0; i < outs.size(); ++i) {

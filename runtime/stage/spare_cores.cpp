@@ -48,6 +48,104 @@ SpareCores::Lend::~Lend() { lent = previous_; }
 
 int SpareCores::lent_cores() { return lent ? lent->cores_ : 0; }
 
+namespace {
+std::atomic<bool>& warm_ahead_on() {
+  static std::atomic<bool> on{[] {
+    const char* env = std::getenv("LIBPIPE_WARM_AHEAD");
+    return !(env && std::strcmp(env, "0") == 0);
+  }()};
+  return on;
+}
+}  // namespace
+
+void SpareCores::set_warm_ahead(bool on) { warm_ahead_on().store(on, std::memory_order_relaxed); }
+bool SpareCores::warm_ahead() { return warm_ahead_on().load(std::memory_order_relaxed); }
+
+void SpareCores::warm(const at::Tensor* const* tensors, size_t count) {
+  if (lent && lent->cores_ > 1 && count > 0 && warm_ahead()) lent->post_warm(tensors, count);
+}
+
+void SpareCores::post_warm(const at::Tensor* const* tensors, size_t count) {
+  if (cores_ - std::max(claimed(), 1) <= 0) return;
+  {
+    std::lock_guard lock(warm_mutex_);
+    warm_count_ = std::min(count, kWarmSpans);
+    for (size_t i = 0; i < warm_count_; ++i) warm_tensors_[i] = *tensors[i];
+    std::fill(warm_tensors_ + warm_count_, warm_tensors_ + kWarmSpans, at::Tensor());
+  }
+  warm_posted_.store(true, std::memory_order_release);
+}
+
+void SpareCores::read_ahead(uint64_t generation) {
+  struct Span {
+    const void* data;
+    size_t bytes;
+  };
+  at::Tensor held[kWarmSpans];  // alive while this reads them
+  Span spans[kWarmSpans];
+  size_t count;
+  const void* frontier;
+  size_t frontier_offset;
+  {
+    std::lock_guard lock(warm_mutex_);
+    if (!warm_posted_.exchange(false, std::memory_order_acquire)) return;
+    count = warm_count_;
+    for (size_t i = 0; i < count; ++i) {
+      held[i] = warm_tensors_[i];
+      spans[i] = {held[i].data_ptr(), held[i].nbytes()};
+    }
+    frontier = frontier_data_;
+    frontier_offset = frontier_offset_;
+  }
+  // Successive calls post overlapping windows of the same order of products: skip what an earlier window read.
+  size_t first = 0, offset = 0, budget = kWarmBytes;
+  for (size_t s = 0; s < count; ++s)
+    if (spans[s].data == frontier) {
+      for (size_t r = 0; r < s; ++r) budget -= std::min(budget, spans[r].bytes);
+      first = s;
+      offset = std::min(frontier_offset, spans[s].bytes);
+      budget -= std::min(budget, offset);
+      break;
+    }
+  constexpr size_t kLine = 64, kBlock = 4096;  // check for other work once per block
+  uint64_t sink = 0;
+  bool resume = false;  // cut short by a job or a stage: go on after it
+  size_t s = first;
+  for (; s < count && budget > 0; ++s, offset = 0) {
+    const auto* base = static_cast<const char*>(spans[s].data);
+    const size_t end = std::min(spans[s].bytes, offset + budget);
+    bool cut = false;
+    while (offset < end) {
+      if (warm_posted_.load(std::memory_order_relaxed)) {
+        cut = true;  // newer spans: read those
+        break;
+      }
+      if (generation_.load(std::memory_order_relaxed) != generation || claimed() >= cores_) {
+        // A job (attention, a norm shared with this helper) or a stage that wants the core.
+        cut = resume = true;
+        break;
+      }
+      const size_t from = offset, stop = std::min(end, offset + kBlock);
+      // Independent loads, one per cache line: the core keeps many misses in flight.
+      for (; offset < stop; offset += kLine) sink += *reinterpret_cast<const volatile unsigned char*>(base + offset);
+      offset = stop;
+      budget -= std::min(budget, stop - from);
+      read_ahead_bytes_.fetch_add(stop - from, std::memory_order_relaxed);
+    }
+    if (cut || offset < spans[s].bytes) break;
+  }
+  {
+    std::lock_guard lock(warm_mutex_);
+    // Read to the end of the last span: the frontier is that end, which the next window holds.
+    const bool all = s == count && count > 0;
+    frontier_data_ = all ? spans[count - 1].data : s < count ? spans[s].data : nullptr;
+    frontier_offset_ = all ? spans[count - 1].bytes : s < count ? offset : 0;
+  }
+  if (resume) warm_posted_.store(true, std::memory_order_release);
+  static std::atomic<uint64_t> keep{0};  // so that the loads are not dropped
+  keep.fetch_add(sink & 1, std::memory_order_relaxed);
+}
+
 void SpareCores::for_ranges(int64_t count, int64_t grain, int64_t max_piece,
                             const std::function<void(int64_t, int64_t)>& fn) {
   if (count <= 0) return;
@@ -137,6 +235,7 @@ void SpareCores::helper_loop() {
     const auto until = std::chrono::steady_clock::now() + kSpin;
     for (int spins = 0; generation_.load(std::memory_order_acquire) == seen; ++spins) {
       if (claimed() >= cores_) break;
+      if (warm_posted_.load(std::memory_order_relaxed)) read_ahead(seen);
       if (spins % 256 == 255 && std::chrono::steady_clock::now() > until) break;
       cpu_relax();
     }

@@ -8,7 +8,11 @@
 #include <thread>
 #include <vector>
 
+#include <ATen/ATen.h>
+
+#include "runtime/stage/panel_linear.h"
 #include "runtime/stage/spare_cores.h"
+#include "runtime/stage/warm_ahead.h"
 
 namespace libpipe {
 namespace {
@@ -110,6 +114,89 @@ TEST(SpareCores, CallersAtOnceEachGetEveryIndexOnce) {
     });
   for (auto& c : callers) c.join();
   EXPECT_TRUE(ok);
+}
+
+// Reading ahead (SpareCores::warm) happens on an idle helper while it waits: each round runs a job, which wakes the
+// helper and leaves it spinning, then posts; the rounds end when it has read what was asked (the bound only guards
+// against a hang: one round in which the helper is scheduled while it spins is enough).
+template <typename Post>
+void wait_for_read_ahead(SpareCores& pool, uint64_t bytes, Post post) {
+  const uint64_t before = pool.read_ahead_bytes();
+  for (int round = 0; round < 200000 && pool.read_ahead_bytes() - before < bytes; ++round) {
+    SpareCores::for_each(2, [](int64_t) {});
+    post();
+    for (int spin = 0; spin < 1000 && pool.read_ahead_bytes() - before < bytes; ++spin) std::this_thread::yield();
+  }
+}
+
+TEST(SpareCores, AnIdleHelperReadsWarmedTensorsAndHoldsThemWhileItReads) {
+  SpareCores pool(2);
+  SpareCores::Lend lend(&pool);
+  SpareCores::Busy busy(&pool);
+  const uint64_t bytes = 1 << 20;
+  // Each round posts a tensor that is dropped at once: the pool must keep it alive (ASan reports a read of freed
+  // memory otherwise).
+  wait_for_read_ahead(pool, bytes, [&] {
+    const at::Tensor t = at::ones({static_cast<int64_t>(bytes / 4)});
+    const at::Tensor* tensors[] = {&t};
+    SpareCores::warm(tensors, 1);
+  });
+  EXPECT_GE(pool.read_ahead_bytes(), bytes) << "no helper read the tensors ahead while a core was idle";
+}
+
+TEST(SpareCores, NothingIsReadAheadWithoutASpareCoreOrWhenTurnedOff) {
+  const at::Tensor t = at::ones({1 << 18});
+  const at::Tensor* tensors[] = {&t};
+  SpareCores::warm(tensors, 1);  // no pool lent: nothing to do, nothing to crash
+  SpareCores pool(2);
+  SpareCores::Lend lend(&pool);
+  {
+    SpareCores::Busy me(&pool), other_stage(&pool);  // every core has a busy stage
+    for (int i = 0; i < 100; ++i) {
+      SpareCores::for_each(2, [](int64_t) {});
+      SpareCores::warm(tensors, 1);
+    }
+  }
+  SpareCores::Busy me(&pool);
+  const bool was = SpareCores::warm_ahead();
+  SpareCores::set_warm_ahead(false);
+  for (int i = 0; i < 100; ++i) {
+    SpareCores::for_each(2, [](int64_t) {});
+    SpareCores::warm(tensors, 1);
+  }
+  SpareCores::set_warm_ahead(was);
+  // A helper spinning after the last job has nothing posted to read.
+  for (int i = 0; i < 1000; ++i) std::this_thread::yield();
+  EXPECT_EQ(pool.read_ahead_bytes(), 0u);
+}
+
+// A stage runs the same products in the same order every step: after a product, the next one's weights are read
+// ahead, and nothing a product returns changes.
+TEST(SpareCores, ProductsReadTheNextProductsWeightsAheadAndKeepTheirBits) {
+  if (!stage::panel_linear_available()) GTEST_SKIP() << "no panels on this CPU";
+  at::manual_seed(0);
+  std::vector<at::Tensor> panels;
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{96, 80}, {33, 96}, {200, 33}};
+  for (auto [n, k] : shapes) panels.push_back(stage::to_panels(at::randn({n, k})));
+  const at::Tensor x = at::randn({1, 80});
+  auto step = [&] {
+    at::Tensor h = x;
+    for (size_t i = 0; i < panels.size(); ++i)
+      h = stage::panel_linear(h, panels[i], std::nullopt, shapes[i].first, shapes[i].second);
+    return h;
+  };
+  const at::Tensor alone = step();  // no pool lent: computed here without any reading ahead
+  SpareCores pool(2);
+  SpareCores::Lend lend(&pool);
+  SpareCores::Busy busy(&pool);
+  at::Tensor shared;
+  wait_for_read_ahead(pool, 1, [&] { shared = step(); });
+  EXPECT_GT(pool.read_ahead_bytes(), 0u) << "no product's successor was read ahead";
+  EXPECT_TRUE(at::equal(shared, alone));
+  const bool was = SpareCores::warm_ahead();
+  SpareCores::set_warm_ahead(false);
+  EXPECT_TRUE(at::equal(step(), alone));
+  SpareCores::set_warm_ahead(was);
 }
 
 }  // namespace
