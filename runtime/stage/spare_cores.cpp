@@ -151,8 +151,15 @@ void SpareCores::for_ranges(int64_t count, int64_t grain, int64_t max_piece,
   if (count <= 0) return;
   const int cores = lent_cores();
   if (cores > 1) {
-    const int64_t pieces = std::min(count, std::max<int64_t>(cores, (count + std::max<int64_t>(max_piece, 1) - 1) /
-                                                                        std::max<int64_t>(max_piece, 1)));
+    int64_t pieces = std::min(count, std::max<int64_t>(cores, (count + std::max<int64_t>(max_piece, 1) - 1) /
+                                                                  std::max<int64_t>(max_piece, 1)));
+    // Work below two grains stays here: handing a microsecond of element-wise work (a one-row silu_mul, a
+    // decode step's rotary) to a helper costs more than it saves, and takes the helper off its reading ahead.
+    pieces = std::min(pieces, std::max<int64_t>(1, count / std::max<int64_t>(grain, 1)));
+    if (pieces <= 1) {
+      fn(0, count);
+      return;
+    }
     for_each(pieces, [&](int64_t p) { fn(p * count / pieces, (p + 1) * count / pieces); });
     return;
   }

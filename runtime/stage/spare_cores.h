@@ -58,8 +58,9 @@ class SpareCores {
   static int lent_cores();
 
   // Runs fn(begin, end) over contiguous ranges that cover [0, count) once: on the cores lent to this
-  // thread (pieces of at most `max_piece`, at least one per core), else on the calling thread's intra-op
-  // threads (at::parallel_for, pieces of at least `grain`), else here in one piece.
+  // thread (pieces of at most `max_piece` and at least `grain`, one per core at least when there are enough),
+  // else on the calling thread's intra-op threads (at::parallel_for, pieces of at least `grain`), else here in
+  // one piece.
   static void for_ranges(int64_t count, int64_t grain, int64_t max_piece,
                          const std::function<void(int64_t, int64_t)>& fn);
 
