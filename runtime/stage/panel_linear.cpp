@@ -81,6 +81,28 @@ WeightType check_product(const at::Tensor& input, const at::Tensor& panels, cons
   return *type;
 }
 
+// Runs products of one input on the lent cores in one hand-over: their output units are numbered one product after
+// the other and cut into pieces, each unit computed as by its product alone (so grouping changes no bit). Then
+// the products that follow are read ahead (warm_ahead.h). `unit_bytes`: the weight bytes of one unit.
+void run_products(const std::vector<cpu::PanelProduct>& products, int64_t unit_bytes,
+                  const std::vector<at::Tensor>& weights) {
+  std::vector<int64_t> first_unit;  // of each product, in the units of all
+  int64_t units = 0;
+  for (const cpu::PanelProduct& p : products) {
+    first_unit.push_back(units);
+    units += cpu::panel_units(p.n);
+  }
+  SpareCores::for_ranges(units, kMinBytesPerPiece / std::max<int64_t>(unit_bytes, 1), kMaxUnitsPerPiece,
+                         [&](int64_t begin, int64_t end) {
+                           for (size_t i = 0; i < products.size(); ++i) {
+                             const int64_t lo = std::max(begin, first_unit[i]);
+                             const int64_t hi = std::min(end, first_unit[i] + cpu::panel_units(products[i].n));
+                             if (lo < hi) cpu::panel_product(products[i], lo - first_unit[i], hi - first_unit[i]);
+                           }
+                         });
+  warm_next_product(weights);
+}
+
 at::Tensor linear_op(const at::Tensor& input, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                      int64_t out_features, int64_t in_features) {
   const WeightType type = check_product(input, panels, bias, out_features, in_features);
@@ -102,10 +124,7 @@ at::Tensor linear_op(const at::Tensor& input, const at::Tensor& panels, const st
     p.m = x.size(0);
     p.n = out_features;
     p.k = in_features;
-    const int64_t unit_bytes = cpu::kUnitWidth * in_features * static_cast<int64_t>(panels.element_size());
-    SpareCores::for_ranges(cpu::panel_units(out_features), kMinBytesPerPiece / std::max<int64_t>(unit_bytes, 1),
-                           kMaxUnitsPerPiece, [&](int64_t begin, int64_t end) { cpu::panel_product(p, begin, end); });
-    warm_next_product({panels});
+    run_products({p}, cpu::kUnitWidth * in_features * static_cast<int64_t>(panels.element_size()), {panels});
   }
   return out.view(sizes);
 }
@@ -128,8 +147,6 @@ std::vector<at::Tensor> linear_group_op(const at::Tensor& input, const std::vect
   std::vector<at::Tensor> outs;
   std::vector<cpu::PanelProduct> products;
   std::vector<at::Tensor> bias_values;
-  std::vector<int64_t> first_unit;  // of each product, in the units of all
-  int64_t units = 0;
   for (size_t i = 0; i < panels.size(); ++i) {
     outs.push_back(at::empty({x.size(0), out_features[i]}, input.options()));
     const at::Tensor* b = biases[i] && biases[i]->defined() ? &*biases[i] : nullptr;
@@ -146,20 +163,9 @@ std::vector<at::Tensor> linear_group_op(const at::Tensor& input, const std::vect
     p.n = out_features[i];
     p.k = in_features;
     products.push_back(p);
-    first_unit.push_back(units);
-    units += cpu::panel_units(out_features[i]);
   }
   if (x.size(0) > 0) {
-    const int64_t unit_bytes = cpu::kUnitWidth * in_features * static_cast<int64_t>(panels[0].element_size());
-    SpareCores::for_ranges(units, kMinBytesPerPiece / std::max<int64_t>(unit_bytes, 1), kMaxUnitsPerPiece,
-                           [&](int64_t begin, int64_t end) {
-                             for (size_t i = 0; i < products.size(); ++i) {
-                               const int64_t lo = std::max(begin, first_unit[i]);
-                               const int64_t hi = std::min(end, first_unit[i] + cpu::panel_units(products[i].n));
-                               if (lo < hi) cpu::panel_product(products[i], lo - first_unit[i], hi - first_unit[i]);
-                             }
-                           });
-    warm_next_product(panels);
+    run_products(products, cpu::kUnitWidth * in_features * static_cast<int64_t>(panels[0].element_size()), panels);
   }
   for (size_t i = 0; i < outs.size(); ++i) {
     sizes.back() = out_features[i];
@@ -255,8 +261,6 @@ std::vector<at::Tensor> quantized_products(const at::Tensor& input, WeightType t
                                                   : cpu::panel_depth(WeightType::kInt8, in_features);
   std::vector<at::Tensor> outs, bias_values;
   std::vector<cpu::PanelProduct> products;
-  std::vector<int64_t> first_unit;  // of each layer, in the units of all
-  int64_t units = 0;
   for (const QuantizedLayer& layer : layers) {
     outs.push_back(at::empty({m, layer.out_features}, input.options().dtype(at::kFloat)));
     bias_values.push_back(layer.bias ? layer.bias->to(at::kFloat).contiguous() : at::Tensor());
@@ -272,8 +276,6 @@ std::vector<at::Tensor> quantized_products(const at::Tensor& input, WeightType t
     p.n = layer.out_features;
     p.k = depth;
     products.push_back(p);
-    first_unit.push_back(units);
-    units += cpu::panel_units(layer.out_features);
   }
   if (m > 0) {
     const QuantizedRows& rows = quantize_rows_here(x, in_features, depth);
@@ -282,18 +284,9 @@ std::vector<at::Tensor> quantized_products(const at::Tensor& input, WeightType t
       p.xscales = rows.scales.data();
       p.xsums = rows.sums.data();
     }
-    const int64_t unit_bytes = type == WeightType::kInt4 ? cpu::kUnitWidth * depth / 2 : cpu::kUnitWidth * depth;
-    SpareCores::for_ranges(units, kMinBytesPerPiece / std::max<int64_t>(unit_bytes, 1), kMaxUnitsPerPiece,
-                           [&](int64_t begin, int64_t end) {
-                             for (size_t i = 0; i < products.size(); ++i) {
-                               const int64_t lo = std::max(begin, first_unit[i]);
-                               const int64_t hi = std::min(end, first_unit[i] + cpu::panel_units(products[i].n));
-                               if (lo < hi) cpu::panel_product(products[i], lo - first_unit[i], hi - first_unit[i]);
-                             }
-                           });
     std::vector<at::Tensor> weights;
     for (const QuantizedLayer& layer : layers) weights.push_back(*layer.panels);
-    warm_next_product(weights);
+    run_products(products, type == WeightType::kInt4 ? cpu::kUnitWidth * depth / 2 : cpu::kUnitWidth * depth, weights);
   }
   std::vector<int64_t> sizes = input.sizes().vec();
   for (size_t i = 0; i < outs.size(); ++i) {
