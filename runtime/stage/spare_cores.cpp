@@ -61,42 +61,40 @@ std::atomic<bool>& warm_ahead_on() {
 void SpareCores::set_warm_ahead(bool on) { warm_ahead_on().store(on, std::memory_order_relaxed); }
 bool SpareCores::warm_ahead() { return warm_ahead_on().load(std::memory_order_relaxed); }
 
-void SpareCores::warm(const at::Tensor* const* tensors, size_t count) {
-  if (lent && lent->cores_ > 1 && count > 0 && warm_ahead()) lent->post_warm(tensors, count);
+void SpareCores::warm(WarmList tensors) {
+  if (lent && lent->cores_ > 1 && tensors && !tensors->empty() && warm_ahead()) lent->post_warm(std::move(tensors));
 }
 
-void SpareCores::post_warm(const at::Tensor* const* tensors, size_t count) {
+void SpareCores::post_warm(WarmList tensors) {
   if (cores_ - std::max(claimed(), 1) <= 0) return;
   {
     std::lock_guard lock(warm_mutex_);
-    warm_count_ = std::min(count, kWarmSpans);
-    for (size_t i = 0; i < warm_count_; ++i) warm_tensors_[i] = *tensors[i];
-    std::fill(warm_tensors_ + warm_count_, warm_tensors_ + kWarmSpans, at::Tensor());
+    warm_tensors_.swap(tensors);
   }
   warm_posted_.store(true, std::memory_order_release);
+  // The list this one replaced is released here, outside the lock.
 }
 
 void SpareCores::read_ahead(uint64_t generation) {
-  struct Span {
-    const void* data;
-    size_t bytes;
-  };
-  at::Tensor held[kWarmSpans];  // alive while this reads them
-  Span spans[kWarmSpans];
-  size_t count;
+  WarmList held;  // alive while this reads it
   const void* frontier;
   size_t frontier_offset;
   {
     std::lock_guard lock(warm_mutex_);
     if (!warm_posted_.exchange(false, std::memory_order_acquire)) return;
-    count = warm_count_;
-    for (size_t i = 0; i < count; ++i) {
-      held[i] = warm_tensors_[i];
-      spans[i] = {held[i].data_ptr(), held[i].nbytes()};
-    }
+    held = warm_tensors_;
     frontier = frontier_data_;
     frontier_offset = frontier_offset_;
   }
+  if (!held) return;
+  struct Span {
+    const void* data;
+    size_t bytes;
+  };
+  std::vector<Span> spans;
+  spans.reserve(held->size());
+  for (const at::Tensor& t : *held) spans.push_back({t.data_ptr(), t.nbytes()});
+  const size_t count = spans.size();
   // Successive calls post overlapping windows of the same order of products: skip what an earlier window read.
   size_t first = 0, offset = 0, budget = kWarmBytes;
   for (size_t s = 0; s < count; ++s)

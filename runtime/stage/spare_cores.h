@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -64,20 +65,21 @@ class SpareCores {
   static void for_ranges(int64_t count, int64_t grain, int64_t max_piece,
                          const std::function<void(int64_t, int64_t)>& fn);
 
-  // At most this many tensors, and this many bytes in all, per call of warm.
-  static constexpr size_t kWarmSpans = 24;
+  // At most this many bytes are read per call of warm.
   static constexpr size_t kWarmBytes = size_t{4} << 20;
+  // What warm reads: tensors in order. Shared and never changed once posted, so that a post costs one reference
+  // count, and the tensors stay alive while a helper reads them.
+  using WarmList = std::shared_ptr<const std::vector<at::Tensor>>;
 
-  // Asks an idle helper of the pool lent to the calling thread to read *tensors[0..count) (in order, up to kWarmBytes)
-  // into the caches while it waits for the next job. Why: one sequence's decode step streams every weight from memory,
+  // Asks an idle helper of the pool lent to the calling thread to read `tensors` (in order, up to kWarmBytes) into
+  // the caches while it waits for the next job. Why: one sequence's decode step streams every weight from memory,
   // and between two products the calling core computes for a while (norms, attention, the TorchScript
   // interpreter: a quarter of a small model's step) with the memory bus idle; reading the next products' first
   // weights in that gap moves their traffic out of the products' time. A helper stops at a job and goes on after
   // it, stops for good at the next warm call (whose tensors usually continue where it stopped), and leaves the
-  // core when a stage wants it; nothing is computed from what it reads, so no result can change. The pool holds
-  // the tensors until the next call, so none is freed under a helper. No-op without a lent pool or a spare core,
-  // or where LIBPIPE_WARM_AHEAD=0.
-  static void warm(const at::Tensor* const* tensors, size_t count);
+  // core when a stage wants it; nothing is computed from what it reads, so no result can change. No-op without a
+  // lent pool or a spare core, or where LIBPIPE_WARM_AHEAD=0.
+  static void warm(WarmList tensors);
   // Whether warm does anything, for every pool of the process (LIBPIPE_WARM_AHEAD=0 sets false at start).
   static void set_warm_ahead(bool on);
   static bool warm_ahead();
@@ -119,7 +121,7 @@ class SpareCores {
  private:
   void run(int64_t count, const std::function<void(int64_t)>& fn);
   void helper_loop();
-  void post_warm(const at::Tensor* const* tensors, size_t count);
+  void post_warm(WarmList tensors);
   // Reads the posted spans (the helper's side of warm) until they end or the helper is wanted elsewhere.
   void read_ahead(uint64_t generation);
   // Takes and runs indices of job `generation` until none is left (a helper: or until every core
@@ -158,8 +160,7 @@ class SpareCores {
 
   // The spans of the latest warm call, taken by one helper.
   std::mutex warm_mutex_;
-  at::Tensor warm_tensors_[kWarmSpans];  // guarded by warm_mutex_
-  size_t warm_count_ = 0;                // guarded by warm_mutex_
+  WarmList warm_tensors_;  // guarded by warm_mutex_
   std::atomic<bool> warm_posted_{false};
   std::atomic<uint64_t> read_ahead_bytes_{0};
   // Where the helper stopped reading in the latest spans: the next call's spans start at the next product, and

@@ -134,27 +134,24 @@ TEST(SpareCores, AnIdleHelperReadsWarmedTensorsAndHoldsThemWhileItReads) {
   SpareCores::Lend lend(&pool);
   SpareCores::Busy busy(&pool);
   const uint64_t bytes = 1 << 20;
-  // Each round posts a tensor that is dropped at once: the pool must keep it alive (ASan reports a read of freed
-  // memory otherwise).
+  // Each round posts a tensor that only the pool holds: it must keep it while a helper reads it (ASan reports a read
+  // of freed memory otherwise).
   wait_for_read_ahead(pool, bytes, [&] {
-    const at::Tensor t = at::ones({static_cast<int64_t>(bytes / 4)});
-    const at::Tensor* tensors[] = {&t};
-    SpareCores::warm(tensors, 1);
+    SpareCores::warm(std::make_shared<std::vector<at::Tensor>>(1, at::ones({static_cast<int64_t>(bytes / 4)})));
   });
   EXPECT_GE(pool.read_ahead_bytes(), bytes) << "no helper read the tensors ahead while a core was idle";
 }
 
 TEST(SpareCores, NothingIsReadAheadWithoutASpareCoreOrWhenTurnedOff) {
-  const at::Tensor t = at::ones({1 << 18});
-  const at::Tensor* tensors[] = {&t};
-  SpareCores::warm(tensors, 1);  // no pool lent: nothing to do, nothing to crash
+  const auto tensors = std::make_shared<std::vector<at::Tensor>>(1, at::ones({1 << 18}));
+  SpareCores::warm(tensors);  // no pool lent: nothing to do, nothing to crash
   SpareCores pool(2);
   SpareCores::Lend lend(&pool);
   {
     SpareCores::Busy me(&pool), other_stage(&pool);  // every core has a busy stage
     for (int i = 0; i < 100; ++i) {
       SpareCores::for_each(2, [](int64_t) {});
-      SpareCores::warm(tensors, 1);
+      SpareCores::warm(tensors);
     }
   }
   SpareCores::Busy me(&pool);
@@ -162,7 +159,7 @@ TEST(SpareCores, NothingIsReadAheadWithoutASpareCoreOrWhenTurnedOff) {
   SpareCores::set_warm_ahead(false);
   for (int i = 0; i < 100; ++i) {
     SpareCores::for_each(2, [](int64_t) {});
-    SpareCores::warm(tensors, 1);
+    SpareCores::warm(tensors);
   }
   SpareCores::set_warm_ahead(was);
   // A helper spinning after the last job has nothing posted to read.
