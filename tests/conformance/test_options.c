@@ -307,6 +307,22 @@ static void close_fixture(fixture *f) {
   pipe_model_destroy(f->model);
 }
 
+/* An older caller's pipe_stage_options of `size` bytes, followed by bytes that are no valid value of any later
+ * field: a session is made from it, so nothing past `size` was read. */
+static void older_stage_options_are_read_to_their_end(pipe_plan *plan, size_t size) {
+  union {
+    pipe_stage_options so;
+    unsigned char bytes[sizeof(pipe_stage_options)];
+  } buf;
+  memset(&buf, GUARD, sizeof buf);
+  ASSERT_OK(pipe_stage_options_init(&buf.so, size));
+  pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
+  pipe_session *s = NULL;
+  o.stage_options = &buf.so;
+  ASSERT_OK(pipe_session_create(plan, &o, &s));
+  pipe_session_destroy(s);
+}
+
 /* pipe_stage_options.quantize_head (0.16): a value outside PIPE_QUANTIZE_HEAD_*, or any but the default without
  * quantized weights, is PIPE_ERR_INVALID_ARGUMENT naming the field and what to do, with no session made; each
  * value with int8 or int4 weights passes the options' checks (the session is made where the CPU has AVX-512, else
@@ -356,19 +372,7 @@ static void quantize_head_needs_quantized_weights(void **state) {
     }
   }
   /* A 0.14 caller's struct ends before quantize_head: whatever lies beyond is not read. */
-  {
-    union {
-      pipe_stage_options so;
-      unsigned char bytes[sizeof(pipe_stage_options)];
-    } buf;
-    memset(&buf, GUARD, sizeof buf);
-    ASSERT_OK(pipe_stage_options_init(&buf.so, offsetof(pipe_stage_options, quantize_head)));
-    pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
-    pipe_session *s = NULL;
-    o.stage_options = &buf.so;
-    ASSERT_OK(pipe_session_create(f.plan, &o, &s));
-    pipe_session_destroy(s);
-  }
+  older_stage_options_are_read_to_their_end(f.plan, offsetof(pipe_stage_options, quantize_head));
   close_fixture(&f);
 }
 
@@ -421,19 +425,7 @@ static void quantize_embedding_values(void **state) {
     }
   }
   /* A 0.16 caller's struct ends before quantize_embedding: whatever lies beyond is not read. */
-  {
-    union {
-      pipe_stage_options so;
-      unsigned char bytes[sizeof(pipe_stage_options)];
-    } buf;
-    memset(&buf, GUARD, sizeof buf);
-    ASSERT_OK(pipe_stage_options_init(&buf.so, offsetof(pipe_stage_options, quantize_embedding)));
-    pipe_session_options o = PIPE_SESSION_OPTIONS_INIT;
-    pipe_session *s = NULL;
-    o.stage_options = &buf.so;
-    ASSERT_OK(pipe_session_create(f.plan, &o, &s));
-    pipe_session_destroy(s);
-  }
+  older_stage_options_are_read_to_their_end(f.plan, offsetof(pipe_stage_options, quantize_embedding));
   close_fixture(&f);
   /* An exported program runs its graph as archived: no lookup to rewrite. */
   {
