@@ -281,16 +281,36 @@ pipe_status pipe_generation_read(pipe_generation* generation, int64_t* tokens, s
   });
 }
 
+namespace {
+
+// The outputs of pipe_generation_logprobs and pipe_generation_prompt_logprobs: the top lists only where there is
+// room for them.
+void require_logprob_outputs(const char* fn, const float* logprob, const int64_t* top_ids, const float* top_logprobs,
+                             size_t capacity, const size_t* count) {
+  require(logprob, fn, "logprob");
+  require(count, fn, "count");
+  if (capacity > 0) {
+    require(top_ids, fn, "top_ids");
+    require(top_logprobs, fn, "top_logprobs");
+  }
+}
+
+void copy_logprobs(const libpipe::generate::TokenLogprobs& lp, float* logprob, int64_t* top_ids, float* top_logprobs,
+                   size_t capacity, size_t* count) {
+  const size_t n = std::min(capacity, lp.top_ids.size());
+  std::copy_n(lp.top_ids.begin(), n, top_ids);
+  std::copy_n(lp.top_logprobs.begin(), n, top_logprobs);
+  *logprob = lp.logprob;
+  *count = n;
+}
+
+}  // namespace
+
 pipe_status pipe_generation_logprobs(const pipe_generation* generation, size_t index, float* logprob, int64_t* top_ids,
                                      float* top_logprobs, size_t capacity, size_t* count) {
   return guarded(__func__, [&](const char* fn) {
     require(generation, fn, "generation");
-    require(logprob, fn, "logprob");
-    require(count, fn, "count");
-    if (capacity > 0) {
-      require(top_ids, fn, "top_ids");
-      require(top_logprobs, fn, "top_logprobs");
-    }
+    require_logprob_outputs(fn, logprob, top_ids, top_logprobs, capacity, count);
     auto& g = *get(generation)->impl;
     if (!g.keeps_logprobs())
       throw Error(Status::InvalidArgument, std::string(fn) +
@@ -301,11 +321,7 @@ pipe_status pipe_generation_logprobs(const pipe_generation* generation, size_t i
       throw Error(Status::InvalidArgument, std::string(fn) + ": no token " + std::to_string(index) +
                                                " has been generated yet (" + std::to_string(g.info().generated_tokens) +
                                                " so far; the first is 0)");
-    const size_t n = std::min(capacity, lp.top_ids.size());
-    std::copy_n(lp.top_ids.begin(), n, top_ids);
-    std::copy_n(lp.top_logprobs.begin(), n, top_logprobs);
-    *logprob = lp.logprob;
-    *count = n;
+    copy_logprobs(lp, logprob, top_ids, top_logprobs, capacity, count);
   });
 }
 
@@ -313,12 +329,7 @@ pipe_status pipe_generation_prompt_logprobs(const pipe_generation* generation, s
                                             int64_t* top_ids, float* top_logprobs, size_t capacity, size_t* count) {
   return guarded(__func__, [&](const char* fn) {
     require(generation, fn, "generation");
-    require(logprob, fn, "logprob");
-    require(count, fn, "count");
-    if (capacity > 0) {
-      require(top_ids, fn, "top_ids");
-      require(top_logprobs, fn, "top_logprobs");
-    }
+    require_logprob_outputs(fn, logprob, top_ids, top_logprobs, capacity, count);
     auto& g = *get(generation)->impl;
     if (!g.keeps_prompt_logprobs())
       throw Error(Status::InvalidArgument, std::string(fn) +
@@ -333,11 +344,7 @@ pipe_status pipe_generation_prompt_logprobs(const pipe_generation* generation, s
     if (!g.prompt_logprobs(position, &lp))
       throw Error(Status::InvalidArgument, std::string(fn) + ": prompt position " + std::to_string(position) +
                                                " is not scored yet; read it once the first token arrived");
-    const size_t n = std::min(capacity, lp.top_ids.size());
-    std::copy_n(lp.top_ids.begin(), n, top_ids);
-    std::copy_n(lp.top_logprobs.begin(), n, top_logprobs);
-    *logprob = lp.logprob;
-    *count = n;
+    copy_logprobs(lp, logprob, top_ids, top_logprobs, capacity, count);
   });
 }
 
