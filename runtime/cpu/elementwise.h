@@ -1,4 +1,5 @@
-// The element-wise work of a decoder layer in one pass each: RMSNorm, rotary position embedding, SiLU(gate) * up.
+// The element-wise work of a decoder layer in one pass each: RMSNorm (alone or after its residual add), rotary
+// position embedding, SiLU(gate) * up.
 //
 // In a TorchScript decoder each of these is 4-12 operators (casts, powers, means, slices, a concatenation, products
 // and sums), each a dispatch, an allocation and a pass over its tensor; in a decode step of one row they took a
@@ -20,6 +21,12 @@ namespace libpipe::cpu {
 // `cols` values each (x and out contiguous rows, weight [cols]); Hugging Face's LlamaRMSNorm.
 void rms_norm(WeightType type, const void* x, const void* weight, void* out, int64_t cols, float eps, int64_t begin,
               int64_t end);
+
+// sum[r] = x[r] + y[r], rounded to the type as aten's add stores it, and out[r] = rms_norm of sum[r], for rows
+// [begin, end): a residual connection and the RMSNorm that reads it, in one pass over the row (the sum is the
+// residual stream the layer's next connection adds to). Results equal add then rms_norm bit for bit.
+void add_rms_norm(WeightType type, const void* x, const void* y, const void* weight, void* sum, void* out, int64_t cols,
+                  float eps, int64_t begin, int64_t end);
 
 // out = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[half:], x[:half]), for rows [begin, end) of x
 // [rows, dim]; row r uses cos/sin row r / heads ([rows / heads, dim]): the queries or keys [N, heads, dim] of N

@@ -21,22 +21,48 @@ using avx512::load;
 using avx512::round_to;
 using avx512::store;
 
+namespace {
+
+// Row `row` (at element offset `at`) of rms_norm, given the sum of its squared values.
+void normalize_row(WeightType type, const void* x, const void* weight, void* out, int64_t at, int64_t cols,
+                   __m512 squares, float eps) {
+  // As aten computes it in float32: the mean, plus eps, its reciprocal square root.
+  const float rstd = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(cols) + eps);
+  const __m512 s = _mm512_set1_ps(rstd);
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __m512 normed = round_to(type, _mm512_mul_ps(load(type, x, at + c, cols - c), s));
+    store(type, out, at + c, _mm512_mul_ps(load(type, weight, c, cols - c), normed), cols - c);
+  }
+}
+
+}  // namespace
+
 void rms_norm(WeightType type, const void* x, const void* weight, void* out, int64_t cols, float eps, int64_t begin,
               int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
     const int64_t row = r * cols;
-    __m512 sum = _mm512_setzero_ps();
+    __m512 squares = _mm512_setzero_ps();
     for (int64_t c = 0; c < cols; c += 16) {
       const __m512 v = load(type, x, row + c, cols - c);
-      sum = _mm512_fmadd_ps(v, v, sum);
+      squares = _mm512_fmadd_ps(v, v, squares);
     }
-    // As aten computes it in float32: the mean, plus eps, its reciprocal square root.
-    const float rstd = 1.0f / std::sqrt(_mm512_reduce_add_ps(sum) / static_cast<float>(cols) + eps);
-    const __m512 s = _mm512_set1_ps(rstd);
+    normalize_row(type, x, weight, out, row, cols, squares, eps);
+  }
+}
+
+void add_rms_norm(WeightType type, const void* x, const void* y, const void* weight, void* sum, void* out, int64_t cols,
+                  float eps, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const int64_t row = r * cols;
+    __m512 squares = _mm512_setzero_ps();
     for (int64_t c = 0; c < cols; c += 16) {
-      const __m512 normed = round_to(type, _mm512_mul_ps(load(type, x, row + c, cols - c), s));
-      store(type, out, row + c, _mm512_mul_ps(load(type, weight, c, cols - c), normed), cols - c);
+      // The sum as aten's add stores it (rounded to the type), then squared as rms_norm squares what it reads.
+      const __m512 v =
+          round_to(type, _mm512_add_ps(load(type, x, row + c, cols - c), load(type, y, row + c, cols - c)));
+      store(type, sum, row + c, v, cols - c);
+      squares = _mm512_fmadd_ps(v, v, squares);
     }
+    normalize_row(type, sum, weight, out, row, cols, squares, eps);
   }
 }
 

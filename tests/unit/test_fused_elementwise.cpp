@@ -64,6 +64,36 @@ TEST(FusedElementwise, RmsNormEqualsEager) {
   expect_close(stage::rms_norm(y, at::ones({8}), 1e-6), eager_rms_norm(y, at::ones({8}), 1e-6), "3-d");
 }
 
+TEST(FusedElementwise, AddRmsNormEqualsTheAddThenTheNorm) {
+  SKIP_WITHOUT_KERNELS();
+  c10::InferenceMode guard;
+  at::manual_seed(5);
+  for (at::ScalarType dtype : kDtypes)
+    for (int64_t cols : {1, 7, 16, 100, 576})
+      for (int64_t rows : {1, 3, 300}) {
+        const std::string what =
+            std::string(c10::toString(dtype)) + " " + std::to_string(rows) + " x " + std::to_string(cols);
+        const at::Tensor x = (at::randn({rows, cols}) * 3).to(dtype), y = at::randn({rows, cols}).to(dtype);
+        const at::Tensor w = at::randn({cols}).to(dtype);
+        const auto [sum, out] = stage::add_rms_norm(x, y, w, 1e-5);
+        // The residual stream is aten's add, bit for bit; the norm is the norm of that sum (the same kernel's
+        // arithmetic, so bit for bit too) and close to eager's.
+        EXPECT_TRUE(at::equal(sum, x + y)) << what;
+        EXPECT_TRUE(at::equal(out, stage::rms_norm(x + y, w, 1e-5))) << what;
+        expect_close(out, eager_rms_norm(x + y, w, 1e-5), what);
+      }
+  // What the kernel does not take runs the add and the norm as they are: a broadcast, mixed dtypes.
+  const at::Tensor x = at::randn({3, 8}), row = at::randn({8}), w = at::randn({8});
+  const auto [sum, out] = stage::add_rms_norm(x, row, w, 1e-6);
+  EXPECT_TRUE(at::equal(sum, x + row));
+  EXPECT_TRUE(at::equal(out, stage::rms_norm(x + row, w, 1e-6)));
+  const at::Tensor half = at::randn({3, 8}).to(at::kBFloat16);
+  const auto [mixed_sum, mixed_out] = stage::add_rms_norm(x, half, w, 1e-6);
+  EXPECT_TRUE(at::equal(mixed_sum, x + half));
+  EXPECT_EQ(mixed_sum.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(mixed_out, stage::rms_norm(x + half, w, 1e-6)));
+}
+
 TEST(FusedElementwise, RotaryEqualsEager) {
   SKIP_WITHOUT_KERNELS();
   c10::InferenceMode guard;
@@ -114,7 +144,8 @@ def rotate_half(self, x):
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-def forward(self, x, cos, sin, gate, up):
+def forward(self, residual, x, cos, sin, gate, up):
+    x = residual + x
     dtype = x.dtype
     h = x.to(6)  # torch.float32
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -123,7 +154,7 @@ def forward(self, x, cos, sin, gate, up):
     c = cos.unsqueeze(1)
     s = sin.unsqueeze(1)
     q = q * c + self.rotate_half(q) * s
-    return q, torch.silu(gate) * up
+    return q, torch.silu(gate) * up, x
 )");
   return m;
 }
@@ -137,7 +168,9 @@ TEST(FusedElementwise, TheDecodersPatternsAreRewrittenAndComputeTheSame) {
     auto graph = fused.get_method("forward").graph();
     torch::jit::Inline(*graph);
     EXPECT_EQ(stage::fuse_elementwise(fused), 3u);
-    EXPECT_EQ(count_nodes(*graph, "pipe::rms_norm"), 1u);
+    EXPECT_EQ(count_nodes(*graph, "pipe::add_rms_norm"), 1u);
+    EXPECT_EQ(count_nodes(*graph, "pipe::rms_norm"), 0u);
+    EXPECT_EQ(count_nodes(*graph, "aten::add"), 0u);  // the residual add, the norm's + eps and the rotary's sum
     EXPECT_EQ(count_nodes(*graph, "pipe::rotary"), 1u);
     EXPECT_EQ(count_nodes(*graph, "pipe::silu_mul"), 1u);
     EXPECT_EQ(count_nodes(*graph, "aten::rsqrt"), 0u);
@@ -145,7 +178,8 @@ TEST(FusedElementwise, TheDecodersPatternsAreRewrittenAndComputeTheSame) {
     for (int64_t rows : {1, 9}) {
       const at::Tensor x = at::randn({rows, 64}).to(dtype);
       const at::Tensor angles = at::randn({rows, 16});
-      const std::vector<c10::IValue> inputs{x, angles.cos().to(dtype), angles.sin().to(dtype),
+      const std::vector<c10::IValue> inputs{at::randn({rows, 64}).to(dtype), x,
+                                            angles.cos().to(dtype),          angles.sin().to(dtype),
                                             at::randn({rows, 40}).to(dtype), at::randn({rows, 40}).to(dtype)};
       const auto want = plain.forward(inputs).toTuple()->elements();
       const auto got = fused.forward(inputs).toTuple()->elements();
@@ -165,6 +199,11 @@ TEST(FusedElementwise, EveryChainOfTheDecoderIsFused) {
   const size_t layers = 2;
   EXPECT_EQ(stage::fuse_elementwise(decoder), layers * 2 + 1 + layers * 2 + layers) << *graph;
   EXPECT_EQ(count_nodes(*graph, "aten::rsqrt"), 0u);
+  // A residual add goes with the norm that reads it: each layer's post-attention norm and the next layer's input
+  // norm. The first layer's input norm reads the embedding, and the final norm the rows the head needs, selected
+  // from the last layer's sum: those two stay plain norms.
+  EXPECT_EQ(count_nodes(*graph, "pipe::add_rms_norm"), layers * 2 - 1);
+  EXPECT_EQ(count_nodes(*graph, "pipe::rms_norm"), 2u);
   EXPECT_EQ(count_nodes(*graph, "aten::silu"), 0u);
   EXPECT_EQ(count_nodes(*graph, "aten::cat"), 1u);  // the rotary embedding's cat((freqs, freqs)), once per call
 }

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 
 #include "runtime/cpu/elementwise.h"
@@ -48,6 +49,25 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
     cpu::rms_norm(*type, in.data_ptr(), w.data_ptr(), out.data_ptr(), cols, static_cast<float>(eps), begin, end);
   });
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_op(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
+                                                   double eps) {
+  const auto type = kernel_type(x);
+  if (!type || y.scalar_type() != x.scalar_type() || !y.device().is_cpu() || y.sizes() != x.sizes() ||
+      weight.scalar_type() != x.scalar_type() || !weight.device().is_cpu() || weight.dim() != 1 || x.dim() < 1 ||
+      x.size(-1) != weight.size(0) || x.numel() == 0) {
+    at::Tensor sum = at::add(x, y);  // the pattern's own operators (broadcasts, promotions, their errors)
+    return {sum, rms_norm_op(sum, weight, eps)};
+  }
+  const at::Tensor a = x.contiguous(), b = y.contiguous(), w = weight.contiguous();
+  at::Tensor sum = at::empty_like(a), out = at::empty_like(a);
+  const int64_t cols = a.size(-1), rows = a.numel() / cols;
+  SpareCores::for_ranges(rows, rows_grain(cols), rows, [&](int64_t begin, int64_t end) {
+    cpu::add_rms_norm(*type, a.data_ptr(), b.data_ptr(), w.data_ptr(), sum.data_ptr(), out.data_ptr(), cols,
+                      static_cast<float>(eps), begin, end);
+  });
+  return {sum, out};
 }
 
 at::Tensor rotate_half(const at::Tensor& x) {
@@ -97,6 +117,9 @@ void register_ops() {
     lib.def(torch::schema("pipe::rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
                           c10::AliasAnalysisKind::FROM_SCHEMA),
             &rms_norm_op);
+    lib.def(torch::schema("pipe::add_rms_norm(Tensor x, Tensor y, Tensor weight, float eps) -> (Tensor, Tensor)",
+                          c10::AliasAnalysisKind::FROM_SCHEMA),
+            &add_rms_norm_op);
     lib.def(
         torch::schema("pipe::rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor", c10::AliasAnalysisKind::FROM_SCHEMA),
         &rotary_op);
@@ -136,6 +159,19 @@ const char* const kRmsNormFused = R"IR(
 graph(%x, %eps, %weight, %f32, %nb1, %cp1, %mf1, %two, %neg1, %keep, %dt, %alpha, %nb2, %cp2, %mf2):
   %y = pipe::rms_norm(%x, %weight, %eps)
   return (%y))IR";
+
+// A residual connection and the RMSNorm that reads it (after kRmsNorm is rewritten): the sum stays an output, the
+// residual stream the next connection adds to. Only a Tensor + Tensor add with alpha 1 (the match's filter). The norm's
+// output comes first: the matcher starts from the node of the first output and walks back to the inputs.
+const char* const kAddRmsNorm = R"IR(
+graph(%x, %y, %alpha, %weight, %eps):
+  %sum = aten::add(%x, %y, %alpha)
+  %out = pipe::rms_norm(%sum, %weight, %eps)
+  return (%out, %sum))IR";
+const char* const kAddRmsNormFused = R"IR(
+graph(%x, %y, %alpha, %weight, %eps):
+  %sum : Tensor, %out : Tensor = pipe::add_rms_norm(%x, %y, %weight, %eps)
+  return (%out, %sum))IR";
 
 // x * cos + rotate_half(x) * sin.
 const char* const kRotary = R"IR(
@@ -179,6 +215,10 @@ size_t count(const torch::jit::Block* block, c10::Symbol kind) {
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return rms_norm_op(x, weight, eps); }
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
+                                                double eps) {
+  return add_rms_norm_op(x, y, weight, eps);
+}
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) { return rotary_op(x, cos, sin); }
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) { return silu_mul_op(gate, up); }
 
@@ -204,6 +244,17 @@ size_t fuse_elementwise(torch::jit::Module& stage) {
              constant_is(m, v, "cp2", no) && constant_is(m, v, "mf2", none);
     });
   }
+  const char* residual_env = std::getenv("LIBPIPE_FUSED_RESIDUAL");
+  if (!residual_env || std::strcmp(residual_env, "0") != 0) {
+    torch::jit::SubgraphRewriter rewriter;
+    rewriter.RegisterRewritePattern(kAddRmsNorm, kAddRmsNormFused);
+    rewriter.runOnGraph(graph, [](const torch::jit::Match& m, const VMap& v) {
+      const auto is_tensor = [&](const char* name) {
+        return m.values_map.at(v.at(name))->type()->isSubtypeOf(*c10::TensorType::get());
+      };
+      return is_tensor("x") && is_tensor("y") && constant_is(m, v, "alpha", int64_t{1});
+    });
+  }
   {
     torch::jit::SubgraphRewriter rewriter;
     rewriter.RegisterRewritePattern(kRotary, kRotaryFused);
@@ -221,6 +272,7 @@ size_t fuse_elementwise(torch::jit::Module& stage) {
     rewriter.runOnGraph(graph);
   }
   return count(graph->block(), c10::Symbol::fromQualString("pipe::rms_norm")) +
+         count(graph->block(), c10::Symbol::fromQualString("pipe::add_rms_norm")) +
          count(graph->block(), c10::Symbol::fromQualString("pipe::rotary")) +
          count(graph->block(), c10::Symbol::fromQualString("pipe::silu_mul"));
 }
