@@ -122,7 +122,7 @@ class SpareCores {
   void run(int64_t count, const std::function<void(int64_t)>& fn);
   void helper_loop();
   void post_warm(WarmList tensors);
-  // Reads the posted spans (the helper's side of warm) until they end or the helper is wanted elsewhere.
+  // Reads the posted tensors (the helper's side of warm) until they end or the helper is wanted elsewhere.
   void read_ahead(uint64_t generation);
   // Takes and runs indices of job `generation` until none is left (a helper: or until every core
   // has a busy stage again, or the job is over).
@@ -158,12 +158,12 @@ class SpareCores {
   std::atomic<uint64_t> generation_{0};  // bumped per job: helpers spin on it before sleeping
   std::vector<std::thread> helpers_;
 
-  // The spans of the latest warm call, taken by one helper.
+  // The tensors of the latest warm call, taken by one helper.
   std::mutex warm_mutex_;
   WarmList warm_tensors_;  // guarded by warm_mutex_
   std::atomic<bool> warm_posted_{false};
   std::atomic<uint64_t> read_ahead_bytes_{0};
-  // Where the helper stopped reading in the latest spans: the next call's spans start at the next product, and
+  // Where the helper stopped reading in the latest tensors: the next call's list starts at the next product, and
   // what lies before this point was read.
   const void* frontier_data_ = nullptr;  // guarded by warm_mutex_
   size_t frontier_offset_ = 0;           // guarded by warm_mutex_
