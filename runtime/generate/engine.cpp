@@ -68,6 +68,9 @@ schedule::SessionOptions step_session_options(schedule::SessionOptions options, 
   options.input_specs.clear();
   options.output_specs.clear();
   options.max_inflight = std::max<int64_t>(options.max_inflight, steps_in_flight);
+  // Logits that a GPU stage computed stay on its GPU: the sampler reduces greedy rows there, so that a step brings
+  // back a token per row rather than [rows, vocab] floats (sampling.h).
+  options.outputs_on_device = true;
   return options;
 }
 
@@ -627,9 +630,10 @@ void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id,
   }
   at::Tensor rows_logits;
   if (!sample_rows.empty())
-    rows_logits = static_cast<size_t>(logits.size(0)) == sample_rows.size()
-                      ? logits
-                      : logits.index_select(0, at::tensor(sample_rows, at::TensorOptions().dtype(at::kLong)));
+    rows_logits =
+        static_cast<size_t>(logits.size(0)) == sample_rows.size()
+            ? logits
+            : logits.index_select(0, at::tensor(sample_rows, at::TensorOptions().dtype(at::kLong)).to(logits.device()));
   const at::Tensor all_logits = logits;
   std::vector<std::string> row_errors;
   std::vector<int64_t> tokens;

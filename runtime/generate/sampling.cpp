@@ -168,8 +168,8 @@ int64_t Sampler::sample_row(const float* logits, int64_t vocab, const SamplingPa
   }
 }
 
-std::vector<int64_t> Sampler::sample(const at::Tensor& logits, const std::vector<SamplingParams>& params,
-                                     const std::vector<TokenRng*>& rngs, std::vector<std::string>* row_errors) {
+void Sampler::check_arguments(const at::Tensor& logits, const std::vector<SamplingParams>& params,
+                              const std::vector<TokenRng*>& rngs) {
   if (logits.dim() != 2 || logits.scalar_type() != at::kFloat)
     throw Error(Status::InvalidArgument,
                 "sampling: the logits must be a float32 tensor [batch, vocab] (the decoder's"
@@ -193,19 +193,65 @@ std::vector<int64_t> Sampler::sample(const at::Tensor& logits, const std::vector
       throw Error(e.status(), std::string(e.what()) + " (row " + std::to_string(b) + ")");
     }
   }
-  const at::Tensor cpu = logits.to(at::kCPU).contiguous();
+}
+
+int64_t Sampler::sample_host_row(const float* row, int64_t b, int64_t vocab, const SamplingParams& params,
+                                 TokenRng& rng, std::vector<std::string>* row_errors) {
+  try {
+    return sample_row(row, vocab, params, rng);
+  } catch (const Error& e) {
+    std::string message = std::string(e.what()) + " (row " + std::to_string(b) + ")";
+    if (row_errors == nullptr) throw Error(e.status(), message);
+    (*row_errors)[b] = std::move(message);
+    return -1;
+  }
+}
+
+std::vector<int64_t> Sampler::sample(const at::Tensor& logits, const std::vector<SamplingParams>& params,
+                                     const std::vector<TokenRng*>& rngs, std::vector<std::string>* row_errors) {
+  if (logits.defined() && !logits.device().is_cpu()) return sample_reducing_on_device(logits, params, rngs, row_errors);
+  check_arguments(logits, params, rngs);
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const at::Tensor cpu = logits.contiguous();
   const float* data = cpu.const_data_ptr<float>();
   std::vector<int64_t> tokens(static_cast<size_t>(rows));
   if (row_errors != nullptr) row_errors->assign(static_cast<size_t>(rows), std::string());
+  for (int64_t b = 0; b < rows; ++b)
+    tokens[b] = sample_host_row(data + b * vocab, b, vocab, params[b], *rngs[b], row_errors);
+  return tokens;
+}
+
+std::vector<int64_t> Sampler::sample_reducing_on_device(const at::Tensor& logits,
+                                                        const std::vector<SamplingParams>& params,
+                                                        const std::vector<TokenRng*>& rngs,
+                                                        std::vector<std::string>* row_errors) {
+  check_arguments(logits, params, rngs);
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  // Each row's largest logit and its first token (max propagates a NaN, as the host's pass reports one).
+  const auto [max_values, max_tokens] = at::max(logits, 1);
+  const at::Tensor values = max_values.to(at::kCPU), ids = max_tokens.to(at::kCPU);
+  const float* value = values.const_data_ptr<float>();
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  std::vector<int64_t> tokens(static_cast<size_t>(rows), -1);
+  if (row_errors != nullptr) row_errors->assign(static_cast<size_t>(rows), std::string());
+  std::vector<int64_t> whole;  // rows that come back whole, in order
   for (int64_t b = 0; b < rows; ++b) {
-    try {
-      tokens[b] = sample_row(data + b * vocab, vocab, params[b], *rngs[b]);
-    } catch (const Error& e) {
-      std::string message = std::string(e.what()) + " (row " + std::to_string(b) + ")";
-      if (row_errors == nullptr) throw Error(e.status(), message);
-      tokens[b] = -1;
-      (*row_errors)[b] = std::move(message);
+    const SamplingParams& p = params[b];
+    const bool greedy = p.temperature == 0 || static_cast<float>(p.temperature) == 0 || p.top_k == 1;
+    if (greedy && std::isfinite(value[b])) {
+      rngs[b]->next_uniform();  // the draw the host's pass takes for this token
+      tokens[b] = id[b];
+    } else {
+      whole.push_back(b);
     }
+  }
+  if (whole.empty()) return tokens;
+  const at::Tensor index = at::tensor(whole, at::TensorOptions().dtype(at::kLong)).to(logits.device());
+  const at::Tensor host = logits.index_select(0, index).to(at::kCPU).contiguous();
+  const float* data = host.const_data_ptr<float>();
+  for (size_t i = 0; i < whole.size(); ++i) {
+    const int64_t b = whole[i];
+    tokens[b] = sample_host_row(data + static_cast<int64_t>(i) * vocab, b, vocab, params[b], *rngs[b], row_errors);
   }
   return tokens;
 }

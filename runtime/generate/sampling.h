@@ -59,8 +59,17 @@ class Sampler {
   // whose largest logit is not finite where it samples (+inf, or every logit -inf). With `row_errors`, such a row
   // gets token -1 and its message there instead (one string per row, empty where the row went well), so one
   // sequence's broken logits fail that sequence only; argument errors still throw.
+  //
+  // Logits on a GPU stay there: greedy rows are reduced on the device and only their largest logit and its token come
+  // back ([B] each), where copying the rows would move [B, vocab] floats per step; a sampled row, or a greedy row
+  // whose largest logit is not finite (a NaN, an infinity: the errors and ties of the host's pass), comes back whole.
+  // The tokens, errors and generators' draws are those of the host's path.
   std::vector<int64_t> sample(const at::Tensor& logits, const std::vector<SamplingParams>& params,
                               const std::vector<TokenRng*>& rngs, std::vector<std::string>* row_errors = nullptr);
+  // sample()'s path for logits off the CPU, on logits anywhere (tests run it on the CPU). Same contract.
+  std::vector<int64_t> sample_reducing_on_device(const at::Tensor& logits, const std::vector<SamplingParams>& params,
+                                                 const std::vector<TokenRng*>& rngs,
+                                                 std::vector<std::string>* row_errors = nullptr);
   // One row of `vocab` logits; parameters already validated. Advances `rng` by one.
   int64_t sample_row(const float* logits, int64_t vocab, const SamplingParams& params, TokenRng& rng);
 
@@ -70,6 +79,12 @@ class Sampler {
   void select_top(const float* logits, int64_t vocab, int64_t k);
   // Samples among candidates_[0, n) given their weights_ (exp of scaled logits), by the uniform draw `u`.
   int64_t pick_candidate(size_t n, double u) const;
+  // Throws what sample() throws for its arguments.
+  static void check_arguments(const at::Tensor& logits, const std::vector<SamplingParams>& params,
+                              const std::vector<TokenRng*>& rngs);
+  // sample_row on row b of host logits [rows, vocab], its error into row_errors (or thrown).
+  int64_t sample_host_row(const float* row, int64_t b, int64_t vocab, const SamplingParams& params, TokenRng& rng,
+                          std::vector<std::string>* row_errors);
 
   std::vector<Candidate> candidates_;
   std::vector<int32_t> order_;      // token ids for nth_element when k is large

@@ -334,6 +334,62 @@ TEST(Sampling, BrokenLogitsFailTheirRowOnly) {
   EXPECT_NE(errors[2].find("-inf"), std::string::npos) << errors[2];
 }
 
+// Logits off the CPU go through sample_reducing_on_device (greedy rows reduced where the logits are, the rest copied
+// whole); it runs here on CPU logits and must give the host path's tokens, errors and draws for every kind of row:
+// greedy (temperature 0, top_k 1) with a tie for the largest logit, sampled (temperature, top-k, top-p), a NaN, a
+// +inf and an all -inf row, greedy and sampled, over several steps.
+TEST(Sampling, ReducingOnTheDeviceEqualsTheHostPath) {
+  const float inf = std::numeric_limits<float>::infinity();
+  at::Tensor logits = random_logits(10, 1000, 2.0, 21);
+  logits[0][5] = 50.f;  // a tie for the largest logit: the first token wins
+  logits[0][700] = 50.f;
+  logits[3][9] = std::numeric_limits<float>::quiet_NaN();
+  logits[4][12] = inf;
+  logits[5].fill_(-inf);
+  logits[6][3] = inf;
+  logits[7].fill_(-inf);
+  const std::vector<SamplingParams> params{
+      {0, 0, 1}, {0.8, 0, 1}, {1.0, 40, 1}, {0, 0, 1},     {0, 0, 1},
+      {0, 0, 1}, {1.0, 0, 1}, {1.0, 0, 1},  {0.7, 0, 0.9}, {2.0, 1, 1},
+  };
+  std::vector<TokenRng> host_rngs, device_rngs;
+  for (uint64_t seed = 0; seed < params.size(); ++seed) {
+    host_rngs.emplace_back(100 + seed);
+    device_rngs.emplace_back(100 + seed);
+  }
+  std::vector<TokenRng*> host_ptrs, device_ptrs;
+  for (size_t b = 0; b < params.size(); ++b) {
+    host_ptrs.push_back(&host_rngs[b]);
+    device_ptrs.push_back(&device_rngs[b]);
+  }
+  Sampler host, device;
+  for (int step = 0; step < 5; ++step) {
+    std::vector<std::string> host_errors, device_errors;
+    const auto want = host.sample(logits, params, host_ptrs, &host_errors);
+    const auto got = device.sample_reducing_on_device(logits, params, device_ptrs, &device_errors);
+    EXPECT_EQ(got, want) << "step " << step;
+    EXPECT_EQ(device_errors, host_errors) << "step " << step;
+    for (size_t b = 0; b < params.size(); ++b) EXPECT_EQ(device_rngs[b].draws(), host_rngs[b].draws()) << b;
+  }
+  // The rows meant above: a tie won by the first token, greedy over +inf and all -inf as the host path takes them, a
+  // NaN failing its row, and sampling refused where a logit is +inf or every one -inf.
+  std::vector<std::string> errors;
+  TokenRng fresh[10] = {TokenRng(0), TokenRng(1), TokenRng(2), TokenRng(3), TokenRng(4),
+                        TokenRng(5), TokenRng(6), TokenRng(7), TokenRng(8), TokenRng(9)};
+  std::vector<TokenRng*> ptrs;
+  for (auto& r : fresh) ptrs.push_back(&r);
+  const auto tokens = device.sample_reducing_on_device(logits, params, ptrs, &errors);
+  EXPECT_EQ(tokens[0], 5);
+  EXPECT_EQ(tokens[3], -1);
+  EXPECT_NE(errors[3].find("NaN"), std::string::npos) << errors[3];
+  EXPECT_EQ(tokens[4], 12);
+  EXPECT_EQ(tokens[5], 0);
+  EXPECT_EQ(tokens[6], -1);  // sampled with a +inf or all -inf logits: undefined probabilities
+  EXPECT_NE(errors[6].find("+inf"), std::string::npos) << errors[6];
+  EXPECT_EQ(tokens[7], -1);
+  EXPECT_EQ(tokens[9], logits[9].argmax().item<int64_t>());
+}
+
 // Not a test: the cost of a step's sampling at B = 64, vocab 50k, for each kind of setting. Run with
 // --gtest_also_run_disabled_tests --gtest_filter='*SamplingSpeed*'.
 TEST(Sampling, DISABLED_SamplingSpeed) {
