@@ -242,13 +242,17 @@ def main():
             batch = prompts(c, args.prompt_tokens, model_config(name)["vocab_size"])
             skeleton = os.path.join(work, f"{name}-{c}slots.pt")
             if not os.path.exists(skeleton):
-                export_llm(folder, skeleton, max_seq_len=args.prompt_tokens + args.new_tokens, max_batch=c, dtype="bf16")
+                export_llm(
+                    folder, skeleton, max_seq_len=args.prompt_tokens + args.new_tokens, max_batch=c, dtype="bf16"
+                )
             runs = {"transformers": []}
             runs.update({f"libpipe {s} stage{'s' if s > 1 else ''}": [] for s in args.stages})
             for _ in range(args.repeats):
                 runs["transformers"].append(hf.run(batch, args.new_tokens))
                 for s in args.stages:
-                    runs[f"libpipe {s} stage{'s' if s > 1 else ''}"].append(libpipe_run(args, folder, skeleton, batch, s))
+                    runs[f"libpipe {s} stage{'s' if s > 1 else ''}"].append(
+                        libpipe_run(args, folder, skeleton, batch, s)
+                    )
             hf_tps = median(runs["transformers"], "tokens_per_s")
             for layout, rs in runs.items():
                 tps, ttft, itl = median(rs, "tokens_per_s"), median(rs, "ttft_ms"), median(rs, "itl_ms")

@@ -122,7 +122,10 @@ def test_bfloat16_generates_on_the_gpu(decoder):
     out = decoder.generate(*placements(decoder.config)["2-stages"], dtype="bf16")
     assert all(len(o) == NEW_TOKENS for o in out["outputs"]), out
     same = sum(a == b for a, b in zip(out["outputs"], decoder.reference))
-    before = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) for a, b in zip(out["outputs"], decoder.reference)]
+    before = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
+        for a, b in zip(out["outputs"], decoder.reference)
+    ]
     print(
         f"bf16 on {DEVICE}: {same} of {len(PROMPTS)} greedy answers equal float32's; tokens before a first difference "
         f"{sum(before)} of {NEW_TOKENS * len(PROMPTS)}"
