@@ -19,7 +19,7 @@ import subprocess
 
 import pytest
 import torch
-from llm_models import CHUNK, MAX_LEN, MODELS, NEW_TOKENS, PROMPTS, SLOTS, export, split_points
+from llm_models import CHUNK, MAX_LEN, MODELS, NEW_TOKENS, PROMPTS, SLOTS, export, greedy_reference, split_points
 
 PIPE = os.environ["PIPE_CLI"]
 DEVICE = os.environ.get("LIBPIPE_GPU_TEST_DEVICE", "cuda:0")
@@ -27,24 +27,6 @@ OTHER = "cpu"
 # Llama (tied head), Qwen2 (q/k/v biases) and GPT-2 (learned positions, fused q/k/v): the decoder families whose
 # operators differ most; Mistral's sliding window and llama3's rope are the CPU suite's.
 NAMES = ["llama", "qwen2", "gpt2"]
-
-
-def reference(hf, prompts, new_tokens):
-    """transformers' greedy tokens after each prompt, one prompt at a time, on the model's device."""
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p], device=hf.device)
-            got = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=new_tokens,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            out.append(got[0, len(p) :].tolist())
-    return out
 
 
 class Decoder:
@@ -61,7 +43,7 @@ class Decoder:
             result = export(folder, path, "--max-seq-len", MAX_LEN, "--max-batch", SLOTS, "--dtype", dtype)
             assert result.returncode == 0, result.stderr
             self.skeleton[dtype] = path
-        self.reference = reference(hf.to(DEVICE), PROMPTS, NEW_TOKENS)
+        self.reference = greedy_reference(hf.to(DEVICE), PROMPTS, NEW_TOKENS)
         # A random model that repeated one token would not tell a broken cache.
         assert all(len(set(r)) >= 3 for r in self.reference), self.reference
 

@@ -166,11 +166,11 @@ def export_command(folder, out, *args):
 
 
 def greedy_reference(hf, prompts, new_tokens=NEW_TOKENS):
-    """transformers' greedy tokens after each prompt, one prompt at a time (no padding)."""
+    """transformers' greedy tokens after each prompt, one prompt at a time (no padding), on the model's device."""
     reference = []
     with torch.no_grad():
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=hf.device)
             out = hf.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
