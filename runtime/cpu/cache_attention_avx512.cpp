@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "runtime/cpu/avx512_vectors.h"
@@ -50,25 +52,47 @@ inline __mmask16 visible(const bool* mask, int64_t stride, int64_t n) {
   return bits;
 }
 
-// One head of one row: QB queries at a time, ND 16-wide vectors per head.
+// Calls f(std::integral_constant<int, n>{}) for n in 1 .. N (N <= 16).
+template <int N, int I = 1, typename F>
+inline void with_constant(int n, F&& f) {
+  if constexpr (I <= N) {
+    if (n == I) return f(std::integral_constant<int, I>{});
+    with_constant<N, I + 1>(n, std::forward<F>(f));
+  }
+}
+
+// One key-value head of one row: the query heads that share it (grouped-query attention) and their queries, QB
+// (head, query) pairs at a time, ND 16-wide vectors per head. The pairs of a block share every key and value the
+// block reads (loaded, and converted to float32 from a bfloat16 or float16 cache, once), which is what a decode step
+// (one query per head) needs: there the block is the group's heads. Each pair's arithmetic is that of the pair alone,
+// so grouping changes no bit of the result.
 template <WeightType Q, WeightType C, int ND>
 void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores) {
-  constexpr int QB = ND >= 16 ? 1 : 16 / ND;  // queries whose vectors fit 16 registers
-  const int64_t b = task / a.heads, h = task % a.heads;
-  const int64_t g = h / (a.heads / a.kv_heads);
+  constexpr int QB = ND >= 16 ? 1 : 16 / ND;  // pairs whose query vectors fit 16 registers
+  const int64_t group = a.heads / a.kv_heads;
+  const int64_t b = task / a.kv_heads, g = task % a.kv_heads;
   const int64_t d = a.head_dim, ctx = a.context;
   const int64_t slot = a.slots[b];
   const int64_t k_base = slot * a.cache_stride[0] + g * a.cache_stride[1];
   const int64_t v_base = slot * a.v_stride[0] + g * a.v_stride[1];
-  const bool* mask_row = a.mask + b * a.mask_stride[0] + h * a.mask_stride[1];
+  // Pair i is head g * group + i / queries, query i % queries: in q and out [B, H, T, D] the group's pairs are
+  // consecutive rows of D from this one.
+  const int64_t first_row = (b * a.heads + g * group) * a.queries;
+  const int64_t pairs = group * a.queries;
   scores.resize(static_cast<size_t>(QB * ctx));
-  for (int64_t q0 = 0; q0 < a.queries; q0 += QB) {
-    const int nq = static_cast<int>(std::min<int64_t>(QB, a.queries - q0));
+  // The keys of a block of 16, converted to float32 once for every pair (a cache in another dtype than float32).
+  alignas(64) float keys[16 * ND * 16];
+  for (int64_t i0 = 0; i0 < pairs; i0 += QB) {
+    const int nq = static_cast<int>(std::min<int64_t>(QB, pairs - i0));
     __m512 qv[QB][ND];
-    for (int qi = 0; qi < QB; ++qi)
+    const bool* mask_row[QB];
+    for (int qi = 0; qi < QB; ++qi) {
+      const int64_t i = i0 + std::min(qi, nq - 1);
+      mask_row[qi] = a.mask + b * a.mask_stride[0] + (g * group + i / a.queries) * a.mask_stride[1] +
+                     (i % a.queries) * a.mask_stride[2];
       for (int k = 0; k < ND; ++k)
-        qv[qi][k] = qi < nq ? avx512::load16<Q>(a.query, ((b * a.heads + h) * a.queries + q0 + qi) * d + 16 * k)
-                            : _mm512_setzero_ps();
+        qv[qi][k] = qi < nq ? avx512::load16<Q>(a.query, (first_row + i0 + qi) * d + 16 * k) : _mm512_setzero_ps();
+    }
     const float neg_inf = -std::numeric_limits<float>::infinity();
     // Scores of every key each query may see, -inf where it may not, 16 keys at a time: 16 product vectors
     // summed across their lanes together (sum16), not one horizontal sum per key.
@@ -77,7 +101,7 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
       __mmask16 sees[QB];
       __mmask16 any = 0;
       for (int qi = 0; qi < nq; ++qi) {
-        sees[qi] = visible(mask_row + (q0 + qi) * a.mask_stride[2] + j0 * a.mask_stride[3], a.mask_stride[3], nk);
+        sees[qi] = visible(mask_row[qi] + j0 * a.mask_stride[3], a.mask_stride[3], nk);
         any |= sees[qi];
       }
       const __m512 none = _mm512_set1_ps(neg_inf);
@@ -85,22 +109,31 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
         for (int qi = 0; qi < nq; ++qi) _mm512_mask_storeu_ps(scores.data() + qi * ctx + j0, avx512::first(nk), none);
         continue;
       }
-      for (int qi = 0; qi < nq; ++qi) {
+      const auto scores_of = [&](int qi, auto key) {
         __m512 p[16];
         for (int t = 0; t < 16; ++t) {
           if (t >= nk) {
             p[t] = _mm512_setzero_ps();
             continue;
           }
-          const int64_t row = k_base + (j0 + t) * a.cache_stride[2];
-          __m512 acc = _mm512_mul_ps(qv[qi][0], avx512::load16<C>(a.k_cache, row));
-          for (int k = 1; k < ND; ++k)
-            acc = _mm512_fmadd_ps(qv[qi][k], avx512::load16<C>(a.k_cache, row + 16 * k), acc);
+          __m512 acc = _mm512_mul_ps(qv[qi][0], key(t, 0));
+          for (int k = 1; k < ND; ++k) acc = _mm512_fmadd_ps(qv[qi][k], key(t, k), acc);
           p[t] = acc;
         }
         // Scaled after the product, as SDPA scales.
         const __m512 sc = _mm512_mul_ps(sum16(p), _mm512_set1_ps(a.scale));
         _mm512_mask_storeu_ps(scores.data() + qi * ctx + j0, avx512::first(nk), _mm512_mask_mov_ps(none, sees[qi], sc));
+      };
+      const auto cached = [&](int t, int k) {
+        return avx512::load16<C>(a.k_cache, k_base + (j0 + t) * a.cache_stride[2] + 16 * k);
+      };
+      if (C == WeightType::kFloat32 || nq == 1) {
+        for (int qi = 0; qi < nq; ++qi) scores_of(qi, cached);
+      } else {
+        for (int t = 0; t < nk; ++t)
+          for (int k = 0; k < ND; ++k) _mm512_store_ps(keys + (t * ND + k) * 16, cached(t, k));
+        for (int qi = 0; qi < nq; ++qi)
+          scores_of(qi, [&](int t, int k) { return _mm512_load_ps(keys + (t * ND + k) * 16); });
       }
     }
     // Softmax per query (the weights stay unnormalised; the sum divides at the end).
@@ -140,26 +173,32 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
                                 avx512::round_to(Q, _mm512_maskz_loadu_ps(avx512::first(n), s + j)));
         }
     }
-    // The weighted sum of the values.
-    __m512 acc[QB][ND];
-    for (int qi = 0; qi < QB; ++qi)
-      for (int k = 0; k < ND; ++k) acc[qi][k] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < ctx; ++j) {
-      bool any = false;
-      for (int qi = 0; qi < nq; ++qi) any |= scores[qi * ctx + j] != 0.f;
-      if (!any) continue;
-      __m512 vv[ND];
-      for (int k = 0; k < ND; ++k) vv[k] = avx512::load16<C>(a.v_cache, v_base + j * a.v_stride[2] + 16 * k);
-      for (int qi = 0; qi < nq; ++qi) {
-        const __m512 p = _mm512_set1_ps(scores[qi * ctx + j]);
-        for (int k = 0; k < ND; ++k) acc[qi][k] = _mm512_fmadd_ps(p, vv[k], acc[qi][k]);
+    // The weighted sum of the values, with the number of pairs a constant so that the accumulators stay in
+    // registers (a runtime count leaves them on the stack, each key's update waiting on a store and a load).
+    const auto weighted_sum = [&](auto pairs_in_block) {
+      constexpr int NQ = decltype(pairs_in_block)::value;
+      __m512 acc[NQ][ND];
+      for (int qi = 0; qi < NQ; ++qi)
+        for (int k = 0; k < ND; ++k) acc[qi][k] = _mm512_setzero_ps();
+      const float* s = scores.data();
+      for (int64_t j = 0; j < ctx; ++j) {
+        bool any = false;
+        for (int qi = 0; qi < NQ; ++qi) any |= s[qi * ctx + j] != 0.f;
+        if (!any) continue;
+        __m512 vv[ND];
+        for (int k = 0; k < ND; ++k) vv[k] = avx512::load16<C>(a.v_cache, v_base + j * a.v_stride[2] + 16 * k);
+        for (int qi = 0; qi < NQ; ++qi) {
+          const __m512 p = _mm512_set1_ps(s[qi * ctx + j]);
+          for (int k = 0; k < ND; ++k) acc[qi][k] = _mm512_fmadd_ps(p, vv[k], acc[qi][k]);
+        }
       }
-    }
-    for (int qi = 0; qi < nq; ++qi) {
-      const __m512 inv = _mm512_set1_ps(1.0f / total[qi]);
-      for (int k = 0; k < ND; ++k)
-        avx512::store(Q, a.out, ((b * a.heads + h) * a.queries + q0 + qi) * d + 16 * k, _mm512_mul_ps(acc[qi][k], inv));
-    }
+      for (int qi = 0; qi < NQ; ++qi) {
+        const __m512 inv = _mm512_set1_ps(1.0f / total[qi]);
+        for (int k = 0; k < ND; ++k)
+          avx512::store(Q, a.out, (first_row + i0 + qi) * d + 16 * k, _mm512_mul_ps(acc[qi][k], inv));
+      }
+    };
+    with_constant<QB>(nq, weighted_sum);
   }
 }
 

@@ -150,6 +150,45 @@ TEST(CacheAttention, AQuerySeeingNothingIsNaN) {
   EXPECT_TRUE(at::allclose(got[1], want[1], 1e-5, 1e-5));
 }
 
+// The kernels compute the query heads that share a key-value head together (grouped-query attention reads each key
+// once for them): every head's answer is bit for bit what it is over a cache holding its own copy of the key-value
+// head (no grouping), in every dtype, for one query per head (a decode step: the group in one block), for
+// prompt chunks whose (head, query) pairs cross the kernel's blocks, with a per-head mask and rows of one token.
+TEST(CacheAttention, GroupedHeadsEqualTheirUngroupedSelvesBitForBit) {
+  if (!cpu::cpu_has_panel_kernels()) GTEST_SKIP() << "this CPU has no AVX-512: the kernels do not run";
+  c10::InferenceMode guard;
+  at::manual_seed(8);
+  struct Shape {
+    int64_t heads, kv, d, t;
+  };
+  for (const Shape& s : {Shape{9, 3, 64, 1}, Shape{32, 8, 64, 1}, Shape{6, 2, 64, 5}, Shape{8, 2, 32, 3},
+                         Shape{4, 1, 128, 1}, Shape{10, 5, 16, 7}}) {
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      const int64_t group = s.heads / s.kv, max_len = 50;
+      const at::Tensor k_cache = at::randn({3, s.kv, max_len, s.d}).to(dtype);
+      const at::Tensor v_cache = at::randn({3, s.kv, max_len, s.d}).to(dtype);
+      const at::Tensor slots = at::tensor({2, 0}, at::kLong), start = at::tensor({40, 3}, at::kLong),
+                       lengths = at::tensor({s.t, int64_t{1}}, at::kLong);
+      const int64_t context = (start + lengths).max().item<int64_t>();
+      // A mask per head: the decoder's, with a different key hidden from each head.
+      at::Tensor mask = decoder_mask(start, lengths, s.t, context, 0).expand({2, s.heads, s.t, context}).clone();
+      for (int64_t h = 0; h < s.heads; ++h) mask.select(1, h).select(2, h % context).fill_(false);
+      const at::Tensor q = at::randn({2, s.t, s.heads, s.d}).to(dtype).transpose(1, 2);
+      const at::Tensor grouped = stage::cache_attention(q, k_cache, v_cache, slots, context, mask, std::nullopt, true);
+      const at::Tensor each =
+          stage::cache_attention(q, k_cache.repeat_interleave(group, 1), v_cache.repeat_interleave(group, 1), slots,
+                                 context, mask, std::nullopt, false);
+      EXPECT_TRUE(at::equal(grouped, each))
+          << c10::toString(dtype) << " heads " << s.heads << " kv " << s.kv << " t " << s.t << " max difference "
+          << (grouped.to(at::kFloat) - each.to(at::kFloat)).abs().max().item<double>();
+      const at::Tensor want = reference(q.to(at::kFloat), k_cache.to(at::kFloat), v_cache.to(at::kFloat), slots,
+                                        context, mask, std::nullopt, true);
+      const double tol = dtype == at::kFloat ? 1e-5 : dtype == at::kHalf ? 2e-3 : 1.6e-2;
+      EXPECT_TRUE(at::allclose(grouped.to(at::kFloat), want, tol, tol)) << c10::toString(dtype) << " heads " << s.heads;
+    }
+  }
+}
+
 TEST(CacheAttention, WhatItDoesNotComputeItselfIsSdpasAnswerOrError) {
   c10::InferenceMode guard;
   at::manual_seed(4);
