@@ -53,10 +53,10 @@ int main(int argc, char** argv) {
     return 0;
   }
   libpipe::stage::SpareCores pool(cores);
-  std::printf("%s attention, %lld heads over %lld key-value heads of %lld, best of %d calls, microseconds "
-              "(cache GB/s)\n",
-              model.c_str(), static_cast<long long>(heads), static_cast<long long>(kv), static_cast<long long>(d),
-              repeats);
+  std::printf(
+      "%s attention, %lld heads over %lld key-value heads of %lld, best of %d calls, microseconds "
+      "(cache GB/s)\n",
+      model.c_str(), static_cast<long long>(heads), static_cast<long long>(kv), static_cast<long long>(d), repeats);
   std::printf("dtype rows context   one thread        %d cores      aten SDPA (1 thread)\n", cores);
   for (const at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
     for (const int64_t rows : {1, 8, 32}) {
