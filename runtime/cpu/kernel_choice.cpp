@@ -69,6 +69,7 @@ std::string describe(WeightType type, KernelVariant v) {
 struct KernelChoice::Class {
   std::atomic<int> decided{-1};
   std::atomic<uint64_t> next{0};
+  std::atomic<unsigned> dropped{0};  // slots no longer tried (bit per slot): clearly slower at the first look
   std::mutex mutex;
   double bytes[kMaxVariants] = {};
   double seconds[kMaxVariants] = {};
@@ -120,7 +121,12 @@ KernelChoice::Pick KernelChoice::pick(WeightType type, int64_t rows) {
   Class& c = of(type, rows);
   const int decided = c.decided.load(std::memory_order_acquire);
   if (decided >= 0) return {variant(type, decided), -1};
-  const int slot = static_cast<int>(c.next.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(count));
+  // The slots in turn, skipping dropped ones (never all of them: the best is never dropped).
+  const unsigned dropped = c.dropped.load(std::memory_order_acquire);
+  int slot = 0;
+  do {
+    slot = static_cast<int>(c.next.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(count));
+  } while ((dropped >> slot) & 1u);
   return {variant(type, slot), slot};
 }
 
@@ -133,17 +139,35 @@ void KernelChoice::record(WeightType type, int64_t rows, int slot, int64_t bytes
   c.bytes[slot] += static_cast<double>(bytes);
   c.seconds[slot] += seconds;
   ++c.samples[slot];
-  int best = 0;
+  auto rate = [&c](int s) { return c.bytes[s] / c.seconds[s]; };
+  unsigned dropped = c.dropped.load(std::memory_order_relaxed);
+  // Nothing is compared before every slot still tried has its first look.
+  int best = -1;
   for (int s = 0; s < count; ++s) {
-    if (c.samples[s] < kSamples) return;
-    if (c.bytes[s] / c.seconds[s] > c.bytes[best] / c.seconds[best]) best = s;
+    if ((dropped >> s) & 1u) continue;
+    if (c.samples[s] < kFirstLook) return;
+    if (best < 0 || rate(s) > rate(best)) best = s;
   }
+  bool all_sampled = true;
+  int left = 0;
+  for (int s = 0; s < count; ++s) {
+    if ((dropped >> s) & 1u) continue;
+    if (rate(s) * kClearlySlower < rate(best)) {
+      dropped |= 1u << s;
+      continue;
+    }
+    ++left;
+    all_sampled = all_sampled && c.samples[s] >= kSamples;
+  }
+  c.dropped.store(dropped, std::memory_order_release);
+  if (left > 1 && !all_sampled) return;
   c.decided.store(best, std::memory_order_release);
   std::string rates;
   for (int s = 0; s < count; ++s) {
-    char rate[32];
-    std::snprintf(rate, sizeof rate, "%.1f GB/s", c.bytes[s] / c.seconds[s] / 1e9);
-    rates += (s ? "; " : "") + describe(type, variant(type, s)) + " " + rate;
+    char rate_text[96];
+    std::snprintf(rate_text, sizeof rate_text, " %.1f GB/s over %d pieces%s", rate(s) / 1e9, c.samples[s],
+                  s != best && ((dropped >> s) & 1u) ? " (dropped: clearly slower)" : "");
+    rates += (s ? "; " : "") + describe(type, variant(type, s)) + rate_text;
   }
   log::info(std::string("panel kernels: ") + type_name(type) + " products of " + class_name(row_class(rows)) + ": " +
             describe(type, variant(type, best)) + " (measured " + rates + ")");

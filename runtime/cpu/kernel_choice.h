@@ -8,8 +8,11 @@
 // would time a buffer that sits in a large L3 (480 MiB on that Xeon), not in memory as a model's weights
 // do, so the variants are timed on the real products instead: per weight type and class of row counts,
 // each product piece runs the variants in turn until every one has enough samples, then the one that
-// streamed the most weight bytes per second runs from then on. All variants give the same bits
-// (panel_gemm.h), so the choice changes only the speed.
+// streamed the most weight bytes per second runs from then on. A variant clearly slower than the best
+// after a first look (kFirstLook samples each) stops being tried: many-row products are compute-bound,
+// where converting bfloat16 pairs to float32 runs at ~0.6x of VDPBF16PS on an AMD EPYC, and trying it 48
+// times made the first prompt of a process 25% slower (a 1B model's 128-token prefill 0.71 -> 0.96 s).
+// All variants give the same bits (panel_gemm.h), so the choice changes only the speed.
 //
 // LIBPIPE_PANEL_PREFETCH=0|1 and LIBPIPE_BF16_KERNEL=dot|convert fix a choice instead of measuring it.
 #pragma once
@@ -24,6 +27,11 @@ class KernelChoice {
  public:
   // Samples of each variant before a class decides.
   static constexpr int kSamples = 48;
+  // Samples of each variant after which one slower than the best by kClearlySlower is dropped (and a class
+  // with one variant left decides). A piece of a many-row product takes milliseconds; 8 of them summed
+  // leave little to noise, and dropping the wrong one costs only speed.
+  static constexpr int kFirstLook = 8;
+  static constexpr double kClearlySlower = 1.3;
 
   struct Pick {
     KernelVariant variant;
