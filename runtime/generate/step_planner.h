@@ -3,20 +3,21 @@
 //
 // Rules (docs/DESIGN.md, "Generation"): at most row_cap decode rows, where row_cap = clamp(ceil(active /
 // steps_in_flight), 1, max_rows), so that the active sequences spread over the steps in flight instead of one step
-// taking everyone and the other stages idling. Prompts are cut into chunks: the oldest prompt sets the chunk width
-// (its remaining tokens, at most the step's token budget, prefill_chunk), later prompts are cut to that width, and
-// the next chunk of a cut prompt starts where this one ends (start = cached) and may follow it into the pipeline at
-// once. With fewer sequences than steps in flight, a prompt is cut into steps_in_flight chunks of at least
-// kMinPipelinedChunk tokens, so that a lone prompt keeps every stage busy.
+// taking everyone and the other stages idling. Prompts are cut into chunks within the step's token budget
+// (prefill_chunk), and the next chunk of a cut prompt starts where this one ends (start = cached) and may follow it
+// into the pipeline at once. With fewer sequences than steps in flight, a prompt is cut into steps_in_flight chunks of
+// at least kMinPipelinedChunk tokens, so that a lone prompt keeps every stage busy.
 //
 // How a step mixes them depends on what a padded row costs the decoder:
 // - mixed (a decoder that skips padding, DecoderInfo::skips_padding): every step takes the ready decode rows
-//   first, then fills its token budget with prompt chunks (at least kMinPipelinedChunk prompt tokens, so prompts
-//   never starve behind decode rows). Decode rows never wait behind a prompt, and while prompts are waiting every
-//   step carries about the same work, so the steps in flight cost the same and no stage waits for another.
+//   first, then fills its token budget with prompt chunks, oldest first, each as long as the budget left holds (at
+//   least kMinPipelinedChunk prompt tokens in all, so prompts never starve behind decode rows). Decode rows never wait
+//   behind a prompt, and while prompts are waiting every step carries about the same work, so the steps in flight cost
+//   the same and no stage waits for another.
 // - one kind of row per step (a decoder that computes B x T): the oldest ready row decides whether it is a decode
-//   step (the oldest decode rows) or a prefill step (prompt chunks while rows x width fits in prefill_chunk), first
-//   come, first served, so neither starves.
+//   step (the oldest decode rows) or a prefill step (the oldest prompt sets the padded width, its remaining tokens
+//   within prefill_chunk, and later prompts join cut to it while rows x width fits), first come, first served, so
+//   neither starves.
 #pragma once
 
 #include <cstdint>

@@ -322,6 +322,23 @@ TEST(StepPlanner, MixedStepsTakeTheDecodeRowsFirstThenPromptChunksWithinTheToken
   EXPECT_FALSE(rows[4].completes_prompt);
 }
 
+TEST(StepPlanner, MixedStepsGiveEachPromptWhatTheBudgetStillHolds) {
+  // The oldest prompt has 2 tokens left: the prompts behind it are not cut to its width (nothing is padded), each
+  // takes what the budget still holds. 2 decode rows, budget 100: 2, then 60 (whole), then 36 of 90.
+  const std::vector<ReadyRow> ready = {
+      decoding(1, 1, 9, 1),     decoding(2, 2, 9, 2),     prompt(10, 10, 126, 2, 3),
+      prompt(11, 11, 0, 60, 4), prompt(12, 12, 0, 90, 5),
+  };
+  const auto rows = plan_step(ready, mixed(5, 1, 8, 100));
+  ASSERT_EQ(sequences(rows), (std::vector<uint64_t>{1, 2, 10, 11, 12}));
+  EXPECT_EQ(rows[2].length, 2);
+  EXPECT_TRUE(rows[2].completes_prompt);
+  EXPECT_EQ(rows[3].length, 60);
+  EXPECT_TRUE(rows[3].completes_prompt);
+  EXPECT_EQ(rows[4].length, 36);
+  EXPECT_FALSE(rows[4].completes_prompt);
+}
+
 TEST(StepPlanner, MixedStepsKeepTheRowCapForDecodeRowsAndNeverStarveAPrompt) {
   // 6 decode rows, row_cap 3 (active 6, D 2): the 3 oldest. The budget (2 tokens) is below the decode rows' own
   // tokens, yet the waiting prompt still gets min(budget, kMinPipelinedChunk) tokens: 2.
@@ -422,9 +439,17 @@ TEST(StepPlanner, RandomReadySetsFollowEveryRuleOfMixedSteps) {
     }
     EXPECT_LE(static_cast<int64_t>(rows.size()), std::max<int64_t>(max_rows, static_cast<int64_t>(decode_rows)));
     int64_t prompt_tokens = 0;
-    for (size_t i = decode_rows; i < rows.size(); ++i) prompt_tokens += rows[i].length;
     const int64_t room =
         std::max<int64_t>(chunk - static_cast<int64_t>(decode_rows), std::min<int64_t>(chunk, kMinPipelinedChunk));
+    // Each prompt row as long as the budget left holds (with fewer sequences than steps in flight, at most its share
+    // of the pipeline: kMinPipelinedChunk or more).
+    for (size_t i = decode_rows; i < rows.size(); ++i) {
+      const int64_t remaining = by_sequence[rows[i].sequence].remaining;
+      int64_t expected = std::min(remaining, room - prompt_tokens);
+      if (active < d) expected = std::min(expected, std::max(kMinPipelinedChunk, (remaining + d - 1) / d));
+      EXPECT_EQ(rows[i].length, expected);
+      prompt_tokens += rows[i].length;
+    }
     EXPECT_LE(prompt_tokens, room);
     // A waiting prompt left out: the rows ran out or the budget did.
     if (rows.size() - decode_rows < prompts.size()) {
