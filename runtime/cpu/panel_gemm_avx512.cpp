@@ -191,11 +191,14 @@ void tile_rows(const PanelProduct& p, int64_t row, int64_t rows, const void* w, 
   }
 }
 
-// Panel rows per block of K when several tiles of rows share a panel: 16 KiB of float32 panel (32 KiB of
-// bfloat16 pairs), so that the tiles after the first read the block from L1, not L2. Without the blocks, a
+// Panel rows per block of K when several tiles of rows share a panel: 64 KiB of panel (float32, or bfloat16
+// pairs), so that the tiles after the first read the block from L2 (or L1), not memory. Without the blocks, a
 // product of 8 rows on an Intel Xeon streamed 20 GB/s on 2 cores where one of 6 rows reached 31: the second
-// tile's pass over the panel from L2 cost half as much again as the first's from memory.
-constexpr int64_t kBlockRows = 64;
+// tile's pass over the whole panel cost half as much again as the first's from memory. Blocks of 64 rows (16 KiB,
+// to stay in L1) were slower on an AMD EPYC (Zen 4) at every row count from 8 (bench/linear_gemm, one thread, the 1B
+// Llama's layers at 128 rows: float32 46 -> 52 GMAC/s, bfloat16 92 -> 106; 2 threads at 8 rows, bfloat16 173 -> 271
+// GFLOP/s): every block restarts the first tile's stream from memory, whose hardware prefetch had just found it.
+constexpr int64_t kBlockRows = 256;
 // Rows whose accumulators wait in memory between blocks of K (a group of tiles; more rows take more groups).
 constexpr int64_t kGroupRows = 8 * kMaxRows;
 
