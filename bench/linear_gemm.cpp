@@ -13,7 +13,7 @@
 // second and GFLOP/s; read_bandwidth gives the machine's read bandwidth for scale. Then the quantized panels
 // (`quantized` alone: only them): bfloat16, int8 (pipe::panel_linear_int8) and int4 in groups of 32
 // (pipe::panel_linear_int4) at 1, 8 and 32 rows, as the bytes each streams per second and the time. `kernels` in
-// place of `quantized`: the same three kernels on one thread, layer shape by layer shape, 1 to 256 rows.
+// place of `quantized`: float32 and the same three kernels on one thread, layer shape by layer shape, 1 to 256 rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -89,13 +89,15 @@ int main(int argc, char** argv) {
   // over all layers on every core, as below, is the end-to-end figure but moves with any other load).
   if (argc > 3 && std::string(argv[3]) == "kernels") {
     at::set_num_threads(1);
-    std::printf("\none thread, each layer shape the fastest of %d calls, times %d layers\n%5s  %18s  %18s  %18s\n",
-                repeats, layers, "rows", "bf16 ms GMAC/s", "int8 ms GMAC/s", "int4 ms GMAC/s");
-    std::vector<at::Tensor> bf16, int8, int8_scales, int4;
+    std::printf(
+        "\none thread, each layer shape the fastest of %d calls, times %d layers\n%5s  %18s  %18s  %18s  %18s\n",
+        repeats, layers, "rows", "fp32 ms GMAC/s", "bf16 ms GMAC/s", "int8 ms GMAC/s", "int4 ms GMAC/s");
+    std::vector<at::Tensor> fp32, bf16, int8, int8_scales, int4;
     double macs_per_row = 0;
     for (auto [n, k] : shapes) {
       const at::Tensor w = at::randn({n, k}) * 0.02;
       macs_per_row += static_cast<double>(n) * k * layers;
+      fp32.push_back(libpipe::stage::to_panels(w));
       bf16.push_back(libpipe::stage::to_panels(w.to(at::kBFloat16)));
       libpipe::stage::Int8Weight q8 = libpipe::stage::quantize_int8(w);
       libpipe::stage::PanelArena a8({q8.codes});  // the panels keep their arena's memory
@@ -106,16 +108,17 @@ int main(int argc, char** argv) {
       int4.push_back(a4.pack_int4(0, q4, k));
     }
     for (int64_t rows : {1, 8, 32, 64, 128, 256}) {
-      double total[3] = {0, 0, 0};
+      double total[4] = {0, 0, 0, 0};
       for (size_t i = 0; i < shapes.size(); ++i) {
         const auto [n, k] = shapes[i];
-        const at::Tensor x = at::randn({rows, k}).to(at::kBFloat16);
-        for (int kind = 0; kind < 3; ++kind) {
+        const at::Tensor xf = at::randn({rows, k}), x = xf.to(at::kBFloat16);
+        for (int kind = 0; kind < 4; ++kind) {
           double best = 1e300;
           for (int r = 0; r < repeats + 1; ++r) {
             const double start = now();
-            if (kind == 0) libpipe::stage::panel_linear(x, bf16[i], std::nullopt, n, k);
-            else if (kind == 1) libpipe::stage::panel_linear_int8(x, int8[i], int8_scales[i], std::nullopt, n, k);
+            if (kind == 0) libpipe::stage::panel_linear(xf, fp32[i], std::nullopt, n, k);
+            else if (kind == 1) libpipe::stage::panel_linear(x, bf16[i], std::nullopt, n, k);
+            else if (kind == 2) libpipe::stage::panel_linear_int8(x, int8[i], int8_scales[i], std::nullopt, n, k);
             else libpipe::stage::panel_linear_int4(x, int4[i], std::nullopt, n, k, 32);
             if (r > 0) best = std::min(best, now() - start);
           }
@@ -123,7 +126,7 @@ int main(int argc, char** argv) {
         }
       }
       std::printf("%5lld", static_cast<long long>(rows));
-      for (int kind = 0; kind < 3; ++kind)
+      for (int kind = 0; kind < 4; ++kind)
         std::printf("  %9.2f %8.1f", total[kind] * 1e3, macs_per_row * rows / total[kind] / 1e9);
       std::printf("\n");
     }
@@ -164,15 +167,6 @@ int main(int argc, char** argv) {
                                          weights[i].size(1));
         }
         best[1] = std::min(best[1], now() - start);
-        if (std::getenv("ONE")) {
-          start = now();
-          at::set_num_threads(1);
-          for (size_t i = 0; i < weights.size(); ++i)
-            libpipe::stage::panel_linear(inputs[i % shapes.size()], panels[i], std::nullopt, weights[i].size(0),
-                                         weights[i].size(1));
-          at::set_num_threads(cores);
-          best[2] = std::min(best[2], now() - start);
-        }
         if (mkl) {
           start = now();
           for (size_t i = 0; i < weights.size(); ++i) {
