@@ -4,7 +4,6 @@
 // on port 0 and the tests use the port they got (no guessing a free one); the session tests hold
 // a stage with the test gate (tests/gate) to know what the worker holds when it goes away.
 #include <ATen/ATen.h>
-#include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
@@ -22,6 +21,7 @@
 #include <mutex>
 #include <thread>
 
+#include "eager_reference.h"
 #include "fixtures.h"
 #include "runtime/comm/auth.h"
 #include "runtime/comm/local_transport.h"
@@ -316,10 +316,7 @@ TEST(Placement, StagesSpreadInContiguousGroupsLargerFirst) {
   EXPECT_EQ(status_of([] { processes::place_stages(2, 3); }), Status::InvalidArgument);
 }
 
-at::Tensor eager(const graph::Model& model, const std::vector<c10::IValue>& inputs) {
-  c10::InferenceMode inference;
-  return const_cast<torch::jit::Module&>(model.module()).forward(inputs).toTensor();
-}
+using test::eager;
 
 // A session with world size 2 on the local transport: rank 1 is serve() in a thread; the
 // heartbeats go through an in-process store.

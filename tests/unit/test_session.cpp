@@ -1,5 +1,4 @@
 #include <ATen/ATen.h>
-#include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -13,6 +12,7 @@
 
 #include "../conformance/worker_threads.h"
 #include "../gate/gate.h"
+#include "eager_reference.h"
 #include "fixtures.h"
 #include "runtime/error.h"
 #include "runtime/graph/torchscript/model.h"
@@ -34,12 +34,7 @@ SessionOptions with_microbatches(int64_t m) {
   return o;
 }
 
-at::Tensor eager(const Model& model, const std::vector<c10::IValue>& inputs) {
-  // No autograd: the reference needs none, and threads building grad accumulators for the same
-  // parameters at once race inside LibTorch in ways ThreadSanitizer cannot see through.
-  c10::InferenceMode inference;
-  return const_cast<torch::jit::Module&>(model.module()).forward(inputs).toTensor();
-}
+using test::eager;
 
 using test::status_of;
 

@@ -1,7 +1,6 @@
 // Stage sharing (runtime/schedule/stage_sharing.h): which worker runs which stage, the order every stage keeps, and a
 // session whose four stages run on two worker threads.
 #include <ATen/ATen.h>
-#include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -12,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "eager_reference.h"
 #include "fixtures.h"
 #include "runtime/error.h"
 #include "runtime/graph/plan.h"
@@ -165,10 +165,7 @@ TEST(StageSharing, RatiosFollowTheLatestStepsOfASize) {
 
 // ---- a session on shared stages ----
 
-at::Tensor eager(const Model& model, const std::vector<c10::IValue>& inputs) {
-  c10::InferenceMode inference;
-  return const_cast<torch::jit::Module&>(model.module()).forward(inputs).toTensor();
-}
+using test::eager;
 
 SessionOptions two_workers(int64_t microbatches) {
   SessionOptions o;

@@ -34,7 +34,7 @@ namespace {
 using std::chrono::milliseconds;
 using test::status_of;
 
-const comm::Secret& secret() {
+const comm::Secret& session_secret() {
   static const comm::Secret s = comm::Secret::from("the session's token, 32 bytes ok");
   return s;
 }
@@ -80,7 +80,7 @@ bool closes_after(const comm::Socket& s, const std::string& bytes) {
 }
 
 TEST(Strangers, TheStoreListensOnlyOnTheAddressItWasGiven) {
-  const auto hosted = comm::host_store(loopback_any_port(), secret(), 2, milliseconds(20000));
+  const auto hosted = comm::host_store(loopback_any_port(), session_secret(), 2, milliseconds(20000));
   const auto listening = listeners_on(hosted.address.port);
   ASSERT_FALSE(listening.empty()) << "nothing listens on the store's port " << hosted.address.port;
   for (const auto& local : listening) EXPECT_EQ(local, "0100007F") << "a listener on " << local << ", not 127.0.0.1";
@@ -88,23 +88,23 @@ TEST(Strangers, TheStoreListensOnlyOnTheAddressItWasGiven) {
 
 TEST(Strangers, ATransportListensOnItsRankAddressOnlyAndOnlyDuringSetup) {
   const auto timeout = milliseconds(20000);
-  const auto hosted = comm::host_store(loopback_any_port(), secret(), 2, timeout);
+  const auto hosted = comm::host_store(loopback_any_port(), session_secret(), 2, timeout);
   auto rank0 = std::async(std::launch::async, [&] {
-    return comm::make_tcp_transport(*hosted.store, secret(), 0, 2, "127.0.0.1", timeout);
+    return comm::make_tcp_transport(*hosted.store, session_secret(), 0, 2, "127.0.0.1", timeout);
   });
   // Rank 0 publishes where it listens; read it as rank 1 would.
   const auto published = hosted.store->get("libpipe/tcp/0");
   const auto address = comm::parse_address(std::string(published.begin(), published.end()), "rank 0");
   for (const auto& local : listeners_on(address.port)) EXPECT_EQ(local, "0100007F");
-  auto store1 = comm::connect_store(hosted.address, secret(), timeout, nullptr);
-  auto rank1 = comm::make_tcp_transport(*store1, secret(), 1, 2, "127.0.0.1", timeout);
+  auto store1 = comm::connect_store(hosted.address, session_secret(), timeout, nullptr);
+  auto rank1 = comm::make_tcp_transport(*store1, session_secret(), 1, 2, "127.0.0.1", timeout);
   auto t0 = rank0.get();
   // Set up: the port is closed; nothing listens there any more.
   EXPECT_TRUE(listeners_on(address.port).empty()) << "rank 0 still listens after setup";
 }
 
 TEST(Strangers, TheStoreAnswersNothingToAConnectionWithoutTheToken) {
-  const auto hosted = comm::host_store(loopback_any_port(), secret(), 2, milliseconds(20000));
+  const auto hosted = comm::host_store(loopback_any_port(), session_secret(), 2, milliseconds(20000));
   hosted.store->set("libpipe/secret-key", std::vector<uint8_t>{42});
   auto& server = *hosted.server;
   // Bytes that are not libpipe's: closed.
@@ -132,7 +132,7 @@ TEST(Strangers, TheStoreAnswersNothingToAConnectionWithoutTheToken) {
   EXPECT_NE(message.find("does not hold this session's token"), std::string::npos) << message;
   // The session's own connection goes on as if nothing had happened.
   EXPECT_EQ(hosted.store->get("libpipe/secret-key"), std::vector<uint8_t>{42});
-  auto client = comm::connect_store(hosted.address, secret(), milliseconds(20000), nullptr);
+  auto client = comm::connect_store(hosted.address, session_secret(), milliseconds(20000), nullptr);
   EXPECT_EQ(client->add("libpipe/heartbeat/1", 1), 1);
   // Each refusal is counted by the store's connection thread after the stranger may already have seen its
   // connection end (the wrong token is told why first): wait for the four counts, as long as a loaded machine
@@ -145,7 +145,7 @@ TEST(Strangers, TheStoreAnswersNothingToAConnectionWithoutTheToken) {
 
 TEST(Strangers, AFakeHeartbeatNeedsTheToken) {
   // A stranger cannot make a dead worker look alive: its bump never reaches the count.
-  const auto hosted = comm::host_store(loopback_any_port(), secret(), 2, milliseconds(20000));
+  const auto hosted = comm::host_store(loopback_any_port(), session_secret(), 2, milliseconds(20000));
   EXPECT_EQ(hosted.store->add("libpipe/heartbeat/1", 0), 0);
   EXPECT_EQ(status_of([&] {
               comm::StoreClient fake(hosted.address, comm::Secret::from("a forged token of at least 16 B"),
@@ -158,9 +158,9 @@ TEST(Strangers, AFakeHeartbeatNeedsTheToken) {
 
 TEST(Strangers, AStrangerAtARanksListenerDuringSetupIsRefusedAndSetupGoesOn) {
   const auto timeout = milliseconds(20000);
-  const auto hosted = comm::host_store(loopback_any_port(), secret(), 2, timeout);
+  const auto hosted = comm::host_store(loopback_any_port(), session_secret(), 2, timeout);
   auto rank0 = std::async(std::launch::async, [&] {
-    return comm::make_tcp_transport(*hosted.store, secret(), 0, 2, "127.0.0.1", timeout);
+    return comm::make_tcp_transport(*hosted.store, session_secret(), 0, 2, "127.0.0.1", timeout);
   });
   const auto published = hosted.store->get("libpipe/tcp/0");
   const auto address = comm::parse_address(std::string(published.begin(), published.end()), "rank 0");
@@ -178,8 +178,8 @@ TEST(Strangers, AStrangerAtARanksListenerDuringSetupIsRefusedAndSetupGoesOn) {
   // Claims a rank that does not exist: closed.
   EXPECT_TRUE(closes_after(stranger_at(address), std::string("\x07\x00\x00\x00", 4)));
   // The real rank 1 still connects, and the two exchange a message.
-  auto store1 = comm::connect_store(hosted.address, secret(), timeout, nullptr);
-  auto t1 = comm::make_tcp_transport(*store1, secret(), 1, 2, "127.0.0.1", timeout);
+  auto store1 = comm::connect_store(hosted.address, session_secret(), timeout, nullptr);
+  auto t1 = comm::make_tcp_transport(*store1, session_secret(), 1, 2, "127.0.0.1", timeout);
   auto t0 = rank0.get();
   comm::Message m;
   m.values = {at::arange(6).view({2, 3})};
