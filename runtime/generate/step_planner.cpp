@@ -19,7 +19,8 @@ std::vector<PlannedRow> plan_step(const std::vector<ReadyRow>& ready, const Step
                    [&](size_t a, size_t b) { return ready[a].ready_since < ready[b].ready_since; });
 
   const int64_t chunk = std::max<int64_t>(budget.prefill_chunk, 1);
-  // The width of the oldest waiting prompt's chunk when it may take `room` tokens.
+  // The width of a waiting prompt's chunk when it may take `room` tokens: each prompt's own in a mixed step, the
+  // oldest prompt's (which the others share) in a padded one.
   const auto chunk_width = [&](const ReadyRow& r, int64_t room) {
     int64_t width = std::min(r.remaining, room);
     // Fewer sequences than steps in flight: a prompt in one step would cross the stages alone, one busy and the
