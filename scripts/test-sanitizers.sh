@@ -13,4 +13,4 @@ export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:exitcode=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # The engine's unit tests are left out here: conformance_generate drives the same engine through the C ABI under
 # these sanitizers, and the engine's threads run under TSan (test-tsan.sh); the unit tests run in the plain suite.
-ctest --test-dir "$build" --output-on-failure -j "$LIBPIPE_TEST_JOBS" -E '^Engine\.' "$@"
+ctest --test-dir "$build" --output-on-failure -j "$(nproc)" -E '^Engine\.' "$@"

@@ -5,4 +5,4 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 "$LIBPIPE_ROOT/scripts/install-deps.sh"
 "$LIBPIPE_ROOT/scripts/build.sh"
-ctest --test-dir "$LIBPIPE_BUILD" --output-on-failure -j "$LIBPIPE_TEST_JOBS" "$@"
+ctest --test-dir "$LIBPIPE_BUILD" --output-on-failure -j "$(nproc)" "$@"
