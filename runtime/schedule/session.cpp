@@ -170,6 +170,11 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
   if (sharing_->shares())
     log::info(std::to_string(local) + " stages share " + std::to_string(num_workers) +
               " worker threads, one per core (stage_sharing.h)");
+  {
+    const char* env = std::getenv("LIBPIPE_RUN_ALONE");
+    run_alone_ =
+        spare_cores_ && all_here_on_cpu && local > 1 && !sharing_->shares() && !(env && std::string(env) == "0");
+  }
   for (size_t w = 0; w < num_workers; ++w) {
     auto worker = std::make_unique<Worker>();
     // Admission bounds what is inside the pipeline, so a queue never holds more than that.
@@ -271,13 +276,15 @@ void Session::worker_loop(size_t w) {
         r->finish_one();
         break;
       }
-      if (sharing_->keep(w, s + 1, mb.ticket)) {
+      if (sharing_->keep(w, s + 1, mb.ticket) || runs_alone(s + 1)) {
         ++s;
         continue;
       }
       mb.next_stage = s + 1;
       auto r = mb.request;
-      const bool pushed = s + 1 == stages_.size() ? ring_->push(std::move(mb)) : hand_to(w + 1, std::move(mb));
+      // Unshared, worker s + 1 owns stage s + 1 (w < s where a micro-batch ran alone until others came).
+      const size_t to = sharing_->shares() ? w + 1 : s + 1;
+      const bool pushed = s + 1 == stages_.size() ? ring_->push(std::move(mb)) : hand_to(to, std::move(mb));
       if (!pushed) {
         r->fail(Status::Cancelled, "the session was destroyed while the call was running");
         release();
@@ -288,6 +295,12 @@ void Session::worker_loop(size_t w) {
     sharing_->done(w);
     waited_from = Clock::now();
   }
+}
+
+bool Session::runs_alone(size_t next) {
+  if (!run_alone_ || next >= stages_.size()) return false;
+  std::lock_guard lock(admission_mutex_);
+  return inflight_ == 1 && promised_ == 0;
 }
 
 void Session::run_counted(size_t w, size_t s, MicroBatch& mb, stage::SpareCores* spare) {
@@ -538,7 +551,7 @@ std::string Session::stop_trace() {
     std::lock_guard lock(counters_[s]->trace_mutex);
     for (const auto& e : counters_[s]->trace) {
       Json args{{"request", e.request}, {"microbatch", e.microbatch}};
-      if (sharing_->shares()) args["worker"] = e.worker;  // which thread ran it
+      if (sharing_->shares() || e.worker != s) args["worker"] = e.worker;  // which thread ran it
       if (!e.operators_us.empty()) {
         Json ops = Json::object();
         for (const auto& [op, us] : e.operators_us) ops[op] = us;

@@ -164,6 +164,9 @@ class Session {
   // Runs stage s on the micro-batch on worker w's thread (or passes over it: a failed call), with its statistics.
   void run_counted(size_t worker, size_t stage, MicroBatch& mb, stage::SpareCores* spare);
   void run_stage(size_t stage, MicroBatch& mb);
+  // Whether the worker done with stage next-1 of a micro-batch runs stage `next` itself because the micro-batch is
+  // alone in the pipeline (run_alone_).
+  bool runs_alone(size_t next);
   // Hands a micro-batch to worker w's queue; false once the session stops.
   bool hand_to(size_t worker, MicroBatch&& mb);
   // Finishes one micro-batch of `request` that left the pipeline (status Ok: it did not fail).
@@ -185,6 +188,12 @@ class Session {
   std::unique_ptr<stage::SpareCores> spare_cores_;        // before workers_: it outlives their threads
   std::vector<std::unique_ptr<StageCounters>> counters_;  // per local stage
   std::unique_ptr<StageSharing> sharing_;                 // which worker runs which local stage
+  // A micro-batch alone in the pipeline (nothing else admitted or promised) runs every later stage on the worker that
+  // ran its first: all its stages on one thread, the other cores lent to it (stage/spare_cores.h), instead of the
+  // stages' threads taking turns. Why: one sequence's decode step, which is one micro-batch, ran 12-16% faster so on
+  // 2 cores (SmolLM2 in 2 stages, bf16; bench/RESULTS.md). Only where every stage is a CPU stage of this process with
+  // a pool of spare cores, stages are not shared, and LIBPIPE_RUN_ALONE is not 0.
+  bool run_alone_ = false;
   std::vector<std::unique_ptr<Worker>> workers_;
   int threads_per_stage_ = 1;
   const Clock::time_point epoch_ = Clock::now();

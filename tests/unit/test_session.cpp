@@ -4,10 +4,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <map>
 #include <memory>
 #include <random>
 #include <set>
 #include <stdexcept>
+#include <string>
 #include <thread>
 
 #include "../conformance/worker_threads.h"
@@ -18,6 +21,7 @@
 #include "runtime/graph/torchscript/model.h"
 #include "runtime/graph/plan.h"
 #include "runtime/schedule/session.h"
+#include "runtime/stage/spare_cores.h"
 
 namespace libpipe {
 namespace {
@@ -367,6 +371,48 @@ TEST(Session, TraceHasOneTrackPerStage) {
   }
   EXPECT_EQ(tracks, (std::set<int>{0, 1, 2, 3}));
   for (int s = 0; s < 4; ++s) EXPECT_EQ(slices[s], 4) << "one slice per micro-batch on stage " << s;
+}
+
+// A call of one micro-batch, alone in the pipeline, runs every stage on the first stage's thread with the other cores
+// lent to it (Session::run_alone_); a call cut into micro-batches keeps a thread per stage: its first micro-batch is
+// never alone (the others are admitted or promised before it leaves stage 0). LIBPIPE_RUN_ALONE=0 keeps the stages'
+// own threads. The answers are eager PyTorch's either way. The trace names the worker that ran a stage off its own.
+TEST(Session, AMicroBatchAloneInThePipelineRunsEveryStageOnOneThread) {
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  if (!stage::SpareCores::enabled() || cores < 2 || cores / 4 > 1)
+    GTEST_SKIP() << "4 stages on " << cores << " cores get no pool of spare cores here (an OpenMP team each, or one "
+                 << "core): nothing runs alone";
+  if (const char* env = std::getenv("LIBPIPE_RUN_ALONE"); env && std::string(env) == "0")
+    GTEST_SKIP() << "LIBPIPE_RUN_ALONE=0: nothing runs alone";
+  auto model = Model::load(test::fixture("multi_mlp.traced.pt"));
+  const auto workers_of = [](const nlohmann::json& trace, int64_t microbatch) {
+    std::map<int, int> worker;  // stage -> the worker that ran it
+    for (const auto& e : trace["traceEvents"])
+      if (e["ph"] == "X" && e["args"]["microbatch"] == microbatch)
+        worker[e["tid"].get<int>()] = e["args"].value("worker", e["tid"].get<int>());
+    return worker;
+  };
+  const std::map<int, int> one_thread{{0, 0}, {1, 0}, {2, 0}, {3, 0}}, own_threads{{0, 0}, {1, 1}, {2, 2}, {3, 3}};
+  for (const bool alone : {true, false}) {
+    SessionOptions o = fixed_microbatches(1);
+    o.stage_workers = 4;  // a thread per stage, none shared
+    if (!alone) setenv("LIBPIPE_RUN_ALONE", "0", 1);
+    Session session(Plan::from_markers(model), o);
+    unsetenv("LIBPIPE_RUN_ALONE");
+    const at::Tensor x = at::randn({6, 512}), y = at::randn({6, 512});
+    session.start_trace();
+    auto out = session.run({x, y});
+    EXPECT_TRUE(at::allclose(out.at(0).tensor, eager(*model, {x, y}), 1e-5, 1e-5));
+    EXPECT_EQ(workers_of(nlohmann::json::parse(session.stop_trace()), 0), alone ? one_thread : own_threads);
+  }
+  SessionOptions o = fixed_microbatches(4);
+  o.stage_workers = 4;
+  Session session(Plan::from_markers(model), o);
+  const at::Tensor x = at::randn({8, 512}), y = at::randn({8, 512});
+  session.start_trace();
+  auto out = session.run({x, y});
+  EXPECT_TRUE(at::allclose(out.at(0).tensor, eager(*model, {x, y}), 1e-5, 1e-5));
+  EXPECT_EQ(workers_of(nlohmann::json::parse(session.stop_trace()), 0), own_threads);
 }
 
 TEST(Session, InputsOffTheCpuAreRefused) {
