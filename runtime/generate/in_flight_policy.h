@@ -4,12 +4,12 @@
 // Stages in one process on the CPU share the machine's cores (a core per stage; an idle stage's core is lent
 // to the busy one, stage/spare_cores.h). Pipelined, each stage streams its half of the weights on its own
 // core for its half of the sequences: every step in flight reads the weights once. One at a time, all the
-// sequences go in one step and every core works on each stage in turn: the weights are read once per round,
-// on all cores together. A decode step of few rows is bound by memory bandwidth, where one at a time wins
-// (two cores reading one layer together read faster than each reading its own stage, bench/RESULTS.md); a
-// prefill step of many tokens is bound by arithmetic, where pipelining loses nothing to the hand-overs and
-// the lent cores' synchronisation. Where the turning point lies depends on the CPU, the model and the mix, so
-// the policy measures instead of guessing.
+// sequences go in one step and every core works on each stage in turn (one thread runs the step's stages, the
+// others lent to it: Session::runs_alone): the weights are read once per round, on all cores together. A decode step of
+// few rows is bound by memory bandwidth, where one at a time wins (two cores reading one layer together read faster
+// than each reading its own stage, bench/RESULTS.md); a prefill step of many tokens is bound by arithmetic, where
+// pipelining loses nothing to the hand-overs and the lent cores' synchronisation. Where the turning point lies depends
+// on the CPU, the model and the mix, so the policy measures instead of guessing.
 //
 // It runs windows of consecutive steps under one limit and measures tokens (prompt and decode, as the steps
 // carried them) per second over each window, from the completion of its first step to that of its last (the

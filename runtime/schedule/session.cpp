@@ -298,7 +298,7 @@ void Session::worker_loop(size_t w) {
 }
 
 bool Session::runs_alone(size_t next) {
-  if (!run_alone_ || next >= stages_.size()) return false;
+  if (!run_alone_ || next >= stages_.size() || expected_steps_.load(std::memory_order_relaxed) > 1) return false;
   std::lock_guard lock(admission_mutex_);
   return inflight_ == 1 && promised_ == 0;
 }

@@ -100,6 +100,11 @@ class Session {
   // result as it is. Never waits for admission: the caller keeps fewer than max_inflight steps in flight, and
   // learns that one finished from Request::on_done. Thread-safe. Throws Error(Communication) on a broken session.
   std::shared_ptr<Request> submit_step(std::vector<c10::IValue>&& inputs);
+  // How many steps the engine means to keep in flight now (its in-flight policy's limit): a step alone in the
+  // pipeline runs on one thread (run_alone_) only while that is 1, so that a pipelined engine's step that is alone
+  // for a moment (the next one not launched yet) does not take the next stage's turn and stall the one behind it.
+  // 1 until an engine says otherwise. Thread-safe.
+  void expect_steps_in_flight(int64_t steps) { expected_steps_.store(steps, std::memory_order_relaxed); }
 
   size_t num_stages() const { return total_stages_; }
   // Stages that can compute at the same time: every stage, unless this process shares its stages among fewer
@@ -192,8 +197,10 @@ class Session {
   // ran its first: all its stages on one thread, the other cores lent to it (stage/spare_cores.h), instead of the
   // stages' threads taking turns. Why: one sequence's decode step, which is one micro-batch, ran 12-16% faster so on
   // 2 cores (SmolLM2 in 2 stages, bf16; bench/RESULTS.md). Only where every stage is a CPU stage of this process with
-  // a pool of spare cores, stages are not shared, and LIBPIPE_RUN_ALONE is not 0.
+  // a pool of spare cores, stages are not shared, and LIBPIPE_RUN_ALONE is not 0; and while the engine, if any,
+  // means to keep one step in flight (expected_steps_).
   bool run_alone_ = false;
+  std::atomic<int64_t> expected_steps_{1};
   std::vector<std::unique_ptr<Worker>> workers_;
   int threads_per_stage_ = 1;
   const Clock::time_point epoch_ = Clock::now();
