@@ -450,7 +450,8 @@ void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
     for (const auto& [id, seq] : sequences_)
       prompts_waiting |= !seq->ended && seq->slot >= 0 && seq->planned < static_cast<int64_t>(seq->prompt.size());
     const int64_t limit = policy_->limit(active_, prompts_waiting);
-    session_->expect_steps_in_flight(limit);
+    // One sequence decoding has one step in flight whatever the limit (each waits for the last one's token).
+    session_->expect_steps_in_flight(active_ <= 1 && !prompts_waiting ? 1 : limit);
     if (static_cast<int64_t>(in_flight_.size()) >= limit) return;
     const auto planning = Clock::now();
     std::vector<ReadyRow> ready;
