@@ -100,10 +100,10 @@ class Session {
   // result as it is. Never waits for admission: the caller keeps fewer than max_inflight steps in flight, and
   // learns that one finished from Request::on_done. Thread-safe. Throws Error(Communication) on a broken session.
   std::shared_ptr<Request> submit_step(std::vector<c10::IValue>&& inputs);
-  // How many steps the engine means to keep in flight now (its in-flight policy's limit): a step alone in the
-  // pipeline runs on one thread (run_alone_) only while that is 1, so that a pipelined engine's step that is alone
-  // for a moment (the next one not launched yet) does not take the next stage's turn and stall the one behind it.
-  // 1 until an engine says otherwise. Thread-safe.
+  // How many steps the engine means to keep in flight now (its in-flight policy's limit, or 1 where only one can be:
+  // one sequence decoding): a step alone in the pipeline runs on one thread (run_alone_) only while that is 1, so
+  // that a pipelined engine's step that is alone for a moment (the next one not launched yet) does not take the
+  // next stage's turn and stall the one behind it. 1 until an engine says otherwise. Thread-safe.
   void expect_steps_in_flight(int64_t steps) { expected_steps_.store(steps, std::memory_order_relaxed); }
 
   size_t num_stages() const { return total_stages_; }
