@@ -14,10 +14,14 @@ Llama. Per model, libpipe over 1 and 2 stages on the one GPU and transformers, C
   device-to-device copy rate (bytes read plus bytes written per second, torch's copy_ of 1 GiB).
 
 transformers runs its padded batches (all prompts have the same length here, so no padding: its best case),
-libpipe its continuous batching. `--device cpu` with small --concurrency tries the script's logic without a GPU.
+libpipe its continuous batching, with its decode steps replayed as CUDA graphs (the default) and, for the layouts of
+--graphs-off-stages, without (LIBPIPE_CUDA_GRAPHS=0). Graphs pad a decode step of C rows to 2^k + 1 rows in free
+cache slots (runtime/generate/graph_padding.h), so each skeleton has that many slots. `--device cpu` with small
+--concurrency tries the script's logic without a GPU.
 
     python bench/gpu_generate.py [--pipe build/pipe] [--models smollm2 llama1b] [--concurrency 1 8 32 128]
-                                 [--stages 1 2] [--repeats 1] [--device cuda:0] [--work DIR] [--out FILE]
+                                 [--stages 1 2] [--graphs-off-stages 1] [--repeats 1] [--device cuda:0]
+                                 [--work DIR] [--out FILE]
 
 scripts/test-gpu.sh runs it after the GPU tests; record its tables in bench/RESULTS.md with the device, driver and
 date it prints.
@@ -119,13 +123,22 @@ def prompts(count, length, vocab):
     return torch.randint(100, vocab, (count, length), generator=g).tolist()
 
 
-def libpipe_run(args, folder, skeleton, batch, stages):
+def graph_slots(c):
+    """The cache slots a decode step of c rows needs to be padded to a CUDA graph's shape: 2^k + 1 >= c + 1."""
+    power = 1
+    while power < c:
+        power *= 2
+    return power + 1
+
+
+def libpipe_run(args, folder, skeleton, batch, stages, graphs=True):
     cmd = [args.pipe, "generate", skeleton, "--weights", os.path.join(folder, "model.safetensors")]
     cmd += ["--dtype", "bf16", "--devices", args.device, "--stages", str(stages), "--json"]
     cmd += ["--max-new-tokens", str(args.new_tokens)]
     for p in batch:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ) if graphs else {**os.environ, "LIBPIPE_CUDA_GRAPHS": "0"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         sys.exit(f"gpu_generate.py: `pipe generate` failed ({r.returncode}): {r.stderr.strip()}")
     out = json.loads(r.stdout)
@@ -205,6 +218,7 @@ def main():
     ap.add_argument("--models", nargs="+", choices=["smollm2", "llama1b"], default=["smollm2", "llama1b"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--graphs-off-stages", type=int, nargs="*", default=[1], help="layouts also run without graphs")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
@@ -240,19 +254,22 @@ def main():
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for c in args.concurrency:
             batch = prompts(c, args.prompt_tokens, model_config(name)["vocab_size"])
-            skeleton = os.path.join(work, f"{name}-{c}slots.pt")
+            slots = graph_slots(c)
+            skeleton = os.path.join(work, f"{name}-{slots}slots.pt")
             if not os.path.exists(skeleton):
                 export_llm(
-                    folder, skeleton, max_seq_len=args.prompt_tokens + args.new_tokens, max_batch=c, dtype="bf16"
+                    folder, skeleton, max_seq_len=args.prompt_tokens + args.new_tokens, max_batch=slots, dtype="bf16"
                 )
+            layouts = [(s, True) for s in args.stages] + [(s, False) for s in args.graphs_off_stages]
+            label = {
+                (s, g): f"libpipe {s} stage{'s' if s > 1 else ''}{'' if g else ', graphs off'}" for s, g in layouts
+            }
             runs = {"transformers": []}
-            runs.update({f"libpipe {s} stage{'s' if s > 1 else ''}": [] for s in args.stages})
+            runs.update({label[k]: [] for k in layouts})
             for _ in range(args.repeats):
                 runs["transformers"].append(hf.run(batch, args.new_tokens))
-                for s in args.stages:
-                    runs[f"libpipe {s} stage{'s' if s > 1 else ''}"].append(
-                        libpipe_run(args, folder, skeleton, batch, s)
-                    )
+                for s, g in layouts:
+                    runs[label[(s, g)]].append(libpipe_run(args, folder, skeleton, batch, s, graphs=g))
             hf_tps = median(runs["transformers"], "tokens_per_s")
             for layout, rs in runs.items():
                 tps, ttft, itl = median(rs, "tokens_per_s"), median(rs, "ttft_ms"), median(rs, "itl_ms")

@@ -13,6 +13,8 @@
 #include <unordered_set>
 #include <utility>
 
+#include "runtime/device/cuda_graph.h"
+#include "runtime/generate/graph_padding.h"
 #include "runtime/generate/in_flight_policy.h"
 #include "runtime/generate/step_planner.h"
 #include "runtime/log.h"
@@ -44,6 +46,7 @@ struct Engine::Sequence {
 struct Engine::Step {
   uint64_t id = 0;
   std::vector<PlannedRow> rows;
+  int64_t sent_rows = 0;  // rows, and the padding rows of a step padded for CUDA graphs (graph_padding.h)
   std::shared_ptr<schedule::Request> request;
   Clock::time_point returned{};  // when its last stage finished (for the trace)
 };
@@ -71,6 +74,7 @@ schedule::SessionOptions step_session_options(schedule::SessionOptions options, 
   // Logits that a GPU stage computed stay on its GPU: the sampler reduces greedy rows there, so that a step brings
   // back a token per row rather than [rows, vocab] floats (sampling.h).
   options.outputs_on_device = true;
+  options.graph_steps = true;
   return options;
 }
 
@@ -133,6 +137,14 @@ Engine::Engine(std::shared_ptr<const graph::Plan> plan, schedule::SessionOptions
   if (chosen && forced == "one") options_.steps_in_flight = 1;
   policy_ = std::make_unique<InFlightPolicy>(options_.steps_in_flight,
                                              chosen && forced.empty() && session_->spare_cores() != nullptr);
+  // Decode steps are padded to the shapes GPU stages record as CUDA graphs (graph_padding.h) where a stage is on a
+  // GPU and graphs are on. LIBPIPE_PAD_DECODE_STEPS=1 pads them anywhere (tests show on the CPU that padding changes
+  // no token), =0 nowhere.
+  const char* pad_env = std::getenv("LIBPIPE_PAD_DECODE_STEPS");
+  const std::string pad = pad_env ? pad_env : "";
+  bool on_gpu = false;
+  for (const auto& d : session_->devices()) on_gpu |= d.is_cuda();
+  pad_for_graphs_ = pad == "1" || (pad != "0" && on_gpu && device::cuda_graphs_enabled());
   probe();
   for (int64_t s = decoder_.slots - 1; s >= 0; --s) free_slots_.push_back(s);
   slot_contents_.resize(static_cast<size_t>(decoder_.slots));
@@ -294,6 +306,15 @@ void Engine::take_slot(Sequence& seq, Clock::time_point now) {
   seq.ready_since = next_step_;
   if (active_++ == 0) active_since_ = now;
   seq.generation->started(now, reused);
+}
+
+std::vector<int64_t> Engine::padding_slots() const {
+  // Those whose kept tokens (prefix reuse) the padding costs least first.
+  std::vector<int64_t> slots = free_slots_;
+  std::stable_sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) {
+    return slot_contents_[static_cast<size_t>(a)].tokens.size() < slot_contents_[static_cast<size_t>(b)].tokens.size();
+  });
+  return slots;
 }
 
 void Engine::release_slot(Sequence& seq, Clock::time_point now) {
@@ -485,11 +506,19 @@ void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
       r.completes_prompt = r.start + r.length >= static_cast<int64_t>(sequences_.at(r.sequence)->prompt.size());
 
     const int64_t b = static_cast<int64_t>(step->rows.size());
-    int64_t t = 0;
-    for (const auto& r : step->rows) t = std::max(t, r.length);
-    at::Tensor tokens = at::zeros({b, t}, at::kLong);
-    at::Tensor start = at::empty({b}, at::kLong), lengths = at::empty({b}, at::kLong),
-               slots = at::empty({b}, at::kLong);
+    int64_t t = 0, context = 0;
+    for (const auto& r : step->rows) {
+      t = std::max(t, r.length);
+      context = std::max(context, r.start + r.length);
+    }
+    // A decode step (one token a row) for stages that replay CUDA graphs: padded to a recorded shape.
+    std::optional<DecodePadding> padding;
+    if (pad_for_graphs_ && t == 1) padding = pad_decode_step(b, context, decoder_.max_len, padding_slots());
+    step->sent_rows = padding ? padding->rows : b;
+    const int64_t sent = step->sent_rows;
+    at::Tensor tokens = at::zeros({sent, t}, at::kLong);
+    at::Tensor start = at::empty({sent}, at::kLong), lengths = at::empty({sent}, at::kLong),
+               slots = at::empty({sent}, at::kLong);
     int64_t* tok = tokens.data_ptr<int64_t>();
     int64_t step_tokens = 0, prompt_rows = 0;
     for (int64_t i = 0; i < b; ++i) {
@@ -508,6 +537,18 @@ void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
       slots.data_ptr<int64_t>()[i] = r.slot;
       rows_total_++;
     }
+    if (padding) {
+      totals_.padded_steps++;
+      for (int64_t i = b; i < sent; ++i) {  // token 0 (tokens are zeros), one each, at the padded context's end
+        const int64_t slot = padding->slots[static_cast<size_t>(i - b)];
+        start.data_ptr<int64_t>()[i] = padding->start;
+        lengths.data_ptr<int64_t>()[i] = 1;
+        slots.data_ptr<int64_t>()[i] = slot;
+        // Its cache entry at the padding's position is overwritten: the slot's kept tokens end before it.
+        auto& kept = slot_contents_[static_cast<size_t>(slot)].tokens;
+        if (static_cast<int64_t>(kept.size()) > padding->start) kept.resize(static_cast<size_t>(padding->start));
+      }
+    }
     totals_.steps++;
     policy_->launched(step->id, step_tokens);
     Step* raw = step.get();
@@ -518,7 +559,7 @@ void Engine::launch_steps(std::unique_lock<std::mutex>& lock) {
     std::string error;
     Status status = Status::Ok;
     try {
-      request = session_->submit_step({tokens, start, lengths, slots});
+      request = session_->submit_step({tokens, start, lengths, slots}, padding.has_value());
     } catch (const Error& e) {
       status = e.status();
       error = e.what();
@@ -576,12 +617,15 @@ void Engine::complete_step(std::unique_lock<std::mutex>& lock, uint64_t step_id,
       c10::IValue out = step->request->take_single();
       if (!out.isTensor()) throw Error(Status::Execution, "the decoder's forward returned " + out.tagKind());
       logits = out.toTensor();
-      if (logits.dim() != 2 || logits.size(0) != static_cast<int64_t>(step->rows.size()) ||
-          logits.size(1) != decoder_.vocab || logits.scalar_type() != at::kFloat)
+      if (logits.dim() != 2 || logits.size(0) != step->sent_rows || logits.size(1) != decoder_.vocab ||
+          logits.scalar_type() != at::kFloat)
         throw Error(Status::Execution, "the decoder returned logits of shape " + c10::str(logits.sizes()) +
                                            " and dtype " + c10::toString(logits.scalar_type()) + ", not float32 [" +
-                                           std::to_string(step->rows.size()) + ", " + std::to_string(decoder_.vocab) +
+                                           std::to_string(step->sent_rows) + ", " + std::to_string(decoder_.vocab) +
                                            "]");
+      // The padding rows' logits (graph_padding.h) are nobody's.
+      if (step->sent_rows != static_cast<int64_t>(step->rows.size()))
+        logits = logits.narrow(0, 0, static_cast<int64_t>(step->rows.size()));
     } catch (const Error& e) {
       status = e.status();
       message = e.what();

@@ -59,6 +59,7 @@ struct EngineStats {
   uint64_t steps_one_at_a_time = 0;     // steps launched while the limit was 1
   uint64_t steps_pipelined = 0;         // steps launched while it was more
   bool steps_in_flight_chosen = false;  // the limit is chosen by measurement (not given, not fixed)
+  uint64_t padded_steps = 0;            // decode steps padded to a CUDA graph's shape (graph_padding.h)
 };
 
 class Engine {
@@ -113,13 +114,16 @@ class Engine {
   void launch_steps(std::unique_lock<std::mutex>& lock);
   void take_slot(Sequence& seq, Clock::time_point now);
   void release_slot(Sequence& seq, Clock::time_point now);
+  // The free slots, in the order decode steps take them for padding rows (graph_padding.h).
+  std::vector<int64_t> padding_slots() const;
   Clock::time_point next_deadline() const;
   // Without the lock: tokens and ends reach the generations, whose callbacks run here.
   static void deliver(std::vector<Notice>& notices);
 
   std::unique_ptr<schedule::Session> session_;
   DecoderInfo decoder_;
-  bool mixed_steps_ = false;  // decode rows and prompt chunks share steps (step_planner.h)
+  bool mixed_steps_ = false;     // decode rows and prompt chunks share steps (step_planner.h)
+  bool pad_for_graphs_ = false;  // decode steps padded to the shapes of CUDA graphs (graph_padding.h)
   EngineOptions options_;
   std::shared_ptr<Waker> waker_;
 

@@ -70,6 +70,7 @@ class Plan {
   double balance() const;
 
   const Program& model() const { return *model_; }
+  const std::shared_ptr<const Program>& shared_model() const { return model_; }
   size_t num_stages() const { return stages_.size(); }
   const StagePlan& stage(size_t i) const { return stages_.at(i); }
   const std::vector<CrossingValue>& values() const { return values_; }

@@ -130,6 +130,8 @@ struct MicroBatch {
   // Within this process: the next stage to run it, and what stage sharing (stage_sharing.h) knows of it.
   size_t next_stage = 0;
   StageSharing::Ticket ticket;
+  // A generation engine's step that GPU stages may replay as a CUDA graph (stage/graphed_stage.h).
+  bool graphable = false;
   // The events a stage reading values from `producers` (stage indices, -1 the caller) waits for.
   device::Ready ready_for(const std::vector<int>& producers) const;
   // Everything the micro-batch waits for (before it leaves the process).

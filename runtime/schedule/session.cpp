@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "runtime/comm/nccl_transport.h"
+#include "runtime/device/cuda_graph.h"
 #include "runtime/device/cuda_library.h"
 #include "runtime/device/placement.h"
 #include "runtime/log.h"
@@ -17,6 +18,8 @@
 #include "runtime/processes/assignment.h"
 #include "runtime/schedule/op_timer.h"
 #include "runtime/processes/rank_device.h"
+#include "runtime/stage/graphed_stage.h"
+#include "runtime/stage/preamble_split.h"
 #include "runtime/stage/stage.h"
 
 namespace libpipe::schedule {
@@ -153,7 +156,20 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
     build.checkpoint = checkpoint.get();
     build.device = devices_[s];
     build.cpu_rewrites = true;
-    stages_.push_back(stage::build_stage(*plan_, s, build));
+    // A GPU stage replays a generation engine's decode steps as CUDA graphs (LIBPIPE_CUDA_GRAPHS=0: never); the
+    // first from its first layer on, its preamble (a decoder's checks) run as it is.
+    if (options_.graph_steps && devices_[s].is_cuda() && device::cuda_graphs_enabled()) {
+      const c10::Device device = devices_[s];
+      const std::string who = "stage " + std::to_string(s);
+      auto graphed = [device, who](std::unique_ptr<stage::Stage> stage) -> std::unique_ptr<stage::Stage> {
+        return std::make_unique<stage::GraphedStage>(
+            std::move(stage), [device] { return device::cuda_graph_factory(device); }, who);
+      };
+      std::unique_ptr<stage::Stage> split = s == 0 ? stage::PreambleSplitStage::build(*plan_, build, graphed) : nullptr;
+      stages_.push_back(split ? std::move(split) : graphed(stage::build_stage(*plan_, s, build)));
+    } else {
+      stages_.push_back(stage::build_stage(*plan_, s, build));
+    }
     // NCCL orders its transfers with the default stream, so its stages queue there too.
     places_.push_back(nccl ? device::Place::with_default_stream(devices_[s])
                            : device::Place::with_own_stream(devices_[s]));
@@ -353,6 +369,7 @@ bool Session::hand_to(size_t w, MicroBatch&& mb) {
 void Session::run_stage(size_t s, MicroBatch& mb) {
   device::Place& place = places_[s];
   const StageIO& io = stage_io_[s];
+  stage::GraphableCall graphable(mb.graphable);
   c10::IValue out = run_stage_step(*stages_[s], io, mb.env, place, mb.ready_for(io.producers));
   if (io.last) {
     // Each micro-batch owns its slot. Results for the CPU come down on the stage's stream; the
@@ -463,7 +480,7 @@ std::shared_ptr<Request> Session::submit(const std::vector<c10::IValue>& inputs,
   return request;
 }
 
-std::shared_ptr<Request> Session::submit_step(std::vector<c10::IValue>&& inputs) {
+std::shared_ptr<Request> Session::submit_step(std::vector<c10::IValue>&& inputs, bool graphable) {
   if (ring_) {
     const std::string why = ring_->broken();
     if (!why.empty())
@@ -477,6 +494,7 @@ std::shared_ptr<Request> Session::submit_step(std::vector<c10::IValue>&& inputs)
     ++inflight_;  // counted like any micro-batch, so release() balances it; the caller bounds how many
   }
   MicroBatch mb{request, 0, std::vector<c10::IValue>(plan_->values().size()), {}, {}, 0, {}};
+  mb.graphable = graphable;
   for (size_t id = 0; id < plan_->values().size(); ++id) {
     const auto& cv = plan_->values()[id];
     if (cv.producer < 0) mb.env[id] = inputs.at(cv.input_index);  // a reference, not a copy of the data

@@ -62,6 +62,10 @@ struct SessionOptions {
   std::string devices;
   // Results stay on the last stage's device (a GPU) instead of coming to the CPU.
   bool outputs_on_device = false;
+  // A generation engine's session: its GPU stages may record the engine's decode steps as CUDA graphs and replay
+  // them (stage/graphed_stage.h; LIBPIPE_CUDA_GRAPHS=0 turns that off), the first one with its preamble cut off
+  // (stage/preamble_split.h).
+  bool graph_steps = false;
   // Stages spread over worker processes (rank 0, this process, keeps the first ones).
   processes::DistributedOptions distributed;
 };
@@ -99,7 +103,9 @@ class Session {
   // (the engine makes them right), and run as one micro-batch; Request::take_single() gives the last stage's
   // result as it is. Never waits for admission: the caller keeps fewer than max_inflight steps in flight, and
   // learns that one finished from Request::on_done. Thread-safe. Throws Error(Communication) on a broken session.
-  std::shared_ptr<Request> submit_step(std::vector<c10::IValue>&& inputs);
+  // `graphable`: a decode step that this process's GPU stages may record and replay as a CUDA graph
+  // (stage/graphed_stage.h; the engine pads such steps to a few shapes, and each runs alike however often it runs).
+  std::shared_ptr<Request> submit_step(std::vector<c10::IValue>&& inputs, bool graphable = false);
   // How many steps the engine means to keep in flight now (its in-flight policy's limit, or 1 where only one can be:
   // one sequence decoding): a step alone in the pipeline runs on one thread (run_alone_) only while that is 1, so
   // that a pipelined engine's step that is alone for a moment (the next one not launched yet) does not take the

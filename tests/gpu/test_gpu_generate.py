@@ -6,7 +6,9 @@ the same GPU:
   longest prefilled in chunks: sequences wait for a slot, join mid-flight and leave;
 - seeded sampling on the GPU is reproducible: the same seed gives the same tokens, another seed others;
 - a bfloat16 decoder (export_llm --dtype bf16) generates on the GPU; its greedy agreement with float32's tokens
-  is printed (bfloat16 parts from float32 at near ties; what is asserted is that it runs and answers every prompt).
+  is printed (bfloat16 parts from float32 at near ties; what is asserted is that it runs and answers every prompt);
+- decode steps replay as CUDA graphs (1 and 2 stages; the log says what each stage recorded, and no shape failed to
+  record) with transformers' tokens, and LIBPIPE_CUDA_GRAPHS=0 records none and gives the same tokens.
 
 The models are tests/llm's tiny random-weight ones (llm_models.py). LIBPIPE_GPU_TEST_DEVICE=cpu runs this file's
 checks with "cpu" in place of the GPU, so that its logic can be tried on a machine without one (tests/gpu/run.sh
@@ -47,15 +49,17 @@ class Decoder:
         # A random model that repeated one token would not tell a broken cache.
         assert all(len(set(r)) >= 3 for r in self.reference), self.reference
 
-    def generate(self, *args, dtype="fp32", prompts=PROMPTS):
+    def generate(self, *args, dtype="fp32", prompts=PROMPTS, env=None, log=None):
         command = [PIPE, "generate", self.skeleton[dtype], "--weights", self.weights]
         if dtype != "fp32":
             command += ["--dtype", dtype]
         for p in prompts:
             command += ["--prompt-ids", ",".join(map(str, p))]
         command += ["--max-new-tokens", str(NEW_TOKENS), "--prefill-chunk", str(CHUNK), "--json", *map(str, args)]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
         assert result.returncode == 0, result.stderr
+        if log is not None:
+            log.append(result.stderr)
         out = json.loads(result.stdout)
         assert len(out["outputs"]) == len(prompts), out
         return out
@@ -112,3 +116,25 @@ def test_bfloat16_generates_on_the_gpu(decoder):
         f"bf16 on {DEVICE}: {same} of {len(PROMPTS)} greedy answers equal float32's; tokens before a first difference "
         f"{sum(before)} of {NEW_TOKENS * len(PROMPTS)}"
     )
+
+
+@pytest.mark.parametrize("where", ["1-stage", "2-stages"])
+def test_decode_steps_replay_as_cuda_graphs(decoder, where):
+    if not DEVICE.startswith("cuda"):
+        pytest.skip("CUDA graphs need a GPU (LIBPIPE_GPU_TEST_DEVICE is " + DEVICE + ")")
+    stages = 1 if where == "1-stage" else 2
+    log = []
+    out = decoder.generate(*placements(decoder.config)[where], env={"LIBPIPE_LOG_LEVEL": "debug"}, log=log)
+    assert out["outputs"] == decoder.reference
+    recorded = [line for line in log[0].splitlines() if "recorded a CUDA graph" in line]
+    print(f"{where}: {len(recorded)} graphs recorded")
+    for s in range(stages):
+        assert any(f"stage {s} recorded a CUDA graph" in line for line in recorded), log[0][-4000:]
+    assert "cannot record" not in log[0], log[0][-4000:]
+
+    log = []
+    off = decoder.generate(
+        *placements(decoder.config)[where], env={"LIBPIPE_LOG_LEVEL": "debug", "LIBPIPE_CUDA_GRAPHS": "0"}, log=log
+    )
+    assert off["outputs"] == decoder.reference
+    assert "recorded a CUDA graph" not in log[0]

@@ -241,6 +241,40 @@ TEST(Engine, GreedyTokensEqualTransformersForPromptsSubmittedAtOnce) {
   }
 }
 
+TEST(Engine, DecodeStepsPaddedForCudaGraphsStillGiveTransformersTokens) {
+  // LIBPIPE_PAD_DECODE_STEPS=1 pads decode steps as for GPU stages that replay CUDA graphs (graph_padding.h): rows in
+  // free slots at the padded context's end, whose logits nobody reads. On the CPU nothing replays them; the tokens
+  // show that the padding rows disturb no sequence. Prompts come one after another (free slots: every decode step
+  // is padded) and all at once (five prompts, four slots: steps are padded only while enough slots are free).
+  const auto& ref = reference();
+  struct PadEnv {
+    PadEnv() { setenv("LIBPIPE_PAD_DECODE_STEPS", "1", 1); }
+    ~PadEnv() { unsetenv("LIBPIPE_PAD_DECODE_STEPS"); }
+  } pad;
+  for (const int stages : {1, 2}) {
+    for (const bool at_once : {false, true}) {
+      SCOPED_TRACE(testing::Message() << stages << " stages, " << (at_once ? "at once" : "one after another"));
+      auto engine = make_engine("tiny_decoder.pt", stages);
+      std::vector<std::shared_ptr<Generation>> gens;
+      std::vector<Tokens> tokens(ref.prompts.size());
+      for (size_t i = 0; i < ref.prompts.size(); ++i) {
+        gens.push_back(engine->submit(ref.prompts[i], greedy(ref.max_new_tokens)));
+        if (!at_once) tokens[i] = finish_and_read(*gens[i]);
+      }
+      for (size_t i = 0; i < gens.size(); ++i) {
+        if (at_once) tokens[i] = finish_and_read(*gens[i]);
+        EXPECT_EQ(tokens[i], ref.greedy[i]) << "prompt " << i;
+        EXPECT_EQ(gens[i]->status(), Status::Ok) << gens[i]->message();
+      }
+      const auto st = engine->stats();
+      EXPECT_GT(st.padded_steps, 0u);
+      if (!at_once) {  // every step after a prompt's first is a decode step with free slots
+        EXPECT_GE(st.padded_steps, ref.prompts.size() * static_cast<uint64_t>(ref.max_new_tokens - 1));
+      }
+    }
+  }
+}
+
 // ---- prefix reuse ----
 
 // Tokens two sequences begin with.
