@@ -101,11 +101,15 @@ c10::IValue GraphedStage::record(Recording& r, std::vector<c10::IValue> inputs) 
     ++recorded_;
     log::debug(who_ + " recorded a CUDA graph for calls of shape " + shape_of(inputs));
   } catch (const std::exception& e) {
-    // The step waits for the GPU or reads a value on the host somewhere: such calls run as they are.
+    // The step waits for the GPU or reads a value on the host somewhere: such calls run as they are. The first such
+    // shape is told at info level (a user expecting graphs learns why there are none), the others at debug.
     r.outputs = c10::IValue();
     r.inputs.clear();
-    log::debug(who_ + " cannot record calls of shape " + shape_of(inputs) +
-               " as a CUDA graph (they run as they are): " + e.what());
+    const std::string why = who_ + " cannot record calls of shape " + shape_of(inputs) +
+                            " as a CUDA graph (they run as they are): " + e.what();
+    if (told_unrecordable_) log::debug(why);
+    else log::info(why);
+    told_unrecordable_ = true;
   }
   // The warm-ups' last result is this call's (a graph's capture runs nothing).
   return own_copy(result);

@@ -64,7 +64,8 @@ class GraphedStage final : public Stage {
   std::unique_ptr<Stage> stage_;
   std::function<device::StepGraphFactory()> make_factory_;
   device::StepGraphFactory factory_;
-  bool unavailable_ = false;  // the factory could not be made: no call is recorded
+  bool unavailable_ = false;        // the factory could not be made: no call is recorded
+  bool told_unrecordable_ = false;  // a shape that could not be recorded was logged at info level
   std::string who_;
   size_t max_graphs_;
   std::map<std::string, Recording> recordings_;
