@@ -157,8 +157,9 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
     build.device = devices_[s];
     build.cpu_rewrites = true;
     // A GPU stage replays a generation engine's decode steps as CUDA graphs (LIBPIPE_CUDA_GRAPHS=0: never); the
-    // first from its first layer on, its preamble (a decoder's checks) run as it is.
-    if (options_.graph_steps && devices_[s].is_cuda() && device::cuda_graphs_enabled()) {
+    // first from its first layer on, its preamble (a decoder's checks) run as it is. Not on the default stream that
+    // NCCL's stages share (a graph is recorded on a stream of its own).
+    if (options_.graph_steps && !nccl && devices_[s].is_cuda() && device::cuda_graphs_enabled()) {
       const c10::Device device = devices_[s];
       const std::string who = "stage " + std::to_string(s);
       auto graphed = [device, who](std::unique_ptr<stage::Stage> stage) -> std::unique_ptr<stage::Stage> {
