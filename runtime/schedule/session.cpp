@@ -159,12 +159,15 @@ Session::Session(std::shared_ptr<const graph::Plan> plan, SessionOptions options
     // A GPU stage replays a generation engine's decode steps as CUDA graphs (LIBPIPE_CUDA_GRAPHS=0: never); the
     // first from its first layer on, its preamble (a decoder's checks) run as it is. Not on the default stream that
     // NCCL's stages share (a graph is recorded on a stream of its own).
-    if (options_.graph_steps && !nccl && devices_[s].is_cuda() && device::cuda_graphs_enabled()) {
+    const bool graphs = devices_[s].is_cuda() ? device::cuda_graphs_enabled() : options_.graph_cpu_stages;
+    if (options_.graph_steps && !nccl && graphs) {
       const c10::Device device = devices_[s];
       const std::string who = "stage " + std::to_string(s);
-      auto graphed = [device, who](std::unique_ptr<stage::Stage> stage) -> std::unique_ptr<stage::Stage> {
+      auto factory = options_.graph_factory;
+      auto graphed = [device, who, factory](std::unique_ptr<stage::Stage> stage) -> std::unique_ptr<stage::Stage> {
         return std::make_unique<stage::GraphedStage>(
-            std::move(stage), [device] { return device::cuda_graph_factory(device); }, who);
+            std::move(stage),
+            [device, factory] { return factory ? factory(device) : device::cuda_graph_factory(device); }, who);
       };
       std::unique_ptr<stage::Stage> split = s == 0 ? stage::PreambleSplitStage::build(*plan_, build, graphed) : nullptr;
       stages_.push_back(split ? std::move(split) : graphed(stage::build_stage(*plan_, s, build)));

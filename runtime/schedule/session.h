@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "runtime/chunk/microbatch.h"
+#include "runtime/device/cuda_graph.h"
 #include "runtime/device/place.h"
 #include "runtime/error.h"
 #include "runtime/graph/plan.h"
@@ -66,6 +68,10 @@ struct SessionOptions {
   // them (stage/graphed_stage.h; LIBPIPE_CUDA_GRAPHS=0 turns that off), the first one with its preamble cut off
   // (stage/preamble_split.h).
   bool graph_steps = false;
+  // How those stages make their graphs: null for device::cuda_graph_factory. Tests give a stand-in and set
+  // graph_cpu_stages to run the whole path (the preamble cut, recording, replays) on CPU stages.
+  std::function<device::StepGraphFactory(const c10::Device&)> graph_factory;
+  bool graph_cpu_stages = false;
   // Stages spread over worker processes (rank 0, this process, keeps the first ones).
   processes::DistributedOptions distributed;
 };

@@ -13,6 +13,7 @@
 #include <poll.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -31,6 +32,7 @@
 
 #include "../gate/gate.h"
 #include "fixtures.h"
+#include "runtime/device/cuda_graph.h"
 #include "runtime/error.h"
 #include "runtime/generate/decoder_info.h"
 #include "runtime/generate/engine.h"
@@ -272,6 +274,70 @@ TEST(Engine, DecodeStepsPaddedForCudaGraphsStillGiveTransformersTokens) {
         EXPECT_GE(st.padded_steps, ref.prompts.size() * static_cast<uint64_t>(ref.max_new_tokens - 1));
       }
     }
+  }
+}
+
+// A stand-in for a GPU's CUDA graphs on CPU stages: recording runs the step's host code and keeps it, a replay runs
+// it again (into the recorded inputs the stage refilled); the counts say that both happened.
+class StandInGraph final : public device::StepGraph {
+ public:
+  StandInGraph(std::shared_ptr<std::atomic<int>> recorded, std::shared_ptr<std::atomic<int>> replayed)
+      : recorded_(std::move(recorded)), replayed_(std::move(replayed)) {}
+  void capture(const std::function<void()>& work) override {
+    work();
+    work_ = work;
+    ++*recorded_;
+  }
+  void replay() override {
+    work_();
+    ++*replayed_;
+  }
+
+ private:
+  std::shared_ptr<std::atomic<int>> recorded_, replayed_;
+  std::function<void()> work_;
+};
+
+struct StandInGraphs {
+  std::shared_ptr<std::atomic<int>> recorded = std::make_shared<std::atomic<int>>(0);
+  std::shared_ptr<std::atomic<int>> replayed = std::make_shared<std::atomic<int>>(0);
+  std::function<device::StepGraphFactory(const c10::Device&)> factory() const {
+    auto rec = recorded, rep = replayed;
+    return [rec, rep](const c10::Device&) -> device::StepGraphFactory {
+      return [rec, rep] { return std::make_unique<StandInGraph>(rec, rep); };
+    };
+  }
+};
+
+TEST(Engine, DecodeStepsThroughTheWholeGraphPathOnCpuStagesStillGiveTransformersTokens) {
+  // What a GPU does with CUDA graphs, on CPU stages with a stand-in for the graphs: the first stage cut before its
+  // first layer, decode steps padded and marked graphable, each stage recording the first step of a shape and
+  // replaying the later ones from its recorded inputs. Only the GPU's capture itself is left out.
+  const auto& ref = reference();
+  struct PadEnv {
+    PadEnv() { setenv("LIBPIPE_PAD_DECODE_STEPS", "1", 1); }
+    ~PadEnv() { unsetenv("LIBPIPE_PAD_DECODE_STEPS"); }
+  } pad;
+  for (const int stages : {1, 2}) {
+    SCOPED_TRACE(testing::Message() << stages << " stages");
+    StandInGraphs graphs;
+    auto options = session_options();
+    options.graph_factory = graphs.factory();
+    options.graph_cpu_stages = true;
+    auto engine = std::make_unique<Engine>(decoder_plan("tiny_decoder.pt", stages), options, EngineOptions{});
+    ASSERT_EQ(engine->session().num_stages(), static_cast<size_t>(stages));
+    std::vector<std::shared_ptr<Generation>> gens;
+    for (const auto& p : ref.prompts) gens.push_back(engine->submit(p, greedy(ref.max_new_tokens)));
+    for (size_t i = 0; i < gens.size(); ++i) {
+      EXPECT_EQ(finish_and_read(*gens[i]), ref.greedy[i]) << "prompt " << i;
+      EXPECT_EQ(gens[i]->status(), Status::Ok) << gens[i]->message();
+    }
+    // One sequence alone at the end: its decode steps, of one shape, replay.
+    auto last = engine->submit(ref.prompts[0], greedy(ref.max_new_tokens));
+    EXPECT_EQ(finish_and_read(*last), ref.greedy[0]);
+    EXPECT_GT(engine->stats().padded_steps, 0u);
+    EXPECT_GE(graphs.recorded->load(), stages) << "every stage records";
+    EXPECT_GT(graphs.replayed->load(), ref.max_new_tokens) << "decode steps replay";
   }
 }
 
