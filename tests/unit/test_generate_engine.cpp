@@ -243,16 +243,21 @@ TEST(Engine, GreedyTokensEqualTransformersForPromptsSubmittedAtOnce) {
   }
 }
 
+// Decode steps padded as for CUDA graphs (LIBPIPE_PAD_DECODE_STEPS=1) while it lives.
+struct PadDecodeSteps {
+  PadDecodeSteps() { setenv("LIBPIPE_PAD_DECODE_STEPS", "1", 1); }
+  ~PadDecodeSteps() { unsetenv("LIBPIPE_PAD_DECODE_STEPS"); }
+  PadDecodeSteps(const PadDecodeSteps&) = delete;
+  PadDecodeSteps& operator=(const PadDecodeSteps&) = delete;
+};
+
 TEST(Engine, DecodeStepsPaddedForCudaGraphsStillGiveTransformersTokens) {
   // LIBPIPE_PAD_DECODE_STEPS=1 pads decode steps as for GPU stages that replay CUDA graphs (graph_padding.h): rows in
   // free slots at the padded context's end, whose logits nobody reads. On the CPU nothing replays them; the tokens
   // show that the padding rows disturb no sequence. Prompts come one after another (free slots: every decode step
   // is padded) and all at once (five prompts, four slots: steps are padded only while enough slots are free).
   const auto& ref = reference();
-  struct PadEnv {
-    PadEnv() { setenv("LIBPIPE_PAD_DECODE_STEPS", "1", 1); }
-    ~PadEnv() { unsetenv("LIBPIPE_PAD_DECODE_STEPS"); }
-  } pad;
+  PadDecodeSteps pad;
   for (const int stages : {1, 2}) {
     for (const bool at_once : {false, true}) {
       SCOPED_TRACE(testing::Message() << stages << " stages, " << (at_once ? "at once" : "one after another"));
@@ -314,10 +319,7 @@ TEST(Engine, DecodeStepsThroughTheWholeGraphPathOnCpuStagesStillGiveTransformers
   // first layer, decode steps padded and marked graphable, each stage recording the first step of a shape and
   // replaying the later ones from its recorded inputs. Only the GPU's capture itself is left out.
   const auto& ref = reference();
-  struct PadEnv {
-    PadEnv() { setenv("LIBPIPE_PAD_DECODE_STEPS", "1", 1); }
-    ~PadEnv() { unsetenv("LIBPIPE_PAD_DECODE_STEPS"); }
-  } pad;
+  PadDecodeSteps pad;
   for (const int stages : {1, 2}) {
     SCOPED_TRACE(testing::Message() << stages << " stages");
     StandInGraphs graphs;
