@@ -7,6 +7,7 @@
 // smollm2: 9 query heads over 3 key-value heads of 64; 1b: 32 over 8 of 64. Prints per dtype, rows (sequences) and
 // context the best of `repeats` calls (default 50) of one layer's attention in microseconds, and the cache bytes per
 // second the kernel reads (keys and values of every row, in the cache's dtype).
+// Then a prompt's first chunk (one row of 64, 128 and 256 queries under the causal mask) in microseconds.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -105,6 +106,55 @@ int main(int argc, char** argv) {
                     static_cast<long long>(rows), static_cast<long long>(context), one, bytes / one / 1e3, lent,
                     bytes / lent / 1e3, sdpa);
       }
+    }
+  }
+  // A prompt's first chunk: one row of T queries at positions 0 .. T-1 under the causal mask (as pack_call and
+  // attend_packed hand it over: [1, heads, T, T]), against SDPA with is_causal on the same keys.
+  std::printf("\n%s prompt attention: one row of T queries from position 0, causal, best of %d calls, microseconds\n",
+              model.c_str(), repeats);
+  std::printf("dtype queries   one thread   %d cores   aten SDPA (1 thread)\n", cores);
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+    for (const int64_t t : {64, 128, 256}) {
+      const at::Tensor k_cache = at::randn({1, kv, max_len, d}).to(dtype);
+      const at::Tensor v_cache = at::randn({1, kv, max_len, d}).to(dtype);
+      const at::Tensor slots = at::zeros({1}, at::kLong);
+      const at::Tensor q = at::randn({1, heads, t, d}).to(dtype);
+      const at::Tensor allowed = at::ones({t, t}, at::kBool).tril().view({1, 1, t, t}).expand({1, heads, t, t});
+      at::Tensor out = at::empty_like(q);
+      libpipe::cpu::CacheAttention a;
+      a.type = a.cache_type = dtype == at::kFloat ? WeightType::kFloat32 : WeightType::kBFloat16;
+      a.query = q.data_ptr();
+      a.out = out.data_ptr();
+      a.batch = 1;
+      a.heads = heads;
+      a.queries = t;
+      a.head_dim = d;
+      a.k_cache = k_cache.data_ptr();
+      a.v_cache = v_cache.data_ptr();
+      for (int i = 0; i < 3; ++i) a.cache_stride[i] = a.v_stride[i] = k_cache.stride(i);
+      a.kv_heads = kv;
+      a.slots = slots.data_ptr<int64_t>();
+      a.context = t;
+      a.mask = allowed.data_ptr<bool>();
+      for (int i = 0; i < 4; ++i) a.mask_stride[i] = allowed.stride(i);
+      a.scale = 0.125f;
+      const int64_t tasks = libpipe::cpu::cache_attention_tasks(a);
+      const double one = best_us(repeats, [&] { libpipe::cpu::cache_attention(a, 0, tasks); });
+      double lent = 0;
+      {
+        libpipe::stage::SpareCores::Lend lend(&pool);
+        lent = best_us(repeats, [&] {
+          libpipe::stage::SpareCores::for_ranges(
+              tasks, 1, 4, [&](int64_t begin, int64_t end) { libpipe::cpu::cache_attention(a, begin, end); });
+        });
+      }
+      const at::Tensor keys = k_cache.narrow(2, 0, t);
+      const at::Tensor values = v_cache.narrow(2, 0, t);
+      const double sdpa = best_us(std::max(1, repeats / 5), [&] {
+        (void)at::scaled_dot_product_attention(q, keys, values, std::nullopt, 0.0, true, 0.125, true);
+      });
+      std::printf("%-5s %7lld %12.1f %10.1f %12.1f\n", dtype == at::kFloat ? "fp32" : "bf16", static_cast<long long>(t),
+                  one, lent, sdpa);
     }
   }
   return 0;

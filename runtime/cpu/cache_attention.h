@@ -4,8 +4,9 @@
 // [context, head_dim] per key-value head, a few tens of KiB, read once. The work per (row, head) is small
 // and its shape changes every step (the context grows), which is where batched GEMM calls (MKL's
 // cblas_sgemm_batch, float32 only) and SDPA's generic path spend their time on set-up and copies. Here one
-// task computes one key-value head of one row, for every query head that shares it (grouped-query attention reads
-// each key and value once for the group): the scores of its queries against every key it may see
+// task computes one key-value head of one row (of a prompt chunk's row, up to kQueriesPerTask of its queries), for
+// every query head that shares it (grouped-query attention reads each key and value once for the group): the scores
+// of its queries against every key it may see
 // (a boolean mask, broadcast as SDPA takes it), a softmax (vectorised exp), and the weighted sum of the
 // values, all in float32 registers whatever the cache holds (float32, bfloat16 or float16), with the
 // query and the output in the model's dtype (the cache's, or float32 over a cache kept in a smaller one). Tasks are
@@ -39,9 +40,20 @@ struct CacheAttention {
   float scale = 1.f;
 };
 
-// Tasks: one per (row, key-value head), batch x kv_heads of them; a task computes every query head that shares the
-// key-value head (heads / kv_heads of them, consecutive in the query), reading its keys and values once for all.
-inline int64_t cache_attention_tasks(const CacheAttention& a) { return a.batch * a.kv_heads; }
+// Queries of one head per task. A decode step has one; a prompt chunk's queries are cut into pieces of this many so
+// that its few tasks (one per key-value head: SmolLM2's 3 over 2 cores left one core a task idle) spread evenly.
+constexpr int64_t kQueriesPerTask = 16;
+
+inline int64_t cache_attention_query_pieces(const CacheAttention& a) {
+  return (a.queries + kQueriesPerTask - 1) / kQueriesPerTask;
+}
+
+// Tasks: one per (row, key-value head, piece of kQueriesPerTask queries), batch x kv_heads x pieces of them; a task
+// computes its queries for every query head that shares the key-value head (heads / kv_heads of them, consecutive in
+// the query), reading its keys and values once for all.
+inline int64_t cache_attention_tasks(const CacheAttention& a) {
+  return a.batch * a.kv_heads * cache_attention_query_pieces(a);
+}
 
 // Computes tasks [begin, end). A query that may see no key gets NaN, as SDPA gives. Needs
 // cpu_has_panel_kernels(), head_dim a multiple of 16 and at most 256.

@@ -70,15 +70,17 @@ template <WeightType Q, WeightType C, int ND>
 void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores) {
   constexpr int QB = ND >= 16 ? 1 : 16 / ND;  // pairs whose query vectors fit 16 registers
   const int64_t group = a.heads / a.kv_heads;
-  const int64_t b = task / a.kv_heads, g = task % a.kv_heads;
+  const int64_t pieces = cache_attention_query_pieces(a);
+  const int64_t b = task / (a.kv_heads * pieces), g = task / pieces % a.kv_heads, piece = task % pieces;
   const int64_t d = a.head_dim, ctx = a.context;
   const int64_t slot = a.slots[b];
   const int64_t k_base = slot * a.cache_stride[0] + g * a.cache_stride[1];
   const int64_t v_base = slot * a.v_stride[0] + g * a.v_stride[1];
-  // Pair i is head g * group + i / queries, query i % queries: in q and out [B, H, T, D] the group's pairs are
-  // consecutive rows of D from this one.
-  const int64_t first_row = (b * a.heads + g * group) * a.queries;
-  const int64_t pairs = group * a.queries;
+  // The task's queries: [q0, q0 + nq) of each head of the group. Pair i is head g * group + i / nq, query q0 + i % nq;
+  // row_of(i) is its row of D in q and out [B, H, T, D] (with one piece, the group's pairs are consecutive rows).
+  const int64_t q0 = piece * kQueriesPerTask, nq_task = std::min(kQueriesPerTask, a.queries - q0);
+  const int64_t pairs = group * nq_task;
+  const auto row_of = [&](int64_t i) { return (b * a.heads + g * group + i / nq_task) * a.queries + q0 + i % nq_task; };
   scores.resize(static_cast<size_t>(QB * ctx));
   // The keys of a block of 16, converted to float32 once for every pair (a cache in another dtype than float32).
   alignas(64) float keys[16 * ND * 16];
@@ -88,12 +90,16 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
     const bool* mask_row[QB];
     for (int qi = 0; qi < QB; ++qi) {
       const int64_t i = i0 + std::min(qi, nq - 1);
-      mask_row[qi] = a.mask + b * a.mask_stride[0] + (g * group + i / a.queries) * a.mask_stride[1] +
-                     (i % a.queries) * a.mask_stride[2];
+      mask_row[qi] = a.mask + b * a.mask_stride[0] + (g * group + i / nq_task) * a.mask_stride[1] +
+                     (q0 + i % nq_task) * a.mask_stride[2];
       for (int k = 0; k < ND; ++k)
-        qv[qi][k] = qi < nq ? avx512::load16<Q>(a.query, (first_row + i0 + qi) * d + 16 * k) : _mm512_setzero_ps();
+        qv[qi][k] = qi < nq ? avx512::load16<Q>(a.query, row_of(i0 + qi) * d + 16 * k) : _mm512_setzero_ps();
     }
     const float neg_inf = -std::numeric_limits<float>::infinity();
+    // Keys past `seen` (the end of the last 16 that some pair of the block may see: a prompt chunk's early queries
+    // under the causal mask) weigh nothing, so the softmax and the weighted sum stop there; what they skip would
+    // add exact zeros, so no bit changes.
+    int64_t seen = 0;
     // Scores of every key each query may see, -inf where it may not, 16 keys at a time: 16 product vectors
     // summed across their lanes together (sum16), not one horizontal sum per key.
     for (int64_t j0 = 0; j0 < ctx; j0 += 16) {
@@ -109,6 +115,7 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
         for (int qi = 0; qi < nq; ++qi) _mm512_mask_storeu_ps(scores.data() + qi * ctx + j0, avx512::first(nk), none);
         continue;
       }
+      seen = j0 + nk;
       const auto scores_of = [&](int qi, auto key) {
         __m512 p[16];
         for (int t = 0; t < 16; ++t) {
@@ -142,23 +149,23 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
       float* s = scores.data() + qi * ctx;
       __m512 mx = _mm512_set1_ps(neg_inf);
       int64_t j = 0;
-      for (; j + 16 <= ctx; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+      for (; j + 16 <= seen; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
       float m = _mm512_reduce_max_ps(mx);
-      for (; j < ctx; ++j) m = std::max(m, s[j]);
+      for (; j < seen; ++j) m = std::max(m, s[j]);
       if (m == neg_inf) {  // sees nothing: NaN, as SDPA gives
         total[qi] = std::numeric_limits<float>::quiet_NaN();
-        for (j = 0; j < ctx; ++j) s[j] = 0;
+        for (j = 0; j < seen; ++j) s[j] = 0;
         continue;
       }
       const __m512 mv = _mm512_set1_ps(m);
       __m512 sum = _mm512_setzero_ps();
-      for (j = 0; j + 16 <= ctx; j += 16) {
+      for (j = 0; j + 16 <= seen; j += 16) {
         const __m512 e = avx512::exp(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
         _mm512_storeu_ps(s + j, e);
         sum = _mm512_add_ps(sum, e);
       }
-      if (j < ctx) {
-        const __mmask16 tail = static_cast<__mmask16>((1u << (ctx - j)) - 1u);
+      if (j < seen) {
+        const __mmask16 tail = static_cast<__mmask16>((1u << (seen - j)) - 1u);
         const __m512 e = avx512::exp(_mm512_sub_ps(_mm512_mask_loadu_ps(mv, tail, s + j), mv));
         _mm512_mask_storeu_ps(s + j, tail, e);
         sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
@@ -167,8 +174,8 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
       // In a bfloat16 or float16 model SDPA multiplies the values by the weights rounded to the dtype (the sum
       // stays float32): so here too, or greedy tokens would part from eager's at near ties.
       if constexpr (Q != WeightType::kFloat32)
-        for (j = 0; j < ctx; j += 16) {
-          const int64_t n = std::min<int64_t>(16, ctx - j);
+        for (j = 0; j < seen; j += 16) {
+          const int64_t n = std::min<int64_t>(16, seen - j);
           _mm512_mask_storeu_ps(s + j, avx512::first(n),
                                 avx512::round_to(Q, _mm512_maskz_loadu_ps(avx512::first(n), s + j)));
         }
@@ -181,7 +188,7 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
       for (int qi = 0; qi < NQ; ++qi)
         for (int k = 0; k < ND; ++k) acc[qi][k] = _mm512_setzero_ps();
       const float* s = scores.data();
-      for (int64_t j = 0; j < ctx; ++j) {
+      for (int64_t j = 0; j < seen; ++j) {
         bool any = false;
         for (int qi = 0; qi < NQ; ++qi) any |= s[qi * ctx + j] != 0.f;
         if (!any) continue;
@@ -195,7 +202,7 @@ void one_task(const CacheAttention& a, int64_t task, std::vector<float>& scores)
       for (int qi = 0; qi < NQ; ++qi) {
         const __m512 inv = _mm512_set1_ps(1.0f / total[qi]);
         for (int k = 0; k < ND; ++k)
-          avx512::store(Q, a.out, (first_row + i0 + qi) * d + 16 * k, _mm512_mul_ps(acc[qi][k], inv));
+          avx512::store(Q, a.out, row_of(i0 + qi) * d + 16 * k, _mm512_mul_ps(acc[qi][k], inv));
       }
     };
     with_constant<QB>(nq, weighted_sum);

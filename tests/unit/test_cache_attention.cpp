@@ -90,6 +90,8 @@ TEST(CacheAttention, KernelsEqualSdpaInEveryDtype) {
       {3, 4, 2, 128, 7, 0, {2, 0}, {0, 20}, {7, 3}},            // prompt chunks, one padded
       {2, 6, 6, 16, 5, 4, {1}, {30}, {5}},                      // a sliding window
       {2, 2, 1, 48, 3, 0, {0, 1}, {17, 0}, {1, 3}},             // a head of 3 vectors
+      // a prompt chunk of more queries than a task takes (kQueriesPerTask), one row padded, pieces with a tail
+      {3, 9, 3, 64, 40, 0, {2, 0}, {0, 100}, {40, 21}},
   };
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     for (const Case& c : cases) {
@@ -153,7 +155,8 @@ TEST(CacheAttention, AQuerySeeingNothingIsNaN) {
 // The kernels compute the query heads that share a key-value head together (grouped-query attention reads each key
 // once for them): every head's answer is bit for bit what it is over a cache holding its own copy of the key-value
 // head (no grouping), in every dtype, for one query per head (a decode step: the group in one block), for
-// prompt chunks whose (head, query) pairs cross the kernel's blocks, with a per-head mask and rows of one token.
+// prompt chunks whose (head, query) pairs cross the kernel's blocks and whose queries span several tasks
+// (kQueriesPerTask), with a per-head mask and rows of one token.
 TEST(CacheAttention, GroupedHeadsEqualTheirUngroupedSelvesBitForBit) {
   if (!cpu::cpu_has_panel_kernels()) GTEST_SKIP() << "this CPU has no AVX-512: the kernels do not run";
   c10::InferenceMode guard;
@@ -162,9 +165,9 @@ TEST(CacheAttention, GroupedHeadsEqualTheirUngroupedSelvesBitForBit) {
     int64_t heads, kv, d, t;
   };
   for (const Shape& s : {Shape{9, 3, 64, 1}, Shape{32, 8, 64, 1}, Shape{6, 2, 64, 5}, Shape{8, 2, 32, 3},
-                         Shape{4, 1, 128, 1}, Shape{10, 5, 16, 7}}) {
+                         Shape{4, 1, 128, 1}, Shape{10, 5, 16, 7}, Shape{6, 2, 64, 37}}) {
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-      const int64_t group = s.heads / s.kv, max_len = 50;
+      const int64_t group = s.heads / s.kv, max_len = 80;
       const at::Tensor k_cache = at::randn({3, s.kv, max_len, s.d}).to(dtype);
       const at::Tensor v_cache = at::randn({3, s.kv, max_len, s.d}).to(dtype);
       const at::Tensor slots = at::tensor({2, 0}, at::kLong), start = at::tensor({40, 3}, at::kLong),
