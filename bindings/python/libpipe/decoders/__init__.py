@@ -52,10 +52,11 @@ Costs per call and layer: padding is never computed (the root's `skips_padding =
 contract's optional flag, tells libpipe so): the call's valid tokens are packed into [N, hidden]
 (pack_call) for the embedding, every linear layer, norm and rotary embedding, and each token's
 keys and values are written at its slot and position; for attention, rows of one token (decode
-rows) attend as single queries and the other rows in their padded layout [rows, T] (attend_packed),
-so a decode row beside a prompt chunk costs one query; what those single rows may see (the causal
-mask) is computed once per call by pack_call and handed to every layer, not rebuilt in each (layers
-with a sliding window build their own). libpipe's generator then puts decode rows
+rows) attend as single queries and the other rows in their padded layout [rows, T] (attend_packed;
+a call of one unpadded prompt chunk, a lone prompt's prefill, attends from the packed queries as
+they are), so a decode row beside a prompt chunk costs one query; what those single rows may see
+(the causal mask) is computed once per call by pack_call and handed to every layer, not rebuilt in
+each (layers with a sliding window build their own). libpipe's generator then puts decode rows
 and prompt chunks in one call. The cache is read narrowed to the longest context of the rows
 (max(start + lengths), read on the host: one device synchronisation per attention call on a GPU)
 and gathered for their slots, a copy of rows x kv_heads x context x head_dim, unless libpipe's

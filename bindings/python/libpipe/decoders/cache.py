@@ -182,6 +182,20 @@ def attend_packed(
         else:  # positions and valid unread: not even sliced
             out = attend_cache(k_cache, v_cache, q.unsqueeze(2), positions, valid, end, slots, 0, scale, mask)
         return out.view(n, heads * head_dim)
+    if single.shape[0] == 0 and multi.shape[0] == 1 and n == t:
+        # One prompt chunk with no padding (a lone prompt's prefill): q is already its padded layout, row order.
+        chunk = attend_cache(
+            k_cache,
+            v_cache,
+            q.view(1, t, heads, head_dim).transpose(1, 2),
+            positions,
+            valid,
+            end,
+            slots,
+            sliding_window,
+            scale,
+        )
+        return chunk.reshape(n, heads * head_dim)
     out = q.new_empty(n, heads * head_dim)
     if single.shape[0] > 0:
         one = attend_cache(
