@@ -82,6 +82,43 @@ TEST(Sampling, GreedyEqualsArgmax) {
   for (int64_t b = 0; b < 16; ++b) EXPECT_EQ(tokens[b][0], expected[b].item<int64_t>()) << "row " << b;
 }
 
+// Greedy picks the first of the largest logits (torch's argmax does too) wherever they lie in the row: in the part the
+// sampler scans in lanes of 16 or in the tail past the last whole lane (a vocabulary of 1007), tied across lanes or
+// across the two parts, a row of equal logits, -0 and +0 as the largest; a NaN anywhere fails its row.
+TEST(Sampling, GreedyTakesTheFirstLargestLogitWhereverItLies) {
+  at::Tensor logits = random_logits(7, 1007, 1.0, 11);
+  logits[0][500] = 10.f;
+  logits[0][37] = 10.f;
+  logits[1][1003] = 10.f;
+  logits[2][1000] = 10.f;
+  logits[2][999] = 10.f;
+  logits[3].fill_(0.f);
+  logits[4].fill_(-1.f);
+  logits[4][5] = -0.f;
+  logits[4][3] = 0.f;
+  logits[5][1005] = std::numeric_limits<float>::quiet_NaN();
+  logits[6][20] = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<SamplingParams> params(7);  // temperature 0
+  std::vector<TokenRng> rngs(7);
+  std::vector<TokenRng*> rng_ptrs;
+  for (TokenRng& r : rngs) rng_ptrs.push_back(&r);
+  Sampler sampler;
+  std::vector<std::string> errors;
+  const auto tokens = sampler.sample(logits, params, rng_ptrs, &errors);
+  const at::Tensor expected = logits.narrow(0, 0, 5).argmax(1);
+  for (int64_t b = 0; b < 5; ++b) {
+    EXPECT_EQ(errors[b], "") << "row " << b;
+    EXPECT_EQ(tokens[b], expected[b].item<int64_t>()) << "row " << b;
+  }
+  EXPECT_EQ(tokens[0], 37);
+  EXPECT_EQ(tokens[3], 0);
+  EXPECT_EQ(tokens[4], 3);
+  for (int64_t b : {5, 6}) {
+    EXPECT_EQ(tokens[b], -1) << "row " << b;
+    EXPECT_NE(errors[b].find("NaN"), std::string::npos) << errors[b];
+  }
+}
+
 TEST(Sampling, TopKOneEqualsGreedy) {
   const at::Tensor logits = random_logits(8, 50000, 3.0, 2);
   std::vector<SamplingParams> params(8, SamplingParams{1.5, 1, 1.0});
