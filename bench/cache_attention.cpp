@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "runtime/cpu/cache_attention.h"
@@ -38,10 +39,48 @@ double best_us(int repeats, F&& f) {
   return best * 1e6;
 }
 
+// The kernels' description of one layer's attention: q [rows, heads, queries, d] over the caches' first `context`
+// positions of `slots`, under `allowed` [rows, heads, queries, context] (any strides).
+libpipe::cpu::CacheAttention describe(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache,
+                                      const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& allowed,
+                                      int64_t context) {
+  using libpipe::cpu::WeightType;
+  libpipe::cpu::CacheAttention a;
+  a.type = a.cache_type = q.scalar_type() == at::kFloat ? WeightType::kFloat32 : WeightType::kBFloat16;
+  a.query = q.data_ptr();
+  a.out = out.data_ptr();
+  a.batch = q.size(0);
+  a.heads = q.size(1);
+  a.queries = q.size(2);
+  a.head_dim = q.size(3);
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  for (int i = 0; i < 3; ++i) a.cache_stride[i] = a.v_stride[i] = k_cache.stride(i);
+  a.kv_heads = k_cache.size(1);
+  a.slots = slots.data_ptr<int64_t>();
+  a.context = context;
+  a.mask = allowed.data_ptr<bool>();
+  for (int i = 0; i < 4; ++i) a.mask_stride[i] = allowed.stride(i);
+  a.scale = 0.125f;
+  return a;
+}
+
+// The best of `repeats` calls on this thread alone and on the cores of `pool` lent to it, microseconds.
+std::pair<double, double> time_kernels(const libpipe::cpu::CacheAttention& a, libpipe::stage::SpareCores& pool,
+                                       int repeats) {
+  const int64_t tasks = libpipe::cpu::cache_attention_tasks(a);
+  const double one = best_us(repeats, [&] { libpipe::cpu::cache_attention(a, 0, tasks); });
+  libpipe::stage::SpareCores::Lend lend(&pool);
+  const double lent = best_us(repeats, [&] {
+    libpipe::stage::SpareCores::for_ranges(
+        tasks, 1, 4, [&](int64_t begin, int64_t end) { libpipe::cpu::cache_attention(a, begin, end); });
+  });
+  return {one, lent};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  using libpipe::cpu::WeightType;
   const std::string model = argc > 1 ? argv[1] : "smollm2";
   const int repeats = argc > 2 ? std::max(1, std::atoi(argv[2])) : 50;
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -69,33 +108,8 @@ int main(int argc, char** argv) {
         const at::Tensor mask = at::ones({rows, 1, 1, context}, at::kBool);
         const at::Tensor allowed = mask.expand({rows, heads, 1, context});
         at::Tensor out = at::empty_like(q);
-        libpipe::cpu::CacheAttention a;
-        a.type = a.cache_type = dtype == at::kFloat ? WeightType::kFloat32 : WeightType::kBFloat16;
-        a.query = q.data_ptr();
-        a.out = out.data_ptr();
-        a.batch = rows;
-        a.heads = heads;
-        a.queries = 1;
-        a.head_dim = d;
-        a.k_cache = k_cache.data_ptr();
-        a.v_cache = v_cache.data_ptr();
-        for (int i = 0; i < 3; ++i) a.cache_stride[i] = a.v_stride[i] = k_cache.stride(i);
-        a.kv_heads = kv;
-        a.slots = slots.data_ptr<int64_t>();
-        a.context = context;
-        a.mask = allowed.data_ptr<bool>();
-        for (int i = 0; i < 4; ++i) a.mask_stride[i] = allowed.stride(i);
-        a.scale = 0.125f;
-        const int64_t tasks = libpipe::cpu::cache_attention_tasks(a);
-        const double one = best_us(repeats, [&] { libpipe::cpu::cache_attention(a, 0, tasks); });
-        double lent = 0;
-        {
-          libpipe::stage::SpareCores::Lend lend(&pool);
-          lent = best_us(repeats, [&] {
-            libpipe::stage::SpareCores::for_ranges(
-                tasks, 1, 4, [&](int64_t begin, int64_t end) { libpipe::cpu::cache_attention(a, begin, end); });
-          });
-        }
+        const auto [one, lent] =
+            time_kernels(describe(q, out, k_cache, v_cache, slots, allowed, context), pool, repeats);
         const at::Tensor keys = k_cache.narrow(2, 0, context);
         const at::Tensor values = v_cache.narrow(2, 0, context);
         const double sdpa = best_us(std::max(1, repeats / 5), [&] {
@@ -121,33 +135,7 @@ int main(int argc, char** argv) {
       const at::Tensor q = at::randn({1, heads, t, d}).to(dtype);
       const at::Tensor allowed = at::ones({t, t}, at::kBool).tril().view({1, 1, t, t}).expand({1, heads, t, t});
       at::Tensor out = at::empty_like(q);
-      libpipe::cpu::CacheAttention a;
-      a.type = a.cache_type = dtype == at::kFloat ? WeightType::kFloat32 : WeightType::kBFloat16;
-      a.query = q.data_ptr();
-      a.out = out.data_ptr();
-      a.batch = 1;
-      a.heads = heads;
-      a.queries = t;
-      a.head_dim = d;
-      a.k_cache = k_cache.data_ptr();
-      a.v_cache = v_cache.data_ptr();
-      for (int i = 0; i < 3; ++i) a.cache_stride[i] = a.v_stride[i] = k_cache.stride(i);
-      a.kv_heads = kv;
-      a.slots = slots.data_ptr<int64_t>();
-      a.context = t;
-      a.mask = allowed.data_ptr<bool>();
-      for (int i = 0; i < 4; ++i) a.mask_stride[i] = allowed.stride(i);
-      a.scale = 0.125f;
-      const int64_t tasks = libpipe::cpu::cache_attention_tasks(a);
-      const double one = best_us(repeats, [&] { libpipe::cpu::cache_attention(a, 0, tasks); });
-      double lent = 0;
-      {
-        libpipe::stage::SpareCores::Lend lend(&pool);
-        lent = best_us(repeats, [&] {
-          libpipe::stage::SpareCores::for_ranges(
-              tasks, 1, 4, [&](int64_t begin, int64_t end) { libpipe::cpu::cache_attention(a, begin, end); });
-        });
-      }
+      const auto [one, lent] = time_kernels(describe(q, out, k_cache, v_cache, slots, allowed, t), pool, repeats);
       const at::Tensor keys = k_cache.narrow(2, 0, t);
       const at::Tensor values = v_cache.narrow(2, 0, t);
       const double sdpa = best_us(std::max(1, repeats / 5), [&] {
